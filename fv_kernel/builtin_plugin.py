@@ -1,0 +1,14 @@
+"""The kernel's built-in plugin, registered through ``fv.plugins`` like any third-party plugin."""
+
+from __future__ import annotations
+
+from fv_kernel.plugins.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def fv_register_samplers(register: Register) -> None:
+    # Imported here so that discovering the kernel plugin costs no torch import.
+    from fv_kernel.loop.samplers import builtin_samplers
+
+    for name, sampler_cls in builtin_samplers().items():
+        register(name, sampler_cls)

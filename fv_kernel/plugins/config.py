@@ -1,0 +1,154 @@
+"""Deploy-scope plugin selection: the ``plugins:`` section of the deploy config and ``FV_PLUGINS``.
+
+Plugins are chosen by the operator at deploy scope only; a request can never name
+plugins, it can only parameterise ones that are already enabled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import yaml
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from .errors import PluginConfigError
+
+FV_PLUGINS_ENV = "FV_PLUGINS"
+
+#: The kernel's own distribution. Its built-ins (sdpa, inproc, the stock samplers) are
+#: part of the kernel, so no selection can switch them off.
+KERNEL_DISTRIBUTION = "fv-kernel"
+
+
+def _parse_selector(text: str, *, field: str) -> Requirement:
+    try:
+        req = Requirement(text)
+    except InvalidRequirement as exc:
+        raise ValueError(f"{field}: {text!r} is not a distribution name with an optional PEP 440 specifier ({exc})") from None
+    if req.extras or req.url or req.marker:
+        raise ValueError(f"{field}: {text!r} may hold only a name and a version specifier")
+    return req
+
+
+class PluginsConfig(BaseModel):
+    """Which installed plugins run in this deployment."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    autoload: bool = True
+    """Enable every discovered plugin that is not disabled."""
+    enable: list[str] = []
+    """Explicitly enabled plugins, ``"name"`` or ``"name>=1,<2"``; failing to load one is fatal."""
+    disable: list[str] = []
+    """Plugins never loaded, ``"name"`` or ``"name<2"``."""
+    strict: bool = False
+    """Treat autoloaded plugins that fail to load as fatal too."""
+
+    @field_validator("enable", "disable")
+    @classmethod
+    def _valid_selectors(cls, value: list[str], info: object) -> list[str]:
+        field = getattr(info, "field_name", "selector")
+        for item in value:
+            _parse_selector(item, field=field)
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PluginsConfig":
+        enabled = {canonicalize_name(Requirement(s).name) for s in self.enable}
+        disabled = {canonicalize_name(Requirement(s).name) for s in self.disable}
+        both = sorted(enabled & disabled)
+        if both:
+            raise ValueError(f"plugins listed in both enable and disable: {', '.join(both)}")
+        if canonicalize_name(KERNEL_DISTRIBUTION) in disabled:
+            raise ValueError(f"disable: {KERNEL_DISTRIBUTION!r} holds the kernel's built-ins and cannot be disabled")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, section: str = "plugins") -> "PluginsConfig":
+        """Read the ``section`` of a deploy-config YAML; other top-level keys are ignored.
+
+        A file without the section yields the defaults.
+        """
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise PluginConfigError(f"cannot read deploy config {path}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise PluginConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise PluginConfigError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
+        body = data.get(section) or {}
+        try:
+            return cls.model_validate(body)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{section}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else f"{section}: {err['msg']}"
+                for err in exc.errors()
+            )
+            raise PluginConfigError(f"{path}: {problems}") from None
+
+    def with_env(self, environ: Mapping[str, str]) -> "PluginsConfig":
+        """Apply ``FV_PLUGINS``: unset keeps this config; ``""`` enables none; ``"a,b"`` enables exactly a and b.
+
+        When set, ``FV_PLUGINS`` replaces ``autoload``/``enable``/``disable`` entirely, and the
+        names it lists count as explicitly enabled.
+        """
+        raw = environ.get(FV_PLUGINS_ENV)
+        if raw is None:
+            return self
+        names = [part.strip() for part in raw.split(",") if part.strip()]
+        try:
+            for name in names:
+                _parse_selector(name, field=FV_PLUGINS_ENV)
+        except ValueError as exc:
+            raise PluginConfigError(str(exc)) from None
+        return PluginsConfig(autoload=False, enable=names, disable=[], strict=self.strict)
+
+    def requirements(self) -> tuple[dict[str, Requirement], dict[str, Requirement]]:
+        """(enable, disable) selectors keyed by canonical distribution name."""
+        enable = {canonicalize_name(r.name): r for r in map(Requirement, self.enable)}
+        disable = {canonicalize_name(r.name): r for r in map(Requirement, self.disable)}
+        return enable, disable
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The config's verdict on one discovered plugin."""
+
+    enabled: bool
+    explicit: bool
+    reason: str
+    problem: str | None = None
+    """Set when an explicitly enabled plugin cannot satisfy its selector (e.g. wrong version)."""
+
+
+def select(config: PluginsConfig, dist_name: str, dist_version: str | None) -> Selection:
+    """Decide whether ``dist_name`` runs under ``config`` (already merged with the environment)."""
+    key = canonicalize_name(dist_name)
+    if key == canonicalize_name(KERNEL_DISTRIBUTION):
+        return Selection(enabled=True, explicit=True, reason="kernel built-ins")
+    enable, disable = config.requirements()
+    if key in disable:
+        req = disable[key]
+        if not req.specifier or (dist_version is not None and req.specifier.contains(dist_version, prereleases=True)):
+            return Selection(enabled=False, explicit=False, reason=f"disabled by {str(req)!r}")
+    if key in enable:
+        req = enable[key]
+        if req.specifier and (dist_version is None or not req.specifier.contains(dist_version, prereleases=True)):
+            return Selection(
+                enabled=True,
+                explicit=True,
+                reason=f"enabled by {str(req)!r}",
+                problem=f"installed version {dist_version} does not satisfy the enable selector {str(req)!r}",
+            )
+        return Selection(enabled=True, explicit=True, reason=f"enabled by {str(req)!r}")
+    if config.autoload:
+        return Selection(enabled=True, explicit=False, reason="autoload")
+    return Selection(enabled=False, explicit=False, reason="not enabled (autoload is off)")
