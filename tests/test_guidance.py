@@ -102,7 +102,8 @@ def test_guidance_rescale_matches_diffusers_guider(phi: float) -> None:
     theirs = _diffusers(ClassifierFreeGuidance(guidance_scale=6.0, guidance_rescale=phi), outputs, 0)
     assert torch.equal(ours, theirs)
     guided = StandardCFG().combine(outputs, 6.0, step_index=0)
-    assert torch.equal(rescale_to_reference_std(guided, outputs[COND], phi), rescale_noise_cfg(guided, outputs[COND], phi))
+    reference = rescale_noise_cfg(guided, outputs[COND], phi)
+    assert torch.equal(rescale_to_reference_std(guided, outputs[COND], phi), reference)
     if phi == 1.0:  # fully rescaled: per-sample std equals the conditional one
         dims = list(range(1, len(SHAPE)))
         torch.testing.assert_close(ours.std(dim=dims), outputs[COND].std(dim=dims))

@@ -97,7 +97,8 @@ def test_unipc_solver_options_match_diffusers(options: dict, steps: int) -> None
 
 
 def test_bf16_model_outputs_follow_diffusers_dtype_path() -> None:
-    _compare_trajectory(FlowMatchEulerDiscreteScheduler(shift=3.0), FlowEulerSampler(shift=3.0), 6, dtype=torch.bfloat16)
+    euler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    _compare_trajectory(euler, FlowEulerSampler(shift=3.0), 6, dtype=torch.bfloat16)
     _compare_trajectory(_diffusers_unipc(3.0), FlowUniPCSampler(shift=3.0), 6, dtype=torch.bfloat16)
 
 
