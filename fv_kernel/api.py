@@ -1,0 +1,116 @@
+"""The kernel's public API: the one module plugins import from.
+
+Everything a model family, interceptor, transport or integration needs is
+re-exported here; anything not here is internal and may change without notice.
+The plugin API version is :data:`API_VERSION`.
+"""
+
+from __future__ import annotations
+
+from fv_kernel import API_VERSION, __version__
+from fv_kernel.card.catalog import CardCatalog, ResolvedModel
+from fv_kernel.card.checkpoint import apply_key_map, dtype_for_key, load_into, read_safetensors, resolve_source
+from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp, build_instance, import_object
+from fv_kernel.card.spec import (
+    CacheContract,
+    CapabilityMatrix,
+    CheckpointManifest,
+    ComponentCheckpoint,
+    ComponentSpec,
+    FrameRule,
+    GenerationDefaults,
+    KeyMapRule,
+    LoopSpec,
+    ModelCard,
+    ParallelismContract,
+    ParityLevel,
+    ParitySpec,
+    ParityTolerance,
+    PrecisionContract,
+    PrecisionPolicy,
+    ProgramSpec,
+    RecipeSpec,
+    SamplerBinding,
+    StepCostSpec,
+)
+from fv_kernel.card.validate import RequestLimits, resolve_request, select_denoise_loop
+from fv_kernel.errors import (
+    CapacityError,
+    CheckpointKeyError,
+    CheckpointNotFound,
+    FvError,
+    InvalidRequest,
+    NonFiniteOutput,
+    QueueFull,
+    RecipeMismatch,
+    RequestCancelled,
+    StepFailed,
+    UnknownModel,
+)
+from fv_kernel.extend.observers import Observer, Profiler, StepRecord
+from fv_kernel.loop.context import CancelToken, LoopContext
+from fv_kernel.loop.contract import (
+    CachePlan,
+    CacheRef,
+    CancelScope,
+    Done,
+    EmitSpec,
+    Loop,
+    LoopResult,
+    LoopState,
+    ResourceRequest,
+    ShapeSignature,
+    StepResult,
+    WorkKind,
+    WorkPlan,
+)
+from fv_kernel.loop.driver import LoopCancelled, drive, resume
+from fv_kernel.loop.guidance import (
+    CFGZeroStar,
+    ConditionalOnly,
+    EmbeddedGuidance,
+    GuidancePolicy,
+    GuidanceRescale,
+    StandardCFG,
+    builtin_guidance_policies,
+)
+from fv_kernel.loop.samplers import (
+    DMDSampler,
+    FlowEulerSampler,
+    FlowUniPCSampler,
+    Sampler,
+    SamplerState,
+    add_noise,
+    builtin_samplers,
+)
+from fv_kernel.loop.sampling import apply_presence_penalty, sample_next_token
+from fv_kernel.loop.state import TensorState, generator_from_state, new_generator_state
+from fv_kernel.plugins.hookspecs import hookimpl
+from fv_kernel.program.base import InlineProgram, Program, ProgramCompiler
+from fv_kernel.request.artifacts import (
+    Artifact,
+    AudioArtifact,
+    LatentArtifact,
+    Provenance,
+    TensorArtifact,
+    TextArtifact,
+    VideoArtifact,
+)
+from fv_kernel.request.events import ErrorInfo, Event
+from fv_kernel.request.request import (
+    ActionPart,
+    ARParams,
+    AudioPart,
+    DiffusionParams,
+    ImagePart,
+    LatentPart,
+    OutputSpec,
+    Request,
+    TextPart,
+    VideoPart,
+)
+from fv_kernel.request.types import Precision, TaskType
+from fv_kernel.runtime.cost import CostKey, CostModel
+from fv_kernel.runtime.engine import Engine, GenerationResult, RequestHandle, SchedulerConfig
+
+__all__ = [name for name in dir() if not name.startswith("_") and name != "annotations"]

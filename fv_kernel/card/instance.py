@@ -1,0 +1,180 @@
+"""The resident, loaded card: components, executable steps and bound loops.
+
+A :class:`ModelInstance` holds weights and nothing per request. Loops describe steps
+that name one of its :class:`StepOp` s; the runtime runs those ops, alone or
+batched across requests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from fv_kernel.card.spec import ModelCard
+from fv_kernel.errors import InvalidRequest
+from fv_kernel.request.types import Precision, TaskType
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.loop.contract import Loop
+    from fv_kernel.program.base import Program
+
+__all__ = ["StepOp", "InstanceOptions", "ModelInstance", "import_object", "build_instance"]
+
+TensorDict = dict[str, torch.Tensor]
+
+
+def import_object(reference: str) -> Any:
+    """Resolve a ``"package.module:attr.sub"`` reference."""
+    module_name, _, attr_path = reference.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class StepOp:
+    """An executable step of a model instance.
+
+    ``fn(inputs, params) -> outputs`` takes a batch on dim 0 of every input tensor
+    and returns outputs with the same batch on dim 0. ``batch_invariant`` says a
+    fused batch gives bit-identical per-sample results; when it does not, the
+    runtime's exact mode runs requests of one batch through ``fn`` one by one
+    (see ``docs/architecture.md``, batch invariance).
+    """
+
+    name: str
+    fn: Callable[[TensorDict, Mapping[str, Any]], TensorDict]
+    batch_invariant: bool = False
+
+    def run_fused(self, batch: Sequence[TensorDict], params: Mapping[str, Any]) -> list[TensorDict]:
+        if len(batch) == 1:
+            return [self.fn(batch[0], params)]
+        names = list(batch[0])
+        sizes = [next(iter(item.values())).shape[0] if item else 1 for item in batch]
+        joined = {name: torch.cat([item[name] for item in batch], dim=0) for name in names}
+        out = self.fn(joined, params)
+        pieces: list[TensorDict] = [{} for _ in batch]
+        for name, tensor in out.items():
+            for index, chunk in enumerate(torch.split(tensor, sizes, dim=0)):
+                pieces[index][name] = chunk
+        return pieces
+
+    def run_per_sample(self, batch: Sequence[TensorDict], params: Mapping[str, Any]) -> list[TensorDict]:
+        return [self.fn(item, params) for item in batch]
+
+
+class InstanceOptions(BaseModel):
+    """How to build a resident instance of a card."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = "cpu"
+    precision: Precision | None = None
+    #: Overrides the card's checkpoint source: a local directory or a hub repo id.
+    source: str | None = None
+    local_files_only: bool = False
+    attention_backend: str = "sdpa"
+    #: Tasks whose components are loaded up front; others load on first use.
+    preload_tasks: tuple[TaskType, ...] = ()
+
+
+@dataclass
+class ModelInstance:
+    """A card made resident. Shared by every request that runs on it; holds no per-request state."""
+
+    card: ModelCard
+    options: InstanceOptions
+    #: Loads one component by id (lazily, on first use by a task that needs it).
+    component_loader: Callable[[str], Any]
+    #: Builds the instance's ops from its loaded components; re-run when components change.
+    ops_builder: Callable[["ModelInstance"], dict[str, StepOp]]
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    weights_version: str = "unversioned"
+    components: dict[str, Any] = field(default_factory=dict)
+    _ops: dict[str, StepOp] = field(default_factory=dict)
+    _loops: dict[str, "Loop"] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def model_id(self) -> str:
+        return self.card.model_id
+
+    @property
+    def precision(self) -> str:
+        return self.options.precision or self.card.precision.default
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.options.device)
+
+    def load_for_task(self, task: TaskType) -> None:
+        """Load every component the task needs (and nothing it does not)."""
+        if task not in self.card.capabilities.tasks:
+            raise InvalidRequest(
+                "task", f"card {self.model_id!r} cannot run {task.value!r}",
+                allowed=sorted(t.value for t in self.card.capabilities.tasks),
+            )
+        needed = [c for c in self.card.checkpoint.components_for(task) if c not in self.components]
+        if not needed:
+            return
+        with self._lock:
+            for component_id in needed:
+                if component_id not in self.components:
+                    self.components[component_id] = self.component_loader(component_id)
+            self._ops = self.ops_builder(self)
+
+    def component(self, component_id: str) -> Any:
+        if component_id not in self.components:
+            with self._lock:
+                if component_id not in self.components:
+                    self.components[component_id] = self.component_loader(component_id)
+                self._ops = self.ops_builder(self)
+        return self.components[component_id]
+
+    def op(self, name: str) -> StepOp:
+        try:
+            return self._ops[name]
+        except KeyError:
+            raise KeyError(f"instance of {self.model_id!r} has no op {name!r} (loaded: {sorted(self._ops)})") from None
+
+    @property
+    def ops(self) -> Mapping[str, StepOp]:
+        return dict(self._ops)
+
+    def loop(self, loop_id: str) -> "Loop":
+        """The card's loop ``loop_id``, built once per instance (loops hold no per-request state)."""
+        if loop_id not in self._loops:
+            spec = self.card.loops.get(loop_id)
+            if spec is None:
+                raise InvalidRequest("loop", f"card {self.model_id!r} has no loop {loop_id!r}", allowed=sorted(self.card.loops))
+            self._loops[loop_id] = import_object(spec.implementation)(spec)
+        return self._loops[loop_id]
+
+    def program(self, task: TaskType) -> "Program":
+        from fv_kernel.program.base import program_for
+
+        return program_for(self.card, task)
+
+
+def build_instance(card: ModelCard, options: InstanceOptions | None = None) -> ModelInstance:
+    """Call the card's factory and preload the requested tasks."""
+    options = options or InstanceOptions()
+    if options.precision is not None and options.precision not in card.precision.supported:
+        raise InvalidRequest(
+            "precision", f"card {card.model_id!r} does not support {options.precision!r}",
+            allowed=sorted(card.precision.supported),
+        )
+    factory = import_object(card.factory)
+    instance = factory(card, options)
+    if not isinstance(instance, ModelInstance):
+        raise TypeError(f"{card.factory} returned {type(instance).__name__}, expected ModelInstance")
+    for task in options.preload_tasks:
+        instance.load_for_task(task)
+    return instance

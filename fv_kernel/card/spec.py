@@ -1,0 +1,402 @@
+"""The Model Plane's specs (design §4): one place, pydantic, strict.
+
+A :class:`ModelCard` is a (recipe, runtime) pair: it owns its components, the loops
+it can run, the recipe that produced its weights and a parity contract. It is
+validated before any weights or GPU are touched, and it is the factory of a
+resident :class:`~fv_kernel.card.instance.ModelInstance`.
+
+Code is referenced by lazy ``"module:attr"`` strings, so validating a card imports
+nothing heavy.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from fv_kernel.request.types import PRECISIONS, Precision, TaskType
+
+__all__ = [
+    "ImportString",
+    "ParityLevel",
+    "PrecisionPolicy",
+    "ComponentSpec",
+    "KeyMapRule",
+    "ComponentCheckpoint",
+    "CheckpointManifest",
+    "StepCostSpec",
+    "SamplerBinding",
+    "LoopSpec",
+    "ProgramSpec",
+    "RecipeSpec",
+    "ParityTolerance",
+    "ParitySpec",
+    "CacheContract",
+    "ParallelismContract",
+    "PrecisionContract",
+    "FrameRule",
+    "GenerationDefaults",
+    "CapabilityMatrix",
+    "ModelCard",
+    "PARALLEL_AXES",
+]
+
+_IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def ImportString(value: str) -> str:  # noqa: N802 - used as a validator, reads as a type
+    if not _IMPORT_RE.match(value):
+        raise ValueError(f"{value!r} is not a 'package.module:attribute' reference")
+    return value
+
+
+class ParityLevel(str, Enum):
+    """The consistency ladder (design §9.2)."""
+
+    C0 = "C0"  # component parity
+    C1 = "C1"  # loop parity (full trajectory, fixed seed)
+    C2 = "C2"  # behavioural identity between train and serve forwards
+    C3 = "C3"  # distribution parity
+    C4 = "C4"  # artifact quality
+
+
+class PrecisionPolicy(_Spec):
+    """How a component's weights are held: ``dtype`` except the modules kept in fp32."""
+
+    dtype: Precision | Literal["card"] = "card"
+    keep_fp32_modules: tuple[str, ...] = ()
+
+
+class ComponentSpec(_Spec):
+    """One component of a card: a DiT, a VAE, an encoder, a tokenizer, a reasoner tower..."""
+
+    component_id: str
+    kind: Literal[
+        "dit", "vae", "text_encoder", "image_encoder", "tokenizer", "reasoner_tower", "audio_decoder", "reward_head",
+        "transformer",
+    ]
+    #: Builds the module from (config, precision): ``"module:function"``.
+    builder: str
+    #: The component's config, as its builder takes it (e.g. diffusers ``config.json`` keys).
+    config: dict[str, Any] = Field(default_factory=dict)
+    precision_policy: PrecisionPolicy = PrecisionPolicy()
+    #: Parity tests that cover this component (test node ids).
+    parity_tests: tuple[str, ...] = ()
+
+    @field_validator("builder")
+    @classmethod
+    def _check_builder(cls, value: str) -> str:
+        return ImportString(value)
+
+
+class KeyMapRule(_Spec):
+    """A declared rename from a checkpoint layout's key to the module's key (regex, applied in order)."""
+
+    pattern: str
+    replacement: str
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"key map pattern {value!r} is not a valid regex: {exc}") from None
+        return value
+
+
+class ComponentCheckpoint(_Spec):
+    """Where a component's weights live and which tasks need them."""
+
+    #: Folder inside the checkpoint (diffusers layout: "transformer", "vae", ...).
+    subfolder: str = ""
+    #: Tasks that cannot run without this component.
+    required_for: frozenset[TaskType] = frozenset()
+    #: Tasks that use it when present.
+    optional_for: frozenset[TaskType] = frozenset()
+    #: Renames for non-native layouts, keyed by layout name ("original", ...).
+    key_maps: dict[str, tuple[KeyMapRule, ...]] = Field(default_factory=dict)
+    #: Seeded random weights instead of a file (embedded tiny cards).
+    random_init_seed: int | None = None
+
+
+class CheckpointManifest(_Spec):
+    """Explicit components and layouts: no name-detector guessing (design §4.1)."""
+
+    layout: Literal["diffusers", "original", "embedded"] = "diffusers"
+    #: Default source: a Hugging Face repo id or a local path; None for embedded cards.
+    source: str | None = None
+    components: dict[str, ComponentCheckpoint]
+
+    def components_for(self, task: TaskType) -> list[str]:
+        """Components a task loads: the required ones plus the optional ones it can use."""
+        return [
+            name
+            for name, comp in self.components.items()
+            if task in comp.required_for or task in comp.optional_for
+        ]
+
+
+class StepCostSpec(_Spec):
+    """Predicted GPU-seconds of one step as a function of shape and precision (design §6.1).
+
+    ``seconds = fixed + per_unit·u + per_unit_sq·u²`` with ``u`` the shape signature's
+    ``unit`` dimension (e.g. tokens), times the precision factor, per batch element.
+    Calibrated online by the Profiler; admission uses ``conservative_factor`` on top.
+    """
+
+    unit: str = "tokens"
+    fixed_seconds: float = Field(default=1e-4, ge=0)
+    per_unit_seconds: float = Field(default=0.0, ge=0)
+    per_unit_sq_seconds: float = Field(default=0.0, ge=0)
+    precision_factor: dict[str, float] = Field(default_factory=lambda: {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5})
+    conservative_factor: float = Field(default=1.25, ge=1.0)
+
+
+class SamplerBinding(_Spec):
+    """The sampler a denoise loop runs, with its config."""
+
+    name: str
+    config: dict[str, Any] = Field(default_factory=dict)
+    #: A fixed step count baked into the recipe (few-step distilled loops), else None.
+    fixed_steps: int | None = Field(default=None, gt=0)
+
+
+class LoopSpec(_Spec):
+    """One loop a card can run (design §4.3)."""
+
+    loop_id: str
+    kind: Literal[
+        "diffusion_denoise", "ar_decode", "text_encode", "image_encode", "vae_decode", "vae_encode",
+        "audio_decode", "chunk_rollout",
+    ]
+    #: The Loop class: ``"module:Class"``.
+    implementation: str
+    #: The typed LoopState the loop keeps (documentation and conformance; the class declares it too).
+    state_schema: str | None = None
+    sampler: SamplerBinding | None = None
+    #: Guidance policy name ("cfg", "cfg_zero_star", "none", ...).
+    guidance: str | None = None
+    step_cost: StepCostSpec = StepCostSpec()
+    #: Parallel plan patterns this loop is valid under (axis names); empty = single device only.
+    valid_parallel_axes: tuple[str, ...] = ()
+    graph_capture: Literal["never", "eager_first", "always"] = "never"
+    #: Whether steps of this loop may batch across requests.
+    batchable: bool = True
+    #: Whether this loop is causal (AR / chunked): some parallel axes are invalid for causal loops.
+    causal: bool = False
+    #: Interceptor classes this loop refuses ("step_skip", "block_cache"), e.g. few-step distilled loops.
+    rejects_interceptors: frozenset[Literal["step_skip", "block_cache"]] = frozenset()
+
+    @field_validator("implementation")
+    @classmethod
+    def _check_implementation(cls, value: str) -> str:
+        return ImportString(value)
+
+
+class ProgramSpec(_Spec):
+    """How a task runs on this card: an inline sequence of the card's loops, or a custom program class."""
+
+    loops: tuple[str, ...] = ()
+    implementation: str | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "ProgramSpec":
+        if bool(self.loops) == bool(self.implementation):
+            raise ValueError("a program gives either 'loops' (an inline sequence) or 'implementation', not both")
+        if self.implementation:
+            ImportString(self.implementation)
+        return self
+
+
+class RecipeSpec(_Spec):
+    """What produced these weights, and what they assume at serve time (design §4.2)."""
+
+    method: str = "base"  # "base" | "dmd2" | "self_forcing" | "attn_qat_nvfp4" | "diffusion_nft" | ...
+    parents: tuple[str, ...] = ()
+    data_contract: str | None = None
+    #: The loop id the weights require at serve time; None for base recipes.
+    assumes_loop: str | None = None
+    #: The precision a QAT recipe baked in; None when any supported precision is fine.
+    assumes_precision: Precision | None = None
+    consistency_required: ParityLevel = ParityLevel.C1
+
+
+class ParityTolerance(_Spec):
+    name: str
+    metric: Literal["max_abs", "mean_abs", "psnr_db", "ssim", "bit_identical"]
+    dtype: Precision = "fp32"
+    value: float
+    justification: str
+
+
+class ParitySpec(_Spec):
+    """The card's parity obligation: against what, to what level, within which tolerances."""
+
+    level: ParityLevel
+    reference: str  # e.g. "diffusers==0.42.1:WanPipeline"
+    tolerances: tuple[ParityTolerance, ...] = ()
+    tests: tuple[str, ...] = ()
+
+
+class CacheContract(_Spec):
+    cache_class: Literal["feature", "paged_kv", "slab_kv", "residual", "weight"]
+    #: Key fields beyond the always-present (model, component, weights version, adapters, precision).
+    key_fields: tuple[str, ...] = ()
+    budget_bytes: int = Field(default=256 * 2**20, ge=0)
+    block_bytes: int | None = Field(default=None, gt=0)
+
+
+#: Named parallel axes (design §8).
+PARALLEL_AXES = ("dp", "tp", "sp", "cp", "cfgp", "pp_patch", "vae", "ep", "fsdp")
+
+
+class ParallelismContract(_Spec):
+    """Which named axes a card supports and up to what degree; validated up front."""
+
+    max_degree: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("max_degree")
+    @classmethod
+    def _axes(cls, value: dict[str, int]) -> dict[str, int]:
+        for axis, degree in value.items():
+            if axis not in PARALLEL_AXES:
+                raise ValueError(f"unknown parallel axis {axis!r}; allowed: {list(PARALLEL_AXES)}")
+            if degree < 1:
+                raise ValueError(f"parallel axis {axis!r} needs a degree >= 1, got {degree}")
+        if value.get("cfgp", 1) > 2:
+            raise ValueError("parallel axis 'cfgp' has at most 2 branches")
+        return value
+
+
+class PrecisionContract(_Spec):
+    default: Precision = "bf16"
+    supported: frozenset[Precision] = frozenset({"fp32", "bf16"})
+
+    @model_validator(mode="after")
+    def _default_supported(self) -> "PrecisionContract":
+        if self.default not in self.supported:
+            raise ValueError(f"default precision {self.default!r} is not in supported {sorted(self.supported)}")
+        return self
+
+
+class FrameRule(_Spec):
+    """Valid frame counts are ``modulus·k + remainder`` (Wan: 4k+1)."""
+
+    modulus: int = Field(default=1, ge=1)
+    remainder: int = Field(default=0, ge=0)
+
+    def accepts(self, frames: int) -> bool:
+        return frames >= self.remainder and (frames - self.remainder) % self.modulus == 0
+
+    def describe(self) -> str:
+        if self.modulus == 1:
+            return "any positive integer"
+        return f"{self.modulus}k+{self.remainder} (e.g. {self.remainder + self.modulus}, {self.remainder + 4 * self.modulus})"
+
+
+class GenerationDefaults(_Spec):
+    height: int = Field(gt=0)
+    width: int = Field(gt=0)
+    frames: int = Field(gt=0)
+    fps: float = Field(gt=0)
+    steps: int = Field(gt=0)
+    guidance: float = Field(ge=0)
+    guidance_2: float | None = None
+    shift: float | None = None
+
+
+class CapabilityMatrix(_Spec):
+    """What the card can do, and the shapes it accepts."""
+
+    tasks: frozenset[TaskType]
+    defaults: GenerationDefaults | None = None
+    #: Height and width must be multiples of this (VAE factor × patch size).
+    spatial_multiple: int = Field(default=1, ge=1)
+    frame_rule: FrameRule = FrameRule()
+    max_frames: int | None = None
+    max_pixels: int | None = None
+    #: Whether the card's loops use classifier-free guidance at all.
+    uses_guidance: bool = True
+
+
+class ModelCard(_Spec):
+    """A deployable model: a (recipe, runtime) pair with a parity obligation (design §4.1)."""
+
+    model_id: str
+    family: str
+    summary: str = ""
+    version: str = "1"
+    components: dict[str, ComponentSpec]
+    loops: dict[str, LoopSpec]
+    programs: dict[TaskType, ProgramSpec]
+    capabilities: CapabilityMatrix
+    recipe: RecipeSpec
+    parity: ParitySpec
+    caches: dict[str, CacheContract] = Field(default_factory=dict)
+    parallelism: ParallelismContract = ParallelismContract()
+    precision: PrecisionContract = PrecisionContract()
+    checkpoint: CheckpointManifest
+    #: Builds the resident instance: ``"module:function"`` taking (card, InstanceOptions).
+    factory: str
+
+    @field_validator("factory")
+    @classmethod
+    def _check_factory(cls, value: str) -> str:
+        return ImportString(value)
+
+    @field_validator("model_id")
+    @classmethod
+    def _model_id(cls, value: str) -> str:
+        if not _ID_RE.match(value):
+            raise ValueError(f"model_id {value!r} must be lowercase letters, digits, '.', '_' or '-'")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelCard":
+        for key, comp in self.components.items():
+            if comp.component_id != key:
+                raise ValueError(f"components[{key!r}].component_id is {comp.component_id!r}; it must equal its key")
+        for key, loop in self.loops.items():
+            if loop.loop_id != key:
+                raise ValueError(f"loops[{key!r}].loop_id is {loop.loop_id!r}; it must equal its key")
+        unknown_ckpt = sorted(set(self.checkpoint.components) - set(self.components))
+        if unknown_ckpt:
+            raise ValueError(f"checkpoint.components names unknown components {unknown_ckpt}; known: {sorted(self.components)}")
+        for task, program in self.programs.items():
+            if task not in self.capabilities.tasks:
+                raise ValueError(f"programs has task {task.value!r} that capabilities.tasks does not list")
+            missing = [loop_id for loop_id in program.loops if loop_id not in self.loops]
+            if missing:
+                raise ValueError(f"programs[{task.value!r}] names unknown loops {missing}; known: {sorted(self.loops)}")
+        missing_programs = sorted(t.value for t in self.capabilities.tasks if t not in self.programs)
+        if missing_programs:
+            raise ValueError(f"capabilities.tasks {missing_programs} have no entry in programs")
+        if self.recipe.assumes_loop is not None and self.recipe.assumes_loop not in self.loops:
+            raise ValueError(
+                f"recipe.assumes_loop {self.recipe.assumes_loop!r} is not one of the card's loops {sorted(self.loops)}"
+            )
+        if self.recipe.assumes_precision is not None and self.recipe.assumes_precision not in self.precision.supported:
+            raise ValueError(
+                f"recipe.assumes_precision {self.recipe.assumes_precision!r} is not in precision.supported "
+                f"{sorted(self.precision.supported)}"
+            )
+        for task in self.capabilities.tasks:
+            if not any(task in c.required_for or task in c.optional_for for c in self.checkpoint.components.values()):
+                raise ValueError(f"no checkpoint component is required_for or optional_for task {task.value!r}")
+        return self
+
+    def denoise_loops(self) -> dict[str, LoopSpec]:
+        return {k: v for k, v in self.loops.items() if v.kind == "diffusion_denoise"}
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        return tuple(p for p in PRECISIONS if p in self.precision.supported)

@@ -1,0 +1,150 @@
+"""Validate a request against a card before any compute (design §4.2: the recipe's teeth).
+
+:func:`resolve_request` fills the card's defaults, checks shapes against the card's
+capabilities and the deployment's limits, and enforces ``RecipeSpec.assumes_loop`` /
+``assumes_precision``. Every failure is a typed error naming the field.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fv_kernel.card.spec import LoopSpec, ModelCard
+from fv_kernel.errors import InvalidRequest, RecipeMismatch
+from fv_kernel.request.request import DiffusionParams, Request
+from fv_kernel.request.types import TaskType
+
+__all__ = ["RequestLimits", "resolve_request", "select_denoise_loop", "describe_loop"]
+
+_DIFFUSION_TASKS = frozenset(TaskType) - {TaskType.TEXT_GENERATION}
+
+
+class RequestLimits(BaseModel):
+    """Deployment-wide caps on what one request may ask for."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_frames: int | None = Field(default=None, gt=0)
+    max_pixels: int | None = Field(default=None, gt=0)
+    max_steps: int | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, gt=0)
+
+
+def describe_loop(spec: LoopSpec) -> str:
+    if spec.sampler is None:
+        return f"loop {spec.loop_id!r}"
+    steps = f"{spec.sampler.fixed_steps} steps" if spec.sampler.fixed_steps else "any step count"
+    return f"loop {spec.loop_id!r} (sampler {spec.sampler.name!r}, {steps})"
+
+
+def select_denoise_loop(card: ModelCard, request: Request) -> str | None:
+    """The denoise loop a request runs on this card; raises RecipeMismatch when the recipe forbids it."""
+    program = card.programs.get(request.task)
+    program_loops = [l for l in (program.loops if program else ()) if card.loops[l].kind == "diffusion_denoise"]
+    candidates = card.denoise_loops()
+    if not candidates:
+        return None
+    asked_sampler = request.diffusion.sampler
+    asked_steps = request.diffusion.steps
+    assumed_id = card.recipe.assumes_loop
+    if assumed_id is not None and card.loops[assumed_id].kind == "diffusion_denoise":
+        assumed = card.loops[assumed_id]
+        binding = assumed.sampler
+        wrong_sampler = asked_sampler is not None and binding is not None and asked_sampler != binding.name
+        wrong_steps = (
+            asked_steps is not None and binding is not None and binding.fixed_steps is not None
+            and asked_steps != binding.fixed_steps
+        )
+        if wrong_sampler or wrong_steps:
+            asked = f"sampler {asked_sampler or (binding.name if binding else '?')!r}"
+            if asked_steps is not None:
+                asked += f" with {asked_steps} steps"
+            raise RecipeMismatch(
+                "sampler" if wrong_sampler else "steps",
+                model_id=card.model_id, method=card.recipe.method, assumes=describe_loop(assumed), asked=asked,
+            )
+        return assumed_id
+    if asked_sampler is None:
+        return program_loops[0] if program_loops else next(iter(candidates))
+    for loop_id, spec in candidates.items():
+        if spec.sampler is not None and spec.sampler.name == asked_sampler:
+            return loop_id
+    allowed = sorted({s.sampler.name for s in candidates.values() if s.sampler is not None})
+    raise InvalidRequest("sampler", f"card {card.model_id!r} has no denoise loop with sampler {asked_sampler!r}", allowed=allowed)
+
+
+def _check_precision(card: ModelCard, request: Request) -> None:
+    if request.precision is None:
+        return
+    if card.recipe.assumes_precision is not None and request.precision != card.recipe.assumes_precision:
+        raise RecipeMismatch(
+            "precision", model_id=card.model_id, method=card.recipe.method,
+            assumes=f"precision {card.recipe.assumes_precision!r}", asked=f"precision {request.precision!r}",
+        )
+    if request.precision not in card.precision.supported:
+        raise InvalidRequest(
+            "precision", f"card {card.model_id!r} does not run in {request.precision!r}",
+            allowed=sorted(card.precision.supported),
+        )
+
+
+def resolve_request(card: ModelCard, request: Request, limits: RequestLimits | None = None) -> Request:
+    """A copy of ``request`` with the card's defaults filled in, or a typed error."""
+    limits = limits or RequestLimits()
+    caps = card.capabilities
+    if request.model != card.model_id:
+        raise InvalidRequest("model", f"request names {request.model!r} but was validated against {card.model_id!r}")
+    if request.task not in caps.tasks:
+        raise InvalidRequest(
+            "task", f"card {card.model_id!r} cannot run {request.task.value!r}", allowed=sorted(t.value for t in caps.tasks)
+        )
+    _check_precision(card, request)
+    if request.task is TaskType.TEXT_GENERATION:
+        if limits.max_tokens is not None and request.ar is not None and request.ar.max_tokens > limits.max_tokens:
+            raise InvalidRequest("max_tokens", f"{request.ar.max_tokens} exceeds this deployment's limit", allowed=f"<= {limits.max_tokens}")
+        return request
+    d = request.diffusion
+    if d.guidance is not None and d.guidance > 1.0 and not caps.uses_guidance:
+        raise InvalidRequest(
+            "guidance",
+            f"card {card.model_id!r} (recipe {card.recipe.method!r}) runs without classifier-free guidance",
+            allowed="omit it, or a value <= 1",
+        )
+    if d.guidance_2 is not None and (caps.defaults is None or caps.defaults.guidance_2 is None):
+        raise InvalidRequest("guidance_2", f"card {card.model_id!r} has a single expert; guidance_2 does not apply", allowed="omit it")
+    select_denoise_loop(card, request)
+    defaults = caps.defaults
+    if defaults is None:
+        return request
+    frames = 1 if request.task is TaskType.TEXT_TO_IMAGE and d.frames is None else (d.frames or defaults.frames)
+    filled = DiffusionParams(
+        height=d.height or defaults.height,
+        width=d.width or defaults.width,
+        frames=frames,
+        fps=d.fps or defaults.fps,
+        steps=d.steps or defaults.steps,
+        guidance=d.guidance if d.guidance is not None else defaults.guidance,
+        guidance_2=d.guidance_2 if d.guidance_2 is not None else defaults.guidance_2,
+        shift=d.shift if d.shift is not None else defaults.shift,
+        sampler=d.sampler,
+        seed=d.seed,
+    )
+    m = caps.spatial_multiple
+    for name in ("height", "width"):
+        value = getattr(filled, name)
+        if value % m:
+            raise InvalidRequest(name, f"{value} is not divisible by {m} (the VAE x patch factor)", allowed=f"multiples of {m}")
+    assert filled.frames is not None and filled.height is not None and filled.width is not None
+    if not caps.frame_rule.accepts(filled.frames):
+        raise InvalidRequest("frames", f"{filled.frames} frames is not valid for {card.model_id!r}", allowed=caps.frame_rule.describe())
+    if caps.max_frames is not None and filled.frames > caps.max_frames:
+        raise InvalidRequest("frames", f"{filled.frames} exceeds the card's maximum", allowed=f"<= {caps.max_frames}")
+    if limits.max_frames is not None and filled.frames > limits.max_frames:
+        raise InvalidRequest("frames", f"{filled.frames} exceeds this deployment's limit", allowed=f"<= {limits.max_frames}")
+    pixels = filled.height * filled.width
+    for cap, where in ((caps.max_pixels, "the card's"), (limits.max_pixels, "this deployment's")):
+        if cap is not None and pixels > cap:
+            raise InvalidRequest("size", f"{filled.width}x{filled.height} exceeds {where} maximum of {cap} pixels", allowed=f"width*height <= {cap}")
+    if limits.max_steps is not None and filled.steps is not None and filled.steps > limits.max_steps:
+        raise InvalidRequest("steps", f"{filled.steps} exceeds this deployment's limit", allowed=f"<= {limits.max_steps}")
+    return request.with_updates(diffusion=filled)

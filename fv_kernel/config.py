@@ -1,0 +1,80 @@
+"""The deploy config: one YAML file, validated by pydantic, unknown keys rejected.
+
+It is the only place that chooses which plugins run, which cards are resident, the
+scheduler's budgets and the request limits. Requests can only parameterise what it
+enabled.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fv_kernel.card.validate import RequestLimits
+from fv_kernel.errors import FvError
+from fv_kernel.plugins.config import PluginsConfig
+from fv_kernel.request.types import Precision
+from fv_kernel.runtime.engine import SchedulerConfig
+
+__all__ = ["CardDeployment", "DeployConfig", "DeployConfigError", "load_deploy_config"]
+
+
+class DeployConfigError(FvError):
+    error_type = "deploy_config"
+
+
+class CardDeployment(BaseModel):
+    """One resident card."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="card id, local checkpoint directory or hub id")
+    device: str = "cpu"
+    precision: Precision | None = None
+    attention_backend: str = "sdpa"
+    local_files_only: bool = False
+
+
+class DeployConfig(BaseModel):
+    """The whole deployment, as an operator writes it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    plugins: PluginsConfig = PluginsConfig()
+    cards: list[CardDeployment] = Field(default_factory=list)
+    scheduler: SchedulerConfig = SchedulerConfig()
+    limits: RequestLimits = RequestLimits()
+    #: Interceptors/observers to enable, by contribution name, with their deploy-time config.
+    extensions: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    output_dir: Path = Path("fv-output")
+    api_key: str | None = None
+
+    @field_validator("cards", mode="before")
+    @classmethod
+    def _card_shorthand(cls, value: Any) -> Any:
+        # `cards: [wan-tiny]` is shorthand for `cards: [{model: wan-tiny}]`.
+        if isinstance(value, list):
+            return [{"model": v} if isinstance(v, str) else v for v in value]
+        return value
+
+
+def load_deploy_config(path: str | Path) -> DeployConfig:
+    """Read and validate a deploy config; errors name the offending key."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as exc:
+        raise DeployConfigError(f"cannot read deploy config {path}: {exc}", param="config") from None
+    except yaml.YAMLError as exc:
+        raise DeployConfigError(f"deploy config {path} is not valid YAML: {exc}", param="config") from None
+    if not isinstance(data, dict):
+        raise DeployConfigError(f"deploy config {path} must be a mapping at the top level", param="config")
+    try:
+        return DeployConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise DeployConfigError(f"deploy config {path}: {where}: {first['msg']}", param=where) from None

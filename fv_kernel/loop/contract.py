@@ -1,0 +1,290 @@
+"""The driven-loop contract (design §5.1, §6.2).
+
+A loop is a serializable state machine. The model describes its next step
+(:meth:`Loop.next` returns a :class:`WorkPlan` and runs no kernels); the runtime
+decides when and with whom that step runs (``await ctx.execute(plan)``); the model
+folds the result back in (:meth:`Loop.advance`). All per-request state lives in a
+typed :class:`LoopState`.
+"""
+
+from __future__ import annotations
+
+import abc
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from fv_kernel.loop.state import TensorState
+from fv_kernel.request.artifacts import Artifact
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from fv_kernel.card.instance import ModelInstance
+    from fv_kernel.card.spec import LoopSpec
+    from fv_kernel.loop.context import LoopContext
+    from fv_kernel.request.request import Request
+
+__all__ = [
+    "WorkKind",
+    "ShapeSignature",
+    "ResourceRequest",
+    "CacheRef",
+    "CachePlan",
+    "CancelScope",
+    "EmitSpec",
+    "WorkPlan",
+    "StepResult",
+    "Done",
+    "LoopResult",
+    "LoopState",
+    "Loop",
+]
+
+
+class WorkKind(str, Enum):
+    """The kinds of schedulable step (design §6.1). Tokens are one kind, not the scheduler."""
+
+    DIFFUSION_STEP = "diffusion_step"
+    DIFFUSION_WINDOW = "diffusion_window"
+    CHUNK_STEP = "chunk_step"
+    AR_PREFILL = "ar_prefill"
+    AR_TOKEN = "ar_token"
+    ENCODER_CHUNK = "encoder_chunk"
+    VAE_TILE = "vae_tile"
+    AUDIO_CHUNK = "audio_chunk"
+    REWARD_BATCH = "reward_batch"
+    LOGPROB_BATCH = "logprob_batch"
+    TRANSFER = "transfer"
+    CACHE_IO = "cache_io"
+    GRAPH_CAPTURE = "graph_capture"
+
+
+class ShapeSignature(BaseModel):
+    """The shape facts of a step that decide batch compatibility and graph keys.
+
+    Build one with ``ShapeSignature.of(tokens=4096, frames=21)``. Two plans batch
+    together only if their signatures are equal.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dims: tuple[tuple[str, int | float | str], ...] = ()
+
+    @classmethod
+    def of(cls, **dims: int | float | str) -> "ShapeSignature":
+        return cls(dims=tuple(sorted(dims.items())))
+
+    def get(self, name: str, default: Any = None) -> Any:
+        for key, value in self.dims:
+            if key == name:
+                return value
+        return default
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.dims)
+
+
+class ResourceRequest(BaseModel):
+    """What a step needs reserved before it may run (design §6.2)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: Predicted GPU-seconds. Filled by the runtime's cost model when left at None.
+    gpu_seconds: float | None = Field(default=None, ge=0)
+    #: Bytes that stay allocated for the life of the request (latents, KV, state).
+    resident_bytes: int = Field(default=0, ge=0)
+    #: Worst-case transient activation bytes while the step runs.
+    peak_bytes: int = Field(default=0, ge=0)
+    #: Blocks of a cache pool the step allocates.
+    cache_blocks: int = Field(default=0, ge=0)
+
+
+class CacheRef(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cache: str
+    key: str
+
+
+class CachePlan(BaseModel):
+    """Typed cache reads and writes of a step (design §7.1)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reads: tuple[CacheRef, ...] = ()
+    writes: tuple[CacheRef, ...] = ()
+
+
+class CancelScope(str, Enum):
+    """Where cancellation may take effect (design §12)."""
+
+    REQUEST = "request"
+    LOOP = "loop"
+    STREAM = "stream"
+    NONE = "none"
+
+
+class EmitSpec(BaseModel):
+    """A stream chunk the driver emits after the step ran.
+
+    Either it names a step output (``from_output``: the driver streams that tensor,
+    e.g. decoded frames as a preview) or it carries ``text`` directly.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stream: str
+    modality: Literal["video", "audio", "text"]
+    preview: bool = False
+    from_output: str | None = None
+    text: str | None = None
+    pts: tuple[float, float] = (0.0, 0.0)
+
+
+class WorkPlan(BaseModel):
+    """One step, described: what to run, on what, at what price. Building it runs no kernels.
+
+    ``op`` names an executable step of the model instance; ``inputs`` are this
+    request's tensors with the batch on dim 0; ``params`` are the non-tensor
+    arguments, which must be equal for two plans to batch together.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    loop_id: str
+    instance_id: str
+    kind: WorkKind
+    op: str
+    inputs: dict[str, torch.Tensor] = Field(default_factory=dict)
+    params: dict[str, Any] = Field(default_factory=dict)
+    shape_sig: ShapeSignature = ShapeSignature()
+    precision: str = "fp32"
+    #: Extra key for compiled-graph reuse (backend, compile tier, ...).
+    graph_key: str = ""
+    resources: ResourceRequest = ResourceRequest()
+    cache: CachePlan = CachePlan()
+    cancel_scope: CancelScope = CancelScope.REQUEST
+    emits: list[EmitSpec] = Field(default_factory=list)
+    #: False keeps the step batch-of-1 by policy (e.g. a jumbo video step).
+    batchable: bool = True
+    #: Which guidance branch / sub-step this is, for observers (e.g. "cond").
+    tag: str = ""
+
+    def batch_key(self) -> tuple[Any, ...]:
+        """Plans with equal keys can run as one batched execution."""
+        return (
+            self.instance_id,
+            self.kind.value,
+            self.op,
+            self.shape_sig,
+            self.precision,
+            self.graph_key,
+            _freeze(self.params),
+        )
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+class StepResult(BaseModel):
+    """What one executed step returns to its loop."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    outputs: dict[str, torch.Tensor] = Field(default_factory=dict)
+    wall_seconds: float = 0.0
+    #: How many requests shared the batched execution that produced this result.
+    batch_size: int = 1
+
+
+class Done(BaseModel):
+    """Returned by :meth:`Loop.next` when the loop has no more steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reason: str = "complete"
+
+
+class LoopResult(BaseModel):
+    """The outcome of a finished loop: named tensors for the next loop, and artifacts."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    loop_id: str
+    outputs: dict[str, Any] = Field(default_factory=dict)
+    artifacts: list[Artifact] = Field(default_factory=list)
+
+
+class LoopState(TensorState):
+    """Base of every loop's typed state. Subclasses add their own typed fields."""
+
+    request_id: str
+    loop_id: str
+    instance_id: str
+    step: int = 0
+    #: Interceptor state: ``plugin_state[plugin_id][branch]``, e.g. a block cache's residuals
+    #: for the "cond" branch. Lives here so it is per request by construction.
+    plugin_state: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+S = TypeVar("S", bound=LoopState)
+
+
+class Loop(abc.ABC, Generic[S]):
+    """A model-owned loop. The runtime drives it; it never drives itself.
+
+    A loop object is built from its card's :class:`~fv_kernel.card.spec.LoopSpec` and
+    holds no per-request state: everything that changes between steps, including the
+    id of the instance it runs on, lives in its ``state_type``.
+    """
+
+    #: The loop kind (e.g. "diffusion_denoise", "ar_decode"), from the card's LoopSpec.
+    kind: ClassVar[str]
+    state_type: ClassVar[type[LoopState]]
+
+    def __init__(self, spec: "LoopSpec") -> None:
+        self.spec = spec
+        self.loop_id = spec.loop_id
+
+    @abc.abstractmethod
+    def init(self, request: "Request", model: "ModelInstance", ctx: "LoopContext") -> S:
+        """Build the initial state. May run cheap CPU work (noise, sigmas), never a model step.
+
+        ``ctx.upstream`` holds the outputs of the loops that ran before this one in
+        the request's program (e.g. prompt embeddings for a denoise loop).
+        """
+
+    @abc.abstractmethod
+    def next(self, state: S) -> WorkPlan | Done:
+        """Describe the next step, or return :class:`Done`. Runs no kernels."""
+
+    @abc.abstractmethod
+    def advance(self, state: S, result: StepResult) -> S:
+        """Fold a step's result into the state and return the new state."""
+
+    @abc.abstractmethod
+    def finalize(self, state: S) -> LoopResult:
+        """Turn the final state into outputs and artifacts."""
+
+    def progress(self, state: S) -> tuple[int, int | None]:
+        """(steps done, total steps or None) for progress events."""
+        return state.step, None
+
+    def partial(self, state: S) -> LoopResult | None:
+        """Outputs worth returning when the loop is cancelled mid-way (None if nothing meaningful)."""
+        return None
+
+    def estimate(self, request: "Request", model: "ModelInstance") -> ResourceRequest:
+        """Whole-life resources of this loop for ``request``: reserved at admission.
+
+        ``gpu_seconds`` is the sum of the conservative step prices, ``resident_bytes``
+        what the loop keeps allocated, ``peak_bytes`` its largest transient. The default
+        reserves nothing, which is right only for loops with negligible footprint.
+        """
+        return ResourceRequest(gpu_seconds=0.0)

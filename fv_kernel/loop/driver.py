@@ -1,0 +1,71 @@
+"""The driver: the only place iteration lives (design §5.1).
+
+    state = loop.init(req, model, ctx)
+    while (plan := loop.next(state)) is not Done:
+        result = await ctx.execute(plan)        # the single seam
+        state = loop.advance(state, result)
+        emit plan.emits; check cancellation
+    return loop.finalize(state)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fv_kernel.errors import RequestCancelled
+from fv_kernel.loop.contract import Done, Loop, LoopResult, LoopState, StepResult, WorkPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.card.instance import ModelInstance
+    from fv_kernel.loop.context import LoopContext
+
+__all__ = ["drive", "resume", "LoopCancelled"]
+
+
+class LoopCancelled(RequestCancelled):
+    """Cancellation observed at a step boundary, carrying the loop's partial result (if meaningful)."""
+
+    def __init__(self, reason: str, partial: LoopResult | None, state: LoopState) -> None:
+        super().__init__(reason)
+        self.partial = partial
+        self.state = state
+
+
+def _emit_chunks(ctx: "LoopContext", plan: WorkPlan, result: StepResult, counters: dict[str, int]) -> None:
+    for emit in plan.emits:
+        index = counters.get(emit.stream, 0)
+        counters[emit.stream] = index + 1
+        payload: dict[str, Any] = {}
+        if emit.text is not None:
+            payload["text"] = emit.text
+        elif emit.from_output is not None:
+            tensor = result.outputs[emit.from_output]
+            payload["samples" if emit.modality == "audio" else "frames"] = tensor.detach()
+        else:
+            continue
+        ctx.emit("media.chunk", stream=emit.stream, index=index, pts=emit.pts, preview=emit.preview, **payload)
+
+
+async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopResult:
+    """Drive ``loop`` from ``state`` (fresh from ``init`` or restored from bytes) to the end."""
+    counters: dict[str, int] = {}
+    while True:
+        if ctx.cancel.cancelled:
+            raise LoopCancelled(ctx.cancel.reason or "cancelled", loop.partial(state), state)
+        plan = loop.next(state)
+        if isinstance(plan, Done):
+            break
+        result = await ctx.execute(plan)
+        state = loop.advance(state, result)
+        _emit_chunks(ctx, plan, result, counters)
+        done, total = loop.progress(state)
+        ctx.emit("progress", loop_id=loop.loop_id, step=done, total=total)
+        if ctx.on_state is not None:
+            ctx.on_state(state)
+    return loop.finalize(state)
+
+
+async def drive(loop: Loop[Any], model: "ModelInstance", ctx: "LoopContext") -> LoopResult:
+    """Run one loop for ``ctx.request`` on ``model``."""
+    state = loop.init(ctx.request, model, ctx)
+    return await resume(loop, state, ctx)

@@ -1,0 +1,103 @@
+"""Programs compose a card's loops into a task (design §13).
+
+The card says which loops exist; a program says how to run them for one request.
+:class:`InlineProgram` runs a sequence of loops on one resident instance, handing
+each loop's outputs to the next. A family with braided control flow (an omni
+request that decodes text, then generates, then fans out decoders) writes its own
+:class:`Program` with ``async`` code over :func:`~fv_kernel.loop.driver.drive`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any
+
+from fv_kernel.card.spec import ModelCard
+from fv_kernel.card.validate import select_denoise_loop
+from fv_kernel.errors import InvalidRequest
+from fv_kernel.loop.contract import ResourceRequest
+from fv_kernel.loop.driver import drive
+from fv_kernel.request.artifacts import Artifact
+from fv_kernel.request.types import TaskType
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.card.instance import ModelInstance
+    from fv_kernel.loop.context import LoopContext
+    from fv_kernel.request.request import Request
+
+__all__ = ["Program", "InlineProgram", "program_for", "ProgramCompiler"]
+
+
+class Program(abc.ABC):
+    """Runs one request's loops; the runtime owns everything around it."""
+
+    def __init__(self, card: ModelCard) -> None:
+        self.card = card
+
+    @abc.abstractmethod
+    async def run(self, model: "ModelInstance", ctx: "LoopContext") -> list[Artifact]:
+        """Drive the loops for ``ctx.request`` and return its artifacts."""
+
+    @abc.abstractmethod
+    def loop_ids(self, request: "Request") -> list[str]:
+        """The loops this program runs for ``request`` (used to price it before admission)."""
+
+    def estimate(self, model: "ModelInstance", request: "Request") -> ResourceRequest:
+        """The request's whole-life reservation: summed compute, summed resident, largest peak."""
+        parts = [model.loop(loop_id).estimate(request, model) for loop_id in self.loop_ids(request)]
+        return ResourceRequest(
+            gpu_seconds=sum(p.gpu_seconds or 0.0 for p in parts),
+            resident_bytes=sum(p.resident_bytes for p in parts),
+            peak_bytes=max((p.peak_bytes for p in parts), default=0),
+            cache_blocks=sum(p.cache_blocks for p in parts),
+        )
+
+
+class InlineProgram(Program):
+    """A linear sequence of the card's loops on one instance; the degenerate, common case."""
+
+    def __init__(self, card: ModelCard, loops: tuple[str, ...]) -> None:
+        super().__init__(card)
+        self.loops = loops
+
+    def loop_ids(self, request: "Request") -> list[str]:
+        return [
+            (select_denoise_loop(self.card, request) or loop_id)
+            if self.card.loops[loop_id].kind == "diffusion_denoise" else loop_id
+            for loop_id in self.loops
+        ]
+
+    async def run(self, model: "ModelInstance", ctx: "LoopContext") -> list[Artifact]:
+        upstream: dict[str, Any] = {}
+        artifacts: list[Artifact] = []
+        for loop_id in self.loop_ids(ctx.request):
+            result = await drive(model.loop(loop_id), model, ctx.child(upstream))
+            upstream = {**upstream, **result.outputs}
+            artifacts.extend(result.artifacts)
+        return artifacts
+
+
+def program_for(card: ModelCard, task: TaskType) -> Program:
+    from fv_kernel.card.instance import import_object
+
+    spec = card.programs.get(task)
+    if spec is None:
+        raise InvalidRequest("task", f"card {card.model_id!r} has no program for {task.value!r}", allowed=sorted(t.value for t in card.programs))
+    if spec.loops:
+        return InlineProgram(card, spec.loops)
+    program_cls = import_object(spec.implementation or "")
+    return program_cls(card)
+
+
+class ProgramCompiler(abc.ABC):
+    """Compiles an external workflow format (e.g. a node graph) into requests and programs.
+
+    The base class of the plugin contribution kind ``program_compilers``.
+    """
+
+    #: The format this compiler accepts, e.g. "comfyui-api".
+    format: str
+
+    @abc.abstractmethod
+    def compile(self, document: dict[str, Any]) -> list[Any]:
+        """Turn a workflow document into fv requests; unknown nodes are a typed coverage error."""

@@ -1,0 +1,214 @@
+"""The typed request: the only currency that crosses the product boundary (design §12).
+
+A request declares its task; it carries typed modal inputs, loop parameters and an
+:class:`OutputSpec`. Combinations that make no sense (an image-to-video request
+without an image, a negative size) cannot be constructed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from fv_kernel.request.types import Precision, TaskType
+
+__all__ = [
+    "TextPart",
+    "ImagePart",
+    "VideoPart",
+    "AudioPart",
+    "LatentPart",
+    "ActionPart",
+    "ModalPart",
+    "DiffusionParams",
+    "ARParams",
+    "OutputSpec",
+    "Request",
+]
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", frozen=True)
+
+
+class TextPart(_Part):
+    kind: Literal["text"] = "text"
+    text: str
+    role: Literal["prompt", "negative_prompt", "system"] = "prompt"
+
+
+def _check_tensor(value: Any, name: str, ndim: int, layout: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor shaped {layout}")
+    if value.ndim != ndim:
+        raise ValueError(f"{name} must be shaped {layout}, got shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor with values in [0, 1], got {value.dtype}")
+    return value
+
+
+class ImagePart(_Part):
+    """One image as a float tensor (3, H, W) with values in [0, 1]."""
+
+    kind: Literal["image"] = "image"
+    image: torch.Tensor
+    role: Literal["first_frame", "last_frame", "reference"] = "first_frame"
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: Any) -> torch.Tensor:
+        value = _check_tensor(value, "image", 3, "(3, H, W)")
+        if value.shape[0] != 3:
+            raise ValueError(f"image must have 3 channels first, got shape {tuple(value.shape)}")
+        return value
+
+
+class VideoPart(_Part):
+    """Frames as a float tensor (F, 3, H, W) with values in [0, 1]."""
+
+    kind: Literal["video"] = "video"
+    frames: torch.Tensor
+    fps: float = Field(gt=0)
+
+    @field_validator("frames")
+    @classmethod
+    def _frames(cls, value: Any) -> torch.Tensor:
+        return _check_tensor(value, "frames", 4, "(F, 3, H, W)")
+
+
+class AudioPart(_Part):
+    kind: Literal["audio"] = "audio"
+    samples: torch.Tensor  # (channels, num_samples)
+    sample_rate: int = Field(gt=0)
+
+
+class LatentPart(_Part):
+    kind: Literal["latent"] = "latent"
+    latent: torch.Tensor
+    role: Literal["initial_noise", "init_latent", "condition"] = "init_latent"
+
+
+class ActionPart(_Part):
+    kind: Literal["action"] = "action"
+    actions: torch.Tensor  # (T, action_dim)
+    domain: int = Field(ge=0)
+
+
+ModalPart = Annotated[
+    Union[TextPart, ImagePart, VideoPart, AudioPart, LatentPart, ActionPart], Field(discriminator="kind")
+]
+
+
+class DiffusionParams(BaseModel):
+    """Parameters of a denoise loop. ``None`` means "the card's default"."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    height: int | None = Field(default=None, gt=0)
+    width: int | None = Field(default=None, gt=0)
+    frames: int | None = Field(default=None, gt=0)
+    fps: float | None = Field(default=None, gt=0)
+    steps: int | None = Field(default=None, gt=0)
+    guidance: float | None = Field(default=None, ge=0)
+    #: Guidance of a second expert (two-expert cards); ``None`` = the card's default.
+    guidance_2: float | None = Field(default=None, ge=0)
+    shift: float | None = Field(default=None, gt=0)
+    sampler: str | None = None
+    seed: int = Field(default=0, ge=0, lt=2**63)
+
+
+class ARParams(BaseModel):
+    """Parameters of an autoregressive decode loop."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(default=128, gt=0)
+    temperature: float = Field(default=0.0, ge=0)
+    top_k: int = Field(default=0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    presence_penalty: float = 0.0
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class OutputSpec(BaseModel):
+    """What the caller wants back and how."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    modalities: frozenset[Literal["video", "image", "audio", "text", "latent"]] = frozenset({"video"})
+    stream_previews: bool = False
+    #: Record per-step behaviour (RL rollouts). Costs memory; off for serving.
+    capture_behavior: bool = False
+
+
+_REQUIRED_PARTS: dict[TaskType, tuple[str, ...]] = {
+    TaskType.TEXT_TO_VIDEO: ("text",),
+    TaskType.TEXT_TO_IMAGE: ("text",),
+    TaskType.TEXT_TO_VIDEO_AUDIO: ("text",),
+    TaskType.TEXT_GENERATION: ("text",),
+    TaskType.IMAGE_TO_VIDEO: ("image",),
+    TaskType.VIDEO_TO_VIDEO: ("video",),
+    TaskType.ACTION_POLICY: ("image",),
+    TaskType.FORWARD_DYNAMICS: ("image", "action"),
+    TaskType.INVERSE_DYNAMICS: ("video",),
+}
+
+
+class Request(BaseModel):
+    """One generation job for one card."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", frozen=True)
+
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    model: str = Field(min_length=1)
+    task: TaskType
+    inputs: tuple[ModalPart, ...] = ()
+    diffusion: DiffusionParams = DiffusionParams()
+    ar: ARParams | None = None
+    precision: Precision | None = None
+    output: OutputSpec = OutputSpec()
+    #: Rewrite the prompt with the card's reasoner before generating (cards that have one).
+    prompt_upsampling: bool = False
+    #: Parameters for plugins the deployment enabled, keyed by plugin id. A request
+    #: can never choose which plugins run; it can only parameterise enabled ones.
+    plugin_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    #: Exact mode rejects any plugin parameter that alters the output distribution.
+    exact: bool = False
+    #: Scheduling class: latency-class work is preferred over batch-class at equal age.
+    priority: Literal["interactive", "batch"] = "interactive"
+
+    @model_validator(mode="after")
+    def _inputs_match_task(self) -> "Request":
+        kinds = {part.kind for part in self.inputs if not (isinstance(part, TextPart) and part.role != "prompt")}
+        missing = [kind for kind in _REQUIRED_PARTS[self.task] if kind not in kinds]
+        if missing:
+            raise ValueError(f"task {self.task.value!r} needs input part(s) {missing}; got {sorted(kinds) or 'none'}")
+        prompts = [p for p in self.inputs if isinstance(p, TextPart) and p.role == "prompt"]
+        if len(prompts) > 1:
+            raise ValueError("a request takes at most one prompt TextPart")
+        if self.task is TaskType.TEXT_GENERATION and self.ar is None:
+            object.__setattr__(self, "ar", ARParams())
+        return self
+
+    # Convenience accessors used by loops.
+    def text(self, role: str = "prompt") -> str | None:
+        for part in self.inputs:
+            if isinstance(part, TextPart) and part.role == role:
+                return part.text
+        return None
+
+    def part(self, kind: str) -> Any | None:
+        for part in self.inputs:
+            if part.kind == kind:
+                return part
+        return None
+
+    def with_updates(self, **changes: Any) -> "Request":
+        """A validated copy with ``changes`` applied (requests are immutable)."""
+        data = {name: getattr(self, name) for name in type(self).model_fields}
+        data.update(changes)
+        return type(self)(**data)

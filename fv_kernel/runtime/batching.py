@@ -1,0 +1,104 @@
+"""WorkUnits and the BatchScheduler (design §6.3).
+
+Every ``await ctx.execute(plan)`` becomes a :class:`WorkUnit`. The batch scheduler
+groups compatible units of different requests (same instance, kind, op, shape
+signature, precision, graph key and params) into one execution and picks which
+group runs next:
+
+- the group holding the unit that has waited longest runs first (running loops
+  are never starved: a long denoise loop re-enqueues one unit per step and that
+  unit ages while short AR units keep arriving, so it wins within one round);
+- interactive requests go before batch-class ones unless the batch unit has waited
+  longer than ``batch_class_max_wait_s``;
+- non-batchable plans, and plans whose predicted price exceeds ``jumbo_seconds``,
+  run as batch-of-1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fv_kernel.loop.contract import StepResult, WorkPlan
+
+__all__ = ["WorkUnit", "BatchPolicy", "BatchScheduler"]
+
+@dataclass(eq=False)
+class WorkUnit:
+    """A plan waiting to run, with the future its driver awaits."""
+
+    plan: WorkPlan
+    request_id: str
+    future: "asyncio.Future[StepResult]"
+    enqueued_at: float
+    price_seconds: float
+    priority: str = "interactive"
+    #: Arrival order, assigned by the engine; breaks ties between equal timestamps.
+    seq: int = 0
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return self.plan.batch_key()
+
+
+class BatchPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch_size: int = Field(default=32, ge=1)
+    #: A single step predicted to take longer than this stays batch-of-1 (jumbo video steps).
+    jumbo_seconds: float | None = Field(default=None, gt=0)
+    #: Per-kind caps on batch size (e.g. {"diffusion_step": 8}).
+    kind_max_batch: dict[str, int] = Field(default_factory=dict)
+    batch_class_max_wait_s: float = Field(default=5.0, ge=0)
+
+
+class BatchScheduler:
+    """Pure selection logic over pending units; unit-testable without a runtime."""
+
+    def __init__(self, policy: BatchPolicy | None = None) -> None:
+        self.policy = policy or BatchPolicy()
+
+    def _solo(self, unit: WorkUnit) -> bool:
+        jumbo = self.policy.jumbo_seconds
+        return not unit.plan.batchable or (jumbo is not None and unit.price_seconds > jumbo)
+
+    def _rank(self, unit: WorkUnit, now: float) -> tuple[int, float, int]:
+        batch_class_waiting_long = (
+            unit.priority == "batch" and now - unit.enqueued_at > self.policy.batch_class_max_wait_s
+        )
+        klass = 0 if unit.priority == "interactive" or batch_class_waiting_long else 1
+        return (klass, unit.enqueued_at, unit.seq)
+
+    def select(self, pending: list[WorkUnit], now: float, *, peak_headroom: int | None = None) -> list[WorkUnit]:
+        """The next batch to execute (non-empty if ``pending`` is), in a deterministic order.
+
+        ``peak_headroom`` bounds the summed peak activation bytes of the batch; the
+        first unit is always taken (its request was admitted with its peak reserved).
+        """
+        if not pending:
+            return []
+        head = min(pending, key=lambda u: self._rank(u, now))
+        if self._solo(head):
+            return [head]
+        cap = min(self.policy.max_batch_size, self.policy.kind_max_batch.get(head.plan.kind.value, self.policy.max_batch_size))
+        mates = sorted(
+            (u for u in pending if u is not head and u.key == head.key and not self._solo(u)),
+            key=lambda u: self._rank(u, now),
+        )
+        batch = [head]
+        peak = head.plan.resources.peak_bytes
+        seen_requests = {head.request_id}
+        for unit in mates:
+            if len(batch) >= cap:
+                break
+            if unit.request_id in seen_requests:  # one unit per request per batch keeps per-request order
+                continue
+            if peak_headroom is not None and peak + unit.plan.resources.peak_bytes > peak_headroom:
+                continue
+            batch.append(unit)
+            peak += unit.plan.resources.peak_bytes
+            seen_requests.add(unit.request_id)
+        return batch

@@ -1,0 +1,83 @@
+"""The cost model: every WorkUnit priced in predicted GPU-seconds (design §6.1).
+
+One object with a stable interface, so the scheduler's budget and a fleet router's
+input are the same thing. Predictions come from the loop's declared
+:class:`~fv_kernel.card.spec.StepCostSpec`; the Profiler calibrates them online with a
+per-(instance, kind, shape) correction factor. Admission always uses the
+conservative price; calibration refines, it never licenses optimism below the
+declared floor of the correction.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from fv_kernel.card.spec import StepCostSpec
+from fv_kernel.loop.contract import ShapeSignature
+
+__all__ = ["CostModel", "CostKey"]
+
+
+@dataclass(frozen=True)
+class CostKey:
+    instance_id: str
+    kind: str
+    shape_sig: ShapeSignature
+    precision: str
+
+
+class CostModel:
+    """Predicts step time and learns from measured step time.
+
+    ``alpha`` is the EMA weight of a new observation. The correction factor is
+    clamped to ``[min_factor, max_factor]`` so one outlier cannot make admission
+    wildly optimistic or starve the pool.
+    """
+
+    def __init__(self, *, alpha: float = 0.2, min_factor: float = 0.05, max_factor: float = 50.0) -> None:
+        self._alpha = alpha
+        self._min = min_factor
+        self._max = max_factor
+        self._factor: dict[CostKey, float] = {}
+        self._samples: dict[CostKey, int] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def base_seconds(spec: StepCostSpec, shape_sig: ShapeSignature, precision: str, batch_size: int = 1) -> float:
+        units = float(shape_sig.get(spec.unit, 0) or 0)
+        per_item = spec.fixed_seconds + spec.per_unit_seconds * units + spec.per_unit_sq_seconds * units * units
+        return per_item * spec.precision_factor.get(precision, 1.0) * max(batch_size, 1)
+
+    def predict(self, key: CostKey, spec: StepCostSpec, batch_size: int = 1) -> float:
+        """Calibrated expected GPU-seconds of a step (or a batch of ``batch_size`` of them)."""
+        return self.base_seconds(spec, key.shape_sig, key.precision, batch_size) * self._factor.get(key, 1.0)
+
+    def conservative(self, key: CostKey, spec: StepCostSpec, batch_size: int = 1) -> float:
+        """The price admission reserves: the prediction times the spec's safety factor."""
+        return self.predict(key, spec, batch_size) * spec.conservative_factor
+
+    def observe(self, key: CostKey, spec: StepCostSpec, measured_seconds: float, batch_size: int = 1) -> None:
+        """Fold a measured step time into the key's correction factor."""
+        base = self.base_seconds(spec, key.shape_sig, key.precision, batch_size)
+        if base <= 0 or measured_seconds < 0:
+            return
+        ratio = min(max(measured_seconds / base, self._min), self._max)
+        with self._lock:
+            old = self._factor.get(key)
+            self._factor[key] = ratio if old is None else (1 - self._alpha) * old + self._alpha * ratio
+            self._samples[key] = self._samples.get(key, 0) + 1
+
+    def factor(self, key: CostKey) -> float:
+        return self._factor.get(key, 1.0)
+
+    def samples(self, key: CostKey) -> int:
+        return self._samples.get(key, 0)
+
+    def snapshot(self) -> list[dict[str, object]]:
+        """The calibration table, for export (fleet routing, metrics)."""
+        return [
+            {"instance_id": k.instance_id, "kind": k.kind, "shape": str(k.shape_sig), "precision": k.precision,
+             "factor": f, "samples": self._samples.get(k, 0)}
+            for k, f in self._factor.items()
+        ]

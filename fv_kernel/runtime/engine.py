@@ -1,0 +1,682 @@
+"""The Engine: resident instances, many concurrent requests, one scheduler (design §6).
+
+Layers, each testable on its own:
+
+- **RequestScheduler** (:class:`RequestQueue`): accepts requests, bounds the queue,
+  admits them through the :class:`~fv_kernel.runtime.admission.AdmissionController`
+  and starts their programs' loop drivers.
+- **LoopScheduler** (:class:`PendingUnits`): every ``await ctx.execute(plan)`` of every
+  driver lands here as a :class:`~fv_kernel.runtime.batching.WorkUnit`.
+- **BatchScheduler**: picks the next group of compatible units across requests.
+- **Executor**: runs the group on the device thread, alone or batched, isolating
+  failures per request.
+
+The engine runs on the caller's asyncio loop; model code runs on one device thread
+so the loop stays responsive (HTTP, SSE) while a step computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterable, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from fv_kernel.card.instance import ModelInstance
+from fv_kernel.card.validate import RequestLimits, resolve_request
+from fv_kernel.errors import (
+    CapacityError,
+    FvError,
+    NonFiniteOutput,
+    QueueFull,
+    RequestCancelled,
+    StepFailed,
+    UnknownModel,
+)
+from fv_kernel.extend.observers import Observer, Profiler, StepRecord
+from fv_kernel.loop.context import CancelToken, LoopContext
+from fv_kernel.loop.contract import StepResult, WorkPlan
+from fv_kernel.loop.driver import LoopCancelled
+from fv_kernel.request.artifacts import Artifact
+from fv_kernel.request.events import TERMINAL_EVENT_TYPES, ErrorInfo, Event
+from fv_kernel.request.request import Request
+from fv_kernel.runtime.admission import AdmissionController, Budgets, Reservation
+from fv_kernel.runtime.batching import BatchPolicy, BatchScheduler, WorkUnit
+from fv_kernel.runtime.cost import CostKey, CostModel
+
+__all__ = [
+    "SchedulerConfig",
+    "Engine",
+    "RequestHandle",
+    "GenerationResult",
+    "RequestQueue",
+    "PendingUnits",
+    "EngineMetrics",
+]
+
+log = logging.getLogger("fv.engine")
+_EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+class SchedulerConfig(BaseModel):
+    """The runtime's knobs; the ``scheduler:`` section of the deploy config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: "step": interleave the steps of all running requests. "request": run one request
+    #: to completion before the next starts (the baseline step-level scheduling must beat).
+    scheduling: Literal["step", "request"] = "step"
+    #: "exact": a batch of ops that are not batch-invariant runs per sample (bit-identical to
+    #: serial). "throughput": always fuse compatible steps into one batched call.
+    batching: Literal["exact", "throughput"] = "exact"
+    batch: BatchPolicy = BatchPolicy()
+    budgets: Budgets = Budgets()
+    max_running_requests: int = Field(default=64, ge=1)
+    max_queue: int = Field(default=256, ge=1)
+    #: Abort a request whose step output holds NaN/Inf (only that request).
+    check_finite: bool = True
+    #: Run model code on a dedicated thread (keeps the event loop responsive).
+    device_thread: bool = True
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    status: Literal["completed", "failed", "cancelled"]
+    artifacts: list[Artifact] = field(default_factory=list)
+    error: ErrorInfo | None = None
+
+    def artifact(self, kind: str) -> Artifact | None:
+        return next((a for a in self.artifacts if a.kind == kind), None)
+
+    def raise_for_status(self) -> "GenerationResult":
+        if self.status != "completed":
+            detail = self.error.message if self.error else self.status
+            raise StepFailed(f"request {self.request_id} {self.status}: {detail}")
+        return self
+
+
+class _Record:
+    """Everything the engine tracks for one request."""
+
+    def __init__(self, request: Request, instance: ModelInstance, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.instance = instance
+        self.cancel = CancelToken()
+        self.events: list[Event] = []
+        self.subscribers: list[asyncio.Queue[Event]] = []
+        self.done: asyncio.Future[GenerationResult] = loop.create_future()
+        self.task: asyncio.Task[None] | None = None
+        self.status: str = "queued"
+        self.steps_done = 0
+        self.step_index: dict[str, int] = {}
+
+    def emit(self, event_type: str, **fields: Any) -> None:
+        event = _EVENT_ADAPTER.validate_python(
+            {"type": event_type, "request_id": self.request.request_id, "seq": len(self.events), **fields}
+        )
+        self.events.append(event)
+        for queue in self.subscribers:
+            queue.put_nowait(event)
+
+    @property
+    def finished(self) -> bool:
+        return self.done.done()
+
+
+class RequestHandle:
+    """The caller's view of a submitted request."""
+
+    def __init__(self, engine: "Engine", record: _Record) -> None:
+        self._engine = engine
+        self._record = record
+
+    @property
+    def request_id(self) -> str:
+        return self._record.request.request_id
+
+    @property
+    def status(self) -> str:
+        return self._record.status
+
+    @property
+    def progress(self) -> float:
+        for event in reversed(self._record.events):
+            if event.type == "progress" and event.total:
+                return min(event.step / event.total, 1.0)
+        return 1.0 if self._record.status == "completed" else 0.0
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every event of the request in order, from the first, until the terminal one."""
+        record = self._record
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        history = list(record.events)
+        record.subscribers.append(queue)
+        try:
+            for event in history:
+                yield event
+                if event.type in TERMINAL_EVENT_TYPES:
+                    return
+            if history and history[-1].type in TERMINAL_EVENT_TYPES:
+                return
+            while True:
+                event = await queue.get()
+                if event.seq < len(history):
+                    continue
+                yield event
+                if event.type in TERMINAL_EVENT_TYPES:
+                    return
+        finally:
+            record.subscribers.remove(queue)
+
+    async def result(self) -> GenerationResult:
+        return await asyncio.shield(self._record.done)
+
+    def cancel(self, reason: str = "cancelled by caller") -> None:
+        self._engine.cancel(self.request_id, reason)
+
+
+class RequestQueue:
+    """RequestScheduler's queue: bounded, FIFO within a priority class."""
+
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        self._items: deque[_Record] = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, record: _Record) -> None:
+        if len(self._items) >= self.max_queue:
+            raise QueueFull(self.max_queue)
+        self._items.append(record)
+
+    def remove(self, record: _Record) -> bool:
+        try:
+            self._items.remove(record)
+        except ValueError:
+            return False
+        return True
+
+    def ordered(self) -> list[_Record]:
+        return sorted(self._items, key=lambda r: 0 if r.request.priority == "interactive" else 1)
+
+
+class PendingUnits:
+    """LoopScheduler's collection of plans awaiting execution."""
+
+    def __init__(self) -> None:
+        self.units: list[WorkUnit] = []
+        self._seq = 0
+
+    def add(self, unit: WorkUnit) -> None:
+        self._seq += 1
+        unit.seq = self._seq
+        self.units.append(unit)
+
+    def take(self, batch: Iterable[WorkUnit]) -> None:
+        chosen = {id(u) for u in batch}
+        self.units = [u for u in self.units if id(u) not in chosen]
+
+    def drop_request(self, request_id: str) -> list[WorkUnit]:
+        dropped = [u for u in self.units if u.request_id == request_id]
+        self.units = [u for u in self.units if u.request_id != request_id]
+        return dropped
+
+
+@dataclass
+class EngineMetrics:
+    """Counters the serving layer exports (Prometheus)."""
+
+    units_by_kind: dict[str, int] = field(default_factory=dict)
+    batches_by_size: dict[int, int] = field(default_factory=dict)
+    step_latency_buckets: tuple[float, ...] = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, math.inf)
+    step_latency_counts: list[int] = field(default_factory=lambda: [0] * 10)
+    step_latency_sum: float = 0.0
+    step_latency_count: int = 0
+    scheduler_seconds: float = 0.0
+    execute_seconds: float = 0.0
+    rejections: dict[str, int] = field(default_factory=dict)
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+
+    def observe_latency(self, seconds: float) -> None:
+        for i, bound in enumerate(self.step_latency_buckets):
+            if seconds <= bound:
+                self.step_latency_counts[i] += 1
+        self.step_latency_sum += seconds
+        self.step_latency_count += 1
+
+
+class Engine:
+    """Serves many concurrent requests over resident model instances."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        limits: RequestLimits | None = None,
+        cost_model: CostModel | None = None,
+        observers: Iterable[Observer] = (),
+        profile: bool = True,
+        hooks: Any = None,
+    ) -> None:
+        self.config = config or SchedulerConfig()
+        self.limits = limits or RequestLimits()
+        self.cost_model = cost_model or CostModel()
+        self.profiler = Profiler(self.cost_model) if profile else None
+        self.observers: list[Observer] = ([self.profiler] if self.profiler else []) + list(observers)
+        self.admission = AdmissionController(self.config.budgets)
+        self.batcher = BatchScheduler(self.config.batch)
+        self.metrics = EngineMetrics()
+        #: The plugin host's typed hook façade, for lifecycle broadcasts (None: no plugins).
+        self.hooks = hooks
+        self._instances: dict[str, ModelInstance] = {}
+        self._by_instance_id: dict[str, ModelInstance] = {}
+        self._records: dict[str, _Record] = {}
+        self._queue = RequestQueue(self.config.max_queue)
+        self._pending = PendingUnits()
+        self._running: dict[str, _Record] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._scheduler_task: asyncio.Task[None] | None = None
+        self._device: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stopping = False
+
+    # -- instances ----------------------------------------------------------------
+    def add_instance(self, instance: ModelInstance) -> None:
+        if instance.model_id in self._instances:
+            raise ValueError(f"an instance of {instance.model_id!r} is already resident")
+        self._instances[instance.model_id] = instance
+        self._by_instance_id[instance.instance_id] = instance
+
+    @property
+    def instances(self) -> dict[str, ModelInstance]:
+        return dict(self._instances)
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        if self._scheduler_task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        if self.config.device_thread:
+            self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fv-device")
+        self._scheduler_task = asyncio.create_task(self._schedule_forever(), name="fv-scheduler")
+        if self.hooks is not None:
+            self.hooks.engine_started(self)
+
+    async def stop(self) -> None:
+        """Cancel what is still running, wait for it to wind down, stop the scheduler."""
+        if self._scheduler_task is None:
+            return
+        if self.hooks is not None:
+            self.hooks.engine_stopping(self)
+        for record in list(self._records.values()):
+            if not record.finished:
+                self.cancel(record.request.request_id, "engine stopping")
+        tasks = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._stopping = True
+        assert self._wake is not None
+        self._wake.set()
+        await self._scheduler_task
+        self._scheduler_task = None
+        if self._device is not None:
+            self._device.shutdown(wait=True)
+            self._device = None
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator["Engine"]:
+        await self.start()
+        try:
+            yield self
+        finally:
+            await self.stop()
+
+    # -- requests -----------------------------------------------------------------
+    def validate(self, request: Request) -> Request:
+        """Resolve ``request`` against its card: defaults filled, or a typed error. No compute."""
+        instance = self._instances.get(request.model)
+        if instance is None:
+            raise UnknownModel(request.model, self._instances)
+        return resolve_request(instance.card, request, self.limits)
+
+    def submit(self, request: Request) -> RequestHandle:
+        """Validate and enqueue; returns at once. Must be called on the engine's event loop."""
+        if self._scheduler_task is None or self._loop is None:
+            raise RuntimeError("the engine is not running: use 'async with engine.running():' or await engine.start()")
+        try:
+            resolved = self.validate(request)
+        except FvError as exc:
+            self._count_rejection(exc.error_type)
+            raise
+        if resolved.request_id in self._records:
+            raise ValueError(f"request id {resolved.request_id!r} was already submitted")
+        instance = self._instances[resolved.model]
+        record = _Record(resolved, instance, self._loop)
+        try:
+            self._queue.push(record)
+        except QueueFull:
+            self._count_rejection("queue_full")
+            raise
+        self._records[resolved.request_id] = record
+        record.emit("request.queued")
+        self._kick()
+        return RequestHandle(self, record)
+
+    def handle(self, request_id: str) -> RequestHandle:
+        return RequestHandle(self, self._records[request_id])
+
+    async def generate_async(self, request: Request) -> GenerationResult:
+        return await self.submit(request).result()
+
+    def generate(self, request: Request) -> GenerationResult:
+        """Blocking convenience: start the engine on a private loop, run one request, stop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("Engine.generate() blocks; inside an event loop use 'await engine.generate_async(...)'")
+
+        async def once() -> GenerationResult:
+            async with self.running():
+                return await self.generate_async(request)
+
+        return asyncio.run(once())
+
+    def cancel(self, request_id: str, reason: str = "cancelled by caller") -> bool:
+        """Cancel at the next step boundary. Returns False if the request already ended."""
+        record = self._records.get(request_id)
+        if record is None or record.finished:
+            return False
+        record.cancel.cancel(reason)
+        if self._queue.remove(record):
+            record.status = "cancelled"
+            record.emit("request.cancelled", reason=reason)
+            record.done.set_result(GenerationResult(request_id, "cancelled"))
+            self.metrics.cancelled += 1
+            return True
+        for unit in self._pending.drop_request(request_id):
+            if not unit.future.done():
+                unit.future.set_exception(RequestCancelled(reason))
+        self._kick()
+        return True
+
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def running_count(self) -> int:
+        return len(self._running)
+
+    # -- internals: request scheduler ------------------------------------------------
+    def _count_rejection(self, reason: str) -> None:
+        self.metrics.rejections[reason] = self.metrics.rejections.get(reason, 0) + 1
+
+    def _kick(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _admit_queued(self) -> None:
+        limit = 1 if self.config.scheduling == "request" else self.config.max_running_requests
+        for record in self._queue.ordered():
+            if len(self._running) >= limit:
+                return
+            request = record.request
+            try:
+                program = record.instance.program(request.task)
+                need = program.estimate(record.instance, request)
+                want = Reservation(
+                    request.request_id, need.resident_bytes, need.peak_bytes, need.cache_blocks, need.gpu_seconds or 0.0
+                )
+                blocked = self.admission.try_admit(want)
+            except Exception as exc:  # a request that can never run, or a broken estimate
+                self._queue.remove(record)
+                self._finish_failed(record, exc)
+                continue
+            if blocked is not None:
+                self._count_rejection(f"admission_{blocked}")
+                # Strict FIFO within the class: a later request must not overtake a blocked one.
+                return
+            self._queue.remove(record)
+            self._running[request.request_id] = record
+            record.status = "in_progress"
+            record.task = asyncio.create_task(self._run_request(record, program), name=f"fv-req-{request.request_id}")
+
+    async def _run_request(self, record: _Record, program: Any) -> None:
+        request = record.request
+        record.emit("request.started")
+        ctx = LoopContext(
+            request=request,
+            executor=lambda plan: self._enqueue(record, plan),
+            emit_event=record.emit,
+            cancel=record.cancel,
+        )
+        try:
+            record.instance.load_for_task(request.task)
+            artifacts = await program.run(record.instance, ctx)
+        except (LoopCancelled, RequestCancelled) as exc:
+            partial = exc.partial.artifacts if isinstance(exc, LoopCancelled) and exc.partial else []
+            for artifact in partial:
+                record.emit("artifact.ready", artifact=artifact)
+            record.status = "cancelled"
+            record.emit("request.cancelled", reason=str(exc.message if isinstance(exc, FvError) else exc))
+            self.metrics.cancelled += 1
+            record.done.set_result(GenerationResult(request.request_id, "cancelled", list(partial)))
+        except Exception as exc:  # noqa: BLE001 - isolate: one request's failure ends only it
+            self._finish_failed(record, exc)
+        else:
+            for artifact in artifacts:
+                record.emit("artifact.ready", artifact=artifact)
+            record.status = "completed"
+            record.emit("request.completed")
+            self.metrics.completed += 1
+            record.done.set_result(GenerationResult(request.request_id, "completed", artifacts))
+        finally:
+            if self.hooks is not None:
+                try:
+                    self.hooks.request_finished(request.request_id, record.status)
+                except Exception:  # noqa: BLE001 - a plugin's listener must not fail the request
+                    log.exception("fv_request_finished hook failed")
+            self._running.pop(request.request_id, None)
+            for unit in self._pending.drop_request(request.request_id):
+                if not unit.future.done():
+                    unit.future.cancel()
+            self.admission.release(request.request_id)
+            self._kick()
+
+    def _finish_failed(self, record: _Record, exc: BaseException) -> None:
+        if isinstance(exc, FvError):
+            info = ErrorInfo(**exc.info())
+        else:
+            log.exception("request %s failed", record.request.request_id, exc_info=exc)
+            info = ErrorInfo(type="internal_error", message=f"{type(exc).__name__}: {exc}")
+        record.status = "failed"
+        record.emit("request.failed", error=info)
+        self.metrics.failed += 1
+        if not record.done.done():
+            record.done.set_result(GenerationResult(record.request.request_id, "failed", error=info))
+
+    # -- internals: loop scheduler --------------------------------------------------
+    async def _enqueue(self, record: _Record, plan: WorkPlan) -> StepResult:
+        record.cancel.raise_if_cancelled()
+        assert self._loop is not None
+        instance = self._by_instance_id.get(plan.instance_id)
+        if instance is None:
+            raise StepFailed(f"plan names unknown instance {plan.instance_id!r}")
+        spec = instance.card.loops[plan.loop_id].step_cost
+        key = CostKey(plan.instance_id, plan.kind.value, plan.shape_sig, plan.precision)
+        price = plan.resources.gpu_seconds
+        if price is None:
+            price = self.cost_model.conservative(key, spec)
+        unit = WorkUnit(
+            plan=plan, request_id=record.request.request_id, future=self._loop.create_future(),
+            enqueued_at=time.monotonic(), price_seconds=price, priority=record.request.priority,
+        )
+        self._pending.add(unit)
+        self._kick()
+        return await unit.future
+
+    async def _settle(self) -> None:
+        # Drivers woken by the last batch compute their next plan synchronously; two
+        # passes of the event loop let every one of them post it before we pick a batch.
+        for _ in range(2):
+            await asyncio.sleep(0)
+
+    async def _schedule_forever(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            tick = time.perf_counter()
+            self._admit_queued()
+            await self._settle()
+            self._admit_queued()
+            headroom = None
+            if self.config.budgets.memory_bytes is not None:
+                headroom = max(self.config.budgets.memory_bytes - self.admission.memory_in_use(), 0)
+            batch = self.batcher.select(self._pending.units, time.monotonic(), peak_headroom=headroom)
+            self.metrics.scheduler_seconds += time.perf_counter() - tick
+            if not batch:
+                if self._stopping and not self._running:
+                    return
+                await self._wake.wait()
+                continue
+            self._pending.take(batch)
+            await self._execute(batch)
+
+    # -- internals: executor --------------------------------------------------------
+    async def _execute(self, batch: list[WorkUnit]) -> None:
+        assert self._loop is not None
+        live = [u for u in batch if not u.future.done()]
+        if not live:
+            return
+        started = time.perf_counter()
+        if self._device is not None:
+            outcomes, device_s = await self._loop.run_in_executor(self._device, self._run_batch, live)
+        else:
+            outcomes, device_s = self._run_batch(live)
+        wall = time.perf_counter() - started
+        self.metrics.execute_seconds += wall
+        plan = live[0].plan
+        self.metrics.units_by_kind[plan.kind.value] = self.metrics.units_by_kind.get(plan.kind.value, 0) + len(live)
+        self.metrics.batches_by_size[len(live)] = self.metrics.batches_by_size.get(len(live), 0) + 1
+        self.metrics.observe_latency(wall)
+        share = (device_s if device_s is not None else wall) / len(live)
+        failed = []
+        for unit, outcome in zip(live, outcomes):
+            self.admission.charge(unit.request_id, share)
+            if unit.future.done():
+                continue
+            if isinstance(outcome, BaseException):
+                failed.append(unit.request_id)
+                unit.future.set_exception(outcome)
+            else:
+                outcome.wall_seconds = wall
+                outcome.batch_size = len(live)
+                unit.future.set_result(outcome)
+        if self.observers:
+            instance = self._by_instance_id[plan.instance_id]
+            record = StepRecord(
+                instance_id=plan.instance_id, loop_id=plan.loop_id, kind=plan.kind.value, op=plan.op,
+                shape_sig=plan.shape_sig, precision=plan.precision,
+                request_ids=tuple(u.request_id for u in live), steps=tuple(0 for _ in live),
+                wall_seconds=wall, device_seconds=device_s, predicted_seconds=sum(u.price_seconds for u in live),
+                cost_spec=instance.card.loops[plan.loop_id].step_cost, failed=tuple(failed),
+            )
+            for observer in self.observers:
+                try:
+                    observer.on_step(record)
+                except Exception:  # noqa: BLE001 - an observer must never take a request down
+                    log.exception("observer %s failed", getattr(observer, "name", observer))
+
+    def _run_batch(self, batch: list[WorkUnit]) -> tuple[list[StepResult | BaseException], float | None]:
+        """Runs on the device thread. Returns one outcome per unit, and device seconds if known."""
+        plan = batch[0].plan
+        instance = self._by_instance_id[plan.instance_id]
+        op = instance.op(plan.op)
+        inputs = [u.plan.inputs for u in batch]
+        cuda = instance.device.type == "cuda"
+        start_evt = end_evt = None
+        if cuda:
+            start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_evt.record()
+        fuse = len(batch) > 1 and (self.config.batching == "throughput" or op.batch_invariant)
+        outcomes: list[StepResult | BaseException]
+        with torch.inference_mode():
+            if fuse:
+                try:
+                    outcomes = [StepResult(outputs=o) for o in op.run_fused(inputs, plan.params)]
+                except Exception:  # noqa: BLE001 - fall back to per-sample to find the culprit
+                    outcomes = self._per_sample(op, inputs, plan.params)
+            else:
+                outcomes = self._per_sample(op, inputs, plan.params)
+        if self.config.check_finite:
+            outcomes = [self._check_finite(o, u) for o, u in zip(outcomes, batch)]
+        device_s = None
+        if cuda and start_evt is not None and end_evt is not None:
+            end_evt.record()
+            end_evt.synchronize()
+            device_s = start_evt.elapsed_time(end_evt) / 1000.0
+        return outcomes, device_s
+
+    @staticmethod
+    def _per_sample(op: Any, inputs: list[dict[str, torch.Tensor]], params: dict[str, Any]) -> list[StepResult | BaseException]:
+        outcomes: list[StepResult | BaseException] = []
+        for item in inputs:
+            try:
+                outcomes.append(StepResult(outputs=op.fn(item, params)))
+            except FvError as exc:
+                outcomes.append(exc)
+            except Exception as exc:  # noqa: BLE001
+                outcomes.append(StepFailed(f"step {op.name!r} raised {type(exc).__name__}: {exc}"))
+        return outcomes
+
+    @staticmethod
+    def _check_finite(outcome: StepResult | BaseException, unit: WorkUnit) -> StepResult | BaseException:
+        if isinstance(outcome, BaseException):
+            return outcome
+        for name, tensor in outcome.outputs.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                return NonFiniteOutput(
+                    f"step {unit.plan.op!r} of loop {unit.plan.loop_id!r} produced NaN/Inf in output {name!r} "
+                    f"at step {unit.plan.params.get('step_index', '?')}"
+                )
+        return outcome
+
+
+def run_serially(engine: Engine, requests: Iterable[Request]) -> list[GenerationResult]:
+    """Run requests one after another on ``engine`` (the reference side of the interleave gate)."""
+
+    async def go() -> list[GenerationResult]:
+        results = []
+        async with engine.running():
+            for request in requests:
+                results.append(await engine.generate_async(request))
+        return results
+
+    return asyncio.run(go())
+
+
+def run_concurrently(engine: Engine, requests: Iterable[Request]) -> list[GenerationResult]:
+    """Submit all requests at once and wait for all (the interleaved side of the gate)."""
+
+    async def go() -> list[GenerationResult]:
+        async with engine.running():
+            handles = [engine.submit(r) for r in requests]
+            return list(await asyncio.gather(*(h.result() for h in handles)))
+
+    return asyncio.run(go())
+
+

@@ -1,0 +1,648 @@
+"""Tiny pure-torch cards that prove the loop contract fits more than one kind of loop.
+
+- ``toy-dit``: a few-layer DiT-like model run by a ``diffusion_denoise`` loop with CFG,
+  a text-encode loop and a frame-by-frame decode loop (text-to-video, text-to-image).
+- ``toy-lm``: a few-layer decoder with a KV cache run by an ``ar_decode`` loop with a
+  prefill step, token steps, seeded sampling and EOS (text generation).
+- ``toy-omni``: both on **one** instance sharing weights: the decoder's hidden states
+  are the diffusion loop's text conditioning, and a request may first rewrite its
+  prompt with the decoder (``prompt_upsampling``), then generate.
+
+They run on CPU in milliseconds and are fixtures of the conformance kit. They use
+the kernel's samplers and guidance policies as a library, the way a family does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp
+from fv_kernel.card.spec import (
+    CapabilityMatrix,
+    CheckpointManifest,
+    ComponentCheckpoint,
+    ComponentSpec,
+    FrameRule,
+    GenerationDefaults,
+    LoopSpec,
+    ModelCard,
+    ParitySpec,
+    ParityTolerance,
+    PrecisionContract,
+    ProgramSpec,
+    RecipeSpec,
+    SamplerBinding,
+    StepCostSpec,
+)
+from fv_kernel.loop.context import LoopContext
+from fv_kernel.loop.contract import (
+    Done,
+    EmitSpec,
+    Loop,
+    LoopResult,
+    LoopState,
+    ResourceRequest,
+    ShapeSignature,
+    StepResult,
+    WorkKind,
+    WorkPlan,
+)
+from fv_kernel.loop.driver import drive
+from fv_kernel.loop.guidance import builtin_guidance_policies
+from fv_kernel.loop.samplers import SamplerState, builtin_samplers
+from fv_kernel.loop.sampling import apply_presence_penalty, sample_next_token
+from fv_kernel.loop.state import generator_from_state, new_generator_state
+from fv_kernel.program.base import Program
+from fv_kernel.request.artifacts import Provenance, TextArtifact, VideoArtifact
+from fv_kernel.request.request import Request
+from fv_kernel.request.types import TaskType
+
+__all__ = [
+    "ToyConfig",
+    "ToyLM",
+    "ToyDiT",
+    "ToyDecoder",
+    "toy_cards",
+    "toy_card",
+    "build_toy_instance",
+    "ByteCodec",
+    "TextEncodeLoop",
+    "ToyDenoiseLoop",
+    "ToyDecodeLoop",
+    "ToyARDecodeLoop",
+]
+
+_MODULE = "fv_kernel.testing.toy"
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+class ByteCodec:
+    """UTF-8 bytes as tokens: 0 = pad, 1 = eos, 2 = bos, bytes at 3..258."""
+
+    pad_id, eos_id, bos_id, vocab_size = 0, 1, 2, 259
+
+    def encode(self, text: str, max_length: int) -> list[int]:
+        ids = [self.bos_id] + [b + 3 for b in text.encode("utf-8")]
+        return ids[:max_length]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class ToyConfig:
+    dim = 32
+    heads = 2
+    layers = 2
+    latent_channels = 4
+    text_len = 16
+    vae_scale = 2
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+class ToyLM(nn.Module):
+    """A causal decoder whose layers also serve as the diffusion model's text encoder."""
+
+    def __init__(self, cfg: type[ToyConfig] = ToyConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.dim
+        self.embed = nn.Embedding(ByteCodec.vocab_size, d)
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(cfg.layers))
+        self.out = nn.ModuleList(nn.Linear(d, d) for _ in range(cfg.layers))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, ByteCodec.vocab_size)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.cfg.heads, -1).transpose(1, 2)
+
+    def forward_with_cache(
+        self, ids: torch.Tensor, past: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of ``ids`` after ``past`` (layers, 2, B, heads, T, hd), and the grown cache."""
+        x = self.embed(ids)
+        new_kv = []
+        for i in range(self.cfg.layers):
+            q, k, v = self.qkv[i](x).chunk(3, dim=-1)
+            q, k, v = self._split(q), self._split(k), self._split(v)
+            if past is not None:
+                k = torch.cat([past[i, 0], k], dim=2)
+                v = torch.cat([past[i, 1], v], dim=2)
+            new_kv.append(torch.stack([k, v]))
+            t_new, t_all = q.shape[2], k.shape[2]
+            mask = torch.ones(t_new, t_all, dtype=torch.bool).tril(diagonal=t_all - t_new)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + self.out[i](a.transpose(1, 2).reshape(x.shape))
+            x = x + self.mlp[i](x)
+        return self.norm(x), torch.stack(new_kv)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+
+class ToyDiT(nn.Module):
+    """Tokens = latent pixels; blocks of self-attention, cross-attention to text and a modulated MLP."""
+
+    def __init__(self, cfg: type[ToyConfig] = ToyConfig) -> None:
+        super().__init__()
+        d, c = cfg.dim, cfg.latent_channels
+        self.cfg = cfg
+        self.proj_in = nn.Linear(c, d)
+        self.time = nn.Sequential(nn.Linear(64, d), nn.SiLU(), nn.Linear(d, 2 * d))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {"qkv": nn.Linear(d, 3 * d), "o": nn.Linear(d, d), "q2": nn.Linear(d, d), "kv2": nn.Linear(d, 2 * d),
+                 "o2": nn.Linear(d, d), "mlp": nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))}
+            )
+            for _ in range(cfg.layers)
+        )
+        self.proj_out = nn.Linear(d, c)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.cfg.heads, -1).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        b, c, f, h, w = x.shape
+        tokens = self.proj_in(x.flatten(2).transpose(1, 2))
+        half = 32
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        args = t.float().view(-1, 1) * freqs.view(1, -1)
+        scale, shift = self.time(torch.cat([torch.cos(args), torch.sin(args)], dim=-1)).unsqueeze(1).chunk(2, dim=-1)
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](tokens).chunk(3, dim=-1)
+            a = _attention(self._heads(q), self._heads(k), self._heads(v))
+            tokens = tokens + blk["o"](a.transpose(1, 2).reshape(tokens.shape))
+            k2, v2 = blk["kv2"](context).chunk(2, dim=-1)
+            a2 = _attention(self._heads(blk["q2"](tokens)), self._heads(k2), self._heads(v2))
+            tokens = tokens + blk["o2"](a2.transpose(1, 2).reshape(tokens.shape))
+            tokens = tokens + blk["mlp"](tokens * (1 + scale) + shift)
+        return self.proj_out(tokens).transpose(1, 2).reshape(b, c, f, h, w)
+
+
+class ToyDecoder(nn.Module):
+    """Latent frame -> RGB frame, upsampled; decoded one latent frame at a time."""
+
+    def __init__(self, cfg: type[ToyConfig] = ToyConfig) -> None:
+        super().__init__()
+        self.scale = cfg.vae_scale
+        self.conv = nn.Conv2d(cfg.latent_channels, 3, 3, padding=1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:  # (B, C, h, w) -> (B, 3, H, W) in [0, 1]
+        up = F.interpolate(z, scale_factor=self.scale, mode="nearest")
+        return (torch.tanh(self.conv(up)) + 1) / 2
+
+
+# --------------------------------------------------------------------------- loops
+
+
+class TextEncodeState(LoopState):
+    ids: torch.Tensor
+    embeds: torch.Tensor | None = None
+
+
+class TextEncodeLoop(Loop[TextEncodeState]):
+    """One encoder step for the prompt and negative prompt; hidden states of the shared LM."""
+
+    kind = "text_encode"
+    state_type = TextEncodeState
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> TextEncodeState:
+        codec = ByteCodec()
+        prompt = ctx.upstream.get("upsampled_prompt") or request.text("prompt") or ""
+        texts = [prompt, request.text("negative_prompt") or ""]
+        rows = []
+        for text in texts:
+            ids = codec.encode(text, ToyConfig.text_len)
+            rows.append(ids + [codec.pad_id] * (ToyConfig.text_len - len(ids)))
+        return TextEncodeState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
+            ids=torch.tensor(rows, dtype=torch.long),
+        )
+
+    def next(self, state: TextEncodeState) -> WorkPlan | Done:
+        if state.embeds is not None:
+            return Done()
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.ENCODER_CHUNK, op="encode_text",
+            inputs={"ids": state.ids}, shape_sig=ShapeSignature.of(tokens=int(state.ids.shape[1])),
+        )
+
+    def advance(self, state: TextEncodeState, result: StepResult) -> TextEncodeState:
+        return state.model_copy(update={"embeds": result.outputs["hidden"], "step": state.step + 1})
+
+    def finalize(self, state: TextEncodeState) -> LoopResult:
+        assert state.embeds is not None
+        return LoopResult(loop_id=self.loop_id, outputs={"prompt_embeds": state.embeds[:1], "negative_embeds": state.embeds[1:]})
+
+    def progress(self, state: TextEncodeState) -> tuple[int, int | None]:
+        return state.step, 1
+
+
+class DenoiseState(LoopState):
+    latents: torch.Tensor
+    sampler_state: SamplerState
+    rng_state: torch.Tensor
+    prompt_embeds: torch.Tensor
+    negative_embeds: torch.Tensor
+    guidance: float
+    total_steps: int
+
+
+class ToyDenoiseLoop(Loop[DenoiseState]):
+    """A diffusion_denoise loop written with the kernel's samplers and guidance as a library."""
+
+    kind = "diffusion_denoise"
+    state_type = DenoiseState
+
+    def _sampler(self, request_shift: float | None = None) -> Any:
+        binding = self.spec.sampler
+        assert binding is not None
+        config = dict(binding.config)
+        if request_shift is not None:
+            config["shift"] = request_shift
+        return builtin_samplers()[binding.name](**config)
+
+    def _guidance(self) -> Any:
+        return builtin_guidance_policies()[self.spec.guidance or "cfg"]()
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> DenoiseState:
+        d = request.diffusion
+        assert d.height and d.width and d.frames and d.steps is not None
+        s = ToyConfig.vae_scale
+        shape = (1, ToyConfig.latent_channels, d.frames, d.height // s, d.width // s)
+        generator = torch.Generator().manual_seed(d.seed)
+        latents = torch.randn(shape, generator=generator, dtype=torch.float32)
+        sampler = self._sampler(d.shift)
+        steps = self.spec.sampler.fixed_steps if self.spec.sampler and self.spec.sampler.fixed_steps else d.steps
+        return DenoiseState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
+            latents=latents, sampler_state=sampler.init_state(steps), rng_state=generator.get_state(),
+            prompt_embeds=ctx.upstream["prompt_embeds"], negative_embeds=ctx.upstream["negative_embeds"],
+            guidance=float(d.guidance or 0.0), total_steps=steps,
+        )
+
+    def next(self, state: DenoiseState) -> WorkPlan | Done:
+        sampler = self._sampler_for(state)
+        if sampler.is_done(state.sampler_state):
+            return Done()
+        branches = self._guidance().branches(state.guidance)
+        context = torch.cat([state.prompt_embeds if b == "cond" else state.negative_embeds for b in branches])
+        n = len(branches)
+        t = sampler.timestep(state.sampler_state).reshape(1).expand(n).float()
+        tokens = int(state.latents[0, 0].numel())
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.DIFFUSION_STEP, op="dit_forward",
+            inputs={"x": state.latents.expand(n, *state.latents.shape[1:]), "t": t, "context": context},
+            params={"branches": n}, shape_sig=ShapeSignature.of(tokens=tokens, branches=n),
+            emits=[], tag="+".join(branches),
+        )
+
+    def _sampler_for(self, state: DenoiseState) -> Any:
+        # The sampler config (incl. a request's shift) is recorded in the state's signature.
+        import json
+
+        name, _, config = state.sampler_state.sampler.partition(":")
+        return builtin_samplers()[name](**json.loads(config))
+
+    def advance(self, state: DenoiseState, result: StepResult) -> DenoiseState:
+        sampler = self._sampler_for(state)
+        policy = self._guidance()
+        branches = policy.branches(state.guidance)
+        out = result.outputs["v"]
+        velocity = policy.combine(dict(zip(branches, out.split(1))), state.guidance, step_index=state.step)
+        noise = None
+        rng_state = state.rng_state
+        if sampler.needs_noise(state.sampler_state):
+            generator = generator_from_state(state.rng_state)
+            noise = torch.randn(state.latents.shape, generator=generator, dtype=torch.float32)
+            rng_state = generator.get_state()
+        new_sampler_state, latents = sampler.step(state.sampler_state, velocity, state.latents, noise=noise)
+        return state.model_copy(
+            update={"latents": latents, "sampler_state": new_sampler_state, "rng_state": rng_state, "step": state.step + 1}
+        )
+
+    def finalize(self, state: DenoiseState) -> LoopResult:
+        return LoopResult(loop_id=self.loop_id, outputs={"latents": state.latents})
+
+    def progress(self, state: DenoiseState) -> tuple[int, int | None]:
+        return state.step, state.total_steps
+
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        d = request.diffusion
+        tokens = (d.frames or 1) * (d.height or 8) // 2 * (d.width or 8) // 2
+        latent_bytes = 4 * ToyConfig.latent_channels * tokens
+        per_step = self.spec.step_cost.fixed_seconds + self.spec.step_cost.per_unit_seconds * tokens
+        return ResourceRequest(
+            gpu_seconds=per_step * (d.steps or 1) * self.spec.step_cost.conservative_factor,
+            resident_bytes=latent_bytes * 4, peak_bytes=latent_bytes * 16,
+        )
+
+
+class DecodeState(LoopState):
+    latents: torch.Tensor
+    frames: list[torch.Tensor] = []
+    fps: float
+
+
+class ToyDecodeLoop(Loop[DecodeState]):
+    """One WorkPlan per latent frame, streamed as a preview chunk as it finishes."""
+
+    kind = "vae_decode"
+    state_type = DecodeState
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> DecodeState:
+        return DecodeState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
+            latents=ctx.upstream["latents"], fps=float(request.diffusion.fps or 8.0),
+        )
+
+    def next(self, state: DecodeState) -> WorkPlan | Done:
+        index = len(state.frames)
+        if index >= state.latents.shape[2]:
+            return Done()
+        z = state.latents[:, :, index]
+        t0 = index / state.fps
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.VAE_TILE, op="decode_frame",
+            inputs={"z": z}, shape_sig=ShapeSignature.of(tokens=int(z[0, 0].numel())),
+            emits=[EmitSpec(stream="video", modality="video", preview=True, from_output="frame", pts=(t0, t0 + 1 / state.fps))],
+        )
+
+    def advance(self, state: DecodeState, result: StepResult) -> DecodeState:
+        return state.model_copy(update={"frames": [*state.frames, result.outputs["frame"]], "step": state.step + 1})
+
+    def finalize(self, state: DecodeState) -> LoopResult:
+        return LoopResult(loop_id=self.loop_id, artifacts=[self._artifact(state, partial=False)])
+
+    def partial(self, state: DecodeState) -> LoopResult | None:
+        if not state.frames:
+            return None
+        return LoopResult(loop_id=self.loop_id, artifacts=[self._artifact(state, partial=True)])
+
+    def _artifact(self, state: DecodeState, partial: bool) -> VideoArtifact:
+        frames = torch.cat(state.frames, dim=0)  # (F, 3, H, W)
+        return VideoArtifact(
+            frames=frames, fps=state.fps,
+            provenance=Provenance(model_id="", loop_id=self.loop_id, request_id=state.request_id, partial=partial),
+        )
+
+    def progress(self, state: DecodeState) -> tuple[int, int | None]:
+        return state.step, int(state.latents.shape[2])
+
+
+class ARState(LoopState):
+    prompt_ids: list[int]
+    generated: list[int] = []
+    kv: torch.Tensor | None = None
+    last_logits: torch.Tensor | None = None
+    rng_state: torch.Tensor
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    presence_penalty: float
+    stop_ids: list[int]
+    finished: bool = False
+
+
+class ToyARDecodeLoop(Loop[ARState]):
+    """Prefill, then one token per step against the KV cache in the state; seeded sampling; EOS."""
+
+    kind = "ar_decode"
+    state_type = ARState
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> ARState:
+        ar = request.ar
+        assert ar is not None
+        codec = ByteCodec()
+        return ARState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
+            prompt_ids=codec.encode(request.text("prompt") or "", 64), rng_state=new_generator_state(ar.seed),
+            max_tokens=ar.max_tokens, temperature=ar.temperature, top_k=ar.top_k, top_p=ar.top_p,
+            presence_penalty=ar.presence_penalty, stop_ids=[codec.eos_id, *ar.stop_token_ids],
+        )
+
+    def next(self, state: ARState) -> WorkPlan | Done:
+        if state.finished:
+            return Done()
+        if state.kv is None:
+            ids = torch.tensor([state.prompt_ids], dtype=torch.long)
+            return WorkPlan(
+                loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.AR_PREFILL, op="lm_prefill",
+                inputs={"ids": ids}, shape_sig=ShapeSignature.of(tokens=len(state.prompt_ids)),
+            )
+        last = state.generated[-1]
+        context = int(state.kv.shape[-2])
+        text = ByteCodec().decode([last])
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.AR_TOKEN, op="lm_decode",
+            inputs={"ids": torch.tensor([[last]], dtype=torch.long), "kv": state.kv.transpose(0, 2)},
+            shape_sig=ShapeSignature.of(tokens=1, context=context),
+            emits=[EmitSpec(stream="text", modality="text", text=text)] if text else [],
+        )
+
+    def advance(self, state: ARState, result: StepResult) -> ARState:
+        logits = result.outputs["logits"][0, -1]
+        kv = result.outputs["kv"].transpose(0, 2)
+        logits = apply_presence_penalty(logits, state.generated, state.presence_penalty)
+        generator = generator_from_state(state.rng_state)
+        token = sample_next_token(logits, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p, generator=generator)
+        generated = [*state.generated, token]
+        finished = token in state.stop_ids or len(generated) >= state.max_tokens
+        return state.model_copy(
+            update={"generated": generated, "kv": kv, "rng_state": generator.get_state(), "finished": finished,
+                    "step": state.step + 1}
+        )
+
+    def finalize(self, state: ARState) -> LoopResult:
+        ids = [t for t in state.generated if t not in state.stop_ids]
+        text = ByteCodec().decode(ids)
+        artifact = TextArtifact(
+            token_ids=state.generated, text=text,
+            provenance=Provenance(model_id="", loop_id=self.loop_id, request_id=state.request_id),
+        )
+        return LoopResult(loop_id=self.loop_id, outputs={"text": text, "upsampled_prompt": text}, artifacts=[artifact])
+
+    def progress(self, state: ARState) -> tuple[int, int | None]:
+        return state.step, state.max_tokens + 1
+
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        ar = request.ar
+        max_tokens = ar.max_tokens if ar else 64
+        cost = self.spec.step_cost
+        kv_bytes = 4 * 2 * ToyConfig.layers * ToyConfig.dim * (64 + max_tokens)
+        return ResourceRequest(
+            gpu_seconds=(max_tokens + 1) * cost.fixed_seconds * cost.conservative_factor,
+            resident_bytes=kv_bytes, peak_bytes=kv_bytes,
+        )
+
+
+class UpsampleThenGenerate(Program):
+    """toy-omni's text-to-video program: optionally rewrite the prompt with the LM, then generate.
+
+    Both loops run on the same resident instance and the same LM weights.
+    """
+
+    def loop_ids(self, request: Request) -> list[str]:
+        base = ["text_encode", "denoise", "decode"]
+        return (["upsample"] if request.prompt_upsampling else []) + base
+
+    async def run(self, model: ModelInstance, ctx: LoopContext) -> list[Any]:
+        upstream: dict[str, Any] = {}
+        artifacts: list[Any] = []
+        for loop_id in self.loop_ids(ctx.request):
+            result = await drive(model.loop(loop_id), model, ctx.child(upstream))
+            upstream.update(result.outputs)
+            artifacts.extend(result.artifacts)
+        return artifacts
+
+
+# --------------------------------------------------------------------------- ops + factory
+
+
+def _ops(instance: ModelInstance) -> dict[str, StepOp]:
+    comps = instance.components
+    ops: dict[str, StepOp] = {}
+    if "lm" in comps:
+        lm: ToyLM = comps["lm"]
+
+        def encode_text(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            hidden, _ = lm.forward_with_cache(inputs["ids"], None)
+            return {"hidden": hidden}
+
+        def lm_prefill(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            hidden, kv = lm.forward_with_cache(inputs["ids"], None)
+            return {"logits": lm.logits(hidden[:, -1:]), "kv": kv.transpose(0, 2)}
+
+        def lm_decode(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            hidden, kv = lm.forward_with_cache(inputs["ids"], inputs["kv"].transpose(0, 2))
+            return {"logits": lm.logits(hidden), "kv": kv.transpose(0, 2)}
+
+        ops["encode_text"] = StepOp("encode_text", encode_text)
+        ops["lm_prefill"] = StepOp("lm_prefill", lm_prefill)
+        ops["lm_decode"] = StepOp("lm_decode", lm_decode)
+    if "dit" in comps:
+        dit: ToyDiT = comps["dit"]
+
+        def dit_forward(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            return {"v": dit(inputs["x"], inputs["t"], inputs["context"])}
+
+        ops["dit_forward"] = StepOp("dit_forward", dit_forward)
+    if "decoder" in comps:
+        decoder: ToyDecoder = comps["decoder"]
+
+        def decode_frame(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            return {"frame": decoder(inputs["z"])}
+
+        ops["decode_frame"] = StepOp("decode_frame", decode_frame)
+    return ops
+
+
+_BUILDERS = {"lm": ToyLM, "dit": ToyDiT, "decoder": ToyDecoder}
+
+
+def build_component(name: str, seed: int) -> nn.Module:
+    """A toy component with seeded random weights (equal seeds give equal weights)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        module = _BUILDERS[name]()
+    return module.eval().requires_grad_(False)
+
+
+def build_toy_instance(card: ModelCard, options: InstanceOptions) -> ModelInstance:
+    def load(component_id: str) -> nn.Module:
+        seed = card.checkpoint.components[component_id].random_init_seed
+        return build_component(component_id, seed if seed is not None else 0)
+
+    return ModelInstance(card=card, options=options, component_loader=load, ops_builder=_ops, weights_version="toy-seeded")
+
+
+_T2V = frozenset({TaskType.TEXT_TO_VIDEO, TaskType.TEXT_TO_IMAGE})
+
+
+def toy_card(model_id: str) -> ModelCard:
+    """One of ``toy-dit``, ``toy-lm``, ``toy-omni``."""
+    has_dit = model_id in ("toy-dit", "toy-omni")
+    has_lm_task = model_id in ("toy-lm", "toy-omni")
+    tasks: set[TaskType] = set()
+    components: dict[str, ComponentSpec] = {
+        "lm": ComponentSpec(component_id="lm", kind="reasoner_tower", builder=f"{_MODULE}:build_component"),
+    }
+    ckpt: dict[str, ComponentCheckpoint] = {}
+    loops: dict[str, LoopSpec] = {}
+    programs: dict[TaskType, ProgramSpec] = {}
+    lm_tasks: set[TaskType] = set()
+    cost = StepCostSpec(unit="tokens", fixed_seconds=1e-3, per_unit_seconds=1e-6)
+    if has_dit:
+        tasks |= _T2V
+        lm_tasks |= _T2V
+        components["dit"] = ComponentSpec(component_id="dit", kind="dit", builder=f"{_MODULE}:build_component")
+        components["decoder"] = ComponentSpec(component_id="decoder", kind="vae", builder=f"{_MODULE}:build_component")
+        ckpt["dit"] = ComponentCheckpoint(required_for=_T2V, random_init_seed=1)
+        ckpt["decoder"] = ComponentCheckpoint(required_for=_T2V, random_init_seed=2)
+        loops["text_encode"] = LoopSpec(loop_id="text_encode", kind="text_encode", implementation=f"{_MODULE}:TextEncodeLoop", step_cost=cost)
+        loops["denoise"] = LoopSpec(
+            loop_id="denoise", kind="diffusion_denoise", implementation=f"{_MODULE}:ToyDenoiseLoop",
+            sampler=SamplerBinding(name="euler", config={"shift": 1.0}), guidance="cfg", step_cost=cost,
+        )
+        loops["denoise_unipc"] = LoopSpec(
+            loop_id="denoise_unipc", kind="diffusion_denoise", implementation=f"{_MODULE}:ToyDenoiseLoop",
+            sampler=SamplerBinding(name="unipc", config={"shift": 3.0}), guidance="cfg", step_cost=cost,
+        )
+        loops["decode"] = LoopSpec(loop_id="decode", kind="vae_decode", implementation=f"{_MODULE}:ToyDecodeLoop", step_cost=cost)
+        program = (
+            ProgramSpec(implementation=f"{_MODULE}:UpsampleThenGenerate") if model_id == "toy-omni"
+            else ProgramSpec(loops=("text_encode", "denoise", "decode"))
+        )
+        programs = {t: program for t in _T2V}
+    if has_lm_task:
+        tasks.add(TaskType.TEXT_GENERATION)
+        lm_tasks.add(TaskType.TEXT_GENERATION)
+        loops["upsample" if model_id == "toy-omni" else "decode_text"] = LoopSpec(
+            loop_id="upsample" if model_id == "toy-omni" else "decode_text", kind="ar_decode",
+            implementation=f"{_MODULE}:ToyARDecodeLoop", causal=True, step_cost=cost,
+        )
+        programs[TaskType.TEXT_GENERATION] = ProgramSpec(loops=("upsample" if model_id == "toy-omni" else "decode_text",))
+    ckpt["lm"] = ComponentCheckpoint(required_for=frozenset(lm_tasks), random_init_seed=0)
+    return ModelCard(
+        model_id=model_id,
+        family="toy",
+        summary="tiny pure-torch test card",
+        components=components,
+        loops=loops,
+        programs=programs,
+        capabilities=CapabilityMatrix(
+            tasks=frozenset(tasks),
+            defaults=GenerationDefaults(height=8, width=8, frames=3, fps=8.0, steps=4, guidance=3.0) if has_dit else None,
+            spatial_multiple=ToyConfig.vae_scale * 2,
+            frame_rule=FrameRule(modulus=2, remainder=1) if has_dit else FrameRule(),
+        ),
+        recipe=RecipeSpec(method="base"),
+        parity=ParitySpec(
+            level="C1", reference="self (serial run)",
+            tolerances=(ParityTolerance(name="interleaved_vs_serial", metric="bit_identical", value=0.0,
+                                        justification="exact batching runs non-invariant ops per sample"),),
+        ),
+        precision=PrecisionContract(default="fp32", supported=frozenset({"fp32"})),
+        checkpoint=CheckpointManifest(layout="embedded", components=ckpt),
+        factory=f"{_MODULE}:build_toy_instance",
+    )
+
+
+def toy_cards() -> list[ModelCard]:
+    return [toy_card(m) for m in ("toy-dit", "toy-lm", "toy-omni")]
