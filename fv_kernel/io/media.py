@@ -1,0 +1,130 @@
+"""Artifact writers. MP4 goes through PyAV (H.264, yuv420p); PNG through Pillow.
+
+Both are optional dependencies (``pip install fv-kernel[media]``); a missing one is a
+clear :class:`MediaError`, not an ImportError from deep inside a request.
+"""
+
+from __future__ import annotations
+
+import io
+import wave
+from pathlib import Path
+
+import torch
+
+from fv_kernel.errors import FvError
+
+__all__ = ["MediaError", "frames_to_uint8", "write_mp4", "encode_png", "write_png_frames", "write_tensor", "write_wav", "write_artifact"]
+
+
+class MediaError(FvError):
+    error_type = "media"
+
+
+def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:
+    """(F, 3, H, W) float in [0, 1] -> (F, H, W, 3) uint8."""
+    if frames.ndim != 4 or frames.shape[1] != 3:
+        raise MediaError(f"frames must be shaped (F, 3, H, W), got {tuple(frames.shape)}", param="frames")
+    return (frames.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()
+
+
+def write_mp4(frames: torch.Tensor, fps: float, path: str | Path, *, crf: int = 18) -> Path:
+    """Encode frames as H.264 MP4. Odd sizes are padded by one pixel (yuv420p needs even sizes)."""
+    try:
+        import av
+    except ImportError as exc:
+        raise MediaError(f"writing MP4 needs PyAV (pip install 'fv-kernel[media]'): {exc}") from None
+    from fractions import Fraction
+
+    pixels = frames_to_uint8(frames)
+    f, h, w, _ = pixels.shape
+    pad_h, pad_w = h % 2, w % 2
+    if pad_h or pad_w:
+        pixels = torch.nn.functional.pad(pixels.permute(0, 3, 1, 2), (0, pad_w, 0, pad_h), mode="replicate").permute(0, 2, 3, 1)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rate = Fraction(fps).limit_denominator(1001)
+    with av.open(str(path), mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=rate)
+        stream.width, stream.height = w + pad_w, h + pad_h
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": str(crf)}
+        for frame in pixels.numpy():
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def encode_png(frame: torch.Tensor) -> bytes:
+    """One (3, H, W) frame in [0, 1] as PNG bytes."""
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise MediaError(f"writing PNG needs Pillow (pip install 'fv-kernel[media]'): {exc}") from None
+    pixels = frames_to_uint8(frame.unsqueeze(0))[0].numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_png_frames(frames: torch.Tensor, folder: str | Path) -> list[Path]:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index, frame in enumerate(frames):
+        path = folder / f"frame_{index:05d}.png"
+        path.write_bytes(encode_png(frame))
+        paths.append(path)
+    return paths
+
+
+def write_tensor(frames: torch.Tensor, path: str | Path) -> Path:
+    """The raw frames: float32 (F, 3, H, W) in [0, 1], via ``torch.save``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(frames.detach().float().cpu().contiguous(), path)
+    return path
+
+
+def write_wav(samples: torch.Tensor, sample_rate: int, path: str | Path) -> Path:
+    """(channels, N) float in [-1, 1] as 16-bit PCM WAV."""
+    if samples.ndim != 2:
+        raise MediaError(f"audio samples must be shaped (channels, N), got {tuple(samples.shape)}", param="samples")
+    pcm = (samples.detach().float().clamp(-1, 1) * 32767).round().to(torch.int16).t().contiguous().cpu().numpy()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as wav:
+        wav.setnchannels(int(samples.shape[0]))
+        wav.setsampwidth(2)
+        wav.setframerate(int(sample_rate))
+        wav.writeframes(pcm.tobytes())
+    return path
+
+
+def write_artifact(artifact: object, path: str | Path) -> Path:
+    """Write a video artifact by the path's suffix: .mp4, .pt, .png (first frame) or a folder for PNG frames."""
+    from fv_kernel.request.artifacts import AudioArtifact, VideoArtifact
+
+    path = Path(path)
+    if isinstance(artifact, AudioArtifact):
+        return write_wav(artifact.samples, artifact.sample_rate, path)
+    if not isinstance(artifact, VideoArtifact):
+        raise MediaError(f"cannot write a {type(artifact).__name__} to {path}", param="output")
+    suffix = path.suffix.lower()
+    if suffix == ".mp4":
+        return write_mp4(artifact.frames, artifact.fps, path)
+    if suffix == ".pt":
+        return write_tensor(artifact.frames, path)
+    if suffix == ".png":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(encode_png(artifact.frames[0]))
+        return path
+    if suffix == "":
+        write_png_frames(artifact.frames, path)
+        return path
+    raise MediaError(
+        f"unsupported output suffix {suffix!r}; allowed: .mp4, .pt, .png, or a folder name without suffix for PNG frames",
+        param="output",
+    )
