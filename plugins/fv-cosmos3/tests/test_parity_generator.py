@@ -256,3 +256,15 @@ def test_generate_forward_input_errors(setup):
         no_sound = Cosmos3MoT(Cosmos3Config.tiny(sound_gen=False, sound_dim=None)).eval()
         with pytest.raises(ValueError, match="sound_gen"):
             no_sound.generate_forward(no_sound.text_kv_for_generation(data["ids"]), data["video"], TIMESTEP, sound_latents=data["sound"])
+
+
+def test_timestep_sinusoid_is_cos_then_sin_of_scaled_t():
+    from diffusers.models.embeddings import get_timestep_embedding
+
+    from fv_cosmos3.models.layers import TimestepEmbedder
+
+    t = torch.tensor([999.0, 437.5, 0.0]) * 0.001
+    ours = TimestepEmbedder.sinusoid(t)
+    theirs = get_timestep_embedding(t, 256, flip_sin_to_cos=True, downscale_freq_shift=0)
+    assert_close(ours, theirs)
+    assert_close(ours[:, 0], torch.cos(t))  # slot 0 has frequency 1: cos comes first
