@@ -1,0 +1,529 @@
+"""Building blocks of the Wan 2.1 / 2.2 causal video VAE.
+
+Module and parameter names mirror diffusers' ``AutoencoderKLWan`` so that its
+state dict loads with ``strict=True`` and no key map. Behaviour is re-derived
+from the reference, not copied, and differs in *how* it computes:
+
+* The causal feature cache is never stored on a module. Every cached layer is
+  given a fixed slot index at construction; callers pass a plain list of
+  slots (``list[Tensor | None]``) through ``forward`` and the layer reads and
+  replaces its own slot. Two requests therefore never share history.
+* Frame-wise 2D convolutions run as depth-1 3D convolutions on the 5D tensor,
+  and spatial zero padding is done by the convolution itself, which avoids the
+  permute/pad copies the reference makes at full resolution.
+* Fresh activations are updated in place (norm scale, SiLU, residual adds,
+  the 2.2 duplicate-upsample shortcut) so the peak working set stays small.
+
+Slot semantics (``CACHE_T = 2``): a slot holds up to the last two input frames
+of a causal conv, which stand in for its left zero padding on the next chunk.
+``None`` means "this stream has not started"; for the temporal resamplers a
+zero-frame tensor means "started, but no history yet", reproducing the
+reference's ``"Rep"`` marker with a serialisable value.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+CACHE_T = 2
+
+SlotList = list[Tensor | None]
+
+
+class SlotAllocator:
+    """Hands out consecutive cache-slot indices while a network is built."""
+
+    def __init__(self) -> None:
+        self._counter: Iterator[int] = itertools.count()
+        self.count = 0
+
+    def take(self) -> int:
+        self.count += 1
+        return next(self._counter)
+
+
+def _history_after(previous: Tensor | None, x: Tensor) -> Tensor:
+    """Last ``CACHE_T`` frames of ``cat(previous, x)`` as a tensor that owns its memory.
+
+    A fresh tensor is returned so the slot never pins the (larger) storage of ``x``.
+    """
+    frames = x.shape[2]
+    if frames >= CACHE_T or previous is None or previous.shape[2] == 0:
+        return x[:, :, -CACHE_T:].clone()
+    keep = CACHE_T - frames
+    return torch.cat([previous[:, :, -keep:].to(x.device), x], dim=2)
+
+
+class CausalConv3d(nn.Conv3d):
+    """3D convolution that is causal in time: time is padded (2p, 0), space (p, p).
+
+    ``history`` (earlier input frames) replaces as many of the leading zero
+    frames as it covers, so chunked processing equals processing at once.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int, int],
+        stride: int | tuple[int, int, int] = 1,
+        padding: int | tuple[int, int, int] = 0,
+    ) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding)
+        pad_t, pad_h, pad_w = self.padding  # normalised to a triple by nn.Conv3d
+        self.causal_time_pad = 2 * pad_t
+        self.spatial_padding = (0, pad_h, pad_w)
+
+    def forward(self, x: Tensor, history: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        pad = self.causal_time_pad
+        if pad > 0:
+            have = 0 if history is None else min(history.shape[2], pad)
+            b, c, t, h, w = x.shape
+            padded = x.new_empty((b, c, pad + t, h, w))
+            padded[:, :, : pad - have].zero_()
+            if have:
+                padded[:, :, pad - have : pad].copy_(history[:, :, -have:])
+            padded[:, :, pad:].copy_(x)
+            x = padded
+        return F.conv3d(x, self.weight, self.bias, self.stride, self.spatial_padding)
+
+
+class CachedCausalConv3d(CausalConv3d):
+    """A causal conv that owns one cache slot and updates it on every call."""
+
+    def __init__(self, *args: object, slots: SlotAllocator, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.slot = slots.take()
+
+    def forward(self, x: Tensor, cache: SlotList) -> Tensor:  # type: ignore[override]
+        history = cache[self.slot]
+        cache[self.slot] = _history_after(history, x)
+        return super().forward(x, history)
+
+
+class RMSNorm(nn.Module):
+    """L2-normalise over channels, times sqrt(dim) and a learnt per-channel gain.
+
+    ``gamma`` keeps the reference's shape ((dim,1,1,1) for video, (dim,1,1) for
+    images) so checkpoints load unchanged; it is broadcast over 5D input here.
+    """
+
+    def __init__(self, dim: int, images: bool) -> None:
+        super().__init__()
+        self.scale = dim**0.5
+        self.gamma = nn.Parameter(torch.ones((dim, 1, 1) if images else (dim, 1, 1, 1)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Half-precision input is reduced in fp32 (like the reference) without an fp32 copy of x.
+        low_precision = x.dtype in (torch.float16, torch.bfloat16)
+        norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32 if low_precision else None)
+        out = x / norm.clamp_min_(1e-12).to(x.dtype)
+        gain = (self.gamma * self.scale).to(out.dtype).reshape(-1, *([1] * (x.dim() - 2)))
+        return out.mul_(gain)
+
+
+def _frame_conv2d(x: Tensor, conv: nn.Conv2d, stride: int = 1, padding: int = 0) -> Tensor:
+    """Apply a 2D conv to every frame of a 5D tensor without folding time into batch."""
+    return F.conv3d(x, conv.weight.unsqueeze(2), conv.bias, (1, stride, stride), (0, padding, padding))
+
+
+def _nearest_up2x(x: Tensor) -> Tensor:
+    """2x nearest spatial upsampling of a 5D tensor (exact in any dtype)."""
+    b, c, t, h, w = x.shape
+    out = x.new_empty((b, c, t, 2 * h, 2 * w))
+    out.view(b, c, t, h, 2, w, 2).copy_(x.view(b, c, t, h, 1, w, 1).expand(b, c, t, h, 2, w, 2))
+    return out
+
+
+class ResidualBlock(nn.Module):
+    """RMSNorm-SiLU-CausalConv twice, plus a (1x1x1 conv) shortcut."""
+
+    def __init__(self, in_dim: int, out_dim: int, dropout: float, slots: SlotAllocator) -> None:
+        super().__init__()
+        self.dropout_p = dropout
+        self.norm1 = RMSNorm(in_dim, images=False)
+        self.conv1 = CachedCausalConv3d(in_dim, out_dim, 3, padding=1, slots=slots)
+        self.norm2 = RMSNorm(out_dim, images=False)
+        self.conv2 = CachedCausalConv3d(out_dim, out_dim, 3, padding=1, slots=slots)
+        self.conv_shortcut: nn.Module = CausalConv3d(in_dim, out_dim, 1) if in_dim != out_dim else nn.Identity()
+
+    def forward(self, x: Tensor, cache: SlotList) -> Tensor:
+        shortcut = self.conv_shortcut(x)
+        h = F.silu(self.norm1(x), inplace=True)
+        h = self.conv1(h, cache)
+        h = F.silu(self.norm2(h), inplace=True)
+        if self.dropout_p > 0 and self.training:
+            h = F.dropout(h, self.dropout_p, training=True)
+        h = self.conv2(h, cache)
+        return h.add_(shortcut)
+
+
+class AttentionBlock(nn.Module):
+    """Single-head self-attention over the pixels of each frame (no mixing across time)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim, images=True)
+        self.to_qkv = nn.Conv2d(dim, dim * 3, 1)
+        self.proj = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, c, t, h, w = x.shape
+        tokens = self.norm(x).permute(0, 2, 3, 4, 1).reshape(b * t, 1, h * w, c)
+        qkv = F.linear(tokens, self.to_qkv.weight.view(3 * c, c), self.to_qkv.bias)
+        q, k, v = qkv.chunk(3, dim=-1)
+        attended = F.scaled_dot_product_attention(q, k, v)
+        out = F.linear(attended, self.proj.weight.view(c, c), self.proj.bias)
+        return x + out.view(b, t, h, w, c).permute(0, 4, 1, 2, 3)
+
+
+class Resample(nn.Module):
+    """Spatial 2x up/down sampling, optionally with a causal 2x temporal step.
+
+    ``resample.1`` is the frame-wise conv (index 0 was a parameter-free
+    pad/upsample layer in the reference and is kept as a placeholder so the
+    checkpoint key matches).
+    """
+
+    MODES = ("upsample2d", "upsample3d", "downsample2d", "downsample3d")
+
+    def __init__(self, dim: int, mode: str, slots: SlotAllocator, upsample_out_dim: int | None = None) -> None:
+        super().__init__()
+        if mode not in self.MODES:
+            raise ValueError(f"Resample mode must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
+        self.upsample = mode.startswith("upsample")
+        out_dim = (upsample_out_dim or dim // 2) if self.upsample else dim
+        stride = 1 if self.upsample else 2
+        self.resample = nn.ModuleList([nn.Identity(), nn.Conv2d(dim, out_dim, 3, stride=stride, padding=0)])
+        self.time_slot: int | None = None
+        if mode == "upsample3d":
+            # Doubles channels; the two halves become two consecutive output frames.
+            self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1), padding=(1, 0, 0))
+            self.time_slot = slots.take()
+        elif mode == "downsample3d":
+            self.time_conv = CausalConv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1), padding=(0, 0, 0))
+            self.time_slot = slots.take()
+
+    def _upsample_time(self, x: Tensor, cache: SlotList) -> Tensor:
+        slot = self.time_slot
+        assert slot is not None
+        history = cache[slot]
+        if history is None:
+            # First chunk: the first latent frame maps to a single frame; mark the
+            # stream as started with an empty history (= zero padding next time).
+            cache[slot] = x.new_zeros((*x.shape[:2], 0, *x.shape[3:]))
+            return x
+        cache[slot] = _history_after(history, x)
+        y = self.time_conv(x, history)
+        b, c, t, h, w = x.shape
+        # (b, 2c, t) -> (b, c, 2t): channel half s is output frame 2t + s.
+        return y.view(b, 2, c, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * t, h, w)
+
+    def _downsample_time(self, x: Tensor, cache: SlotList) -> Tensor:
+        slot = self.time_slot
+        assert slot is not None
+        history = cache[slot]
+        cache[slot] = x[:, :, -1:].clone()
+        if history is None:
+            # First chunk (a single frame) passes through without temporal striding.
+            return x
+        return self.time_conv(torch.cat([history[:, :, -1:].to(x.device), x], dim=2))
+
+    def forward(self, x: Tensor, cache: SlotList) -> Tensor:
+        conv = self.resample[1]
+        assert isinstance(conv, nn.Conv2d)
+        if self.upsample:
+            if self.mode == "upsample3d":
+                x = self._upsample_time(x, cache)
+            return _frame_conv2d(_nearest_up2x(x), conv, padding=1)
+        # Reference pads right/bottom by one before a stride-2 valid conv.
+        x = _frame_conv2d(F.pad(x, (0, 1, 0, 1)), conv, stride=2)
+        if self.mode == "downsample3d":
+            x = self._downsample_time(x, cache)
+        return x
+
+
+class AvgDown3D(nn.Module):
+    """Parameter-free 2.2 shortcut: space/time-to-channel, then mean over channel groups."""
+
+    def __init__(self, in_channels: int, out_channels: int, factor_t: int, factor_s: int) -> None:
+        super().__init__()
+        self.out_channels = out_channels
+        self.factor_t = factor_t
+        self.factor_s = factor_s
+        factor = factor_t * factor_s * factor_s
+        if (in_channels * factor) % out_channels:
+            raise ValueError(
+                f"AvgDown3D: in_channels*factor ({in_channels}*{factor}) must be divisible by out_channels ({out_channels})"
+            )
+        self.group = in_channels * factor // out_channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        ft, fs = self.factor_t, self.factor_s
+        front = (ft - x.shape[2] % ft) % ft
+        if front:
+            x = F.pad(x, (0, 0, 0, 0, front, 0))
+        b, c, t, h, w = x.shape
+        x = x.view(b, c, t // ft, ft, h // fs, fs, w // fs, fs)
+        # channel order after folding: (c, ft, fs_h, fs_w)
+        x = x.permute(0, 1, 3, 5, 7, 2, 4, 6).reshape(b, self.out_channels, self.group, t // ft, h // fs, w // fs)
+        return x.mean(dim=2)
+
+
+class DupUp3D(nn.Module):
+    """Parameter-free 2.2 shortcut: channel-to-space/time by duplication.
+
+    Output channel ``o`` at sub-position ``k = (ti, hi, wi)`` reads input channel
+    ``(o * factor + k) // repeats``. ``add_into`` adds that tensor to ``target``
+    through a broadcast view when ``repeats`` tiles the sub-position grid, so the
+    (large) duplicated tensor is never materialised.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, factor_t: int, factor_s: int) -> None:
+        super().__init__()
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.factor_t = factor_t
+        self.factor_s = factor_s
+        self.factor = factor_t * factor_s * factor_s
+        if (out_channels * self.factor) % in_channels:
+            raise ValueError(
+                f"DupUp3D: out_channels*factor ({out_channels}*{self.factor}) must be divisible by in_channels ({in_channels})"
+            )
+        self.repeats = out_channels * self.factor // in_channels
+
+    def materialize(self, x: Tensor, first_chunk: bool) -> Tensor:
+        b, _, t, h, w = x.shape
+        ft, fs = self.factor_t, self.factor_s
+        dup = x.repeat_interleave(self.repeats, dim=1).view(b, self.out_channels, ft, fs, fs, t, h, w)
+        out = dup.permute(0, 1, 5, 2, 6, 3, 7, 4).reshape(b, self.out_channels, t * ft, h * fs, w * fs)
+        return out[:, :, ft - 1 :] if first_chunk else out
+
+    def add_into(self, target: Tensor, x: Tensor, first_chunk: bool) -> Tensor:
+        """``target += materialize(x, first_chunk)``, in place."""
+        b, _, t, h, w = x.shape
+        ft, fs, r = self.factor_t, self.factor_s, self.repeats
+        # k = (ti, hi, wi) flattened; a broadcast view exists when `repeats` spans a
+        # trailing block of that grid (always true for the power-of-two Wan configs).
+        view_ok = r in (1, fs, fs * fs, ft * fs * fs) and target.is_contiguous()
+        if first_chunk and ft > 1 and t != 1:
+            view_ok = False
+        if not view_ok:
+            return target.add_(self.materialize(x, first_chunk))
+        groups = self.factor // r
+        src = x.view(b, self.out_channels, groups, 1, t, h, w).expand(b, self.out_channels, groups, r, t, h, w)
+        src = src.view(b, self.out_channels, ft, fs, fs, t, h, w).permute(0, 1, 5, 2, 6, 3, 7, 4)
+        if first_chunk and ft > 1:
+            src, ft = src[:, :, :, ft - 1 :], 1  # keep only the last sub-frame of the single input frame
+        target.view(b, self.out_channels, t, ft, h, fs, w, fs).add_(src)
+        return target
+
+
+class MidBlock(nn.Module):
+    """Residual block, then (attention, residual block) pairs."""
+
+    def __init__(self, dim: int, dropout: float, slots: SlotAllocator, num_layers: int = 1) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([ResidualBlock(dim, dim, dropout, slots)])
+        attentions = []
+        for _ in range(num_layers):
+            attentions.append(AttentionBlock(dim))
+            self.resnets.append(ResidualBlock(dim, dim, dropout, slots))
+        self.attentions = nn.ModuleList(attentions)
+
+    def forward(self, x: Tensor, cache: SlotList) -> Tensor:
+        x = self.resnets[0](x, cache)
+        for attention, resnet in zip(self.attentions, self.resnets[1:]):
+            x = resnet(attention(x), cache)
+        return x
+
+
+class ResidualDownBlock(nn.Module):
+    """Wan 2.2 encoder stage: residual blocks + downsample, plus an AvgDown3D shortcut."""
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        dropout: float,
+        num_res_blocks: int,
+        temporal: bool,
+        down: bool,
+        slots: SlotAllocator,
+    ) -> None:
+        super().__init__()
+        self.avg_shortcut = AvgDown3D(in_dim, out_dim, factor_t=2 if temporal else 1, factor_s=2 if down else 1)
+        resnets = []
+        for _ in range(num_res_blocks):
+            resnets.append(ResidualBlock(in_dim, out_dim, dropout, slots))
+            in_dim = out_dim
+        self.resnets = nn.ModuleList(resnets)
+        self.downsampler = (
+            Resample(out_dim, "downsample3d" if temporal else "downsample2d", slots) if down else None
+        )
+
+    def forward(self, x: Tensor, cache: SlotList) -> Tensor:
+        h = x
+        for resnet in self.resnets:
+            h = resnet(h, cache)
+        if self.downsampler is not None:
+            h = self.downsampler(h, cache)
+        return h.add_(self.avg_shortcut(x))
+
+
+class UpBlock(nn.Module):
+    """Wan 2.1 decoder stage: residual blocks, then an optional upsampler (halves channels)."""
+
+    def __init__(
+        self, in_dim: int, out_dim: int, num_res_blocks: int, dropout: float, upsample_mode: str | None, slots: SlotAllocator
+    ) -> None:
+        super().__init__()
+        resnets = []
+        for _ in range(num_res_blocks + 1):
+            resnets.append(ResidualBlock(in_dim, out_dim, dropout, slots))
+            in_dim = out_dim
+        self.resnets = nn.ModuleList(resnets)
+        self.upsamplers = nn.ModuleList([Resample(out_dim, upsample_mode, slots)]) if upsample_mode else None
+
+    def forward(self, x: Tensor, cache: SlotList, first_chunk: bool) -> Tensor:
+        for resnet in self.resnets:
+            x = resnet(x, cache)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x, cache)
+        return x
+
+
+class ResidualUpBlock(nn.Module):
+    """Wan 2.2 decoder stage: residual blocks + upsampler, plus a DupUp3D shortcut."""
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        num_res_blocks: int,
+        dropout: float,
+        temporal: bool,
+        up: bool,
+        slots: SlotAllocator,
+    ) -> None:
+        super().__init__()
+        self.avg_shortcut = DupUp3D(in_dim, out_dim, factor_t=2 if temporal else 1, factor_s=2) if up else None
+        resnets = []
+        dim = in_dim
+        for _ in range(num_res_blocks + 1):
+            resnets.append(ResidualBlock(dim, out_dim, dropout, slots))
+            dim = out_dim
+        self.resnets = nn.ModuleList(resnets)
+        self.upsampler = (
+            Resample(out_dim, "upsample3d" if temporal else "upsample2d", slots, upsample_out_dim=out_dim)
+            if up
+            else None
+        )
+
+    def forward(self, x: Tensor, cache: SlotList, first_chunk: bool) -> Tensor:
+        h = x
+        for resnet in self.resnets:
+            h = resnet(h, cache)
+        if self.upsampler is not None:
+            h = self.upsampler(h, cache)
+        if self.avg_shortcut is not None:
+            h = self.avg_shortcut.add_into(h, x, first_chunk)
+        return h
+
+
+class Encoder3d(nn.Module):
+    """Causal video encoder: video (or patchified video) -> 2*z_dim channels."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        dim: int,
+        z_dim: int,
+        dim_mult: tuple[int, ...],
+        num_res_blocks: int,
+        attn_scales: tuple[float, ...],
+        temperal_downsample: tuple[bool, ...],
+        dropout: float,
+        is_residual: bool,
+        slots: SlotAllocator,
+    ) -> None:
+        super().__init__()
+        dims = [dim * m for m in (1, *dim_mult)]
+        last = len(dim_mult) - 1
+        self.conv_in = CachedCausalConv3d(in_channels, dims[0], 3, padding=1, slots=slots)
+        self.down_blocks = nn.ModuleList()
+        scale = 1.0
+        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+            if is_residual:
+                temporal = temperal_downsample[i] if i != last else False
+                self.down_blocks.append(
+                    ResidualDownBlock(in_dim, out_dim, dropout, num_res_blocks, temporal, i != last, slots)
+                )
+                continue
+            for _ in range(num_res_blocks):
+                self.down_blocks.append(ResidualBlock(in_dim, out_dim, dropout, slots))
+                if scale in attn_scales:
+                    self.down_blocks.append(AttentionBlock(out_dim))
+                in_dim = out_dim
+            if i != last:
+                mode = "downsample3d" if temperal_downsample[i] else "downsample2d"
+                self.down_blocks.append(Resample(out_dim, mode, slots))
+                scale /= 2.0
+        self.mid_block = MidBlock(dims[-1], dropout, slots)
+        self.norm_out = RMSNorm(dims[-1], images=False)
+        self.conv_out = CachedCausalConv3d(dims[-1], z_dim, 3, padding=1, slots=slots)
+
+    def forward(self, x: Tensor, cache: SlotList) -> Tensor:
+        x = self.conv_in(x, cache)
+        for layer in self.down_blocks:
+            x = layer(x) if isinstance(layer, AttentionBlock) else layer(x, cache)
+        x = self.mid_block(x, cache)
+        return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
+
+
+class Decoder3d(nn.Module):
+    """Causal video decoder: z_dim channels -> video (or patchified video)."""
+
+    def __init__(
+        self,
+        dim: int,
+        z_dim: int,
+        dim_mult: tuple[int, ...],
+        num_res_blocks: int,
+        temperal_upsample: tuple[bool, ...],
+        dropout: float,
+        out_channels: int,
+        is_residual: bool,
+        slots: SlotAllocator,
+    ) -> None:
+        super().__init__()
+        dims = [dim * m for m in (dim_mult[-1], *dim_mult[::-1])]
+        last = len(dim_mult) - 1
+        self.conv_in = CachedCausalConv3d(z_dim, dims[0], 3, padding=1, slots=slots)
+        self.mid_block = MidBlock(dims[0], dropout, slots)
+        self.up_blocks = nn.ModuleList()
+        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+            up = i != last
+            temporal = up and temperal_upsample[i]
+            if is_residual:
+                self.up_blocks.append(ResidualUpBlock(in_dim, out_dim, num_res_blocks, dropout, temporal, up, slots))
+            else:
+                # 2.1 upsamplers halve the channels, so later stages take in_dim // 2.
+                mode = ("upsample3d" if temporal else "upsample2d") if up else None
+                stage_in = in_dim // 2 if i > 0 else in_dim
+                self.up_blocks.append(UpBlock(stage_in, out_dim, num_res_blocks, dropout, mode, slots))
+        self.norm_out = RMSNorm(dims[-1], images=False)
+        self.conv_out = CachedCausalConv3d(dims[-1], out_channels, 3, padding=1, slots=slots)
+
+    def forward(self, x: Tensor, cache: SlotList, first_chunk: bool) -> Tensor:
+        x = self.conv_in(x, cache)
+        x = self.mid_block(x, cache)
+        for up_block in self.up_blocks:
+            x = up_block(x, cache, first_chunk)
+        return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
