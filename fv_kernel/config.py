@@ -19,7 +19,7 @@ from fv_kernel.plugins.config import PluginsConfig
 from fv_kernel.request.types import Precision
 from fv_kernel.runtime.engine import SchedulerConfig
 
-__all__ = ["CardDeployment", "DeployConfig", "DeployConfigError", "load_deploy_config"]
+__all__ = ["CardDeployment", "DeployConfig", "DeployConfigError", "ServerConfig", "load_deploy_config"]
 
 
 class DeployConfigError(FvError):
@@ -38,6 +38,21 @@ class CardDeployment(BaseModel):
     local_files_only: bool = False
 
 
+class ServerConfig(BaseModel):
+    """The ``server:`` section: how ``fv serve`` listens and where it keeps job metadata."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    #: Larger request bodies are refused with 413 before they are parsed.
+    max_body_bytes: int = Field(default=32 * 2**20, gt=0)
+    #: SQLite file of job metadata; None: ``<output_dir>/jobs.sqlite3``.
+    db_path: Path | None = None
+    #: Seconds between SSE keep-alive comments on an idle event stream.
+    sse_heartbeat_s: float = Field(default=15.0, gt=0)
+
+
 class DeployConfig(BaseModel):
     """The whole deployment, as an operator writes it."""
 
@@ -51,6 +66,7 @@ class DeployConfig(BaseModel):
     extensions: dict[str, dict[str, Any]] = Field(default_factory=dict)
     output_dir: Path = Path("fv-output")
     api_key: str | None = None
+    server: ServerConfig = ServerConfig()
 
     @field_validator("cards", mode="before")
     @classmethod

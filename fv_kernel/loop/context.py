@@ -57,8 +57,9 @@ class LoopContext:
     upstream: dict[str, Any] = field(default_factory=dict)
     #: Shared services (feature cache, KV pools, ...) keyed by name; resolved by the runtime.
     services: dict[str, Any] = field(default_factory=dict)
-    #: Called with each new LoopState after a step (checkpointing, observers). Read-only use.
-    on_state: Callable[[Any], None] | None = None
+    #: Called with each new LoopState after a step (checkpointing). It may return a
+    #: replacement state (e.g. one restored from bytes), which the driver continues from.
+    on_state: Callable[[Any], Any] | None = None
 
     @property
     def request_id(self) -> str:

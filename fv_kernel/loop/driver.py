@@ -61,7 +61,10 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopR
         done, total = loop.progress(state)
         ctx.emit("progress", loop_id=loop.loop_id, step=done, total=total)
         if ctx.on_state is not None:
-            ctx.on_state(state)
+            # A checkpoint hook may hand back a replacement (e.g. the state restored from bytes).
+            replacement = ctx.on_state(state)
+            if replacement is not None:
+                state = replacement
     return loop.finalize(state)
 
 

@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from fv_kernel.cache.feature import FeatureCache
 from fv_kernel.card.instance import ModelInstance
 from fv_kernel.card.validate import RequestLimits, resolve_request
 from fv_kernel.errors import (
@@ -280,6 +281,8 @@ class Engine:
         self.metrics = EngineMetrics()
         #: The plugin host's typed hook façade, for lifecycle broadcasts (None: no plugins).
         self.hooks = hooks
+        #: Engine-wide services loops reach through ``ctx.services`` (shared caches).
+        self.services: dict[str, Any] = {"feature_cache": FeatureCache()}
         self._instances: dict[str, ModelInstance] = {}
         self._by_instance_id: dict[str, ModelInstance] = {}
         self._records: dict[str, _Record] = {}
@@ -463,6 +466,7 @@ class Engine:
             executor=lambda plan: self._enqueue(record, plan),
             emit_event=record.emit,
             cancel=record.cancel,
+            services=self.services,
         )
         try:
             record.instance.load_for_task(request.task)

@@ -1,10 +1,16 @@
 """fv conformance kit: an opt-in pytest plugin (``pytest_plugins = ["fv_kernel.testing"]``).
 
 Install with ``pip install "fv-kernel[testing]"``. It is not auto-loaded into pytest
-sessions. Each kit lives in its own module and is re-exported here.
+sessions. Each kit lives in its own module and is re-exported here:
+
+- :mod:`.plugin_kit`: the plugin host fixtures and :class:`PluginConformance`;
+- :mod:`.card_kit`: :class:`CardConformance` and the interleave gate :class:`InterleaveConformance`;
+- :mod:`.toy`: tiny pure-torch cards used as fixtures and examples.
 """
 
+from .card_kit import *  # noqa: F401,F403
+from .card_kit import __all__ as _card_kit_all
 from .plugin_kit import *  # noqa: F401,F403
 from .plugin_kit import __all__ as _plugin_kit_all
 
-__all__ = [*_plugin_kit_all]
+__all__ = [*_plugin_kit_all, *_card_kit_all]

@@ -1,0 +1,52 @@
+"""Run one request directly, without the scheduler: every plan executes as soon as it is made.
+
+The reference path for parity tests and the conformance kit, and the simplest way
+to use a card from a script. The Engine is the path for anything concurrent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+import torch
+
+from fv_kernel.cache.feature import FeatureCache
+from fv_kernel.card.instance import ModelInstance
+from fv_kernel.card.validate import RequestLimits, resolve_request
+from fv_kernel.loop.context import LoopContext
+from fv_kernel.loop.contract import LoopState, StepResult, WorkPlan
+from fv_kernel.request.artifacts import Artifact
+from fv_kernel.request.request import Request
+
+__all__ = ["run_local", "run_local_async"]
+
+
+async def run_local_async(
+    request: Request,
+    instance: ModelInstance,
+    *,
+    on_state: Callable[[LoopState], LoopState | None] | None = None,
+    on_event: Callable[..., None] | None = None,
+    limits: RequestLimits | None = None,
+    services: dict[str, Any] | None = None,
+) -> list[Artifact]:
+    resolved = resolve_request(instance.card, request, limits)
+    instance.load_for_task(resolved.task)
+
+    async def execute(plan: WorkPlan) -> StepResult:
+        op = instance.op(plan.op)
+        with torch.inference_mode():
+            return StepResult(outputs=op.fn(plan.inputs, plan.params))
+
+    ctx = LoopContext(
+        request=resolved, executor=execute, on_state=on_state,
+        emit_event=on_event or (lambda *a, **k: None),
+        services=services if services is not None else {"feature_cache": FeatureCache()},
+    )
+    return await instance.program(resolved.task).run(instance, ctx)
+
+
+def run_local(request: Request, instance: ModelInstance, **kwargs: Any) -> list[Artifact]:
+    """Blocking form of :func:`run_local_async`."""
+    return asyncio.run(run_local_async(request, instance, **kwargs))

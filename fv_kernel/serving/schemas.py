@@ -1,0 +1,147 @@
+"""The wire schemas of the video API. Every request schema forbids unknown fields."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "VideoCreate",
+    "ImageGenerate",
+    "JobError",
+    "VideoJob",
+    "VideoList",
+    "DeletedVideo",
+    "ImageData",
+    "ImagesResponse",
+    "ModelInfo",
+    "ModelList",
+    "parse_size",
+    "JOB_STATUSES",
+    "TERMINAL_STATUSES",
+    "JOB_ID_PATTERN",
+]
+
+JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
+JOB_STATUSES: tuple[str, ...] = ("queued", "in_progress", "completed", "failed", "cancelled")
+TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
+#: Server-generated ids only; anything else is refused before it touches the store or disk.
+JOB_ID_PATTERN = re.compile(r"^video_[0-9a-f]{32}$")
+
+# Absolute sanity bounds; the deployment's `limits:` and the card are the real caps.
+_MAX_SIDE = 16384
+_MAX_FRAMES = 100_000
+_MAX_STEPS = 10_000
+_SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """``"WxH"`` -> (width, height); raises ValueError naming the expected form."""
+    match = _SIZE.match(size.strip())
+    if match is None:
+        raise ValueError(f"size {size!r} is not WIDTHxHEIGHT (e.g. 832x480)")
+    width, height = int(match.group(1)), int(match.group(2))
+    if not (0 < width <= _MAX_SIDE and 0 < height <= _MAX_SIDE):
+        raise ValueError(f"size {size!r}: width and height must be between 1 and {_MAX_SIDE}")
+    return width, height
+
+
+class _Generation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, min_length=1, description="card id; omitted: the only resident card")
+    prompt: str = Field(min_length=1, max_length=20_000)
+    negative_prompt: str | None = Field(default=None, max_length=20_000)
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 832x480; omitted: the card's default")
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description="omitted: a random seed, reported on the job")
+    steps: int | None = Field(default=None, gt=0, le=_MAX_STEPS)
+    guidance: float | None = Field(default=None, ge=0, le=100)
+    #: Parameters for plugins the deployment enabled (its ``extensions:``), validated by their schema.
+    extensions: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class VideoCreate(_Generation):
+    """``POST /v1/videos`` (JSON, or the same fields as multipart form fields)."""
+
+    seconds: float | None = Field(default=None, gt=0, le=3600, description="duration; converted to a valid frame count")
+    frames: int | None = Field(default=None, gt=0, le=_MAX_FRAMES)
+    fps: float | None = Field(default=None, gt=0, le=240)
+    #: The first frame for image-to-video: base64 (optionally a data: URL) in JSON, a file in multipart.
+    input_reference: str | None = None
+
+
+class ImageGenerate(_Generation):
+    """``POST /v1/images/generations``, OpenAI-images-shaped."""
+
+    n: int = Field(default=1, ge=1, le=8)
+    response_format: Literal["b64_json"] = "b64_json"
+
+
+class JobError(BaseModel):
+    type: str
+    message: str
+    param: str | None = None
+
+
+class VideoJob(BaseModel):
+    """A video job as the API reports it (OpenAI's video object plus fv's generation settings)."""
+
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    status: JobStatus
+    progress: int = Field(ge=0, le=100)
+    created_at: int
+    started_at: int | None = None
+    completed_at: int | None = None
+    expires_at: int | None = None
+    error: JobError | None = None
+    prompt: str
+    task: str
+    size: str
+    seconds: str
+    frames: int
+    fps: float
+    steps: int | None
+    guidance: float | None
+    seed: int
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoJob]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class DeletedVideo(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool = True
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+
+
+class ModelInfo(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "fv"
+    tasks: list[str]
+    defaults: dict[str, Any] | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelInfo]
