@@ -20,6 +20,7 @@ from fv_wan.models.transformer import (
     cast_for_inference,
     convert_original_state_dict,
     count_forward_flops,
+    load_wan_state_dict,
 )
 
 FP32_TOLERANCE = 1e-5
@@ -227,6 +228,10 @@ def test_convert_original_state_dict_round_trip() -> None:
     assert torch.equal(model.blocks[0].attn2.add_k_proj.weight, original["blocks.0.cross_attn.k_img.weight"])
     assert torch.equal(model.scale_shift_table, original["head.modulation"])
     assert torch.equal(model.blocks[1].scale_shift_table, original["blocks.1.modulation"])
+    # Old diffusers checkpoints carry unused norm_added_q weights, which diffusers ignores on load.
+    load_wan_state_dict(model, {**converted, "blocks.0.attn2.norm_added_q.weight": torch.ones(24)})
+    with pytest.raises(WanStateDictError, match=r"missing \['proj_out.bias'\]"):
+        load_wan_state_dict(model, {k: v for k, v in converted.items() if k != "proj_out.bias"})
     # A wrapper prefix is stripped; an unknown key is reported by name.
     prefixed = convert_original_state_dict({f"model.diffusion_model.{k}": v for k, v in original.items()})
     assert prefixed.keys() == converted.keys()

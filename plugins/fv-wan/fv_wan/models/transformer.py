@@ -508,7 +508,7 @@ class WanTransformer(nn.Module):
             image_tokens = embedder.image_embedder(encoder_hidden_states_image.to(compute_dtype))
             context = torch.cat([image_tokens, context], dim=1)
         context_image = None
-        if self.blocks and self.blocks[0].attn2.add_k_proj is not None:
+        if config.added_kv_proj_dim is not None:
             # diffusers' rule: the added K/V branch reads the first L - 512 context tokens.
             num_image_tokens = context.shape[1] - TEXT_CONTEXT_LENGTH
             if encoder_hidden_states_image is not None and encoder_hidden_states.shape[1] != TEXT_CONTEXT_LENGTH:
