@@ -1,7 +1,7 @@
 """fv conformance kit: an opt-in pytest plugin (``pytest_plugins = ["fv_kernel.testing"]``).
 
 Install with ``pip install "fv-kernel[testing]"``. It is not auto-loaded into pytest
-sessions. Each kit lives in its own module and is re-exported here:
+sessions. PYTEST_DONT_REWRITE (kits fail through ``pytest.fail``). Each kit lives in its own module and is re-exported here:
 
 - :mod:`.plugin_kit`: the plugin host fixtures and :class:`PluginConformance`;
 - :mod:`.card_kit`: :class:`CardConformance` and the interleave gate :class:`InterleaveConformance`;

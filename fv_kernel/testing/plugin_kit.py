@@ -1,5 +1,8 @@
 """Plugin conformance: hermetic-host fixtures and the :class:`PluginConformance` base class.
 
+PYTEST_DONT_REWRITE: checks report through ``pytest.fail``, so the kit needs no assertion
+rewriting and may be imported before pytest registers it.
+
 A plugin's test suite gets every plugin check by subclassing::
 
     pytest_plugins = ["fv_kernel.testing"]
@@ -103,10 +106,11 @@ class PluginConformance:
     search_path: ClassVar[Sequence[str] | None] = None
 
     @pytest.fixture(scope="class")
-    def fv_plugin_checker(self) -> PluginChecker:
-        if not self.distribution:
-            pytest.fail(f"{type(self).__name__} must set `distribution = \"<your distribution name>\"`", pytrace=False)
-        return PluginChecker(self.distribution, search_path=self.search_path)
+    @classmethod
+    def fv_plugin_checker(cls) -> PluginChecker:
+        if not cls.distribution:
+            pytest.fail(f"{cls.__name__} must set `distribution = \"<your distribution name>\"`", pytrace=False)
+        return PluginChecker(cls.distribution, search_path=cls.search_path)
 
     @staticmethod
     def _require(problems: list[str], what: str) -> None:

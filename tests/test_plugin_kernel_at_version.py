@@ -1,0 +1,48 @@
+"""tools/kernel_at_version.py: the oldest declared kernel, from the tree or a git tag."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "kernel_at_version.py"
+
+
+@pytest.fixture(scope="module")
+def tool():  # noqa: ANN201
+    spec = importlib.util.spec_from_file_location("kernel_at_version", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def plugin_dir(tmp_path: Path, requirement: str) -> Path:
+    (tmp_path / "pyproject.toml").write_text(f'[project]\nname = "fv-x"\nversion = "1"\ndependencies = ["torch", "{requirement}"]\n')
+    return tmp_path
+
+
+def test_minimum_version_is_the_lower_bound(tool, tmp_path: Path) -> None:  # noqa: ANN001
+    assert tool.minimum_kernel_version(plugin_dir(tmp_path, "fv-kernel>=0.1,<0.2")) == Version("0.1")
+    with pytest.raises(tool.KernelVersionError, match="has no lower bound"):
+        tool.minimum_kernel_version(plugin_dir(tmp_path, "fv-kernel<2"))
+
+
+def test_current_version_uses_the_tree_and_older_ones_the_tag(tool, tmp_path: Path) -> None:  # noqa: ANN001
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    (repo / "pyproject.toml").write_text('[project]\nname = "fv-kernel"\nversion = "0.1.0"\n')
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "v0.1"], check=True)
+    subprocess.run([*git, "tag", "fv-kernel-v0.1.0"], check=True)
+    (repo / "pyproject.toml").write_text('[project]\nname = "fv-kernel"\nversion = "0.2.0"\n')
+    assert tool.kernel_source(Version("0.2"), tmp_path / "a", repo=repo) == repo
+    exported = tool.kernel_source(Version("0.1.0"), tmp_path / "b", repo=repo)
+    assert 'version = "0.1.0"' in (exported / "pyproject.toml").read_text()
+    with pytest.raises(tool.KernelVersionError, match="tag 'fv-kernel-v0.0.9'"):
+        tool.kernel_source(Version("0.0.9"), tmp_path / "c", repo=repo)
