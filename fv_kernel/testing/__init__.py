@@ -1,11 +1,14 @@
 """fv conformance kit: an opt-in pytest plugin (``pytest_plugins = ["fv_kernel.testing"]``).
 
 Install with ``pip install "fv-kernel[testing]"``. It is not auto-loaded into pytest
-sessions. PYTEST_DONT_REWRITE (kits fail through ``pytest.fail``). Each kit lives in its own module and is re-exported here:
+sessions. Each kit lives in its own module and is re-exported here:
 
 - :mod:`.plugin_kit`: the plugin host fixtures and :class:`PluginConformance`;
 - :mod:`.card_kit`: :class:`CardConformance` and the interleave gate :class:`InterleaveConformance`;
 - :mod:`.toy`: tiny pure-torch cards used as fixtures and examples.
+
+PYTEST_DONT_REWRITE: this package is usually imported by the test module that
+declares it in ``pytest_plugins``, i.e. before pytest could rewrite it.
 """
 
 from .card_kit import *  # noqa: F401,F403
