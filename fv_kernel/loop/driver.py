@@ -55,7 +55,12 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopR
         plan = loop.next(state)
         if isinstance(plan, Done):
             break
-        result = await ctx.execute(plan)
+        try:
+            result = await ctx.execute(plan)
+        except LoopCancelled:
+            raise
+        except RequestCancelled as exc:  # cancelled while the step was queued: report what we have
+            raise LoopCancelled(exc.message, loop.partial(state), state) from None
         state = loop.advance(state, result)
         _emit_chunks(ctx, plan, result, counters)
         done, total = loop.progress(state)
