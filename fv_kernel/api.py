@@ -8,6 +8,7 @@ The plugin API version is :data:`API_VERSION`.
 from __future__ import annotations
 
 from fv_kernel import API_VERSION, __version__
+from fv_kernel.cache.paged_kv import CacheFull, KVBlockTable, PagedKVConfig, PagedKVPool
 from fv_kernel.card.catalog import CardCatalog, ResolvedModel
 from fv_kernel.card.checkpoint import apply_key_map, dtype_for_key, load_into, read_safetensors, resolve_source
 from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp, build_instance, import_object
