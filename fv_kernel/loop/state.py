@@ -79,11 +79,11 @@ class TensorState(BaseModel):
 
     @classmethod
     def from_bytes(cls: type[T], data: bytes) -> T:
-        return cls._from_payload(torch.load(io.BytesIO(data), weights_only=True))
+        return cls._from_payload(_read(io.BytesIO(data)))
 
     @classmethod
     def load(cls: type[T], path: str | os.PathLike[str]) -> T:
-        return cls._from_payload(torch.load(os.fspath(path), weights_only=True))
+        return cls._from_payload(_read(os.fspath(path)))
 
     @classmethod
     def _from_payload(cls: type[T], payload: Any) -> T:
@@ -97,6 +97,15 @@ class TensorState(BaseModel):
                 f"{expected} state_version {payload['state_version']} cannot be loaded by version {cls.state_version}"
             )
         return cls.model_validate(payload["data"])
+
+
+def _read(source: Any) -> Any:
+    try:
+        return torch.load(source, weights_only=True)
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise StateFormatError(f"not a readable fv state: {type(exc).__name__}") from None
 
 
 def new_generator_state(seed: int) -> torch.Tensor:
