@@ -13,6 +13,7 @@ tensors are stored bit-exactly and loading never executes pickled code.
 from __future__ import annotations
 
 import io
+import pickle
 import os
 from typing import Any, ClassVar, TypeVar
 
@@ -102,7 +103,7 @@ class TensorState(BaseModel):
 def _read(source: Any) -> Any:
     try:
         return torch.load(source, weights_only=True)
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+    except (RuntimeError, EOFError, ValueError, OSError, pickle.UnpicklingError) as exc:
         if isinstance(exc, FileNotFoundError):
             raise
         raise StateFormatError(f"not a readable fv state: {type(exc).__name__}") from None
