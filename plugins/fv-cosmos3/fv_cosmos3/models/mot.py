@@ -170,6 +170,7 @@ class Cosmos3MoT(nn.Module):
         past: TextKV | None,
         purpose: KVPurpose,
         skip_last_mlp: bool,
+        past_valid: torch.Tensor | None = None,
     ) -> _TextTowerResult:
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (B, T), got {tuple(input_ids.shape)}")
@@ -187,6 +188,15 @@ class Cosmos3MoT(nn.Module):
         if past is not None and length > 1:
             attn_mask = torch.ones(length, past_len + length, dtype=torch.bool, device=input_ids.device).tril(
                 diagonal=past_len
+            )
+        if past_valid is not None:
+            # Batched decode over right-padded caches of different lengths: hide each row's padding.
+            if past is None or past_valid.shape != (batch, past_len):
+                raise ValueError(f"past_valid must be (B, past_len) = ({batch}, {past_len}), got {tuple(past_valid.shape)}")
+            causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+            attn_mask = torch.cat(
+                [past_valid[:, None, None, :].expand(batch, 1, length, past_len), causal.expand(batch, 1, length, length)],
+                dim=-1,
             )
 
         c = self.config
@@ -259,6 +269,24 @@ class Cosmos3MoT(nn.Module):
         result = self._text_tower(token_ids, positions, kv, "reasoner", skip_last_mlp=False)
         assert result.hidden is not None
         return self._logits(result.hidden, all_logits), kv.append(result.kv)
+
+    def text_extend(
+        self,
+        token_ids: torch.Tensor,
+        past: TextKV,
+        positions: torch.Tensor | None = None,
+        *,
+        past_valid: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, TextKV]:
+        """Like ``text_decode_step`` but returns only the new tokens' K/V (for a paged cache
+        that stores them itself), and accepts right-padded caches: ``past_valid`` (B, past_len)
+        marks each row's real cached tokens, so rows of different lengths decode as one batch.
+        Returns logits (B, n, V) and the new tokens' ``TextKV``.
+        """
+        self._check_kv(past, "reasoner")
+        result = self._text_tower(token_ids, positions, past, "reasoner", skip_last_mlp=False, past_valid=past_valid)
+        assert result.hidden is not None
+        return self._logits(result.hidden, True), result.kv
 
     def text_kv_for_generation(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> TextKV:
         """The per-layer reasoner K/V of a prompt, as the generator's queries see it.
