@@ -5,7 +5,10 @@ from __future__ import annotations
 import typer
 
 from fv_kernel import API_VERSION, __version__
+from fv_kernel.cli.cards_cmd import cards_app
+from fv_kernel.cli.generate_cmd import generate
 from fv_kernel.cli.plugins_cmd import plugins_app
+from fv_kernel.cli.serve_cmd import serve
 
 app = typer.Typer(
     name="fv",
@@ -13,6 +16,9 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(plugins_app, name="plugins")
+app.add_typer(cards_app, name="cards")
+app.command("generate")(generate)
+app.command("serve")(serve)
 
 
 @app.command("version")

@@ -1,0 +1,133 @@
+"""``fv cards``: list, show and validate model cards contributed by plugins.
+
+Validation never loads weights or touches a GPU: a card is a declarative contract.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+from pydantic import ValidationError
+
+from fv_kernel.card.catalog import CardCatalog
+from fv_kernel.card.spec import ModelCard
+from fv_kernel.errors import FvError
+from fv_kernel.plugins import PluginHost, PluginWarning
+
+cards_app = typer.Typer(help="List, show and validate model cards.", no_args_is_help=True)
+
+
+def _catalog() -> CardCatalog:
+    host = PluginHost()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PluginWarning)
+        host.start(fail_fast=False)
+    for warning in caught:
+        typer.echo(f"warning: {warning.message}", err=True)
+    return CardCatalog(host)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _describe_validation_error(exc: ValidationError) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "<card>"
+        lines.append(f"{where}: {err['msg']}")
+    return lines
+
+
+def _summary(card: ModelCard, plugin: str) -> dict[str, Any]:
+    recipe = card.recipe
+    recipe_text = recipe.method
+    if recipe.assumes_loop:
+        recipe_text += f" (assumes loop {recipe.assumes_loop})"
+    if recipe.parents:
+        recipe_text += f" from {', '.join(recipe.parents)}"
+    return {
+        "model_id": card.model_id,
+        "family": card.family,
+        "recipe": recipe_text,
+        "tasks": sorted(t.value for t in card.capabilities.tasks),
+        "parity": card.parity.level.value,
+        "plugin": plugin,
+    }
+
+
+@cards_app.command("list")
+def list_cards(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
+    """Every card the enabled plugins contribute, with its recipe."""
+    try:
+        entries = _catalog().entries()
+    except FvError as exc:
+        _fail(str(exc))
+        return
+    rows = [_summary(e.card, e.plugin) for e in entries.values()]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        typer.echo("no cards: install a model plugin, e.g. 'pip install fv-wan'")
+        return
+    headers = ["model_id", "family", "recipe", "tasks", "parity", "plugin"]
+    table = [[r["model_id"], r["family"], r["recipe"], ",".join(r["tasks"]), r["parity"], r["plugin"]] for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
+    typer.echo("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths)))
+    for row in table:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+
+
+@cards_app.command("show")
+def show_card(model_id: str = typer.Argument(..., help="Card id, e.g. wan-tiny.")) -> None:
+    """The full card as JSON."""
+    try:
+        card = _catalog().get(model_id)
+    except FvError as exc:
+        _fail(str(exc))
+        return
+    typer.echo(card.model_dump_json(indent=2))
+
+
+@cards_app.command("validate")
+def validate_card(
+    card: str = typer.Argument(..., help="An installed card id, or a card file (.json / .yaml)."),
+) -> None:
+    """Validate a card without loading weights; exits non-zero naming each bad field."""
+    path = Path(card)
+    if path.suffix.lower() in (".json", ".yaml", ".yml") or path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+            data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            _fail(f"cannot read card file {path}: {exc}")
+            return
+        try:
+            parsed = ModelCard.model_validate(data)
+        except ValidationError as exc:
+            typer.echo(f"invalid card {path}:", err=True)
+            for line in _describe_validation_error(exc):
+                typer.echo(f"  {line}", err=True)
+            raise typer.Exit(1) from None
+        typer.echo(f"ok: {parsed.model_id} ({parsed.family}, recipe {parsed.recipe.method})")
+        return
+    try:
+        found = _catalog().get(card)
+        ModelCard.model_validate(found.model_dump())
+    except ValidationError as exc:
+        for line in _describe_validation_error(exc):
+            typer.echo(f"  {line}", err=True)
+        raise typer.Exit(1) from None
+    except FvError as exc:
+        _fail(str(exc))
+        return
+    typer.echo(f"ok: {found.model_id} ({found.family}, recipe {found.recipe.method})")
+
+

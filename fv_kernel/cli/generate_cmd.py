@@ -1,0 +1,190 @@
+"""``fv generate``: one request, end to end, on a resident instance, written to a file.
+
+Bad input is one line naming the field and the allowed values, a non-zero exit, and
+no file written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from pydantic import ValidationError
+
+from fv_kernel.card.catalog import CardCatalog
+from fv_kernel.card.instance import InstanceOptions, build_instance
+from fv_kernel.card.validate import resolve_request
+from fv_kernel.errors import FvError, InvalidRequest
+from fv_kernel.io.media import MediaError, write_artifact
+from fv_kernel.plugins import PluginHost, PluginWarning
+from fv_kernel.request.artifacts import AudioArtifact, TextArtifact, VideoArtifact
+from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
+from fv_kernel.request.types import PRECISIONS, TaskType
+from fv_kernel.runtime.engine import Engine, GenerationResult, SchedulerConfig
+
+__all__ = ["generate"]
+
+_OUTPUT_SUFFIXES = (".mp4", ".pt", ".png")
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def load_image(path: Path) -> Any:
+    """An image file as a float (3, H, W) tensor in [0, 1], or a typed error naming ``image``."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise InvalidRequest("image", "reading images needs Pillow (pip install 'fv-kernel[media]')") from None
+    import numpy as np
+    import torch
+
+    try:
+        with Image.open(path) as img:
+            rgb = np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0
+    except FileNotFoundError:
+        raise InvalidRequest("image", f"{path} does not exist") from None
+    except (UnidentifiedImageError, OSError) as exc:
+        raise InvalidRequest("image", f"{path} is not a readable image ({type(exc).__name__})", allowed="PNG, JPEG, WebP, ...") from None
+    return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+
+
+def _validation_line(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"] if p not in ("diffusion", "ar")) or "request"
+    return f"{field}: {err['msg']}"
+
+
+class _Progress:
+    """A one-line progress bar per loop on stderr."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.current: str | None = None
+
+    def update(self, loop_id: str, step: int, total: int | None) -> None:
+        if not self.enabled:
+            return
+        if self.current is not None and self.current != loop_id:
+            sys.stderr.write("\n")
+        self.current = loop_id
+        if total:
+            filled = int(30 * step / total)
+            sys.stderr.write(f"\r{loop_id:>12} [{'#' * filled}{'.' * (30 - filled)}] {step}/{total}")
+        else:
+            sys.stderr.write(f"\r{loop_id:>12} {step}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.current is not None:
+            sys.stderr.write("\n")
+
+
+def generate(
+    model: str = typer.Option(..., "--model", "-m", help="Card id (see 'fv cards list'), a local checkpoint directory, or a hub id."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="What to generate."),
+    output: Path = typer.Option(..., "--output", "-o", help="Output file: .mp4 (H.264), .pt (float32 tensor (F,3,H,W) in [0,1]), .png (first frame)."),
+    negative_prompt: Optional[str] = typer.Option(None, "--negative-prompt", help="What to steer away from (cards with CFG)."),
+    image: Optional[Path] = typer.Option(None, "--image", help="Conditioning image for image-to-video."),
+    task: Optional[TaskType] = typer.Option(None, "--task", help="Declare the task; default: image_to_video with --image, else text_to_video."),
+    height: Optional[int] = typer.Option(None, "--height"),
+    width: Optional[int] = typer.Option(None, "--width"),
+    frames: Optional[int] = typer.Option(None, "--frames"),
+    steps: Optional[int] = typer.Option(None, "--steps"),
+    guidance: Optional[float] = typer.Option(None, "--guidance"),
+    shift: Optional[float] = typer.Option(None, "--shift"),
+    sampler: Optional[str] = typer.Option(None, "--sampler", help="Sampler of the denoise loop (the card's default if omitted)."),
+    seed: int = typer.Option(0, "--seed"),
+    precision: Optional[str] = typer.Option(None, "--precision", help=f"One of {', '.join(PRECISIONS)} (the card's default if omitted)."),
+    device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
+    upsample_prompt: bool = typer.Option(False, "--upsample-prompt", help="Rewrite the prompt with the card's reasoner first (cards that have one)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Token budget of the prompt rewrite."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Generate a video (or image) with one card and write it to --output."""
+    suffix = output.suffix.lower()
+    if suffix not in _OUTPUT_SUFFIXES:
+        _fail(f"output: unsupported suffix {suffix or '(none)'!r}; allowed: {', '.join(_OUTPUT_SUFFIXES)}")
+    if precision is not None and precision not in PRECISIONS:
+        _fail(f"precision: {precision!r} is not a precision; allowed: {', '.join(PRECISIONS)}")
+    try:
+        chosen_task = task or (TaskType.IMAGE_TO_VIDEO if image is not None else TaskType.TEXT_TO_VIDEO)
+        inputs: list[Any] = [TextPart(text=prompt)]
+        if negative_prompt:
+            inputs.append(TextPart(text=negative_prompt, role="negative_prompt"))
+        if image is not None:
+            inputs.append(ImagePart(image=load_image(image)))
+        request = Request(
+            model=model, task=chosen_task, inputs=tuple(inputs), precision=precision,  # type: ignore[arg-type]
+            prompt_upsampling=upsample_prompt,
+            ar=ARParams(max_tokens=max_tokens, seed=seed) if upsample_prompt else None,
+            diffusion=DiffusionParams(height=height, width=width, frames=frames, steps=steps, guidance=guidance,
+                                      shift=shift, sampler=sampler, seed=seed),
+        )
+    except ValidationError as exc:
+        message = _validation_line(exc)
+        if "needs input part(s) ['image']" in message:
+            message = f"image: task {chosen_task.value!r} needs --image"
+        _fail(message)
+        return
+    except FvError as exc:
+        _fail(exc.message)
+        return
+
+    host = PluginHost()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PluginWarning)
+        host.start(fail_fast=False)
+    for warning in caught:
+        typer.echo(f"warning: {warning.message}", err=True)
+    try:
+        resolved = CardCatalog(host).resolve(model)
+        card = resolved.card
+        request = request.with_updates(model=card.model_id)
+        engine = Engine(SchedulerConfig(), hooks=host.hooks)
+        resolve_request(card, request)  # every input error surfaces before weights load
+        instance = build_instance(card, InstanceOptions(device=device, precision=precision, source=resolved.source))  # type: ignore[arg-type]
+        engine.add_instance(instance)
+        result = host.hooks.wrap_generate(request, lambda req: _run(engine, req, _Progress(not quiet)))
+    except FvError as exc:
+        _fail(exc.message)
+        return
+    if result.status != "completed":
+        detail = result.error.message if result.error else result.status
+        _fail(f"generation {result.status}: {detail}")
+        return
+    for artifact in result.artifacts:
+        if isinstance(artifact, TextArtifact):
+            typer.echo(f"{artifact.name}: {artifact.text}")
+    videos = [a for a in result.artifacts if isinstance(a, VideoArtifact)]
+    if not videos:
+        _fail(f"model: card {card.model_id!r} returned no video for task {request.task.value!r}")
+        return
+    try:
+        written = write_artifact(videos[0], output)
+        for audio in (a for a in result.artifacts if isinstance(a, AudioArtifact)):
+            write_artifact(audio, output.with_suffix(".wav"))
+    except MediaError as exc:
+        _fail(exc.message)
+        return
+    video = videos[0]
+    typer.echo(f"wrote {written} ({video.frames.shape[0]} frames, {video.frames.shape[3]}x{video.frames.shape[2]}, {video.fps:g} fps)")
+
+
+def _run(engine: Engine, request: Request, progress: _Progress) -> GenerationResult:
+    async def go() -> GenerationResult:
+        async with engine.running():
+            handle = engine.submit(request)
+            async for event in handle.events():
+                if event.type == "progress":
+                    progress.update(event.loop_id, event.step, event.total)
+            progress.close()
+            return await handle.result()
+
+    return asyncio.run(go())
