@@ -299,7 +299,7 @@ def test_from_pretrained_loads_diffusers_checkpoint_with_fp32_modules(tmp_path) 
 def test_cast_for_inference_keeps_listed_modules_fp32() -> None:
     model = cast_for_inference(WanTransformer(WanTransformerConfig.tiny(image=True, in_channels=36)), torch.float16)
     for name, parameter in model.named_parameters():
-        kept = any(part in {"time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"} for part in name.split("."))
+        kept = bool({"time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"} & set(name.split(".")))
         assert parameter.dtype == (torch.float32 if kept else torch.float16), name
     assert model.rope.cos_table.dtype == torch.float32
 

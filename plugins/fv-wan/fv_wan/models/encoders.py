@@ -117,7 +117,8 @@ class WanTextEncoder(nn.Module):
         keep = torch.arange(length, device=hidden.device)[None, :] < seq_lens[:, None]
         hidden = torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
         if length < max_sequence_length:
-            hidden = torch.cat([hidden, hidden.new_zeros(hidden.shape[0], max_sequence_length - length, hidden.shape[2])], 1)
+            padding = hidden.new_zeros(hidden.shape[0], max_sequence_length - length, hidden.shape[2])
+            hidden = torch.cat([hidden, padding], dim=1)
         return hidden.to(device) if device is not None else hidden
 
     def forward(self, prompts: str | Sequence[str], max_sequence_length: int = 512) -> torch.Tensor:
@@ -275,7 +276,9 @@ class WanImageEncoder(nn.Module):
         return cls(model.to(device=device, dtype=dtype).eval(), processor)
 
     @classmethod
-    def tiny(cls, seed: int = 0, *, hidden_size: int = 16, image_size: int = 32, patch_size: int = 8) -> WanImageEncoder:
+    def tiny(
+        cls, seed: int = 0, *, hidden_size: int = 16, image_size: int = 32, patch_size: int = 8
+    ) -> WanImageEncoder:
         """A random 3-layer CLIP vision tower with the built-in preprocessing (no download)."""
         from transformers import CLIPVisionConfig, CLIPVisionModel
 

@@ -72,7 +72,9 @@ class ByteTokenizer:
             raise TypeError("texts must be a str or a sequence of str")
         mode = {True: "longest", False: "do_not_pad"}.get(padding, padding) if isinstance(padding, bool) else padding
         if mode not in ("max_length", "longest", "do_not_pad"):
-            raise ValueError(f"padding must be one of 'max_length', 'longest', 'do_not_pad', True, False; got {padding!r}")
+            raise ValueError(
+                f"padding must be one of 'max_length', 'longest', 'do_not_pad', True, False; got {padding!r}"
+            )
         if return_tensors not in ("pt", None):
             raise ValueError(f"return_tensors must be 'pt' or None, got {return_tensors!r}")
         limit = max_length if max_length is not None else self.model_max_length

@@ -194,8 +194,9 @@ def timestep_sinusoid(timesteps: torch.Tensor, dim: int, max_period: float = 100
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[..., 0::2], x[..., 1::2]) of x (B, L, H, D) by (L, 1, D/2) tables."""
     even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    # Math in the tables' fp32, each half rounded once to x's dtype before interleaving (no fp32 stack pass).
+    rotated = torch.stack(((even * cos - odd * sin).to(x.dtype), (even * sin + odd * cos).to(x.dtype)), dim=-1)
+    return rotated.flatten(-2)
 
 
 # --------------------------------------------------------------------------- modules
@@ -273,7 +274,9 @@ class _FeedForward(nn.Module):
 
     def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, approximate: Literal["none", "tanh"]) -> None:
         super().__init__()
-        self.net = nn.ModuleList([_GeluProjection(in_dim, hidden_dim, approximate), nn.Identity(), nn.Linear(hidden_dim, out_dim)])
+        self.net = nn.ModuleList(
+            [_GeluProjection(in_dim, hidden_dim, approximate), nn.Identity(), nn.Linear(hidden_dim, out_dim)]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net[2](self.net[0](x))
@@ -392,7 +395,8 @@ class WanAttention(nn.Module):
 class WanBlockInputs:
     """Everything a block needs besides the token stream; built once per forward by ``prepare``.
 
-    Shapes: ``x`` the initial tokens (B, L, dim) from the patch embedding; ``context`` (B, L_text, dim); ``context_image`` (B, L_img, dim) or None;
+    Shapes: ``x`` the initial tokens (B, L, dim) from the patch embedding; ``context`` (B, L_text, dim);
+    ``context_image`` (B, L_img, dim) or None;
     ``timestep_proj`` (B, S, 6, dim) and ``temb`` (B, S, dim) with S = 1 for one timestep per
     sample or S = number of tokens for per-token timesteps (Wan 2.2 TI2V); ``rotary`` = (cos, sin),
     each (L, 1, head_dim // 2) fp32; ``grid_sizes`` = post-patch (frames, height, width).
@@ -416,7 +420,9 @@ class WanTransformerBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim, eps, elementwise_affine=False)
         self.attn1 = WanAttention(dim, heads, config.attention_head_dim, eps)
         self.attn2 = WanAttention(dim, heads, config.attention_head_dim, eps, config.added_kv_proj_dim)
-        self.norm2: nn.Module = nn.LayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
+        self.norm2: nn.Module = (
+            nn.LayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
+        )
         self.ffn = _FeedForward(dim, config.ffn_dim, dim, approximate="tanh")
         self.norm3 = nn.LayerNorm(dim, eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
@@ -448,7 +454,8 @@ class WanTransformer(nn.Module):
         self.config = config
         dim = config.inner_dim
         self.rope = WanRotaryEmbedding(config.attention_head_dim, config.rope_max_seq_len)
-        self.patch_embedding = nn.Conv3d(config.in_channels, dim, kernel_size=config.patch_size, stride=config.patch_size)
+        patch = config.patch_size
+        self.patch_embedding = nn.Conv3d(config.in_channels, dim, kernel_size=patch, stride=patch)
         self.condition_embedder = WanConditionEmbedder(config)
         self.blocks = nn.ModuleList([WanTransformerBlock(config) for _ in range(config.num_layers)])
         self.norm_out = nn.LayerNorm(dim, config.eps, elementwise_affine=False)
@@ -490,7 +497,9 @@ class WanTransformer(nn.Module):
         batch, _, frames, height, width = hidden_states.shape
         p_t, p_h, p_w = config.patch_size
         if frames % p_t or height % p_h or width % p_w:
-            raise ValueError(f"latent size (F={frames}, H={height}, W={width}) must be divisible by patch_size {config.patch_size}")
+            raise ValueError(
+                f"latent size (F={frames}, H={height}, W={width}) must be divisible by patch_size {config.patch_size}"
+            )
         grid_sizes = (frames // p_t, height // p_h, width // p_w)
         num_tokens = math.prod(grid_sizes)
         compute_dtype = self.patch_embedding.weight.dtype
@@ -504,7 +513,10 @@ class WanTransformer(nn.Module):
 
         if encoder_hidden_states_image is not None:
             if embedder.image_embedder is None:
-                raise ValueError("encoder_hidden_states_image was given but this model has no image embedder (config.image_dim is None)")
+                raise ValueError(
+                    "encoder_hidden_states_image was given but this model has no image embedder "
+                    "(config.image_dim is None)"
+                )
             image_tokens = embedder.image_embedder(encoder_hidden_states_image.to(compute_dtype))
             context = torch.cat([image_tokens, context], dim=1)
         context_image = None
