@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 import os
 from typing import Any, ClassVar, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 __all__ = ["TensorState", "StateFormatError", "generator_from_state", "new_generator_state"]
 
@@ -31,16 +32,30 @@ class StateFormatError(ValueError):
     """A serialized state could not be read back as the requested type."""
 
 
-def _to_plain(value: Any) -> Any:
-    """Recursively turn nested states into plain containers, keeping tensors as they are."""
+_TYPE_KEY = "__state_type__"
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _to_plain(value: Any, *, top: bool = True) -> Any:
+    """Recursively turn nested states into plain containers, keeping tensors as they are.
+
+    Nested states record their concrete type, so a field declared as a base state
+    (e.g. ``SamplerState``) reads back as the subclass it held (e.g. ``UniPCState``).
+    """
     if isinstance(value, TensorState):
-        return {name: _to_plain(getattr(value, name)) for name in type(value).model_fields}
+        plain = {name: _to_plain(getattr(value, name), top=False) for name in type(value).model_fields}
+        if not top:
+            plain[_TYPE_KEY] = _qualified(type(value))
+        return plain
     if isinstance(value, BaseModel):
         return value.model_dump(mode="python")
     if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
+        return {k: _to_plain(v, top=False) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_to_plain(v) for v in value]
+        return [_to_plain(v, top=False) for v in value]
     return value
 
 
@@ -56,6 +71,23 @@ class TensorState(BaseModel):
 
     #: Bumped by a subclass when its field layout changes incompatibly.
     state_version: ClassVar[int] = 1
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _concrete_type(cls, data: Any, handler: Any) -> Any:
+        # Only already-imported subclasses of the declared type are accepted: state
+        # bytes are data and must never make us import arbitrary modules.
+        if isinstance(data, dict) and _TYPE_KEY in data:
+            data = dict(data)
+            name = data.pop(_TYPE_KEY)
+            if name != _qualified(cls):
+                module_name, _, qualname = str(name).partition(":")
+                module = sys.modules.get(module_name)
+                target = getattr(module, qualname, None) if module is not None and "." not in qualname else None
+                if not (isinstance(target, type) and issubclass(target, cls)):
+                    raise ValueError(f"state type {name!r} is not a loaded subclass of {_qualified(cls)}")
+                return target.model_validate(data)
+        return handler(data)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain nested dict of this state (tensors kept, not copied)."""
