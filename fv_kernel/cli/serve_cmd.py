@@ -1,0 +1,128 @@
+"""``fv serve``: the OpenAI-style video API over a deployment (FastAPI under uvicorn).
+
+FastAPI and uvicorn are imported only when the command runs, so ``fv --help`` stays
+fast and works without the ``serve`` extra.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import typer
+
+if TYPE_CHECKING:  # the config imports the engine (torch); the CLI root must stay light
+    from fv_kernel.config import DeployConfig
+
+__all__ = ["serve", "resolve_serve_config", "extension_param_schemas"]
+
+
+def resolve_serve_config(
+    config_path: Optional[Path],
+    models: list[str],
+    host: Optional[str],
+    port: Optional[int],
+    api_key: Optional[str],
+) -> "DeployConfig":
+    """The deploy config with the command line's overrides applied (``--model`` replaces ``cards:``)."""
+    from fv_kernel.config import DeployConfig, load_deploy_config
+
+    config = load_deploy_config(config_path) if config_path is not None else DeployConfig()
+    updates: dict[str, Any] = {}
+    if models:
+        updates["cards"] = [{"model": m} for m in models]
+    server: dict[str, Any] = {}
+    if host is not None:
+        server["host"] = host
+    if port is not None:
+        server["port"] = port
+    if server:
+        updates["server"] = config.server.model_copy(update=server).model_dump()
+    if api_key:
+        updates["api_key"] = api_key
+    if not updates:
+        return config
+    # Re-validate, so a bad override is reported exactly like a bad config key.
+    return DeployConfig.model_validate({**config.model_dump(), **updates})
+
+
+def extension_param_schemas(host: Any, names: list[str]) -> dict[str, type]:
+    """The per-request parameter schema of each enabled extension.
+
+    An interceptor or observer class declares one as a ``request_params`` class attribute
+    (a pydantic model); one without it accepts no per-request parameters. Naming an
+    extension that no enabled plugin contributes is a deploy-config error.
+    """
+    from pydantic import BaseModel
+
+    from fv_kernel.config import DeployConfigError
+
+    registered: dict[str, Any] = {}
+    for kind in ("interceptors", "observers"):
+        try:
+            contributions = host.hooks.contributions(kind)
+        except Exception:  # noqa: BLE001 - a kind no installed plugin can provide yet
+            continue
+        for namespaced, contribution in contributions.items():
+            registered[namespaced] = registered[contribution.name] = contribution.obj
+    schemas: dict[str, type] = {}
+    for name in names:
+        if name not in registered:
+            known = ", ".join(sorted(registered)) or "none"
+            raise DeployConfigError(f"extensions.{name}: no enabled plugin contributes it; known: {known}", param=f"extensions.{name}")
+        schema = getattr(registered[name], "request_params", None)
+        if isinstance(schema, type) and issubclass(schema, BaseModel):
+            schemas[name] = schema
+    return schemas
+
+
+def serve(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Deploy config YAML.", exists=True, dir_okay=False),
+    model: list[str] = typer.Option([], "--model", "-m", help="Card to serve (repeatable); replaces the config's cards."),
+    host: Optional[str] = typer.Option(None, "--host", help="Interface to bind (default 127.0.0.1)."),
+    port: Optional[int] = typer.Option(None, "--port", help="Port to listen on (default 8000)."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", help="Require 'Authorization: Bearer KEY' (default: $FV_API_KEY or the config's api_key)."
+    ),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+) -> None:
+    """Serve the OpenAI-style video API (POST /v1/videos, SSE events, /metrics) over the deployment."""
+    from fv_kernel.config import DeployConfig, DeployConfigError
+
+    try:
+        deploy = resolve_serve_config(config, model, host, port, api_key or os.environ.get("FV_API_KEY"))
+    except DeployConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        from fv_kernel.serving import create_app, serve_forever
+    except ImportError as exc:
+        typer.echo(f"error: fv serve needs the serve extra (pip install 'fv-kernel[serve]'): {exc}", err=True)
+        raise typer.Exit(2) from None
+    from fv_kernel.errors import FvError
+    from fv_kernel.plugins.host import PluginHost
+    from fv_kernel.runtime.deploy import build_engine
+
+    plugin_host = PluginHost(deploy.plugins)
+    try:
+        plugin_host.start()
+        if not deploy.cards:
+            default = plugin_host.hooks.default_model()
+            if default is None:
+                typer.echo("error: no card to serve: pass --model CARD or list cards in the config", err=True)
+                raise typer.Exit(2)
+            deploy = deploy.model_copy(update={"cards": [{"model": default}]})
+            deploy = DeployConfig.model_validate(deploy.model_dump())
+        schemas = extension_param_schemas(plugin_host, sorted(deploy.extensions))
+        engine = build_engine(deploy, host=plugin_host)
+    except FvError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    app = create_app(engine, deploy, extension_schemas=schemas)
+    typer.echo(
+        f"fv serve: {', '.join(sorted(engine.instances))} on http://{deploy.server.host}:{deploy.server.port}"
+        + (" (API key required)" if deploy.api_key else ""),
+        err=True,
+    )
+    serve_forever(app, host=deploy.server.host, port=deploy.server.port, log_level=log_level)

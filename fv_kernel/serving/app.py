@@ -1,0 +1,279 @@
+"""The FastAPI application: an OpenAI-style video API over one running :class:`Engine`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Literal, Mapping
+
+import torch
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fv_kernel import __version__
+from fv_kernel.config import DeployConfig
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.serving.errors import ApiError, error_body, from_validation_errors
+from fv_kernel.serving.jobs import JobManager, StreamEvent
+from fv_kernel.serving.media import decode_base64_image, decode_image
+from fv_kernel.serving.metrics import CONTENT_TYPE, render_metrics
+from fv_kernel.serving.middleware import AuthMiddleware, BodyLimitMiddleware, BodyTooLarge
+from fv_kernel.serving.schemas import (
+    DeletedVideo,
+    ImageGenerate,
+    ImagesResponse,
+    ModelInfo,
+    ModelList,
+    VideoCreate,
+    VideoJob,
+    VideoList,
+)
+from fv_kernel.serving.store import JobStore
+
+__all__ = ["create_app"]
+
+#: Paths that never need the API key (liveness probes).
+OPEN_PATHS = frozenset({"/health"})
+#: The largest input image decoded, in pixels (before any model-side resize).
+_MAX_IMAGE_PIXELS = 8192 * 8192
+_MAX_FORM_FIELDS = 64
+
+
+def _encode_sse(item: StreamEvent | None) -> bytes:
+    if item is None:
+        return b": keep-alive\n\n"
+    data = json.dumps(item.data, separators=(",", ":"))
+    return f"id: {item.seq}\nevent: {item.event}\ndata: {data}\n\n".encode()
+
+
+def _parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_json", f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_json", "the request body must be a JSON object")
+    return data
+
+
+def _validate(schema: type[BaseModel], data: Mapping[str, Any]) -> Any:
+    try:
+        return schema.model_validate(dict(data))
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+
+
+async def _read_video_create(request: Request, *, max_pixels: int) -> tuple[VideoCreate, torch.Tensor | None]:
+    """``POST /v1/videos`` as JSON (base64 image) or multipart (image file); either way one schema."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        try:
+            form = await request.form(max_files=1, max_fields=_MAX_FORM_FIELDS)
+        except BodyTooLarge:
+            raise
+        except Exception as exc:  # noqa: BLE001 - python-multipart raises several types for bad bodies
+            raise ApiError(400, "invalid_request", f"malformed multipart body: {exc}") from None
+        fields: dict[str, Any] = {}
+        image_bytes: bytes | None = None
+        for key, value in form.multi_items():
+            if key in fields or (key == "input_reference" and image_bytes is not None):
+                raise ApiError(400, "invalid_request", f"{key}: given more than once", param=key)
+            if isinstance(value, UploadFile):
+                if key != "input_reference":
+                    raise ApiError(400, "unknown_field", f"{key}: unknown file field; allowed: input_reference", param=key)
+                image_bytes = await value.read()
+            else:
+                fields[key] = value
+        if "extensions" in fields:
+            try:
+                fields["extensions"] = json.loads(fields["extensions"])
+            except json.JSONDecodeError:
+                raise ApiError(400, "invalid_json", "extensions: not a JSON object", param="extensions") from None
+        body = _validate(VideoCreate, fields)
+        if image_bytes is not None:
+            return body, decode_image(image_bytes, param="input_reference", max_pixels=max_pixels)
+    elif content_type in ("application/json", ""):
+        body = _validate(VideoCreate, _parse_json_object(await request.body()))
+    else:
+        raise ApiError(
+            415, "unsupported_media_type",
+            f"content type {content_type!r}; allowed: application/json, multipart/form-data, application/x-www-form-urlencoded",
+        )
+    if body.input_reference is not None:
+        return body, decode_base64_image(body.input_reference, param="input_reference", max_pixels=max_pixels)
+    return body, None
+
+
+def create_app(
+    engine: Engine,
+    config: DeployConfig,
+    *,
+    extension_schemas: Mapping[str, type[BaseModel]] | None = None,
+) -> FastAPI:
+    """The video API over ``engine``. The app's lifespan starts and stops the engine.
+
+    ``extension_schemas`` maps an extension the deploy config enables to the pydantic
+    model of its per-request parameters; an enabled extension without one accepts none.
+    """
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    store = JobStore(config.server.db_path or output_dir / "jobs.sqlite3")
+    rejections: Counter[str] = Counter()
+    limits = config.limits
+    max_pixels = min(_MAX_IMAGE_PIXELS, 16 * limits.max_pixels) if limits.max_pixels else _MAX_IMAGE_PIXELS
+    manager = JobManager(
+        engine, store, output_dir,
+        enabled_extensions=config.extensions, extension_schemas=extension_schemas or {},
+        max_image_pixels=max_pixels, rejections=rejections,
+    )
+    heartbeat_s = config.server.sse_heartbeat_s
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await manager.start()
+        try:
+            yield
+        finally:
+            await manager.stop()
+            store.close()
+
+    app = FastAPI(title="fv video API", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.manager = manager
+    app.state.store = store
+    app.state.engine = engine
+
+    # -- errors: always {"error": {...}}, a 4xx for anything the caller did -------------------
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        rejections["body_too_large"] += 1
+        return JSONResponse(error_body("body_too_large", str(exc)), status_code=413)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = from_validation_errors(list(exc.errors()))
+        rejections[error.error_type] += 1
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(error_body(kind, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body("internal_error", f"{type(exc).__name__}: {exc}"), status_code=500)
+
+    # -- videos -------------------------------------------------------------------------
+    @app.post("/v1/videos", response_model=VideoJob)
+    async def create_video(request: Request) -> VideoJob:
+        try:
+            body, image = await _read_video_create(request, max_pixels=max_pixels)
+        except ApiError as exc:
+            raise manager.reject(exc) from None
+        return manager.create_video(body, image)
+
+    @app.get("/v1/videos", response_model=VideoList)
+    async def list_videos(
+        limit: int = Query(default=20, ge=1, le=100),
+        after: str | None = Query(default=None),
+        order: Literal["asc", "desc"] = Query(default="desc"),
+    ) -> VideoList:
+        if after is not None:
+            manager.check_id(after)
+        try:
+            rows, has_more = store.page(limit=limit, after=after, order=order)
+        except KeyError:
+            raise ApiError(404, "not_found", f"after: no video job {after!r}", param="after") from None
+        data = [manager.view(manager.record(row.id)) for row in rows]
+        return VideoList(
+            data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None, has_more=has_more,
+        )
+
+    @app.get("/v1/videos/{video_id}", response_model=VideoJob)
+    async def get_video(video_id: str) -> VideoJob:
+        return manager.view(manager.record(video_id))
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def video_content(video_id: str, variant: str = Query(default="video")) -> FileResponse:
+        path, media_type = manager.content_path(video_id, variant)
+        return FileResponse(path, media_type=media_type)
+
+    @app.post("/v1/videos/{video_id}/cancel", response_model=VideoJob)
+    async def cancel_video(video_id: str) -> VideoJob:
+        return manager.cancel(video_id)
+
+    @app.delete("/v1/videos/{video_id}", response_model=DeletedVideo)
+    async def delete_video(video_id: str) -> DeletedVideo:
+        await manager.delete(video_id)
+        return DeletedVideo(id=video_id)
+
+    @app.get("/v1/videos/{video_id}/events")
+    async def video_events(video_id: str, request: Request) -> StreamingResponse:
+        manager.record(video_id)  # 400/404 before the stream starts
+        after = -1
+        last_id = request.headers.get("last-event-id")
+        if last_id is not None:
+            try:
+                after = int(last_id)
+            except ValueError:
+                raise ApiError(400, "invalid_request", "Last-Event-ID: not an integer", param="Last-Event-ID") from None
+
+        async def body() -> AsyncIterator[bytes]:
+            async for item in manager.stream(video_id, after=after, heartbeat_s=heartbeat_s):
+                yield _encode_sse(item)
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    # -- images -------------------------------------------------------------------------
+    @app.post("/v1/images/generations", response_model=ImagesResponse)
+    async def generate_images(request: Request) -> ImagesResponse:
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        try:
+            if content_type not in ("application/json", ""):
+                raise ApiError(415, "unsupported_media_type", f"content type {content_type!r}; allowed: application/json")
+            body = _validate(ImageGenerate, _parse_json_object(await request.body()))
+        except ApiError as exc:
+            raise manager.reject(exc) from None
+        return await manager.generate_images(body)
+
+    # -- service ------------------------------------------------------------------------
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        now = int(time.time())
+        data = []
+        for model_id, instance in sorted(engine.instances.items()):
+            caps = instance.card.capabilities
+            data.append(ModelInfo(
+                id=model_id, created=now, tasks=sorted(t.value for t in caps.tasks),
+                defaults=caps.defaults.model_dump(mode="json") if caps.defaults else None,
+            ))
+        return ModelList(data=data)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok", "models": sorted(engine.instances), "queue_depth": engine.queue_depth(),
+            "running": engine.running_count(),
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render_metrics(engine, rejections, store.counts_by_status()), media_type=CONTENT_TYPE)
+
+    # Outermost first: auth before anything reads the body.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes, rejections=rejections)
+    app.add_middleware(AuthMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS, rejections=rejections)
+    return app

@@ -1,0 +1,505 @@
+"""Video jobs over the Engine: create, follow, persist, stream, cancel, delete.
+
+A job is owned by the server, not by the HTTP request that created it: a follower
+task per job consumes the engine's typed events, writes the job's state to SQLite
+and its artifacts to ``<output_dir>/<job id>/``, and republishes the events for any
+number of SSE subscribers. A client that disconnects loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import math
+import secrets
+import shutil
+import time
+import uuid
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping
+
+import torch
+from pydantic import BaseModel, ValidationError
+
+from fv_kernel.card.instance import ModelInstance
+from fv_kernel.errors import FvError
+from fv_kernel.request.artifacts import VideoArtifact
+from fv_kernel.request.request import DiffusionParams, ImagePart, Request, TextPart
+from fv_kernel.request.types import TaskType
+from fv_kernel.runtime.engine import Engine, RequestHandle
+from fv_kernel.serving.errors import ApiError, from_fv_error, from_validation_errors
+from fv_kernel.serving.media import VARIANTS, preview_png, write_job_files
+from fv_kernel.serving.schemas import (
+    JOB_ID_PATTERN,
+    ImageData,
+    ImageGenerate,
+    ImagesResponse,
+    JobError,
+    VideoCreate,
+    VideoJob,
+    _Generation,
+    parse_size,
+)
+from fv_kernel.serving.store import JobRecord, JobStore
+
+__all__ = ["JobManager", "StreamEvent"]
+
+log = logging.getLogger("fv.serving")
+
+#: How many finished jobs keep their full event history in memory for late SSE subscribers.
+_FINISHED_HISTORY = 256
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One server-sent event of a job's stream."""
+
+    seq: int
+    event: str
+    data: dict[str, Any]
+
+
+@dataclass
+class _LiveJob:
+    """A job this process is running: its engine handle, its event history and subscribers."""
+
+    record: JobRecord
+    handle: RequestHandle
+    loop_total: int
+    events: list[StreamEvent] = field(default_factory=list)
+    subscribers: list[asyncio.Queue[StreamEvent | None]] = field(default_factory=list)
+    loop_fraction: dict[str, float] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+    def publish(self, event: str, data: dict[str, Any]) -> None:
+        item = StreamEvent(len(self.events), event, data)
+        self.events.append(item)
+        for queue in self.subscribers:
+            queue.put_nowait(item)
+
+    def close(self) -> None:
+        self.done.set()
+        for queue in self.subscribers:
+            queue.put_nowait(None)
+
+    def update_progress(self, loop_id: str, step: int, total: int | None) -> int:
+        if total:
+            self.loop_fraction[loop_id] = min(step / total, 1.0)
+        loops = max(self.loop_total, len(self.loop_fraction), 1)
+        # Never report 100 before the files are written; never go backwards.
+        value = min(int(100 * sum(self.loop_fraction.values()) / loops), 99)
+        self.record.progress = max(self.record.progress, value)
+        return self.record.progress
+
+
+def new_job_id() -> str:
+    return f"video_{uuid.uuid4().hex}"
+
+
+class JobManager:
+    """The serving layer's view of the engine: typed API bodies in, jobs out."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: JobStore,
+        output_dir: Path,
+        *,
+        enabled_extensions: Mapping[str, Mapping[str, Any]],
+        extension_schemas: Mapping[str, type[BaseModel]],
+        max_image_pixels: int,
+        rejections: Counter[str],
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.output_dir = output_dir
+        self.enabled_extensions = dict(enabled_extensions)
+        self.extension_schemas = dict(extension_schemas)
+        self.max_image_pixels = max_image_pixels
+        self.rejections = rejections
+        self._live: OrderedDict[str, _LiveJob] = OrderedDict()
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> list[str]:
+        """Start the engine; fail the jobs a previous process left unfinished. Returns their ids."""
+        interrupted = self.store.fail_interrupted("the server stopped while this job was queued or running")
+        if interrupted:
+            log.warning("marked %d job(s) interrupted by a previous shutdown as failed", len(interrupted))
+        await self.engine.start()
+        return interrupted
+
+    async def stop(self) -> None:
+        """Stop the engine (it cancels what runs) and let every follower record the outcome."""
+        await self.engine.stop()
+        tasks = [job.task for job in self._live.values() if job.task is not None and not job.task.done()]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- request building -------------------------------------------------------------
+    def reject(self, error: ApiError) -> ApiError:
+        self.rejections[error.error_type] += 1
+        return error
+
+    def _instance(self, model: str | None) -> ModelInstance:
+        instances = self.engine.instances
+        if model is None:
+            if len(instances) == 1:
+                return next(iter(instances.values()))
+            raise self.reject(ApiError(
+                400, "invalid_request", f"model: required when several cards are served; allowed: {', '.join(sorted(instances))}",
+                param="model",
+            ))
+        instance = instances.get(model)
+        if instance is None:
+            allowed = ", ".join(sorted(instances)) or "none"
+            raise self.reject(ApiError(404, "unknown_model", f"model: unknown card {model!r}; allowed: {allowed}", param="model"))
+        return instance
+
+    def _plugin_params(self, extensions: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Validate per-request plugin parameters: only plugins this deployment enabled, only through their schema."""
+        params: dict[str, dict[str, Any]] = {}
+        for name, values in extensions.items():
+            where = f"extensions.{name}"
+            if name not in self.enabled_extensions:
+                allowed = ", ".join(sorted(self.enabled_extensions)) or "none (the deployment enables no extensions)"
+                raise self.reject(ApiError(
+                    400, "extension_not_enabled", f"{where}: this deployment does not enable {name!r}; allowed: {allowed}",
+                    param=where,
+                ))
+            schema = self.extension_schemas.get(name)
+            if schema is None:
+                if values:
+                    raise self.reject(ApiError(
+                        400, "unknown_field", f"{where}: {name!r} takes no per-request parameters", param=where,
+                    ))
+                params[name] = {}
+                continue
+            try:
+                params[name] = schema.model_validate(dict(values)).model_dump(mode="json")
+            except ValidationError as exc:
+                raise self.reject(from_validation_errors(exc.errors(), prefix=where)) from None
+        return params
+
+    def _frames_for_seconds(self, instance: ModelInstance, seconds: float, fps: float | None) -> tuple[int, float]:
+        caps = instance.card.capabilities
+        rate = fps or (caps.defaults.fps if caps.defaults else None)
+        if rate is None:
+            raise self.reject(ApiError(400, "invalid_request", "fps: required with seconds for this card", param="fps"))
+        wanted = max(1, round(seconds * rate))
+        rule = caps.frame_rule
+        # Round up to the nearest frame count the card accepts (Wan: 4k+1).
+        k = max(0, math.ceil((wanted - rule.remainder) / rule.modulus))
+        frames = rule.remainder + rule.modulus * k
+        if frames < 1:
+            frames += rule.modulus
+        return frames, rate
+
+    def _build_request(
+        self,
+        body: _Generation,
+        *,
+        request_id: str,
+        task: TaskType,
+        image: torch.Tensor | None = None,
+        frames: int | None = None,
+        fps: float | None = None,
+        seed: int,
+    ) -> tuple[ModelInstance, Request]:
+        instance = self._instance(body.model)
+        width = height = None
+        if body.size is not None:
+            try:
+                width, height = parse_size(body.size)
+            except ValueError as exc:
+                raise self.reject(ApiError(400, "invalid_request", f"size: {exc}", param="size")) from None
+        inputs: list[Any] = [TextPart(text=body.prompt)]
+        if body.negative_prompt:
+            inputs.append(TextPart(text=body.negative_prompt, role="negative_prompt"))
+        if image is not None:
+            inputs.append(ImagePart(image=image))
+        try:
+            request = Request(
+                request_id=request_id, model=instance.model_id, task=task, inputs=tuple(inputs),
+                diffusion=DiffusionParams(
+                    width=width, height=height, frames=frames, fps=fps, steps=body.steps, guidance=body.guidance, seed=seed,
+                ),
+                plugin_params=self._plugin_params(body.extensions),
+            )
+        except ValidationError as exc:
+            raise self.reject(from_validation_errors(exc.errors())) from None
+        try:
+            return instance, self.engine.validate(request)
+        except FvError as exc:
+            raise self.reject(from_fv_error(exc)) from None
+
+    def _submit(self, request: Request) -> RequestHandle:
+        try:
+            return self.engine.submit(request)
+        except FvError as exc:
+            error = from_fv_error(exc)
+            if error.status != 429:  # queue_full is counted by the engine itself
+                self.rejections[error.error_type] += 1
+            raise error from None
+
+    # -- videos -----------------------------------------------------------------------
+    def create_video(self, body: VideoCreate, image: torch.Tensor | None) -> VideoJob:
+        if body.seconds is not None and body.frames is not None:
+            raise self.reject(ApiError(400, "invalid_request", "seconds: give seconds or frames, not both", param="seconds"))
+        instance = self._instance(body.model)
+        frames, fps = body.frames, body.fps
+        if body.seconds is not None:
+            frames, fps = self._frames_for_seconds(instance, body.seconds, body.fps)
+        seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+        job_id = new_job_id()
+        task = TaskType.IMAGE_TO_VIDEO if image is not None else TaskType.TEXT_TO_VIDEO
+        instance, request = self._build_request(
+            body, request_id=job_id, task=task, image=image, frames=frames, fps=fps, seed=seed,
+        )
+        handle = self._submit(request)
+        d = request.diffusion
+        record = JobRecord(
+            id=job_id, model=instance.model_id, status="queued", created_at=time.time(),
+            params={
+                "prompt": body.prompt, "task": task.value, "width": d.width, "height": d.height, "frames": d.frames,
+                "fps": d.fps, "steps": d.steps, "guidance": d.guidance, "seed": d.seed,
+            },
+        )
+        # No await between submit and insert: the engine cannot advance the job before its row exists.
+        try:
+            self.store.insert(record)
+        except Exception:
+            handle.cancel("the job store refused the job")
+            raise
+        program = instance.card.programs.get(task)
+        live = _LiveJob(record=record, handle=handle, loop_total=len(program.loops) if program else 0)
+        self._live[job_id] = live
+        live.publish("video.queued", self.view(record).model_dump(mode="json"))
+        live.task = asyncio.create_task(self._follow(live), name=f"fv-serve-{job_id}")
+        return self.view(record)
+
+    async def _follow(self, live: _LiveJob) -> None:
+        record = live.record
+        videos: list[VideoArtifact] = []
+        try:
+            async for event in live.handle.events():
+                kind = event.type
+                if kind == "request.started":
+                    record.status, record.started_at = "in_progress", event.ts
+                    self.store.mark_started(record.id, event.ts)
+                    live.publish("video.started", {"id": record.id, "status": record.status})
+                elif kind == "progress":
+                    value = live.update_progress(event.loop_id, event.step, event.total)
+                    live.publish("video.progress", {
+                        "id": record.id, "progress": value, "loop_id": event.loop_id, "step": event.step, "total": event.total,
+                    })
+                elif kind == "media.chunk" and event.preview and event.frames is not None:
+                    png = preview_png(event.frames)
+                    if png is not None:
+                        live.publish("video.preview", {
+                            "id": record.id, "stream": event.stream, "index": event.index, "pts": list(event.pts),
+                            "image": {"media_type": "image/png", "b64": base64.b64encode(png).decode()},
+                        })
+                elif kind == "artifact.ready" and isinstance(event.artifact, VideoArtifact):
+                    videos.append(event.artifact)
+                elif kind == "request.completed":
+                    await self._complete(live, videos)
+                elif kind == "request.failed":
+                    self._finish(live, "failed", error=event.error.model_dump())
+                elif kind == "request.cancelled":
+                    self._finish(live, "cancelled", error={"type": "cancelled", "message": event.reason, "param": None})
+        except Exception as exc:  # noqa: BLE001 - a broken follower must still leave the job terminal
+            log.exception("following job %s failed", record.id)
+            if not record.terminal:
+                self._finish(live, "failed", error={"type": "internal_error", "message": f"{type(exc).__name__}: {exc}", "param": None})
+        finally:
+            live.close()
+            self._retire_finished()
+
+    async def _complete(self, live: _LiveJob, videos: list[VideoArtifact]) -> None:
+        record = live.record
+        final = next((v for v in videos if not v.provenance.partial), None)
+        if final is None:
+            self._finish(live, "failed", error={"type": "no_artifact", "message": "the program produced no video", "param": None})
+            return
+        try:
+            variants = await asyncio.to_thread(write_job_files, final, self.output_dir / record.id)
+        except Exception as exc:  # noqa: BLE001 - encoding failures end this job only
+            log.exception("writing the files of job %s failed", record.id)
+            self._finish(live, "failed", error={"type": "media", "message": f"{type(exc).__name__}: {exc}", "param": None})
+            return
+        record.variants = variants
+        frames = final.frames
+        live.publish("video.artifact", {
+            "id": record.id,
+            "content": {v: f"/v1/videos/{record.id}/content" + ("" if v == "video" else f"?variant={v}") for v in variants},
+            "frames": int(frames.shape[0]), "width": int(frames.shape[-1]), "height": int(frames.shape[-2]), "fps": final.fps,
+        })
+        self._finish(live, "completed")
+
+    def _finish(self, live: _LiveJob, status: str, *, error: dict[str, Any] | None = None) -> None:
+        record = live.record
+        record.status, record.completed_at, record.error = status, time.time(), error
+        if status == "completed":
+            record.progress = 100
+        self.store.finish(record.id, status, at=record.completed_at, progress=record.progress, error=error, variants=record.variants)
+        live.publish(f"video.{status}", self.view(record).model_dump(mode="json"))
+
+    def _retire_finished(self) -> None:
+        finished = [job_id for job_id, job in self._live.items() if job.done.is_set() and not job.subscribers]
+        for job_id in finished[: max(0, len(finished) - _FINISHED_HISTORY)]:
+            del self._live[job_id]
+
+    # -- reads --------------------------------------------------------------------------
+    @staticmethod
+    def check_id(job_id: str) -> str:
+        if not JOB_ID_PATTERN.match(job_id):
+            raise ApiError(400, "invalid_request", "video_id: not a video id (video_ followed by 32 hex digits)", param="video_id")
+        return job_id
+
+    def record(self, job_id: str) -> JobRecord:
+        self.check_id(job_id)
+        live = self._live.get(job_id)
+        if live is not None:
+            return live.record
+        found = self.store.get(job_id)
+        if found is None:
+            raise ApiError(404, "not_found", f"video_id: no video job {job_id!r}", param="video_id")
+        return found
+
+    @staticmethod
+    def view(record: JobRecord) -> VideoJob:
+        p = record.params
+        return VideoJob(
+            id=record.id, model=record.model, status=record.status, progress=record.progress,  # type: ignore[arg-type]
+            created_at=int(record.created_at),
+            started_at=int(record.started_at) if record.started_at else None,
+            completed_at=int(record.completed_at) if record.completed_at else None,
+            error=JobError(**record.error) if record.error else None,
+            prompt=p["prompt"], task=p["task"], size=f"{p['width']}x{p['height']}",
+            seconds=f"{p['frames'] / p['fps']:.2f}", frames=p["frames"], fps=p["fps"], steps=p.get("steps"),
+            guidance=p.get("guidance"), seed=p["seed"],
+        )
+
+    def content_path(self, job_id: str, variant: str) -> tuple[Path, str]:
+        if variant not in VARIANTS:
+            raise ApiError(400, "invalid_request", f"variant: unknown {variant!r}; allowed: {', '.join(VARIANTS)}", param="variant")
+        record = self.record(job_id)
+        if record.status != "completed" or variant not in record.variants:
+            raise ApiError(
+                409 if not record.terminal else 404, "content_unavailable",
+                f"video {job_id} has no {variant} content (status {record.status})", param="video_id",
+            )
+        name, media_type = VARIANTS[variant]
+        path = self.output_dir / record.id / name
+        if not path.is_file():
+            raise ApiError(404, "content_unavailable", f"the {variant} of video {job_id} is no longer on disk", param="video_id")
+        return path, media_type
+
+    # -- cancel / delete ------------------------------------------------------------------
+    def cancel(self, job_id: str) -> VideoJob:
+        record = self.record(job_id)
+        if record.status == "cancelled":
+            return self.view(record)
+        if record.terminal:
+            raise ApiError(409, "invalid_state", f"video {job_id} already {record.status}", param="video_id")
+        if not self.engine.cancel(job_id, "cancelled by client"):
+            raise ApiError(409, "invalid_state", f"video {job_id} is finishing and can no longer be cancelled", param="video_id")
+        return self.view(record)
+
+    async def delete(self, job_id: str) -> None:
+        record = self.record(job_id)
+        live = self._live.get(job_id)
+        if live is not None and not live.done.is_set():
+            self.engine.cancel(job_id, "deleted by client")
+            await live.done.wait()
+        self.store.delete(record.id)
+        self._live.pop(record.id, None)
+        # The folder name is the validated, server-generated id.
+        shutil.rmtree(self.output_dir / record.id, ignore_errors=True)
+
+    # -- events ---------------------------------------------------------------------------
+    async def stream(self, job_id: str, *, after: int = -1, heartbeat_s: float = 15.0) -> AsyncIterator[StreamEvent | None]:
+        """The job's events in order (those with seq > ``after``); ``None`` marks a keep-alive."""
+        record = self.record(job_id)
+        live = self._live.get(job_id)
+        if live is None:
+            for item in self._replay_stored(record):
+                if item.seq > after:
+                    yield item
+            return
+        queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
+        history = list(live.events)
+        closed = live.done.is_set()
+        live.subscribers.append(queue)
+        try:
+            for item in history:
+                if item.seq > after:
+                    yield item
+            if closed:
+                return
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout=heartbeat_s)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
+                if item is None:
+                    return
+                if item.seq >= len(history) and item.seq > after:
+                    yield item
+        finally:
+            live.subscribers.remove(queue)
+
+    def _replay_stored(self, record: JobRecord) -> list[StreamEvent]:
+        """A job from an earlier process: its final state as the tail of a stream."""
+        events: list[StreamEvent] = []
+        if record.status == "completed" and record.variants:
+            events.append(StreamEvent(0, "video.artifact", {
+                "id": record.id,
+                "content": {v: f"/v1/videos/{record.id}/content" + ("" if v == "video" else f"?variant={v}") for v in record.variants},
+                "frames": record.params["frames"], "width": record.params["width"], "height": record.params["height"],
+                "fps": record.params["fps"],
+            }))
+        name = f"video.{record.status}" if record.terminal else "video.queued"
+        events.append(StreamEvent(len(events), name, self.view(record).model_dump(mode="json")))
+        return events
+
+    # -- images -----------------------------------------------------------------------------
+    async def generate_images(self, body: ImageGenerate) -> ImagesResponse:
+        seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+        requests = [
+            self._build_request(body, request_id=f"image_{uuid.uuid4().hex}", task=TaskType.TEXT_TO_IMAGE, seed=seed + i)[1]
+            for i in range(body.n)
+        ]
+        handles: list[RequestHandle] = []
+        try:
+            for request in requests:
+                handles.append(self._submit(request))
+        except ApiError:
+            for handle in handles:
+                handle.cancel("a sibling image of the same call was refused")
+            raise
+        results = await asyncio.gather(*(h.result() for h in handles))
+        data = []
+        for result in results:
+            if result.status != "completed":
+                error = result.error
+                if result.status == "cancelled":
+                    raise ApiError(503, "cancelled", "the server stopped before the image was generated")
+                raise ApiError(500, error.type if error else "internal_error", error.message if error else "generation failed")
+            video = result.artifact("video")
+            if not isinstance(video, VideoArtifact):
+                raise ApiError(500, "no_artifact", "the program produced no image")
+            png = await asyncio.to_thread(_encode_first_frame, video)
+            data.append(ImageData(b64_json=base64.b64encode(png).decode()))
+        return ImagesResponse(created=int(time.time()), data=data)
+
+
+def _encode_first_frame(video: VideoArtifact) -> bytes:
+    from fv_kernel.io.media import encode_png
+
+    return encode_png(video.frames[0])
