@@ -1,0 +1,251 @@
+"""The resident Cosmos 3 instance: components, the paged text-KV pool and the executable steps.
+
+One :class:`Cosmos3Instance` holds the two-tower MoT once. Its ops are the only code
+that runs kernels; loops describe steps that name them:
+
+* ``ar_prefill`` / ``ar_token``: the reasoner tower against the instance's paged
+  text-KV pool (``ar_token`` takes a group of requests with different context
+  lengths and decodes them as one right-padded batch);
+* ``text_kv``: the prompt's per-layer K/V, computed once per request and guidance branch;
+* ``generate``: one generator-tower evaluation per guidance branch against that K/V;
+* ``vae_decode`` / ``sound_decode``: the Wan 2.2 VAE and the AVAE sound decoder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from fv_kernel.api import (
+    CheckpointNotFound,
+    InstanceOptions,
+    ModelCard,
+    ModelInstance,
+    PagedKVConfig,
+    PagedKVPool,
+    StepOp,
+    load_into,
+    read_safetensors,
+    resolve_source,
+)
+from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT, TextKV, from_unified_state_dict
+from fv_cosmos3.models.audio_vae import Cosmos3AudioDecoder, Cosmos3AudioDecoderConfig
+from fv_cosmos3.models.tokenizer import ByteTokenizer, HFChatTokenizer
+from fv_wan.models.vae import WanVAE, WanVAEConfig
+
+__all__ = ["Cosmos3Instance", "build_cosmos3_instance", "seeded_init", "text_pool_config"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Cosmos3Instance(ModelInstance):
+    """A Cosmos 3 card made resident, plus the pool its reasoner's decode loops draw K/V blocks from.
+
+    The pool is instance-wide infrastructure (like the weights); what a request owns in it
+    is a block table held in that request's ``LoopState``.
+    """
+
+    text_kv_pool: PagedKVPool | None = None
+
+
+def seeded_init(module: nn.Module, seed: int) -> nn.Module:
+    """Deterministic random weights: norm gains near 1, everything else small (tiny cards)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in module.state_dict().items():
+            noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32)
+            last = name.split(".")
+            is_gain = name.endswith(".weight") and len(last) > 1 and "norm" in last[-2]
+            is_weight_norm_g = name.endswith("weight_g")
+            value = 1.0 + 0.1 * noise if (is_gain or is_weight_norm_g) else 0.2 * noise
+            tensor.copy_(value.to(tensor.dtype))
+    return module
+
+
+def text_pool_config(card: ModelCard, options: InstanceOptions) -> PagedKVConfig:
+    """The text-KV pool's geometry from the transformer config and its budget from the card's cache contract."""
+    config = Cosmos3Config(**card.components["transformer"].config)
+    contract = card.caches["text_kv"]
+    precision = options.precision or card.precision.default
+    block_size = 16
+    geometry: dict[str, Any] = dict(
+        num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        block_size=block_size, dtype=precision, device=options.device,
+    )
+    max_tokens = int(card.components["tokenizer"].config.get("max_sequence_tokens", 4096))
+    return PagedKVConfig.from_budget(contract.budget_bytes, max_blocks_per_sequence=-(-max_tokens // block_size), **geometry)
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.exists():
+        raise CheckpointNotFound(f"{folder} has no config.json", param="model")
+    return json.loads(path.read_text())
+
+
+def _load_component(card: ModelCard, options: InstanceOptions, component_id: str) -> Any:
+    spec = card.components[component_id]
+    ckpt = card.checkpoint.components.get(component_id)
+    dtype = _DTYPES[options.precision or card.precision.default]
+    if spec.kind == "tokenizer":
+        if spec.config.get("kind") == "byte":
+            return ByteTokenizer(vocab_size=int(spec.config["vocab_size"]))
+        from transformers import AutoTokenizer  # real checkpoints only
+
+        source = options.source or card.checkpoint.source
+        if source is None:
+            raise CheckpointNotFound(f"card {card.model_id!r} needs a checkpoint source (--model PATH)", param="model")
+        folder = resolve_source(source, subfolder=ckpt.subfolder if ckpt else "", local_files_only=options.local_files_only)
+        return HFChatTokenizer(AutoTokenizer.from_pretrained(str(folder)))
+    module: nn.Module
+    if component_id == "transformer":
+        module = Cosmos3MoT(Cosmos3Config(**spec.config))
+    elif component_id == "vae":
+        module = WanVAE(WanVAEConfig(**spec.config))
+    elif component_id == "sound_decoder":
+        module = Cosmos3AudioDecoder(Cosmos3AudioDecoderConfig(**spec.config))
+    else:
+        raise KeyError(f"card {card.model_id!r} has no loadable component {component_id!r}")
+    if ckpt is not None and ckpt.random_init_seed is not None:
+        seeded_init(module, ckpt.random_init_seed)
+        return module.to(device=options.device, dtype=dtype).eval().requires_grad_(False)
+    source = options.source or card.checkpoint.source
+    if source is None:
+        raise CheckpointNotFound(
+            f"card {card.model_id!r} has no default checkpoint source; pass a local checkpoint directory", param="model"
+        )
+    folder = resolve_source(source, subfolder=ckpt.subfolder if ckpt else "", local_files_only=options.local_files_only)
+    state = read_safetensors(folder)
+    if component_id == "transformer":
+        # Accepts the diffusers layout and the unified/transformers reasoner names (declared key maps).
+        state = from_unified_state_dict(state)
+    elif component_id == "sound_decoder":
+        state = {k: v for k, v in state.items() if k.startswith("decoder.")}
+    keep = spec.precision_policy.keep_fp32_modules
+    load_into(module, state, component=component_id, dtype=dtype, keep_fp32=keep, device=options.device)
+    return module.eval().requires_grad_(False)
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def _text_kv_tensors(kv: TextKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """TextKV (per layer (B, H, T, D)) -> (B, L, H, T, D) keys and values."""
+    return torch.stack(kv.keys, dim=1), torch.stack(kv.values, dim=1)
+
+
+def _text_kv_from(keys: torch.Tensor, values: torch.Tensor, purpose: str = "generator") -> TextKV:
+    """(B, L, H, T, D) -> TextKV."""
+    return TextKV(tuple(keys.unbind(1)), tuple(values.unbind(1)), purpose)  # type: ignore[arg-type]
+
+
+def _ops(instance: ModelInstance) -> dict[str, StepOp]:
+    assert isinstance(instance, Cosmos3Instance)
+    comps = instance.components
+    ops: dict[str, StepOp] = {}
+    if "transformer" in comps:
+        mot: Cosmos3MoT = comps["transformer"]
+        pool = instance.text_kv_pool
+        assert pool is not None
+
+        def ar_prefill(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            ids = inputs["ids"]
+            logits, kv = mot.text_prefill(ids)
+            keys, values = _text_kv_tensors(kv)
+            for row in range(ids.shape[0]):
+                table = pool.table_from_tensor(inputs["table"][row], 0)
+                pool.write(table, 0, keys[row], values[row])
+            return {"logits": logits[:, -1].float()}
+
+        def ar_token(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            tokens, lengths = inputs["token"], inputs["length"]
+            tables = [pool.table_from_tensor(inputs["table"][row], int(lengths[row])) for row in range(tokens.shape[0])]
+            ragged = len({t.length for t in tables}) > 1
+            keys, values, valid = pool.gather_padded(tables)
+            past = TextKV(tuple(keys.unbind(0)), tuple(values.unbind(0)), "reasoner")
+            # Positions continue each row's own sequence; padding is masked only when rows differ.
+            positions = lengths.view(-1, 1).to(torch.long)
+            logits, new_kv = mot.text_extend(tokens, past, positions, past_valid=valid if ragged else None)
+            new_keys, new_values = _text_kv_tensors(new_kv)
+            for row, table in enumerate(tables):
+                pool.write(table, table.length, new_keys[row], new_values[row])
+            return {"logits": logits[:, -1].float()}
+
+        def text_kv(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            keys, values = _text_kv_tensors(mot.text_kv_for_generation(inputs["ids"]))
+            return {"keys": keys, "values": values}
+
+        def generate(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            branches: tuple[str, ...] = tuple(params["branches"])
+            rows = inputs["video"].shape[0]
+            out: dict[str, list[torch.Tensor]] = {"v_video": [], "v_sound": [], "v_action": []}
+            for row in range(rows):
+                per_branch: dict[str, list[torch.Tensor]] = {"v_video": [], "v_sound": [], "v_action": []}
+                for branch in branches:
+                    kv = _text_kv_from(inputs[f"k_{branch}"][row : row + 1], inputs[f"v_{branch}"][row : row + 1])
+                    result = mot.generate_forward(
+                        kv, inputs["video"][row : row + 1], inputs["timestep"][row],
+                        fps=float(params["fps"]), video_noisy_frames=list(params["video_noisy"]),
+                        sound_latents=inputs["sound"][row] if "sound" in inputs else None,
+                        action=inputs["action"][row] if "action" in inputs else None,
+                        action_domain=params.get("action_domain"),
+                        action_noisy_frames=list(params["action_noisy"]) if "action" in inputs else None,
+                    )
+                    per_branch["v_video"].append(result.video[0].float())
+                    if result.sound is not None:
+                        per_branch["v_sound"].append(result.sound.float())
+                    if result.action is not None:
+                        per_branch["v_action"].append(result.action.float())
+                for name, items in per_branch.items():
+                    if items:
+                        out[name].append(torch.stack(items))
+            return {name: torch.stack(items) for name, items in out.items() if items}
+
+        ops["ar_prefill"] = StepOp("ar_prefill", ar_prefill)
+        ops["ar_token"] = StepOp("ar_token", ar_token)
+        ops["text_kv"] = StepOp("text_kv", text_kv)
+        ops["generate"] = StepOp("generate", generate)
+    if "vae" in comps:
+        vae: WanVAE = comps["vae"]
+
+        def vae_decode(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            z = inputs["latents"].to(next(vae.parameters()).dtype)
+            video = vae.decode(vae.denormalize_latents(z))  # (B, 3, F, H, W) in [-1, 1]
+            return {"frames": (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).contiguous()}
+
+        def vae_encode(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            mean, _ = vae.encode(inputs["video"].to(next(vae.parameters()).dtype))
+            return {"latents": vae.normalize_latents(mean).float()}
+
+        ops["vae_decode"] = StepOp("vae_decode", vae_decode)
+        ops["vae_encode"] = StepOp("vae_encode", vae_encode)
+    if "sound_decoder" in comps:
+        sound: Cosmos3AudioDecoder = comps["sound_decoder"]
+
+        def sound_decode(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            return {"samples": sound(inputs["latents"].to(next(sound.parameters()).dtype)).float()}
+
+        ops["sound_decode"] = StepOp("sound_decode", sound_decode)
+    return ops
+
+
+def build_cosmos3_instance(card: ModelCard, options: InstanceOptions) -> Cosmos3Instance:
+    """The card's factory: lazy components, one text-KV pool, the ops above."""
+
+    def load(component_id: str) -> Any:
+        return _load_component(card, options, component_id)
+
+    seeds = sorted(
+        f"{name}={c.random_init_seed}" for name, c in card.checkpoint.components.items() if c.random_init_seed is not None
+    )
+    version = ("seeded:" + ",".join(seeds)) if seeds else f"source:{options.source or card.checkpoint.source}"
+    return Cosmos3Instance(
+        card=card, options=options, component_loader=load, ops_builder=_ops, weights_version=version,
+        text_kv_pool=PagedKVPool(text_pool_config(card, options)),
+    )

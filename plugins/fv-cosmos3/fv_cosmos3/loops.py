@@ -1,0 +1,607 @@
+"""Cosmos 3 loops: reasoner ``ar_decode``, multimodal ``diffusion_denoise``, video and sound decode.
+
+Every per-request value lives in the loop's typed state: the reasoner's K/V block
+table (its tensors live in the instance's paged pool), the prompt K/V of each
+guidance branch (computed once, then reused by every denoise step), latents, sampler
+histories and RNG state. Loop objects hold only their spec and, once bound, the
+instance's tokenizer (per instance, never per request).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from fv_kernel.api import (
+    ARParams,
+    Done,
+    EmitSpec,
+    InvalidRequest,
+    KVBlockTable,
+    Loop,
+    LoopContext,
+    LoopResult,
+    LoopState,
+    ModelInstance,
+    Provenance,
+    Request,
+    ResourceRequest,
+    SamplerState,
+    ShapeSignature,
+    StandardCFG,
+    StepResult,
+    TaskType,
+    TensorArtifact,
+    TextArtifact,
+    VideoArtifact,
+    AudioArtifact,
+    WorkKind,
+    WorkPlan,
+    apply_presence_penalty,
+    builtin_samplers,
+    generator_from_state,
+    new_generator_state,
+    sample_next_token,
+)
+from fv_kernel.loop.samplers import UniPCState
+from fv_cosmos3.models.config import Cosmos3Config
+from fv_cosmos3.models.tokenizer import PromptSpec, build_generation_prompt
+
+__all__ = [
+    "ARDecodeState",
+    "Cosmos3ARDecodeLoop",
+    "DenoiseState",
+    "Cosmos3DenoiseLoop",
+    "VideoDecodeState",
+    "VideoDecodeLoop",
+    "SoundDecodeState",
+    "SoundDecodeLoop",
+    "UPSAMPLE_SYSTEM_PROMPT",
+    "upsample_params",
+]
+
+#: The rewrite instruction for prompt upsampling (ours; the reference framework's template is not public).
+UPSAMPLE_SYSTEM_PROMPT = (
+    "You are a helpful assistant who rewrites a short video prompt into one detailed, vivid paragraph. "
+    "Answer with the rewritten prompt only."
+)
+PLUGIN_ID = "fv-cosmos3"
+
+
+def _provenance(model: ModelInstance | None, loop_id: str, request_id: str, *, seed: int | None = None,
+                partial: bool = False, model_id: str = "", weights: str = "") -> Provenance:
+    return Provenance(
+        model_id=model.model_id if model else model_id, loop_id=loop_id, request_id=request_id, seed=seed,
+        weights_version=model.weights_version if model else weights, partial=partial,
+    )
+
+
+def upsample_params(request: Request, model: ModelInstance) -> ARParams:
+    """The reference upsampling sampler (T 0.7, top-p 0.8, top-k 20, presence 1.5) unless the request sets ``ar``."""
+    if request.ar is not None:
+        return request.ar
+    limit = int(model.card.components["tokenizer"].config.get("upsample_max_tokens", 512))
+    return ARParams(max_tokens=limit, temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5, seed=request.diffusion.seed)
+
+
+# --------------------------------------------------------------------------- ar_decode
+
+
+class ARDecodeState(LoopState):
+    purpose: str
+    prompt_ids: list[int]
+    generated: list[int] = []
+    #: The request's block table in the instance's paged text-KV pool (whole-life reservation).
+    table: KVBlockTable
+    table_ids: torch.Tensor
+    prefilled: bool = False
+    rng_state: torch.Tensor
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    presence_penalty: float
+    stop_ids: list[int]
+    finished: bool = False
+    model_id: str = ""
+    weights_version: str = ""
+    seed: int = 0
+
+
+class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
+    """The reasoner's decode loop: one prefill step, then one ``ar_token`` step per token.
+
+    ``ctx.upstream["ar_purpose"]``: ``"upsample"`` rewrites the request's prompt with the
+    upsampling instruction and the reference sampler; otherwise (``"chat"``) the prompt is
+    a user turn decoded with ``request.ar``.
+    """
+
+    kind = "ar_decode"
+    state_type = ARDecodeState
+
+    def __init__(self, spec: Any) -> None:
+        super().__init__(spec)
+        self._tokenizer: Any = None  # bound to the instance's tokenizer on first init (per instance)
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> ARDecodeState:
+        tokenizer = model.component("tokenizer")
+        self._tokenizer = tokenizer
+        purpose = str(ctx.upstream.get("ar_purpose", "chat"))
+        text = request.text("prompt") or ""
+        if purpose == "upsample":
+            messages = [{"role": "system", "content": UPSAMPLE_SYSTEM_PROMPT}, {"role": "user", "content": text}]
+            params = upsample_params(request, model)
+        else:
+            system = request.text("system")
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            params = request.ar or ARParams()
+        prompt_ids = tokenizer.chat_ids(messages)
+        pool = model.text_kv_pool  # type: ignore[attr-defined]
+        total = len(prompt_ids) + params.max_tokens
+        if total > pool.config.max_tokens_per_sequence:
+            raise InvalidRequest(
+                "max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"reasoner's {pool.config.max_tokens_per_sequence}-token context",
+                allowed=f"<= {pool.config.max_tokens_per_sequence - len(prompt_ids)}",
+            )
+        # Whole-life reservation, the same number the admission controller priced (estimate()).
+        table = pool.allocate(request.request_id, tokens=total)
+        stops = {tokenizer.eos_token_id, tokenizer.token_id("<|endoftext|>"), *params.stop_token_ids}
+        return ARDecodeState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id, purpose=purpose,
+            prompt_ids=prompt_ids, table=table, table_ids=pool.table_tensor(table).unsqueeze(0),
+            rng_state=new_generator_state(params.seed), max_tokens=params.max_tokens, temperature=params.temperature,
+            top_k=params.top_k, top_p=params.top_p, presence_penalty=params.presence_penalty, stop_ids=sorted(stops),
+            model_id=model.model_id, weights_version=model.weights_version, seed=params.seed,
+        )
+
+    def next(self, state: ARDecodeState) -> WorkPlan | Done:
+        if state.finished:
+            return Done()
+        if not state.prefilled:
+            return WorkPlan(
+                loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.AR_PREFILL, op="ar_prefill",
+                inputs={"ids": torch.tensor([state.prompt_ids], dtype=torch.long), "table": state.table_ids},
+                shape_sig=ShapeSignature.of(tokens=len(state.prompt_ids)), tag="prefill",
+            )
+        last = state.generated[-1]
+        emits = []
+        if self._tokenizer is not None and last not in state.stop_ids:
+            emits = [EmitSpec(stream="text", modality="text", text=self._tokenizer.decode([last]))]
+        # The context length is an input, not part of the shape signature: requests at any
+        # position group into one ar_token batch.
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.AR_TOKEN, op="ar_token",
+            inputs={
+                "token": torch.tensor([[last]], dtype=torch.long), "table": state.table_ids,
+                "length": torch.tensor([state.table.length], dtype=torch.long),
+            },
+            shape_sig=ShapeSignature.of(tokens=1), emits=emits, tag="token",
+        )
+
+    def advance(self, state: ARDecodeState, result: StepResult) -> ARDecodeState:
+        logits = apply_presence_penalty(result.outputs["logits"][0], state.generated, state.presence_penalty)
+        generator = generator_from_state(state.rng_state)
+        token = sample_next_token(logits, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
+                                  generator=generator)
+        written = len(state.prompt_ids) if not state.prefilled else state.table.length + 1
+        generated = [*state.generated, token]
+        finished = token in state.stop_ids or len(generated) >= state.max_tokens
+        return state.model_copy(update={
+            "generated": generated, "prefilled": True, "table": state.table.model_copy(update={"length": written}),
+            "rng_state": generator.get_state(), "finished": finished, "step": state.step + 1,
+        })
+
+    def _text(self, state: ARDecodeState) -> str:
+        ids = [t for t in state.generated if t not in state.stop_ids]
+        if self._tokenizer is None:
+            raise RuntimeError("ar_decode finalize before init bound a tokenizer")
+        return str(self._tokenizer.decode(ids)).strip()
+
+    def finalize(self, state: ARDecodeState) -> LoopResult:
+        text = self._text(state)
+        name = "upsampled_prompt" if state.purpose == "upsample" else "text"
+        artifact = TextArtifact(
+            name=name, token_ids=list(state.generated), text=text,
+            provenance=_provenance(None, self.loop_id, state.request_id, seed=state.seed, model_id=state.model_id,
+                                   weights=state.weights_version),
+        )
+        outputs: dict[str, Any] = {"text": text, "token_ids": list(state.generated)}
+        if state.purpose == "upsample":
+            outputs["upsampled_prompt"] = text
+        return LoopResult(loop_id=self.loop_id, outputs=outputs, artifacts=[artifact])
+
+    def progress(self, state: ARDecodeState) -> tuple[int, int | None]:
+        return state.step, state.max_tokens
+
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        params = request.ar or upsample_params(request, model)
+        pool = model.text_kv_pool  # type: ignore[attr-defined]
+        prompt_bound = 4 * len((request.text("prompt") or "").encode()) + 256  # bytes->tokens upper bound + template
+        tokens = min(prompt_bound + params.max_tokens, pool.config.max_tokens_per_sequence)
+        blocks = pool.blocks_for(tokens)
+        cost = self.spec.step_cost
+        return ResourceRequest(
+            gpu_seconds=(params.max_tokens + 1) * cost.fixed_seconds * cost.conservative_factor,
+            resident_bytes=0, peak_bytes=0, cache_blocks=blocks,
+        )
+
+
+# --------------------------------------------------------------------------- diffusion_denoise
+
+Mode = str  # "t2v" | "t2i" | "i2v" | "t2v_sound" | "action_policy" | "forward_dynamics" | "inverse_dynamics"
+
+_TASK_MODE = {
+    TaskType.TEXT_TO_VIDEO: "t2v", TaskType.TEXT_TO_IMAGE: "t2i", TaskType.IMAGE_TO_VIDEO: "i2v",
+    TaskType.TEXT_TO_VIDEO_AUDIO: "t2v_sound", TaskType.ACTION_POLICY: "action_policy",
+    TaskType.FORWARD_DYNAMICS: "forward_dynamics", TaskType.INVERSE_DYNAMICS: "inverse_dynamics",
+}
+
+
+class DenoiseState(LoopState):
+    mode: str
+    branches: list[str]
+    prompt_ids: dict[str, list[int]]
+    #: Per guidance branch, the prompt's per-layer K/V (L, H, T, D): computed once, reused every step.
+    text_keys: dict[str, torch.Tensor] = {}
+    text_values: dict[str, torch.Tensor] = {}
+    #: Pixel-space conditioning (1, 3, F, H, W) in [-1, 1] still to be VAE-encoded (I2V / action modes).
+    condition_pixels: torch.Tensor | None = None
+    video: torch.Tensor
+    video_x0: torch.Tensor | None = None
+    video_clean: list[int] = []
+    sound: torch.Tensor | None = None
+    action: torch.Tensor | None = None
+    action_x0: torch.Tensor | None = None
+    action_clean: list[int] = []
+    action_domain: int | None = None
+    raw_action_dim: int | None = None
+    video_sampler: UniPCState | SamplerState
+    sound_sampler: UniPCState | SamplerState | None = None
+    action_sampler: UniPCState | SamplerState | None = None
+    guidance: float
+    fps: float
+    rng_state: torch.Tensor
+    total_steps: int
+    seed: int = 0
+
+
+def _unpadded(config: Cosmos3Config, actions: torch.Tensor) -> torch.Tensor:
+    dim = config.action_dim or actions.shape[1]
+    if actions.shape[1] > dim:
+        raise InvalidRequest("action", f"actions have {actions.shape[1]} dims; the model takes at most {dim}", allowed=f"<= {dim}")
+    return torch.cat([actions.float(), torch.zeros(actions.shape[0], dim - actions.shape[1])], dim=1)
+
+
+class Cosmos3DenoiseLoop(Loop[DenoiseState]):
+    """Joint rectified-flow denoising of video (+ sound, + action) on the generator tower.
+
+    Steps: optionally one ``vae_encode`` (conditioning frames), one ``text_kv`` per guidance
+    branch, then one ``generate`` per sampler step. Guidance is applied to every stream in
+    velocity space; clean (conditioning) frames get zero velocity from the model and are
+    re-injected after each step.
+    """
+
+    kind = "diffusion_denoise"
+    state_type = DenoiseState
+
+    def _sampler(self, signature: str) -> Any:
+        name, _, config = signature.partition(":")
+        return builtin_samplers()[name](**json.loads(config))
+
+    @staticmethod
+    def _policy() -> StandardCFG:
+        return StandardCFG(active_when="not_one")  # Cosmos 3 skips the uncond pass only at exactly 1.0
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> DenoiseState:
+        d = request.diffusion
+        assert d.height and d.width and d.frames and d.steps is not None and d.fps
+        mode = _TASK_MODE.get(request.task)
+        if mode is None:
+            raise InvalidRequest("task", f"{request.task.value!r} has no denoise mode", allowed=sorted(m.value for m in _TASK_MODE))
+        config: Cosmos3Config = Cosmos3Config(**model.card.components["transformer"].config)
+        tokenizer = model.component("tokenizer")
+        vae_cfg = model.card.components["vae"].config
+        s_comp = 2 ** (len(vae_cfg["dim_mult"]) - 1) * (vae_cfg.get("patch_size") or 1)
+        t_comp = config.vae_temporal_compression
+        params = request.plugin_params.get(PLUGIN_ID, {})
+
+        frames, height, width = d.frames, d.height, d.width
+        action_len = 0
+        actions: torch.Tensor | None = None
+        condition_pixels: torch.Tensor | None = None
+        video_clean: list[int] = []
+        action_clean: list[int] = []
+        raw_action_dim: int | None = None
+        if mode in ("action_policy", "forward_dynamics", "inverse_dynamics"):
+            if not config.action_gen:
+                raise InvalidRequest("task", f"card {model.model_id!r} was not trained with actions")
+            part = request.part("action")
+            if mode == "forward_dynamics":
+                actions = _unpadded(config, part.actions)
+                raw_action_dim = int(part.actions.shape[1])
+                action_len = actions.shape[0]
+                frames = action_len + 1
+                action_clean = list(range(action_len))
+            elif mode == "inverse_dynamics":
+                video_part = request.part("video")
+                frames = int(video_part.frames.shape[0])
+                action_len = frames - 1
+            else:
+                action_len = frames - 1
+            if (frames - 1) % t_comp:
+                raise InvalidRequest("frames", f"action modes need 1 + {t_comp}k frames, got {frames}", allowed=f"{t_comp}k+1")
+            raw_action_dim = raw_action_dim or int(params.get("raw_action_dim", config.action_dim or 0)) or None
+        latent_t = (frames - 1) // t_comp + 1
+        shape = (1, config.latent_channel, latent_t, height // s_comp, width // s_comp)
+
+        if mode in ("i2v", "action_policy", "forward_dynamics"):
+            image = request.part("image").image.float()
+            if tuple(image.shape[-2:]) != (height, width):
+                image = torch.nn.functional.interpolate(image[None], size=(height, width), mode="bilinear", align_corners=False)[0]
+            condition_pixels = (image * 2 - 1)[None, :, None].expand(1, 3, frames, height, width).contiguous()
+            video_clean = [0]
+        elif mode == "inverse_dynamics":
+            clip = request.part("video").frames.float()  # (F, 3, H, W)
+            if tuple(clip.shape[-2:]) != (height, width):
+                clip = torch.nn.functional.interpolate(clip, size=(height, width), mode="bilinear", align_corners=False)
+            condition_pixels = (clip * 2 - 1).permute(1, 0, 2, 3)[None].contiguous()
+            video_clean = list(range(latent_t))
+
+        # Noise in the reference pipeline's order: video, then sound, then action, from one generator.
+        generator = torch.Generator().manual_seed(d.seed)
+        video = torch.randn(shape, generator=generator, dtype=torch.float32)
+        sound = None
+        if mode == "t2v_sound":
+            sc = model.card.components["sound_decoder"].config
+            hop = sc.get("hop_size") or int(torch.tensor(sc["dec_strides"]).prod())
+            samples = int(frames / d.fps * sc["sampling_rate"])
+            sound = torch.randn((config.sound_dim or 0, -(-samples // hop)), generator=generator, dtype=torch.float32)
+        action = None
+        if action_len:
+            action = torch.randn((action_len, config.action_dim or 0), generator=generator, dtype=torch.float32)
+            if actions is not None:
+                action[action_clean] = actions[action_clean]
+            if raw_action_dim is not None:
+                action[:, raw_action_dim:] = 0
+        action_domain = None
+        if action_len:
+            part = request.part("action")
+            action_domain = int(part.domain) if part is not None else int(params.get("action_domain", 0))
+
+        prompt = ctx.upstream.get("upsampled_prompt") or request.text("prompt") or ""
+        spec = PromptSpec(num_frames=frames, height=height, width=width, fps=d.fps)
+        guidance = float(d.guidance or 0.0)
+        branches = list(self._policy().branches(guidance))
+        prompt_ids = {"cond": build_generation_prompt(prompt, tokenizer, spec)}
+        if "uncond" in branches:
+            prompt_ids["uncond"] = build_generation_prompt(request.text("negative_prompt") or "", tokenizer, spec, negative=True)
+
+        binding = self.spec.sampler
+        assert binding is not None
+        sampler_config = dict(binding.config)
+        if d.shift is not None:
+            sampler_config["shift"] = d.shift
+        sampler = builtin_samplers()[binding.name](**sampler_config)
+        steps = binding.fixed_steps or d.steps
+        return DenoiseState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id, mode=mode,
+            branches=branches, prompt_ids=prompt_ids, condition_pixels=condition_pixels, video=video,
+            video_clean=video_clean, sound=sound, action=action, action_x0=actions, action_clean=action_clean,
+            action_domain=action_domain, raw_action_dim=raw_action_dim,
+            video_sampler=sampler.init_state(steps), sound_sampler=sampler.init_state(steps) if sound is not None else None,
+            action_sampler=sampler.init_state(steps) if action is not None else None,
+            guidance=guidance, fps=float(d.fps), rng_state=generator.get_state(), total_steps=steps, seed=d.seed,
+        )
+
+    def next(self, state: DenoiseState) -> WorkPlan | Done:
+        base = dict(loop_id=self.loop_id, instance_id=state.instance_id)
+        if state.condition_pixels is not None:
+            pixels = state.condition_pixels
+            return WorkPlan(**base, kind=WorkKind.ENCODER_CHUNK, op="vae_encode", inputs={"video": pixels},
+                            shape_sig=ShapeSignature.of(frames=pixels.shape[2], height=pixels.shape[3], width=pixels.shape[4]),
+                            batchable=False, tag="condition")
+        for branch in state.branches:
+            if branch not in state.text_keys:
+                ids = state.prompt_ids[branch]
+                return WorkPlan(**base, kind=WorkKind.ENCODER_CHUNK, op="text_kv",
+                                inputs={"ids": torch.tensor([ids], dtype=torch.long)},
+                                shape_sig=ShapeSignature.of(tokens=len(ids)), tag=f"text_kv:{branch}")
+        sampler = self._sampler(state.video_sampler.sampler)
+        if sampler.is_done(state.video_sampler):
+            return Done()
+        inputs: dict[str, torch.Tensor] = {"video": state.video, "timestep": sampler.timestep(state.video_sampler).float().reshape(1)}
+        for branch in state.branches:
+            inputs[f"k_{branch}"] = state.text_keys[branch].unsqueeze(0)
+            inputs[f"v_{branch}"] = state.text_values[branch].unsqueeze(0)
+        if state.sound is not None:
+            inputs["sound"] = state.sound.unsqueeze(0)
+        if state.action is not None:
+            inputs["action"] = state.action.unsqueeze(0)
+        frames = state.video.shape[2]
+        params: dict[str, Any] = {
+            "branches": tuple(state.branches), "fps": state.fps,
+            "video_noisy": tuple(i for i in range(frames) if i not in state.video_clean),
+        }
+        if state.action is not None:
+            params["action_noisy"] = tuple(i for i in range(state.action.shape[0]) if i not in state.action_clean)
+            params["action_domain"] = state.action_domain
+        _, _, t, h, w = state.video.shape
+        sig = ShapeSignature.of(
+            tokens=int(t * h * w), frames=int(t), height=int(h), width=int(w), mode=state.mode,
+            text=",".join(str(len(state.prompt_ids[b])) for b in state.branches),
+            sound=0 if state.sound is None else int(state.sound.shape[1]),
+            action=0 if state.action is None else int(state.action.shape[0]),
+        )
+        return WorkPlan(**base, kind=WorkKind.DIFFUSION_STEP, op="generate", inputs=inputs, params=params,
+                        shape_sig=sig, tag="+".join(state.branches))
+
+    def _combine(self, state: DenoiseState, stacked: torch.Tensor) -> torch.Tensor:
+        outputs = dict(zip(state.branches, stacked.unbind(0)))
+        return self._policy().combine(outputs, state.guidance, step_index=state.step)
+
+    def advance(self, state: DenoiseState, result: StepResult) -> DenoiseState:
+        if state.condition_pixels is not None:
+            x0 = result.outputs["latents"]
+            mask = torch.zeros(x0.shape[2], dtype=torch.bool)
+            mask[state.video_clean] = True
+            video = torch.where(mask.view(1, 1, -1, 1, 1), x0, state.video)
+            return state.model_copy(update={"condition_pixels": None, "video_x0": x0, "video": video, "step": state.step})
+        for branch in state.branches:
+            if branch not in state.text_keys:
+                return state.model_copy(update={
+                    "text_keys": {**state.text_keys, branch: result.outputs["keys"][0]},
+                    "text_values": {**state.text_values, branch: result.outputs["values"][0]},
+                })
+        out = result.outputs
+        sampler = self._sampler(state.video_sampler.sampler)
+        video_sampler, video = sampler.step(state.video_sampler, self._combine(state, out["v_video"][0]).unsqueeze(0), state.video)
+        if state.video_x0 is not None and state.video_clean:
+            # Re-inject the clean conditioning frames (they must not drift through the solver).
+            video = video.clone()
+            video[:, :, state.video_clean] = state.video_x0[:, :, state.video_clean]
+        update: dict[str, Any] = {"video": video, "video_sampler": video_sampler, "step": state.step + 1}
+        if state.sound is not None and state.sound_sampler is not None:
+            update["sound_sampler"], sound = sampler.step(
+                state.sound_sampler, self._combine(state, out["v_sound"][0]).unsqueeze(0), state.sound.unsqueeze(0)
+            )
+            update["sound"] = sound[0]
+        if state.action is not None and state.action_sampler is not None:
+            if len(state.action_clean) < state.action.shape[0]:
+                v_action = self._combine(state, out["v_action"][0])
+                if state.raw_action_dim is not None:
+                    v_action[:, state.raw_action_dim :] = 0
+                update["action_sampler"], action = sampler.step(state.action_sampler, v_action.unsqueeze(0),
+                                                                state.action.unsqueeze(0))
+                action = action[0].clone()
+                if state.action_x0 is not None and state.action_clean:
+                    action[state.action_clean] = state.action_x0[state.action_clean]
+                if state.raw_action_dim is not None:
+                    action[:, state.raw_action_dim :] = 0
+                update["action"] = action
+        return state.model_copy(update=update)
+
+    def finalize(self, state: DenoiseState) -> LoopResult:
+        outputs: dict[str, Any] = {"latents": state.video, "fps": state.fps}
+        artifacts: list[Any] = []
+        if state.sound is not None:
+            outputs["sound_latents"] = state.sound
+        if state.action is not None and state.mode in ("action_policy", "inverse_dynamics"):
+            action = state.action if state.raw_action_dim is None else state.action[:, : state.raw_action_dim]
+            artifacts.append(TensorArtifact(
+                name="action", tensor=action.clone(),
+                provenance=_provenance(None, self.loop_id, state.request_id, seed=state.seed),
+            ))
+        return LoopResult(loop_id=self.loop_id, outputs=outputs, artifacts=artifacts)
+
+    def progress(self, state: DenoiseState) -> tuple[int, int | None]:
+        return state.step, state.total_steps
+
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        d = request.diffusion
+        config = Cosmos3Config(**model.card.components["transformer"].config)
+        frames, height, width = d.frames or 1, d.height or 16, d.width or 16
+        tokens = ((frames - 1) // config.vae_temporal_compression + 1) * (height // 32 + 1) * (width // 32 + 1)
+        latent_bytes = 4 * config.latent_channel * tokens * 4
+        kv_bytes = 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 1024
+        cost = self.spec.step_cost
+        per_step = cost.fixed_seconds + cost.per_unit_seconds * tokens
+        return ResourceRequest(
+            gpu_seconds=per_step * 2 * (d.steps or 1) * cost.conservative_factor,
+            resident_bytes=latent_bytes * 4 + kv_bytes, peak_bytes=latent_bytes * 32,
+        )
+
+
+# --------------------------------------------------------------------------- decoders (fan-out)
+
+
+class VideoDecodeState(LoopState):
+    latents: torch.Tensor
+    fps: float
+    frames: torch.Tensor | None = None
+    model_id: str = ""
+    weights_version: str = ""
+
+
+class VideoDecodeLoop(Loop[VideoDecodeState]):
+    """One Wan 2.2 VAE decode of the denoised latents into a video artifact."""
+
+    kind = "vae_decode"
+    state_type = VideoDecodeState
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> VideoDecodeState:
+        return VideoDecodeState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
+            latents=ctx.upstream["latents"], fps=float(ctx.upstream["fps"]), model_id=model.model_id,
+            weights_version=model.weights_version,
+        )
+
+    def next(self, state: VideoDecodeState) -> WorkPlan | Done:
+        if state.frames is not None:
+            return Done()
+        z = state.latents
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.VAE_TILE, op="vae_decode",
+            inputs={"latents": z}, shape_sig=ShapeSignature.of(frames=z.shape[2], height=z.shape[3], width=z.shape[4]),
+            batchable=False,
+        )
+
+    def advance(self, state: VideoDecodeState, result: StepResult) -> VideoDecodeState:
+        return state.model_copy(update={"frames": result.outputs["frames"][0], "step": state.step + 1})
+
+    def finalize(self, state: VideoDecodeState) -> LoopResult:
+        assert state.frames is not None
+        artifact = VideoArtifact(
+            frames=state.frames, fps=state.fps,
+            provenance=_provenance(None, self.loop_id, state.request_id, model_id=state.model_id, weights=state.weights_version),
+        )
+        return LoopResult(loop_id=self.loop_id, artifacts=[artifact])
+
+    def progress(self, state: VideoDecodeState) -> tuple[int, int | None]:
+        return state.step, 1
+
+
+class SoundDecodeState(LoopState):
+    latents: torch.Tensor
+    sample_rate: int
+    samples: torch.Tensor | None = None
+    model_id: str = ""
+
+
+class SoundDecodeLoop(Loop[SoundDecodeState]):
+    """The AVAE sound decoder: denoised sound latents -> an ``AudioArtifact`` with its sample rate."""
+
+    kind = "audio_decode"
+    state_type = SoundDecodeState
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> SoundDecodeState:
+        rate = int(model.card.components["sound_decoder"].config["sampling_rate"])
+        return SoundDecodeState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
+            latents=ctx.upstream["sound_latents"], sample_rate=rate, model_id=model.model_id,
+        )
+
+    def next(self, state: SoundDecodeState) -> WorkPlan | Done:
+        if state.samples is not None:
+            return Done()
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.AUDIO_CHUNK, op="sound_decode",
+            inputs={"latents": state.latents.unsqueeze(0)}, shape_sig=ShapeSignature.of(frames=state.latents.shape[1]),
+            batchable=False,
+        )
+
+    def advance(self, state: SoundDecodeState, result: StepResult) -> SoundDecodeState:
+        return state.model_copy(update={"samples": result.outputs["samples"][0], "step": state.step + 1})
+
+    def finalize(self, state: SoundDecodeState) -> LoopResult:
+        assert state.samples is not None
+        artifact = AudioArtifact(
+            samples=state.samples, sample_rate=state.sample_rate,
+            provenance=_provenance(None, self.loop_id, state.request_id, model_id=state.model_id),
+        )
+        return LoopResult(loop_id=self.loop_id, artifacts=[artifact])
+
+    def progress(self, state: SoundDecodeState) -> tuple[int, int | None]:
+        return state.step, 1
