@@ -35,3 +35,28 @@ def build_model(config: Cosmos3Config, seed: int = 0) -> tuple[Cosmos3MoT, dict[
     state = seeded_state_dict(model, seed)
     model.load_state_dict(state, strict=True)
     return model, state
+
+
+def drive_loop(instance, loop_id: str, request, upstream: dict | None = None, record: list | None = None):
+    """Run one loop of ``instance`` for ``request`` with every plan executed at once (no scheduler).
+
+    Returns (final state, LoopResult); ``record`` collects (plan, outputs) pairs.
+    """
+    from fv_kernel.api import Done, LoopContext, StepResult, resolve_request
+
+    request = resolve_request(instance.card, request)
+    instance.load_for_task(request.task)
+    loop = instance.loop(loop_id)
+
+    async def never(plan):  # drive_loop executes plans itself
+        raise AssertionError("unused")
+
+    ctx = LoopContext(request=request, executor=never, upstream=dict(upstream or {}))
+    state = loop.init(request, instance, ctx)
+    while not isinstance(plan := loop.next(state), Done):
+        with torch.inference_mode():
+            outputs = instance.op(plan.op).fn(plan.inputs, plan.params)
+        if record is not None:
+            record.append((plan, outputs))
+        state = loop.advance(state, StepResult(outputs=outputs))
+    return state, loop.finalize(state)
