@@ -16,7 +16,7 @@ import torch
 
 from fv_kernel.cache.keys import CacheKey
 
-__all__ = ["FeatureCache", "CacheStats"]
+__all__ = ["FeatureCache", "CacheStats", "apply_cache_writes"]
 
 
 @dataclass
@@ -49,8 +49,9 @@ class FeatureCache:
     def bytes_used(self) -> int:
         return self._bytes
 
-    def get(self, key: CacheKey) -> dict[str, torch.Tensor] | None:
-        digest = key.digest()
+    def get(self, key: CacheKey | str) -> dict[str, torch.Tensor] | None:
+        """The entry for a key (or its digest), or None."""
+        digest = key if isinstance(key, str) else key.digest()
         with self._lock:
             value = self._entries.get(digest)
             if value is None:
@@ -60,11 +61,11 @@ class FeatureCache:
             self.stats.hits += 1
             return value
 
-    def put(self, key: CacheKey, value: dict[str, torch.Tensor]) -> None:
+    def put(self, key: CacheKey | str, value: dict[str, torch.Tensor]) -> None:
         size = _nbytes(value)
         if size > self.budget_bytes:
             return  # larger than the whole budget: never cached
-        digest = key.digest()
+        digest = key if isinstance(key, str) else key.digest()
         frozen = {name: tensor.detach() for name, tensor in value.items()}
         with self._lock:
             old = self._entries.pop(digest, None)
@@ -82,3 +83,17 @@ class FeatureCache:
         with self._lock:
             self._entries.clear()
             self._bytes = 0
+
+
+def apply_cache_writes(plan_cache: object, outputs: dict[str, torch.Tensor], services: dict[str, object]) -> None:
+    """Store a step's outputs as its plan's ``CachePlan.writes`` declare (done by the runtime, not the loop)."""
+    for ref in getattr(plan_cache, "writes", ()):
+        cache = services.get(ref.cache)
+        if cache is None:
+            continue
+        if ref.output is None:
+            value = dict(outputs)
+        else:
+            tensor = outputs[ref.output]
+            value = {ref.output: tensor if ref.index is None else tensor[ref.index : ref.index + 1]}
+        cache.put(ref.key, {k: v.detach().clone() for k, v in value.items()})  # type: ignore[attr-defined]

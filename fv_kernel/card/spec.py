@@ -185,6 +185,8 @@ class LoopSpec(_Spec):
     sampler: SamplerBinding | None = None
     #: Guidance policy name ("cfg", "cfg_zero_star", "none", ...).
     guidance: str | None = None
+    #: Options of the loop implementation (e.g. an expert-routing boundary); the family documents them.
+    config: dict[str, Any] = Field(default_factory=dict)
     step_cost: StepCostSpec = StepCostSpec()
     #: Parallel plan patterns this loop is valid under (axis names); empty = single device only.
     valid_parallel_axes: tuple[str, ...] = ()

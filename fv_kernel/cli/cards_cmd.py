@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from fv_kernel.card.catalog import CardCatalog
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.errors import FvError
-from fv_kernel.plugins import PluginHost, PluginWarning
+from fv_kernel.plugins import PluginError, PluginHost, PluginWarning
 
 cards_app = typer.Typer(help="List, show and validate model cards.", no_args_is_help=True)
 
@@ -67,7 +67,7 @@ def list_cards(as_json: bool = typer.Option(False, "--json", help="Print JSON in
     """Every card the enabled plugins contribute, with its recipe."""
     try:
         entries = _catalog().entries()
-    except FvError as exc:
+    except (FvError, PluginError) as exc:
         _fail(str(exc))
         return
     rows = [_summary(e.card, e.plugin) for e in entries.values()]
@@ -90,7 +90,7 @@ def show_card(model_id: str = typer.Argument(..., help="Card id, e.g. wan-tiny."
     """The full card as JSON."""
     try:
         card = _catalog().get(model_id)
-    except FvError as exc:
+    except (FvError, PluginError) as exc:
         _fail(str(exc))
         return
     typer.echo(card.model_dump_json(indent=2))
@@ -125,7 +125,7 @@ def validate_card(
         for line in _describe_validation_error(exc):
             typer.echo(f"  {line}", err=True)
         raise typer.Exit(1) from None
-    except FvError as exc:
+    except (FvError, PluginError) as exc:
         _fail(str(exc))
         return
     typer.echo(f"ok: {found.model_id} ({found.family}, recipe {found.recipe.method})")

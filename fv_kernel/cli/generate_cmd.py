@@ -20,7 +20,7 @@ from fv_kernel.card.instance import InstanceOptions, build_instance
 from fv_kernel.card.validate import resolve_request
 from fv_kernel.errors import FvError, InvalidRequest
 from fv_kernel.io.media import MediaError, write_artifact
-from fv_kernel.plugins import PluginHost, PluginWarning
+from fv_kernel.plugins import PluginError, PluginHost, PluginWarning
 from fv_kernel.request.artifacts import AudioArtifact, TextArtifact, VideoArtifact
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
 from fv_kernel.request.types import PRECISIONS, TaskType
@@ -154,6 +154,9 @@ def generate(
         result = host.hooks.wrap_generate(request, lambda req: _run(engine, req, _Progress(not quiet)))
     except FvError as exc:
         _fail(exc.message)
+        return
+    except PluginError as exc:
+        _fail(str(exc))
         return
     if result.status != "completed":
         detail = result.error.message if result.error else result.status

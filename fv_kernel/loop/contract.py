@@ -101,10 +101,15 @@ class ResourceRequest(BaseModel):
 
 
 class CacheRef(BaseModel):
+    """One entry of a named cache service. For writes, ``output``/``index`` pick the slice
+    of the step's outputs to store (``outputs[output][index:index+1]``; all outputs if None)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cache: str
     key: str
+    output: str | None = None
+    index: int | None = None
 
 
 class CachePlan(BaseModel):

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from fv_kernel.cache.feature import FeatureCache
+from fv_kernel.cache.feature import FeatureCache, apply_cache_writes
 from fv_kernel.card.instance import ModelInstance
 from fv_kernel.card.validate import RequestLimits, resolve_request
 from fv_kernel.errors import (
@@ -589,6 +589,8 @@ class Engine:
             else:
                 outcome.wall_seconds = wall
                 outcome.batch_size = len(live)
+                if unit.plan.cache.writes:
+                    apply_cache_writes(unit.plan.cache, outcome.outputs, self.services)
                 unit.future.set_result(outcome)
         if self.observers:
             instance = self._by_instance_id[plan.instance_id]

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from fv_kernel.cache.feature import FeatureCache
+from fv_kernel.cache.feature import FeatureCache, apply_cache_writes
 from fv_kernel.card.instance import ModelInstance
 from fv_kernel.card.validate import RequestLimits, resolve_request
 from fv_kernel.loop.context import LoopContext
@@ -34,15 +34,19 @@ async def run_local_async(
     resolved = resolve_request(instance.card, request, limits)
     instance.load_for_task(resolved.task)
 
+    services = services if services is not None else {"feature_cache": FeatureCache()}
+
     async def execute(plan: WorkPlan) -> StepResult:
         op = instance.op(plan.op)
         with torch.inference_mode():
-            return StepResult(outputs=op.fn(plan.inputs, plan.params))
+            outputs = op.fn(plan.inputs, plan.params)
+        apply_cache_writes(plan.cache, outputs, services)
+        return StepResult(outputs=outputs)
 
     ctx = LoopContext(
         request=resolved, executor=execute, on_state=on_state,
         emit_event=on_event or (lambda *a, **k: None),
-        services=services if services is not None else {"feature_cache": FeatureCache()},
+        services=services,
     )
     return await instance.program(resolved.task).run(instance, ctx)
 

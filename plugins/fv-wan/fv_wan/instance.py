@@ -1,0 +1,270 @@
+"""Building a resident Wan instance: component loading and the executable step ops.
+
+Components load lazily per task (text-to-video never loads the VAE encoder or the
+CLIP tower). Weights come from the card's checkpoint (a local diffusers-layout
+directory or a Hugging Face repo id) or, for embedded tiny cards, from a seeded
+random initialisation. Transformers are built on the ``meta`` device and filled
+with their weights already in the card's precision, so no second full-size copy
+exists.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from fv_kernel.api import (
+    CheckpointKeyError,
+    CheckpointNotFound,
+    InstanceOptions,
+    ModelCard,
+    ModelInstance,
+    StepOp,
+    read_safetensors,
+    resolve_source,
+)
+from fv_wan.models.encoders import WanImageEncoder, WanTextEncoder
+from fv_wan.models.transformer import (
+    IGNORED_CHECKPOINT_KEY_PATTERN,
+    WanTransformer,
+    WanTransformerConfig,
+    cast_for_inference,
+    load_wan_state_dict,
+)
+from fv_wan.models.vae import CausalCache, WanVAE, WanVAEConfig
+
+__all__ = ["build_wan_instance", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops", "torch_dtype"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(precision: str) -> torch.dtype:
+    return _DTYPES[precision]
+
+
+def _component_dtype(card: ModelCard, component_id: str, options: InstanceOptions) -> torch.dtype:
+    policy = card.components[component_id].precision_policy
+    precision = options.precision or card.precision.default
+    return torch_dtype(policy.dtype if policy.dtype != "card" else precision)
+
+
+def _folder(card: ModelCard, component_id: str, options: InstanceOptions) -> Path | None:
+    """The checkpoint folder of a component, or None for seeded random weights."""
+    ckpt = card.checkpoint.components[component_id]
+    source = options.source or card.checkpoint.source
+    if source is None:
+        return None
+    return resolve_source(source, subfolder=ckpt.subfolder, local_files_only=options.local_files_only)
+
+
+def _seeded(seed: int, build: Any) -> Any:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def load_transformer(card: ModelCard, component_id: str, options: InstanceOptions) -> WanTransformer:
+    spec = card.components[component_id]
+    expected = WanTransformerConfig.from_diffusers_config(spec.config)
+    dtype = _component_dtype(card, component_id, options)
+    device = torch.device(options.device)
+    folder = _folder(card, component_id, options)
+    if folder is None:
+        seed = card.checkpoint.components[component_id].random_init_seed or 0
+        model = _seeded(seed, lambda: WanTransformer(expected))
+        model.rope.build_tables(device)
+        return cast_for_inference(model.to(device), dtype).eval().requires_grad_(False)
+    config = WanTransformerConfig.from_diffusers_config(json.loads((folder / "config.json").read_text()))
+    if config != expected:
+        raise CheckpointNotFound(
+            f"checkpoint {folder} holds a transformer config that is not card {card.model_id!r}'s "
+            f"(e.g. {config.num_layers} layers x {config.num_attention_heads} heads vs {expected.num_layers} x {expected.num_attention_heads})",
+            param="model",
+        )
+    state_dict = read_safetensors(folder, device=str(device))
+    with torch.device("meta"):
+        model = WanTransformer(config)
+    expected = set(model.state_dict())
+    given = {k for k in state_dict if not IGNORED_CHECKPOINT_KEY_PATTERN.search(k)}
+    if expected != given:
+        raise CheckpointKeyError(component_id, sorted(expected - given), sorted(given - expected))
+    load_wan_state_dict(model, state_dict, assign=True)
+    model.rope.build_tables(device)
+    return cast_for_inference(model, dtype).eval().requires_grad_(False)
+
+
+def load_vae(card: ModelCard, component_id: str, options: InstanceOptions) -> WanVAE:
+    """The VAE, keeping only the half this component is (``vae_encoder`` or ``vae_decoder``)."""
+    config = WanVAEConfig.from_diffusers_config(card.components[component_id].config)
+    dtype = _component_dtype(card, component_id, options)
+    device = torch.device(options.device)
+    folder = _folder(card, component_id, options)
+    keep_encoder = component_id == "vae_encoder"
+    if folder is None:
+        seed = card.checkpoint.components[component_id].random_init_seed or 0
+        vae = _seeded(seed, lambda: WanVAE(config))
+    else:
+        disk = json.loads((folder / "config.json").read_text())
+        found = WanVAEConfig.from_diffusers_config(disk)
+        if found.z_dim != config.z_dim or found.base_dim != config.base_dim:
+            raise CheckpointNotFound(f"checkpoint {folder} holds a VAE that is not card {card.model_id!r}'s", param="model")
+        state_dict = read_safetensors(folder, device=str(device))
+        with torch.device("meta"):
+            vae = WanVAE(found)
+        missing = sorted(set(vae.state_dict()) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(vae.state_dict()))
+        if missing or unexpected:
+            raise CheckpointKeyError(component_id, missing, unexpected)
+        vae.load_state_dict(state_dict, strict=True, assign=True)
+    # Drop the unused half: text-to-video never holds encoder weights, decoding never holds the encoder.
+    if keep_encoder:
+        vae.decoder = None  # type: ignore[assignment]
+        vae.post_quant_conv = None  # type: ignore[assignment]
+    else:
+        vae.encoder = None  # type: ignore[assignment]
+        vae.quant_conv = None  # type: ignore[assignment]
+    return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_text_encoder(card: ModelCard, component_id: str, options: InstanceOptions) -> WanTextEncoder:
+    spec = card.components[component_id]
+    dtype = _component_dtype(card, component_id, options)
+    source = options.source or card.checkpoint.source
+    if source is None:
+        seed = card.checkpoint.components[component_id].random_init_seed or 0
+        encoder = WanTextEncoder.tiny(seed, **spec.config.get("tiny", {}))
+        return encoder.to(device=options.device, dtype=dtype).eval().requires_grad_(False)
+    root = resolve_source(source, local_files_only=options.local_files_only)
+    return WanTextEncoder.from_pretrained(root, dtype=dtype, device=options.device).requires_grad_(False)
+
+
+def load_image_encoder(card: ModelCard, component_id: str, options: InstanceOptions) -> WanImageEncoder:
+    spec = card.components[component_id]
+    dtype = _component_dtype(card, component_id, options)
+    source = options.source or card.checkpoint.source
+    if source is None:
+        seed = card.checkpoint.components[component_id].random_init_seed or 0
+        encoder = WanImageEncoder.tiny(seed, **spec.config.get("tiny", {}))
+        return encoder.to(device=options.device, dtype=dtype).eval().requires_grad_(False)
+    root = resolve_source(source, local_files_only=options.local_files_only)
+    return WanImageEncoder.from_pretrained(root, dtype=dtype, device=options.device).requires_grad_(False)
+
+
+_LOADERS = {"dit": load_transformer, "vae": load_vae, "text_encoder": load_text_encoder, "image_encoder": load_image_encoder}
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def _text_embeddings(encoder: WanTextEncoder, ids: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    """UMT5 states cut to each prompt's real length and zero-padded to ``max_len`` (WanPipeline's rule)."""
+    device = next(encoder.model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    hidden = encoder.model(ids, mask).last_hidden_state.float()
+    keep = torch.arange(hidden.shape[1], device=device)[None, :] < mask.gt(0).sum(dim=1)[:, None]
+    hidden = torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype, device=device))
+    if hidden.shape[1] < max_len:
+        hidden = torch.cat([hidden, hidden.new_zeros(hidden.shape[0], max_len - hidden.shape[1], hidden.shape[2])], dim=1)
+    return hidden
+
+
+def wan_ops(instance: ModelInstance) -> dict[str, StepOp]:
+    """The executable steps of a Wan instance, over whichever components are loaded."""
+    comps = instance.components
+    ops: dict[str, StepOp] = {}
+
+    if "text_encoder" in comps:
+        text_encoder: WanTextEncoder = comps["text_encoder"]
+
+        def encode_text(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            return {"embeds": _text_embeddings(text_encoder, inputs["ids"], inputs["mask"], int(params["max_len"]))}
+
+        ops["encode_text"] = StepOp("encode_text", encode_text)
+
+    if "image_encoder" in comps:
+        image_encoder: WanImageEncoder = comps["image_encoder"]
+
+        def encode_image(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            pixels = inputs["pixel_values"].to(next(image_encoder.model.parameters()))
+            hidden = image_encoder.model(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
+            return {"image_embeds": hidden.float()}
+
+        ops["encode_image"] = StepOp("encode_image", encode_image)
+
+    if "vae_encoder" in comps:
+        vae_enc: WanVAE = comps["vae_encoder"]
+
+        def vae_encode(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            video = inputs["video"].to(next(vae_enc.parameters()))
+            mean = vae_enc.encode_latent(video)
+            return {"latent": vae_enc.normalize_latents(mean.float())}
+
+        ops["vae_encode"] = StepOp("vae_encode", vae_encode)
+
+    for expert in ("transformer", "transformer_2"):
+        if expert in comps:
+            ops[f"dit_forward:{expert}"] = _dit_op(expert, comps[expert])
+
+    if "vae_decoder" in comps:
+        vae_dec: WanVAE = comps["vae_decoder"]
+
+        def vae_decode_frame(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            cache_tensors = {k[len("cache."):]: v for k, v in inputs.items() if k.startswith("cache.")}
+            cache = CausalCache.from_tensors(cache_tensors) if cache_tensors else vae_dec.new_decode_cache()
+            ref = next(vae_dec.parameters())
+            z = vae_dec.denormalize_latents(inputs["z"].to(device=ref.device, dtype=torch.float32)).to(ref.dtype)
+            frames, cache = vae_dec.decode_step(z, cache, tiling=params.get("tiling"))
+            video = (frames.float() / 2 + 0.5).clamp(0, 1)
+            out = {"frames": video, "preview": video[0].transpose(0, 1)}
+            out.update({f"cache.{k}": v for k, v in cache.to_tensors().items()})
+            return out
+
+        ops["vae_decode_frame"] = StepOp("vae_decode_frame", vae_decode_frame)
+    return ops
+
+
+def _dit_op(expert: str, model: WanTransformer) -> StepOp:
+    def dit_forward(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """One denoise forward over N rows (guidance branches, and requests when fused).
+
+        ``dispatch="sequential"`` runs each row alone (diffusers' two-forward CFG);
+        ``"batched"`` runs all rows as one batch. Same math, different kernels.
+        """
+        ref = model.patch_embedding.weight
+        x = inputs["x"].to(device=ref.device, dtype=ref.dtype)
+        t = inputs["t"].to(ref.device)
+        context = inputs["context"].to(device=ref.device, dtype=ref.dtype)
+        image = inputs.get("image_embeds")
+        image = image.to(device=ref.device, dtype=ref.dtype) if image is not None else None
+        runner = None
+        if params.get("dispatch", "batched") == "sequential" and x.shape[0] > 1:
+            rows = [
+                model(x[i : i + 1], t[i : i + 1], context[i : i + 1], None if image is None else image[i : i + 1], block_runner=runner)
+                for i in range(x.shape[0])
+            ]
+            out = torch.cat(rows)
+        else:
+            out = model(x, t, context, image, block_runner=runner)
+        return {"v": out.float()}
+
+    return StepOp(f"dit_forward:{expert}", dit_forward)
+
+
+# --------------------------------------------------------------------------- factory
+
+
+def build_wan_instance(card: ModelCard, options: InstanceOptions) -> ModelInstance:
+    """The card's factory: a resident instance whose components load on first use."""
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CheckpointNotFound(f"device {options.device!r} was asked for but CUDA is not available", param="device")
+
+    def load(component_id: str) -> Any:
+        kind = card.components[component_id].kind
+        return _LOADERS[kind](card, component_id, options)
+
+    source = options.source or card.checkpoint.source
+    version = f"seeded:{card.model_id}" if source is None else f"checkpoint:{Path(source).name if Path(source).exists() else source}"
+    return ModelInstance(card=card, options=options, component_loader=load, ops_builder=wan_ops, weights_version=version)

@@ -1,0 +1,514 @@
+"""The Wan family's loops: text encode, image encode, denoise, decode.
+
+Each step is one WorkPlan; the runtime decides when and with whom it runs. The
+denoise loop uses the kernel's samplers and guidance policies as a library; the
+step body fixes the numeric space (velocity, as the reference computes it) and
+the policy fixes the algebra. Everything per request lives in the typed states
+below: nothing is kept on the loop objects or the modules.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fv_kernel.api import (
+    CachePlan,
+    CacheRef,
+    Done,
+    EmitSpec,
+    Loop,
+    LoopContext,
+    LoopResult,
+    LoopState,
+    ModelInstance,
+    Provenance,
+    Request,
+    ResourceRequest,
+    Sampler,
+    SamplerState,
+    ShapeSignature,
+    StepResult,
+    VideoArtifact,
+    WorkKind,
+    WorkPlan,
+    builtin_guidance_policies,
+    builtin_samplers,
+    generator_from_state,
+)
+from fv_kernel.cache import CacheKey, content_hash
+from fv_wan.models.encoders import clean_prompt
+from fv_wan.models.transformer import TEXT_CONTEXT_LENGTH, WanTransformerConfig
+from fv_wan.models.vae import TilingConfig, WanVAEConfig
+
+__all__ = [
+    "WanTextEncodeState",
+    "WanTextEncodeLoop",
+    "WanImageEncodeState",
+    "WanImageEncodeLoop",
+    "WanDenoiseState",
+    "WanDenoiseLoop",
+    "WanDecodeState",
+    "WanDecodeLoop",
+]
+
+
+def _vae_config(model: ModelInstance) -> WanVAEConfig:
+    return WanVAEConfig.from_diffusers_config(model.card.components["vae_decoder"].config)
+
+
+def _transformer_config(model: ModelInstance) -> WanTransformerConfig:
+    return WanTransformerConfig.from_diffusers_config(model.card.components["transformer"].config)
+
+
+def _denoise_spec(model: ModelInstance, request: Request) -> Any:
+    from fv_kernel.api import select_denoise_loop
+
+    return model.card.loops[select_denoise_loop(model.card, request) or "denoise"]
+
+
+def _uses_cfg(model: ModelInstance, request: Request) -> bool:
+    spec = _denoise_spec(model, request)
+    policy = builtin_guidance_policies()[spec.guidance or "cfg"]()
+    scales = [request.diffusion.guidance or 0.0]
+    if request.diffusion.guidance_2 is not None:
+        scales.append(request.diffusion.guidance_2)
+    return any(len(policy.branches(s)) > 1 for s in scales)
+
+
+# --------------------------------------------------------------------------- text encode
+
+
+class WanTextEncodeState(LoopState):
+    texts: list[str]
+    cache_keys: list[str]
+    embeds: list[torch.Tensor | None]
+    pending_rows: list[int]
+    ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    max_len: int = TEXT_CONTEXT_LENGTH
+
+
+class WanTextEncodeLoop(Loop[WanTextEncodeState]):
+    """UMT5 over the prompt (and the negative prompt when CFG runs), through the feature cache.
+
+    The cache key holds the encoder's weights version, the precision and the cleaned
+    text, so the same prompt on the same weights runs the encoder once.
+    """
+
+    kind = "text_encode"
+    state_type = WanTextEncodeState
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> WanTextEncodeState:
+        prompt = ctx.upstream.get("upsampled_prompt") or request.text("prompt") or ""
+        texts = [clean_prompt(prompt)]
+        if _uses_cfg(model, request):
+            texts.append(clean_prompt(request.text("negative_prompt") or ""))
+        max_len = int(self.spec.config.get("max_sequence_length", TEXT_CONTEXT_LENGTH))
+        precision = model.card.components["text_encoder"].precision_policy.dtype
+        keys = [
+            CacheKey(
+                model_id=model.model_id, component_id="text_encoder", weights_version=model.weights_version,
+                precision=str(precision), input_hash=content_hash([text, max_len]),
+            ).digest()
+            for text in texts
+        ]
+        cache = ctx.services.get("feature_cache")
+        embeds: list[torch.Tensor | None] = []
+        for key in keys:
+            hit = cache.get(key) if cache is not None else None
+            embeds.append(hit["embeds"] if hit is not None else None)
+        pending = [i for i, e in enumerate(embeds) if e is None]
+        ids = mask = None
+        if pending:
+            tokenizer = model.component("text_encoder").tokenizer
+            tokens = tokenizer(
+                [texts[i] for i in pending], padding="max_length", max_length=max_len, truncation=True,
+                add_special_tokens=True, return_attention_mask=True, return_tensors="pt",
+            )
+            ids, mask = tokens.input_ids, tokens.attention_mask
+        return WanTextEncodeState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
+            texts=texts, cache_keys=keys, embeds=embeds, pending_rows=pending, ids=ids, mask=mask, max_len=max_len,
+        )
+
+    def next(self, state: WanTextEncodeState) -> WorkPlan | Done:
+        if not state.pending_rows:
+            return Done()
+        assert state.ids is not None and state.mask is not None
+        writes = tuple(
+            CacheRef(cache="feature_cache", key=state.cache_keys[row], output="embeds", index=j)
+            for j, row in enumerate(state.pending_rows)
+        )
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.ENCODER_CHUNK, op="encode_text",
+            inputs={"ids": state.ids, "mask": state.mask}, params={"max_len": state.max_len},
+            shape_sig=ShapeSignature.of(tokens=state.max_len), cache=CachePlan(writes=writes),
+        )
+
+    def advance(self, state: WanTextEncodeState, result: StepResult) -> WanTextEncodeState:
+        embeds = list(state.embeds)
+        for j, row in enumerate(state.pending_rows):
+            embeds[row] = result.outputs["embeds"][j : j + 1]
+        return state.model_copy(update={"embeds": embeds, "pending_rows": [], "ids": None, "mask": None, "step": state.step + 1})
+
+    def finalize(self, state: WanTextEncodeState) -> LoopResult:
+        outputs: dict[str, Any] = {"prompt_embeds": state.embeds[0]}
+        if len(state.embeds) > 1:
+            outputs["negative_embeds"] = state.embeds[1]
+        return LoopResult(loop_id=self.loop_id, outputs=outputs)
+
+    def progress(self, state: WanTextEncodeState) -> tuple[int, int | None]:
+        return (1, 1) if not state.pending_rows else (0, 1)
+
+
+# --------------------------------------------------------------------------- image encode
+
+
+def _prepare_image(request: Request, height: int, width: int) -> torch.Tensor:
+    """The conditioning image at the output size, in [-1, 1], shaped (1, 3, H, W)."""
+    part = request.part("image")
+    image = part.image.float().unsqueeze(0)
+    if image.shape[-2:] != (height, width):
+        image = F.interpolate(image, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
+    return image.clamp(0, 1) * 2 - 1
+
+
+class WanImageEncodeState(LoopState):
+    mode: str
+    pixel_values: torch.Tensor | None
+    video: torch.Tensor
+    image_embeds: torch.Tensor | None = None
+    latent: torch.Tensor | None = None
+    num_frames: int
+    clip_done: bool = False
+
+
+class WanImageEncodeLoop(Loop[WanImageEncodeState]):
+    """Image conditioning: CLIP image tokens (Wan 2.1 I2V) and the VAE-encoded condition latent.
+
+    ``i2v_mode="concat"`` (Wan 2.1): the condition is the first frame followed by zeros,
+    encoded, plus a 4-channel frame mask, concatenated to the noisy latents.
+    ``i2v_mode="first_frame"`` (Wan 2.2 TI2V): the first latent frame is the clean image
+    latent and its tokens get timestep 0.
+    """
+
+    kind = "image_encode"
+    state_type = WanImageEncodeState
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> WanImageEncodeState:
+        d = request.diffusion
+        assert d.height and d.width and d.frames
+        mode = str(self.spec.config.get("i2v_mode", "concat"))
+        image = _prepare_image(request, d.height, d.width)
+        if mode == "concat":
+            zeros = image.new_zeros(1, 3, d.frames - 1, d.height, d.width)
+            video = torch.cat([image.unsqueeze(2), zeros], dim=2)
+        else:
+            video = image.unsqueeze(2)
+        pixel_values = None
+        if "image_encoder" in model.card.components:
+            raw = request.part("image").image.float()
+            pixel_values = model.component("image_encoder").pixel_values(raw)
+        return WanImageEncodeState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id, mode=mode,
+            pixel_values=pixel_values, video=video, num_frames=d.frames, clip_done=pixel_values is None,
+        )
+
+    def next(self, state: WanImageEncodeState) -> WorkPlan | Done:
+        if not state.clip_done:
+            assert state.pixel_values is not None
+            return WorkPlan(
+                loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.ENCODER_CHUNK, op="encode_image",
+                inputs={"pixel_values": state.pixel_values}, shape_sig=ShapeSignature.of(pixels=int(state.pixel_values[0].numel())),
+            )
+        if state.latent is None:
+            return WorkPlan(
+                loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.ENCODER_CHUNK, op="vae_encode",
+                inputs={"video": state.video}, shape_sig=ShapeSignature.of(video=str(tuple(state.video.shape))), batchable=False,
+            )
+        return Done()
+
+    def advance(self, state: WanImageEncodeState, result: StepResult) -> WanImageEncodeState:
+        if not state.clip_done:
+            return state.model_copy(update={"image_embeds": result.outputs["image_embeds"], "clip_done": True, "step": state.step + 1})
+        return state.model_copy(update={"latent": result.outputs["latent"], "step": state.step + 1})
+
+    def finalize(self, state: WanImageEncodeState) -> LoopResult:
+        latent = state.latent
+        assert latent is not None
+        outputs: dict[str, Any] = {"image_embeds": state.image_embeds}
+        if state.mode == "concat":
+            # diffusers' mask: 1 for the given first frame (repeated over the 4-frame group), 0 after.
+            _, _, t, h, w = latent.shape
+            frames = state.num_frames
+            mask = torch.ones(1, 1, frames, h, w)
+            mask[:, :, 1:] = 0
+            first = mask[:, :, 0:1].repeat_interleave(4, dim=2)
+            mask = torch.cat([first, mask[:, :, 1:]], dim=2).view(1, -1, 4, h, w).transpose(1, 2)
+            outputs["condition"] = torch.cat([mask, latent], dim=1)
+        else:
+            outputs["condition"] = latent
+        return LoopResult(loop_id=self.loop_id, outputs=outputs)
+
+    def progress(self, state: WanImageEncodeState) -> tuple[int, int | None]:
+        return state.step, 2 if state.pixel_values is not None else 1
+
+
+# --------------------------------------------------------------------------- denoise
+
+
+class WanDenoiseState(LoopState):
+    latents: torch.Tensor
+    sampler_state: SamplerState
+    rng_state: torch.Tensor
+    prompt_embeds: torch.Tensor
+    negative_embeds: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+    condition: torch.Tensor | None = None
+    first_frame_mask: torch.Tensor | None = None
+    guidance: float
+    guidance_2: float | None = None
+    boundary_timestep: float | None = None
+    expand_timesteps: bool = False
+    total_steps: int
+    precision: str
+
+
+def _sampler_from_state(state: SamplerState) -> Sampler:
+    # The state records its sampler's full config, so a resumed state rebuilds the same sampler.
+    name, _, config = state.sampler.partition(":")
+    return builtin_samplers()[name](**json.loads(config))
+
+
+class WanDenoiseLoop(Loop[WanDenoiseState]):
+    """Flow-matching denoise: one WorkPlan per step, CFG branches batched in it.
+
+    Loop config: ``boundary_ratio`` (two experts: ``transformer`` while t >= ratio*1000,
+    then ``transformer_2``, one sampler state across the switch, ``guidance_2`` for the
+    second), ``expand_timesteps`` (per-token timesteps, Wan 2.2), ``i2v_mode``,
+    ``cfg_dispatch`` ("batched" default, or "sequential" two forwards as diffusers runs them).
+    """
+
+    kind = "diffusion_denoise"
+    state_type = WanDenoiseState
+
+    def _sampler(self, shift: float | None) -> Sampler:
+        binding = self.spec.sampler
+        assert binding is not None, f"loop {self.loop_id!r} has no sampler binding"
+        config = dict(binding.config)
+        if shift is not None:
+            config["shift"] = shift
+        return builtin_samplers()[binding.name](**config)
+
+    def _policy(self) -> Any:
+        return builtin_guidance_policies()[self.spec.guidance or "cfg"]()
+
+    def _latent_shape(self, request: Request, model: ModelInstance) -> tuple[int, ...]:
+        d = request.diffusion
+        assert d.height and d.width and d.frames
+        vae = _vae_config(model)
+        s, t = vae.spatial_compression, vae.temporal_compression
+        return (1, vae.z_dim, (d.frames - 1) // t + 1, d.height // s, d.width // s)
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> WanDenoiseState:
+        d = request.diffusion
+        shape = self._latent_shape(request, model)
+        # diffusers draws the initial noise as float32 randn of the latent shape from a CPU
+        # generator seeded with the user's seed; fv does the same, so seeds are portable.
+        generator = torch.Generator(device="cpu").manual_seed(d.seed)
+        latents = torch.randn(shape, generator=generator, dtype=torch.float32)
+        sampler = self._sampler(d.shift)
+        binding = self.spec.sampler
+        steps = binding.fixed_steps if binding is not None and binding.fixed_steps else (d.steps or 1)
+        config = self.spec.config
+        boundary = config.get("boundary_ratio")
+        up = ctx.upstream
+        condition = up.get("condition")
+        expand = bool(config.get("expand_timesteps", False))
+        first_frame_mask = None
+        if expand and condition is not None:
+            first_frame_mask = torch.ones(1, 1, *shape[2:])
+            first_frame_mask[:, :, 0] = 0
+        return WanDenoiseState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
+            latents=latents, sampler_state=sampler.init_state(steps), rng_state=generator.get_state(),
+            prompt_embeds=up["prompt_embeds"], negative_embeds=up.get("negative_embeds"),
+            image_embeds=up.get("image_embeds"), condition=condition, first_frame_mask=first_frame_mask,
+            guidance=float(d.guidance if d.guidance is not None else 1.0), guidance_2=d.guidance_2,
+            boundary_timestep=None if boundary is None else float(boundary) * 1000.0, expand_timesteps=expand,
+            total_steps=steps, precision=model.precision,
+        )
+
+    def _expert(self, state: WanDenoiseState, t: torch.Tensor) -> tuple[str, float]:
+        if state.boundary_timestep is None or float(t) >= state.boundary_timestep:
+            return "transformer", state.guidance
+        return "transformer_2", state.guidance_2 if state.guidance_2 is not None else state.guidance
+
+    def _model_input(self, state: WanDenoiseState) -> torch.Tensor:
+        if state.condition is None:
+            return state.latents
+        if state.expand_timesteps:
+            assert state.first_frame_mask is not None
+            return (1 - state.first_frame_mask) * state.condition + state.first_frame_mask * state.latents
+        return torch.cat([state.latents, state.condition], dim=1)
+
+    def next(self, state: WanDenoiseState) -> WorkPlan | Done:
+        sampler = _sampler_from_state(state.sampler_state)
+        if sampler.is_done(state.sampler_state):
+            return Done()
+        t = sampler.timestep(state.sampler_state)
+        expert, scale = self._expert(state, t)
+        branches = self._policy().branches(scale)
+        x = self._model_input(state)
+        if state.expand_timesteps:
+            mask = state.first_frame_mask if state.first_frame_mask is not None else torch.ones(1, 1, *state.latents.shape[2:])
+            timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0)
+        else:
+            timestep = t.reshape(1)
+        n = len(branches)
+        contexts = []
+        for branch in branches:
+            embeds = state.prompt_embeds if branch == "cond" else state.negative_embeds
+            assert embeds is not None, "CFG needs negative prompt embeddings from the text encode loop"
+            contexts.append(embeds)
+        inputs = {
+            "x": x.expand(n, *x.shape[1:]),
+            "t": timestep.expand(n, *timestep.shape[1:]),
+            "context": torch.cat(contexts),
+        }
+        if state.image_embeds is not None:
+            inputs["image_embeds"] = state.image_embeds.expand(n, *state.image_embeds.shape[1:])
+        tokens = int(x.shape[2] * (x.shape[3] // 2) * (x.shape[4] // 2))
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.DIFFUSION_STEP, op=f"dit_forward:{expert}",
+            inputs=inputs, params={"dispatch": self.spec.config.get("cfg_dispatch", "batched"), "step_index": state.step},
+            shape_sig=ShapeSignature.of(tokens=tokens, branches=n, expert=expert, per_token_t=int(state.expand_timesteps)),
+            precision=state.precision, tag="+".join(branches),
+            resources=ResourceRequest(peak_bytes=_activation_bytes(tokens, n, state.precision)),
+        )
+
+    def advance(self, state: WanDenoiseState, result: StepResult) -> WanDenoiseState:
+        sampler = _sampler_from_state(state.sampler_state)
+        t = sampler.timestep(state.sampler_state)
+        _, scale = self._expert(state, t)
+        policy = self._policy()
+        branches = policy.branches(scale)
+        velocity = policy.combine(dict(zip(branches, result.outputs["v"].split(1))), scale, step_index=state.step)
+        noise = None
+        rng_state = state.rng_state
+        if sampler.needs_noise(state.sampler_state):
+            generator = generator_from_state(state.rng_state)
+            noise = torch.randn(state.latents.shape, generator=generator, dtype=torch.float32)
+            rng_state = generator.get_state()
+        sampler_state, latents = sampler.step(state.sampler_state, velocity.to(state.latents.device), state.latents, noise=noise)
+        return state.model_copy(update={"latents": latents, "sampler_state": sampler_state, "rng_state": rng_state, "step": state.step + 1})
+
+    def finalize(self, state: WanDenoiseState) -> LoopResult:
+        latents = state.latents
+        if state.expand_timesteps and state.condition is not None and state.first_frame_mask is not None:
+            latents = (1 - state.first_frame_mask) * state.condition + state.first_frame_mask * latents
+        return LoopResult(loop_id=self.loop_id, outputs={"latents": latents})
+
+    def progress(self, state: WanDenoiseState) -> tuple[int, int | None]:
+        return state.step, state.total_steps
+
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        shape = self._latent_shape(request, model)
+        tokens = shape[2] * (shape[3] // 2) * (shape[4] // 2)
+        binding = self.spec.sampler
+        steps = binding.fixed_steps if binding is not None and binding.fixed_steps else (request.diffusion.steps or 1)
+        branches = 2 if _uses_cfg(model, request) else 1
+        cost = self.spec.step_cost
+        per_step = cost.fixed_seconds + cost.per_unit_seconds * tokens + cost.per_unit_sq_seconds * tokens * tokens
+        seconds = per_step * branches * steps * cost.precision_factor.get(model.precision, 1.0) * cost.conservative_factor
+        latent_bytes = 4 * int(torch.Size(shape).numel())
+        return ResourceRequest(
+            gpu_seconds=seconds, resident_bytes=latent_bytes * 6, peak_bytes=_activation_bytes(tokens, branches, model.precision),
+        )
+
+
+def _activation_bytes(tokens: int, branches: int, precision: str) -> int:
+    # A block's transient peak: ~16 hidden-sized tensors per token (QKV, attention output, FFN).
+    width = 2 if precision in ("bf16", "fp16") else 4
+    return int(tokens * branches * 16 * 1536 * width)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+class WanDecodeState(LoopState):
+    model_id: str
+    weights_version: str
+    seed: int
+    latents: torch.Tensor
+    frames: list[torch.Tensor] = []
+    cache: dict[str, torch.Tensor] = {}
+    fps: float
+    tiling: dict[str, int] | None = None
+
+
+class WanDecodeLoop(Loop[WanDecodeState]):
+    """Causal VAE decode, one latent frame per WorkPlan, each streamed as a preview chunk.
+
+    The causal conv history lives in the state (``cache``), so two requests decoding at
+    once never share it and a half-decoded video resumes exactly. Loop config
+    ``tiling`` (tile sizes/strides in pixels) turns on spatial tiling for large frames.
+    """
+
+    kind = "vae_decode"
+    state_type = WanDecodeState
+
+    def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> WanDecodeState:
+        tiling = self.spec.config.get("tiling")
+        return WanDecodeState(
+            request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
+            model_id=model.model_id, weights_version=model.weights_version, seed=request.diffusion.seed,
+            latents=ctx.upstream["latents"], fps=float(request.diffusion.fps or 16.0), tiling=tiling,
+        )
+
+    def next(self, state: WanDecodeState) -> WorkPlan | Done:
+        index = len(state.frames)
+        if index >= state.latents.shape[2]:
+            return Done()
+        inputs = {"z": state.latents[:, :, index : index + 1]}
+        inputs.update({f"cache.{k}": v for k, v in state.cache.items()})
+        done_frames = sum(int(f.shape[0]) for f in state.frames)
+        new_frames = 1 if index == 0 else 4
+        pts = (done_frames / state.fps, (done_frames + new_frames) / state.fps)
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.VAE_TILE, op="vae_decode_frame",
+            inputs=inputs, params={"tiling": TilingConfig(**state.tiling) if state.tiling else None},
+            shape_sig=ShapeSignature.of(latent=str(tuple(state.latents.shape[-2:])), first=int(index == 0)),
+            batchable=False,
+            emits=[EmitSpec(stream="video", modality="video", preview=True, from_output="preview", pts=pts)],
+        )
+
+    def advance(self, state: WanDecodeState, result: StepResult) -> WanDecodeState:
+        frames = result.outputs["frames"][0].transpose(0, 1)  # (k, 3, H, W)
+        cache = {k[len("cache."):]: v for k, v in result.outputs.items() if k.startswith("cache.")}
+        return state.model_copy(update={"frames": [*state.frames, frames], "cache": cache, "step": state.step + 1})
+
+    def finalize(self, state: WanDecodeState) -> LoopResult:
+        return LoopResult(loop_id=self.loop_id, artifacts=[self._artifact(state, partial=False)])
+
+    def partial(self, state: WanDecodeState) -> LoopResult | None:
+        if not state.frames:
+            return None
+        return LoopResult(loop_id=self.loop_id, artifacts=[self._artifact(state, partial=True)])
+
+    def _artifact(self, state: WanDecodeState, *, partial: bool) -> VideoArtifact:
+        return VideoArtifact(
+            frames=torch.cat(state.frames).float().cpu(), fps=state.fps,
+            provenance=Provenance(
+                model_id=state.model_id, loop_id=self.loop_id, request_id=state.request_id, node=state.instance_id,
+                seed=state.seed, weights_version=state.weights_version, partial=partial,
+            ),
+        )
+
+    def progress(self, state: WanDecodeState) -> tuple[int, int | None]:
+        return state.step, int(state.latents.shape[2])
+
