@@ -5,25 +5,18 @@ through the Engine are bit-identical to the same requests run serially."""
 from __future__ import annotations
 
 from fv_cosmos3.cards import cosmos3_card
-from fv_kernel.api import DiffusionParams, Engine, ModelCard, Request, SchedulerConfig, TaskType, TextPart, build_instance
+from fv_kernel.api import DiffusionParams, Engine, Request, SchedulerConfig, TaskType, TextPart, build_instance
 from fv_kernel.runtime.engine import run_concurrently, run_serially
 from fv_kernel.testing import CardConformance, InterleaveConformance
 from fv_kernel.testing.card_kit import assert_artifacts_identical
 
 
-class _Cards:
-    # Cards come straight from the plugin's builders: the kit's catalog lookup goes through the
-    # plugin host, whose model_cards base ("fv_kernel.card:ModelCard") is not importable yet.
-    def load_card(self, model_id: str) -> ModelCard:
-        return cosmos3_card(model_id)
-
-
-class TestCosmos3Cards(_Cards, CardConformance):
+class TestCosmos3Cards(CardConformance):  # cards looked up through the installed plugin
     card_ids = ["cosmos3-tiny"]
     validate_only_ids = ["cosmos3-nano", "cosmos3-super"]
 
 
-class TestCosmos3Interleave(_Cards, InterleaveConformance):
+class TestCosmos3Interleave(InterleaveConformance):
     card_ids = ["cosmos3-tiny"]
 
 
