@@ -220,7 +220,11 @@ class CausalCache:
     steps_done: int = 0
 
     def to_tensors(self) -> dict[str, Tensor]:
-        """Flat ``name -> tensor`` dict (safetensors/torch.save friendly); empty slots are omitted."""
+        """Flat ``name -> tensor`` dict (safetensors/torch.save friendly); empty slots are omitted.
+
+        Slots are packed to the default contiguous layout (a copy only for the
+        channels-last slots), as safetensors requires.
+        """
         num_slots = len(self.tiles[0]) if self.tiles else 0
         out: dict[str, Tensor] = {
             "meta.steps_done": torch.tensor(self.steps_done, dtype=torch.int64),
@@ -230,7 +234,7 @@ class CausalCache:
         for t, slots in enumerate(self.tiles):
             for s, value in enumerate(slots):
                 if value is not None:
-                    out[f"tile{t}.slot{s}"] = value
+                    out[f"tile{t}.slot{s}"] = value.contiguous()
         return out
 
     @classmethod
