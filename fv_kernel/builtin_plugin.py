@@ -12,3 +12,11 @@ def fv_register_samplers(register: Register) -> None:
 
     for name, sampler_cls in builtin_samplers().items():
         register(name, sampler_cls)
+
+
+@hookimpl
+def fv_register_observers(register: Register) -> None:
+    from fv_kernel.extend.observers import NaNWatch, ParityAligner
+
+    register("nanwatch", NaNWatch)
+    register("parity_aligner", ParityAligner)

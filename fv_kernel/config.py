@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fv_kernel.card.validate import RequestLimits
 from fv_kernel.errors import FvError
+from fv_kernel.extend.registry import ExtensionSettings
 from fv_kernel.plugins.config import PluginsConfig
 from fv_kernel.request.types import Precision
 from fv_kernel.runtime.engine import SchedulerConfig
@@ -62,8 +63,8 @@ class DeployConfig(BaseModel):
     cards: list[CardDeployment] = Field(default_factory=list)
     scheduler: SchedulerConfig = SchedulerConfig()
     limits: RequestLimits = RequestLimits()
-    #: Interceptors/observers to enable, by contribution name, with their deploy-time config.
-    extensions: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    #: Interceptors/observers to enable, by contribution name: ``{default_on, config}``.
+    extensions: dict[str, ExtensionSettings] = Field(default_factory=dict)
     output_dir: Path = Path("fv-output")
     api_key: str | None = None
     server: ServerConfig = ServerConfig()

@@ -31,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 
 from fv_kernel.card.instance import ModelInstance, build_instance  # noqa: E402
 from fv_kernel.card.validate import RequestLimits  # noqa: E402
+from fv_kernel.extend.interceptors import BlockInterceptor
+from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.config import DeployConfig, DeployConfigError, ServerConfig  # noqa: E402
 from fv_kernel.runtime.engine import Engine, SchedulerConfig  # noqa: E402
 from fv_kernel.serving import JobStore, ServerThread, create_app  # noqa: E402
@@ -75,18 +77,33 @@ class Served:
 
 
 class ToyCacheParams(BaseModel):
-    """The per-request schema of a pretend enabled extension."""
+    """The per-request schema of the test's enabled block interceptor."""
 
     model_config = ConfigDict(extra="forbid")
     threshold: float = Field(default=0.1, ge=0, le=1)
 
 
+class ToyCache(BlockInterceptor):
+    """A block interceptor that computes every block (so outputs are unchanged) and counts its calls."""
+
+    plugin_id = "toy-cache"
+    request_model = ToyCacheParams
+
+    def distribution_altering(self, params: BaseModel) -> bool:
+        return params.threshold > 0  # type: ignore[attr-defined]
+
+    def run_blocks(self, blocks, hidden, state, params, call):  # type: ignore[no-untyped-def]
+        state["calls"] = state.get("calls", 0) + 1
+        return blocks.run(0, blocks.num_blocks, hidden)
+
+
 def start_server(card_id: str, output_dir: Path, *, scheduler: SchedulerConfig | None = None, **config: Any) -> Served:
     deploy = DeployConfig(output_dir=output_dir, extensions={"toy-cache": {}}, **config)
-    engine = Engine(scheduler or SchedulerConfig(), limits=deploy.limits)
+    extensions = ExtensionSet.build(deploy.extensions, {"toy-cache": ToyCache})
+    engine = Engine(scheduler or SchedulerConfig(), limits=deploy.limits, extensions=extensions)
     instance = build_card_instance(card_id)
     engine.add_instance(instance)
-    app = create_app(engine, deploy, extension_schemas={"toy-cache": ToyCacheParams})
+    app = create_app(engine, deploy)
     return Served(ServerThread(app).start(), engine, deploy, instance.card)
 
 

@@ -52,6 +52,8 @@ class StepOp:
     name: str
     fn: Callable[[TensorDict, Mapping[str, Any]], TensorDict]
     batch_invariant: bool = False
+    #: The op runs a block sequence and honours ``params["block_hooks"]`` (block interceptors/observers).
+    supports_block_hooks: bool = False
 
     def run_fused(self, batch: Sequence[TensorDict], params: Mapping[str, Any]) -> list[TensorDict]:
         if len(batch) == 1:

@@ -15,7 +15,7 @@ import typer
 if TYPE_CHECKING:  # the config imports the engine (torch); the CLI root must stay light
     from fv_kernel.config import DeployConfig
 
-__all__ = ["serve", "resolve_serve_config", "extension_param_schemas"]
+__all__ = ["serve", "resolve_serve_config"]
 
 
 def resolve_serve_config(
@@ -45,36 +45,6 @@ def resolve_serve_config(
         return config
     # Re-validate, so a bad override is reported exactly like a bad config key.
     return DeployConfig.model_validate({**config.model_dump(), **updates})
-
-
-def extension_param_schemas(host: Any, names: list[str]) -> dict[str, type]:
-    """The per-request parameter schema of each enabled extension.
-
-    An interceptor or observer class declares one as a ``request_params`` class attribute
-    (a pydantic model); one without it accepts no per-request parameters. Naming an
-    extension that no enabled plugin contributes is a deploy-config error.
-    """
-    from pydantic import BaseModel
-
-    from fv_kernel.config import DeployConfigError
-
-    registered: dict[str, Any] = {}
-    for kind in ("interceptors", "observers"):
-        try:
-            contributions = host.hooks.contributions(kind)
-        except Exception:  # noqa: BLE001 - a kind no installed plugin can provide yet
-            continue
-        for namespaced, contribution in contributions.items():
-            registered[namespaced] = registered[contribution.name] = contribution.obj
-    schemas: dict[str, type] = {}
-    for name in names:
-        if name not in registered:
-            known = ", ".join(sorted(registered)) or "none"
-            raise DeployConfigError(f"extensions.{name}: no enabled plugin contributes it; known: {known}", param=f"extensions.{name}")
-        schema = getattr(registered[name], "request_params", None)
-        if isinstance(schema, type) and issubclass(schema, BaseModel):
-            schemas[name] = schema
-    return schemas
 
 
 def serve(
@@ -114,12 +84,11 @@ def serve(
                 raise typer.Exit(2)
             deploy = deploy.model_copy(update={"cards": [{"model": default}]})
             deploy = DeployConfig.model_validate(deploy.model_dump())
-        schemas = extension_param_schemas(plugin_host, sorted(deploy.extensions))
         engine = build_engine(deploy, host=plugin_host)
     except FvError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    app = create_app(engine, deploy, extension_schemas=schemas)
+    app = create_app(engine, deploy)
     typer.echo(
         f"fv serve: {', '.join(sorted(engine.instances))} on http://{deploy.server.host}:{deploy.server.port}"
         + (" (API key required)" if deploy.api_key else ""),

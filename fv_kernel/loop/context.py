@@ -13,6 +13,8 @@ from fv_kernel.errors import RequestCancelled
 from fv_kernel.loop.contract import StepResult, WorkPlan
 
 if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.card.instance import ModelInstance
+    from fv_kernel.extend.hooks import RequestHooks
     from fv_kernel.request.request import Request
 
 __all__ = ["CancelToken", "LoopContext", "Executor", "EventSink"]
@@ -60,6 +62,10 @@ class LoopContext:
     #: Called with each new LoopState after a step (checkpointing). It may return a
     #: replacement state (e.g. one restored from bytes), which the driver continues from.
     on_state: Callable[[Any], Any] | None = None
+    #: The extensions active for this request (None: nothing to hook, nothing on the hot path).
+    hooks: "RequestHooks | None" = None
+    #: The instance the current loop runs on (set by the driver).
+    instance: "ModelInstance | None" = None
 
     @property
     def request_id(self) -> str:
@@ -76,5 +82,6 @@ class LoopContext:
         """The context of the next loop in a program: same request and runtime, new upstream."""
         return LoopContext(
             request=self.request, executor=self.executor, emit_event=self.emit_event, cancel=self.cancel,
-            upstream=upstream, services=self.services, on_state=self.on_state,
+            upstream=upstream, services=self.services, on_state=self.on_state, hooks=self.hooks,
+            instance=self.instance,
         )

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from fv_kernel.errors import RequestCancelled
@@ -56,7 +57,12 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopR
         if isinstance(plan, Done):
             break
         try:
-            result = await ctx.execute(plan)
+            if ctx.hooks is not None:
+                supports = ctx.instance is not None and ctx.instance.op(plan.op).supports_block_hooks
+                plan = ctx.hooks.attach(plan, state, supports_block_hooks=supports, num_steps=loop.progress(state)[1])
+                result = await ctx.hooks.execute(plan, state, ctx.execute)
+            else:
+                result = await ctx.execute(plan)
         except LoopCancelled:
             raise
         except RequestCancelled as exc:  # cancelled while the step was queued: report what we have
@@ -75,5 +81,6 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopR
 
 async def drive(loop: Loop[Any], model: "ModelInstance", ctx: "LoopContext") -> LoopResult:
     """Run one loop for ``ctx.request`` on ``model``."""
+    ctx = dataclasses.replace(ctx, instance=model)
     state = loop.init(ctx.request, model, ctx)
     return await resume(loop, state, ctx)

@@ -6,9 +6,19 @@ from fv_kernel.card.catalog import CardCatalog
 from fv_kernel.card.instance import InstanceOptions, build_instance
 from fv_kernel.config import DeployConfig
 from fv_kernel.plugins.host import PluginHost
+from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.runtime.engine import Engine
 
-__all__ = ["build_engine"]
+__all__ = ["build_engine", "available_extensions"]
+
+
+def available_extensions(host: PluginHost) -> dict[str, type]:
+    """Interceptor and observer classes of the enabled plugins, by short name (``plugin_id`` for interceptors)."""
+    host.start()
+    found: dict[str, type] = {}
+    for contribution in [*host.hooks.interceptors().values(), *host.hooks.observers().values()]:
+        found[contribution.name] = contribution.obj  # type: ignore[assignment]
+    return found
 
 
 def build_engine(config: DeployConfig, host: PluginHost | None = None) -> Engine:
@@ -17,7 +27,8 @@ def build_engine(config: DeployConfig, host: PluginHost | None = None) -> Engine
         host = PluginHost(config.plugins)
     host.start()
     catalog = CardCatalog(host)
-    engine = Engine(config.scheduler, limits=config.limits, hooks=host.hooks)
+    extensions = ExtensionSet.build(config.extensions, available_extensions(host))
+    engine = Engine(config.scheduler, limits=config.limits, hooks=host.hooks, extensions=extensions)
     for deployment in config.cards:
         resolved = catalog.resolve(deployment.model)
         options = InstanceOptions(

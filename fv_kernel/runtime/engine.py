@@ -42,7 +42,9 @@ from fv_kernel.errors import (
     StepFailed,
     UnknownModel,
 )
-from fv_kernel.extend.observers import Observer, Profiler, StepRecord
+from fv_kernel.extend.hooks import RequestHooks
+from fv_kernel.extend.observers import BlockObserver, Observer, Profiler, StepRecord
+from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.loop.context import CancelToken, LoopContext
 from fv_kernel.loop.contract import StepResult, WorkPlan
 from fv_kernel.loop.driver import LoopCancelled
@@ -270,12 +272,18 @@ class Engine:
         observers: Iterable[Observer] = (),
         profile: bool = True,
         hooks: Any = None,
+        extensions: ExtensionSet | None = None,
     ) -> None:
         self.config = config or SchedulerConfig()
         self.limits = limits or RequestLimits()
         self.cost_model = cost_model or CostModel()
         self.profiler = Profiler(self.cost_model) if profile else None
-        self.observers: list[Observer] = ([self.profiler] if self.profiler else []) + list(observers)
+        #: Deploy-enabled interceptors and observers (validated when the deploy config was).
+        self.extensions = extensions or ExtensionSet()
+        self.observers: list[Observer] = (
+            ([self.profiler] if self.profiler else []) + list(observers)
+            + [o for o in self.extensions.observers if not isinstance(o, BlockObserver)]
+        )
         self.admission = AdmissionController(self.config.budgets)
         self.batcher = BatchScheduler(self.config.batch)
         self.metrics = EngineMetrics()
@@ -299,6 +307,7 @@ class Engine:
     def add_instance(self, instance: ModelInstance) -> None:
         if instance.model_id in self._instances:
             raise ValueError(f"an instance of {instance.model_id!r} is already resident")
+        self.extensions.check_cards([instance.card])
         self._instances[instance.model_id] = instance
         self._by_instance_id[instance.instance_id] = instance
 
@@ -354,7 +363,14 @@ class Engine:
         instance = self._instances.get(request.model)
         if instance is None:
             raise UnknownModel(request.model, self._instances)
-        return resolve_request(instance.card, request, self.limits)
+        resolved = resolve_request(instance.card, request, self.limits)
+        self.hooks_for(instance, resolved)
+        return resolved
+
+    def hooks_for(self, instance: ModelInstance, request: Request) -> RequestHooks | None:
+        """The request's active extensions, validated (raises InvalidRequest for bad plugin_params)."""
+        loop_ids = instance.program(request.task).loop_ids(request)
+        return self.extensions.hooks_for(instance.card, loop_ids, request.plugin_params, exact=request.exact)
 
     def submit(self, request: Request) -> RequestHandle:
         """Validate and enqueue; returns at once. Must be called on the engine's event loop."""
@@ -467,6 +483,7 @@ class Engine:
             emit_event=record.emit,
             cancel=record.cancel,
             services=self.services,
+            hooks=self.hooks_for(record.instance, request),
         )
         try:
             record.instance.load_for_task(request.task)
@@ -618,16 +635,18 @@ class Engine:
         if cuda:
             start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start_evt.record()
-        fuse = len(batch) > 1 and (self.config.batching == "throughput" or op.batch_invariant)
+        # Block hooks carry per-request state, so their steps always run per sample.
+        hooked = any("block_hooks" in u.plan.params for u in batch)
+        fuse = len(batch) > 1 and not hooked and (self.config.batching == "throughput" or op.batch_invariant)
         outcomes: list[StepResult | BaseException]
         with torch.inference_mode():
             if fuse:
                 try:
                     outcomes = [StepResult(outputs=o) for o in op.run_fused(inputs, plan.params)]
                 except Exception:  # noqa: BLE001 - fall back to per-sample to find the culprit
-                    outcomes = self._per_sample(op, inputs, plan.params)
+                    outcomes = self._per_sample(op, batch)
             else:
-                outcomes = self._per_sample(op, inputs, plan.params)
+                outcomes = self._per_sample(op, batch)
         if self.config.check_finite:
             outcomes = [self._check_finite(o, u) for o, u in zip(outcomes, batch)]
         device_s = None
@@ -638,11 +657,11 @@ class Engine:
         return outcomes, device_s
 
     @staticmethod
-    def _per_sample(op: Any, inputs: list[dict[str, torch.Tensor]], params: dict[str, Any]) -> list[StepResult | BaseException]:
+    def _per_sample(op: Any, batch: list[WorkUnit]) -> list[StepResult | BaseException]:
         outcomes: list[StepResult | BaseException] = []
-        for item in inputs:
+        for unit in batch:
             try:
-                outcomes.append(StepResult(outputs=op.fn(item, params)))
+                outcomes.append(StepResult(outputs=op.fn(unit.plan.inputs, unit.plan.params)))
             except FvError as exc:
                 outcomes.append(exc)
             except Exception as exc:  # noqa: BLE001

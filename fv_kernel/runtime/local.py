@@ -14,6 +14,7 @@ import torch
 from fv_kernel.cache.feature import FeatureCache, apply_cache_writes
 from fv_kernel.card.instance import ModelInstance
 from fv_kernel.card.validate import RequestLimits, resolve_request
+from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.loop.context import LoopContext
 from fv_kernel.loop.contract import LoopState, StepResult, WorkPlan
 from fv_kernel.request.artifacts import Artifact
@@ -30,6 +31,7 @@ async def run_local_async(
     on_event: Callable[..., None] | None = None,
     limits: RequestLimits | None = None,
     services: dict[str, Any] | None = None,
+    extensions: ExtensionSet | None = None,
 ) -> list[Artifact]:
     resolved = resolve_request(instance.card, request, limits)
     instance.load_for_task(resolved.task)
@@ -47,6 +49,9 @@ async def run_local_async(
         request=resolved, executor=execute, on_state=on_state,
         emit_event=on_event or (lambda *a, **k: None),
         services=services,
+        hooks=None if extensions is None else extensions.hooks_for(
+            instance.card, instance.program(resolved.task).loop_ids(resolved), resolved.plugin_params, exact=resolved.exact
+        ),
     )
     return await instance.program(resolved.task).run(instance, ctx)
 

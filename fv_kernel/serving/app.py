@@ -120,8 +120,11 @@ def create_app(
     """The video API over ``engine``. The app's lifespan starts and stops the engine.
 
     ``extension_schemas`` maps an extension the deploy config enables to the pydantic
-    model of its per-request parameters; an enabled extension without one accepts none.
+    model of its per-request parameters; by default each enabled interceptor's
+    ``request_model`` (the engine validates them again when the request is submitted).
     """
+    if extension_schemas is None:
+        extension_schemas = {pid: i.request_model for pid, i in engine.extensions.interceptors.items()}
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     store = JobStore(config.server.db_path or output_dir / "jobs.sqlite3")

@@ -176,22 +176,51 @@ class ToyDiT(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.cfg.heads, -1).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        b, c, f, h, w = x.shape
-        tokens = self.proj_in(x.flatten(2).transpose(1, 2))
+    def prepare(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> dict[str, Any]:
+        """Tokens and conditioning for the block loop (the block sequence hooks can wrap)."""
         half = 32
         freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
         args = t.float().view(-1, 1) * freqs.view(1, -1)
         scale, shift = self.time(torch.cat([torch.cos(args), torch.sin(args)], dim=-1)).unsqueeze(1).chunk(2, dim=-1)
-        for blk in self.blocks:
-            q, k, v = blk["qkv"](tokens).chunk(3, dim=-1)
-            a = _attention(self._heads(q), self._heads(k), self._heads(v))
-            tokens = tokens + blk["o"](a.transpose(1, 2).reshape(tokens.shape))
-            k2, v2 = blk["kv2"](context).chunk(2, dim=-1)
-            a2 = _attention(self._heads(blk["q2"](tokens)), self._heads(k2), self._heads(v2))
-            tokens = tokens + blk["o2"](a2.transpose(1, 2).reshape(tokens.shape))
-            tokens = tokens + blk["mlp"](tokens * (1 + scale) + shift)
+        tokens = self.proj_in(x.flatten(2).transpose(1, 2))
+        return {"tokens": tokens, "context": context, "scale": scale, "shift": shift, "shape": tuple(x.shape)}
+
+    def run_block(self, index: int, tokens: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        blk = self.blocks[index]
+        q, k, v = blk["qkv"](tokens).chunk(3, dim=-1)
+        a = _attention(self._heads(q), self._heads(k), self._heads(v))
+        tokens = tokens + blk["o"](a.transpose(1, 2).reshape(tokens.shape))
+        k2, v2 = blk["kv2"](inputs["context"]).chunk(2, dim=-1)
+        a2 = _attention(self._heads(blk["q2"](tokens)), self._heads(k2), self._heads(v2))
+        tokens = tokens + blk["o2"](a2.transpose(1, 2).reshape(tokens.shape))
+        return tokens + blk["mlp"](tokens * (1 + inputs["scale"]) + inputs["shift"])
+
+    def finish(self, tokens: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        b, c, f, h, w = inputs["shape"]
         return self.proj_out(tokens).transpose(1, 2).reshape(b, c, f, h, w)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        inputs = self.prepare(x, t, context)
+        tokens = inputs["tokens"]
+        for index in range(len(self.blocks)):
+            tokens = self.run_block(index, tokens, inputs)
+        return self.finish(tokens, inputs)
+
+
+class ToyBlocks:
+    """The toy DiT's block stack of one prepared forward, as block hooks see it."""
+
+    def __init__(self, model: ToyDiT, inputs: dict[str, Any]) -> None:
+        self._model, self._inputs = model, inputs
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._model.blocks)
+
+    def run(self, start: int, stop: int, hidden: torch.Tensor) -> torch.Tensor:
+        for index in range(start, stop):
+            hidden = self._model.run_block(index, hidden, self._inputs)
+        return hidden
 
 
 class ToyDecoder(nn.Module):
@@ -308,7 +337,8 @@ class ToyDenoiseLoop(Loop[DenoiseState]):
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.DIFFUSION_STEP, op="dit_forward",
             inputs={"x": state.latents.expand(n, *state.latents.shape[1:]), "t": t, "context": context},
-            params={"branches": n}, shape_sig=ShapeSignature.of(tokens=tokens, branches=n),
+            params={"branches": n, "step_index": state.step, "dispatch": self.spec.config.get("cfg_dispatch", "batched")},
+            shape_sig=ShapeSignature.of(tokens=tokens, branches=n),
             emits=[], tag="+".join(branches),
         )
 
@@ -540,9 +570,21 @@ def _ops(instance: ModelInstance) -> dict[str, StepOp]:
         dit: ToyDiT = comps["dit"]
 
         def dit_forward(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-            return {"v": dit(inputs["x"], inputs["t"], inputs["context"])}
+            hooks = params.get("block_hooks")
+            if hooks is None and params.get("dispatch") == "sequential":
+                rows = [dit(inputs["x"][i : i + 1], inputs["t"][i : i + 1], inputs["context"][i : i + 1])
+                        for i in range(inputs["x"].shape[0])]
+                return {"v": torch.cat(rows)}
+            if hooks is None:
+                return {"v": dit(inputs["x"], inputs["t"], inputs["context"])}
+            rows = []
+            for i in range(inputs["x"].shape[0]):
+                prepared = dit.prepare(inputs["x"][i : i + 1], inputs["t"][i : i + 1], inputs["context"][i : i + 1])
+                hidden = hooks.run(i, ToyBlocks(dit, prepared), prepared["tokens"])
+                rows.append(dit.finish(hidden, prepared))
+            return {"v": torch.cat(rows)}
 
-        ops["dit_forward"] = StepOp("dit_forward", dit_forward)
+        ops["dit_forward"] = StepOp("dit_forward", dit_forward, supports_block_hooks=True)
     if "decoder" in comps:
         decoder: ToyDecoder = comps["decoder"]
 
@@ -599,6 +641,9 @@ def toy_card(model_id: str) -> ModelCard:
         loops["denoise"] = LoopSpec(
             loop_id="denoise", kind="diffusion_denoise", implementation=f"{_MODULE}:ToyDenoiseLoop",
             sampler=SamplerBinding(name="euler", config={"shift": 1.0}), guidance="cfg", step_cost=cost,
+            # Two forwards per step, as diffusers runs CFG: the rows then run the same kernels
+            # with or without block hooks, so a no-op interceptor is bit-identical to none.
+            config={"cfg_dispatch": "sequential"},
         )
         loops["denoise_unipc"] = LoopSpec(
             loop_id="denoise_unipc", kind="diffusion_denoise", implementation=f"{_MODULE}:ToyDenoiseLoop",

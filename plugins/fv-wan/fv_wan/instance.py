@@ -239,6 +239,15 @@ def _dit_op(expert: str, model: WanTransformer) -> StepOp:
         context = inputs["context"].to(device=ref.device, dtype=ref.dtype)
         image = inputs.get("image_embeds")
         image = image.to(device=ref.device, dtype=ref.dtype) if image is not None else None
+        hooks = params.get("block_hooks")
+        if hooks is not None:
+            # Block hooks keep per-branch state: each row runs alone through them.
+            rows = []
+            for i in range(x.shape[0]):
+                inputs_i = model.prepare(x[i : i + 1], t[i : i + 1], context[i : i + 1], None if image is None else image[i : i + 1])
+                hidden = hooks.run(i, _WanBlocks(model, inputs_i), inputs_i.x)
+                rows.append(model.finish(hidden, inputs_i))
+            return {"v": torch.cat(rows).float()}
         runner = None
         if params.get("dispatch", "batched") == "sequential" and x.shape[0] > 1:
             rows = [
@@ -250,7 +259,23 @@ def _dit_op(expert: str, model: WanTransformer) -> StepOp:
             out = model(x, t, context, image, block_runner=runner)
         return {"v": out.float()}
 
-    return StepOp(f"dit_forward:{expert}", dit_forward)
+    return StepOp(f"dit_forward:{expert}", dit_forward, supports_block_hooks=True)
+
+
+class _WanBlocks:
+    """The Wan block stack of one prepared forward, as block hooks see it."""
+
+    def __init__(self, model: WanTransformer, inputs: Any) -> None:
+        self._model, self._inputs = model, inputs
+
+    @property
+    def num_blocks(self) -> int:
+        return self._model.num_layers
+
+    def run(self, start: int, stop: int, hidden: torch.Tensor) -> torch.Tensor:
+        for index in range(start, stop):
+            hidden = self._model.run_block(index, hidden, self._inputs)
+        return hidden
 
 
 # --------------------------------------------------------------------------- factory

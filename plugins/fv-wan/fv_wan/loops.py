@@ -290,7 +290,8 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
     Loop config: ``boundary_ratio`` (two experts: ``transformer`` while t >= ratio*1000,
     then ``transformer_2``, one sampler state across the switch, ``guidance_2`` for the
     second), ``expand_timesteps`` (per-token timesteps, Wan 2.2), ``i2v_mode``,
-    ``cfg_dispatch`` ("batched" default, or "sequential" two forwards as diffusers runs them).
+    ``cfg_dispatch`` ("sequential", the default: one forward per branch as diffusers runs them, so block
+    hooks and plain runs use the same kernels; or "batched": the branches as one batch).
     """
 
     kind = "diffusion_denoise"
@@ -385,7 +386,7 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         tokens = int(x.shape[2] * (x.shape[3] // 2) * (x.shape[4] // 2))
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.DIFFUSION_STEP, op=f"dit_forward:{expert}",
-            inputs=inputs, params={"dispatch": self.spec.config.get("cfg_dispatch", "batched"), "step_index": state.step},
+            inputs=inputs, params={"dispatch": self.spec.config.get("cfg_dispatch", "sequential"), "step_index": state.step},
             shape_sig=ShapeSignature.of(tokens=tokens, branches=n, expert=expert, per_token_t=int(state.expand_timesteps)),
             precision=state.precision, tag="+".join(branches),
             resources=ResourceRequest(peak_bytes=_activation_bytes(tokens, n, state.precision)),

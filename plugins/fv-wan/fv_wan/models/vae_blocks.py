@@ -152,10 +152,13 @@ class RMSNorm(nn.Module):
         self.gamma = nn.Parameter(torch.ones((dim, 1, 1) if images else (dim, 1, 1, 1)))
 
     def forward(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        # Half-precision input is reduced in fp32 (like the reference) without an fp32 copy of x.
+        # Half-precision input is normalised in fp32 (like the reference): the fp32 norm and
+        # division happen inside the kernels and round once into ``out``; no fp32 copy of x.
         low_precision = x.dtype in (torch.float16, torch.bfloat16)
         norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32 if low_precision else None)
-        out = torch.div(x, norm.clamp_min_(1e-12).to(x.dtype), out=out)
+        if out is None:
+            out = torch.empty_like(x)
+        torch.div(x, norm.clamp_min_(1e-12), out=out)
         gain = (self.gamma * self.scale).to(out.dtype).reshape(-1, *([1] * (x.dim() - 2)))
         return out.mul_(gain)
 
