@@ -271,3 +271,15 @@ def test_engine_must_be_running_to_submit() -> None:
         engine.submit(video(0))
     assert engine.generate(video(0)).status == "completed"
 
+
+
+def test_jumbo_step_waits_at_most_the_interleave_ratio_of_other_work() -> None:
+    scheduler = BatchScheduler(BatchPolicy(max_interleave_ratio=0.2))
+    jumbo = _unit("video", at=5.0, batchable=False, price=1.0)
+    small = _unit("image", at=1.0, price=0.05)
+    assert scheduler.select([jumbo, small], now=6)[0] is small, "older small work goes first"
+    scheduler.note_executed([jumbo], 1.0)
+    scheduler.note_executed([small], 0.15)
+    assert scheduler.select([jumbo, small], now=6)[0] is small, "0.15 s < 0.2 x 1.0 s: small work may still run"
+    scheduler.note_executed([small], 0.1)
+    assert scheduler.select([jumbo, small], now=6) == [jumbo], "0.25 s >= 0.2 s: the video step runs now"

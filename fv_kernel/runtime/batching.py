@@ -11,7 +11,10 @@ group runs next:
 - interactive requests go before batch-class ones unless the batch unit has waited
   longer than ``batch_class_max_wait_s``;
 - non-batchable plans, and plans whose predicted price exceeds ``jumbo_seconds``,
-  run as batch-of-1.
+  run as batch-of-1 ("jumbo" steps);
+- a waiting jumbo step is never delayed by more than ``max_interleave_ratio`` times
+  its own price of other work since the last jumbo step ran: interleaving short
+  image and AR steps slows a long video loop by at most that fraction.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class BatchPolicy(BaseModel):
     #: Per-kind caps on batch size (e.g. {"diffusion_step": 8}).
     kind_max_batch: dict[str, int] = Field(default_factory=dict)
     batch_class_max_wait_s: float = Field(default=5.0, ge=0)
+    #: Other work allowed between two jumbo steps, as a fraction of the jumbo step's price.
+    max_interleave_ratio: float = Field(default=0.2, ge=0)
 
 
 class BatchScheduler:
@@ -60,6 +65,15 @@ class BatchScheduler:
 
     def __init__(self, policy: BatchPolicy | None = None) -> None:
         self.policy = policy or BatchPolicy()
+        #: Device seconds of non-jumbo work executed since the last jumbo step.
+        self._since_jumbo = 0.0
+
+    def note_executed(self, batch: list[WorkUnit], seconds: float) -> None:
+        """Account an executed batch (the engine calls this after every execution)."""
+        if batch and self._solo(batch[0]):
+            self._since_jumbo = 0.0
+        else:
+            self._since_jumbo += seconds
 
     def _solo(self, unit: WorkUnit) -> bool:
         jumbo = self.policy.jumbo_seconds
@@ -81,6 +95,11 @@ class BatchScheduler:
         if not pending:
             return []
         head = min(pending, key=lambda u: self._rank(u, now))
+        jumbos = [u for u in pending if self._solo(u)]
+        if jumbos and not self._solo(head):
+            oldest_jumbo = min(jumbos, key=lambda u: self._rank(u, now))
+            if self._since_jumbo >= self.policy.max_interleave_ratio * oldest_jumbo.price_seconds:
+                return [oldest_jumbo]
         if self._solo(head):
             return [head]
         cap = min(self.policy.max_batch_size, self.policy.kind_max_batch.get(head.plan.kind.value, self.policy.max_batch_size))

@@ -590,6 +590,7 @@ class Engine:
             outcomes, device_s = self._run_batch(live)
         wall = time.perf_counter() - started
         self.metrics.execute_seconds += wall
+        self.batcher.note_executed(live, device_s if device_s is not None else wall)
         plan = live[0].plan
         self.metrics.units_by_kind[plan.kind.value] = self.metrics.units_by_kind.get(plan.kind.value, 0) + len(live)
         self.metrics.batches_by_size[len(live)] = self.metrics.batches_by_size.get(len(live), 0) + 1
