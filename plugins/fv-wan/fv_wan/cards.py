@@ -41,11 +41,13 @@ T2V, I2V = TaskType.TEXT_TO_VIDEO, TaskType.IMAGE_TO_VIDEO
 WAN_FP32_MODULES = ("rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
 
 _PARITY_FP32 = ParityTolerance(
-    name="loop_vs_diffusers", metric="max_abs", dtype="fp32", value=1e-4,
+    name="loop_vs_diffusers", metric="max_abs", dtype="fp32", value=1e-5,
     justification=(
-        "fp32 on CPU, same weights, noise and scheduler. Components match diffusers to <=1e-5 (C0); over a full "
-        "trajectory fv batches the CFG branches into one forward where diffusers runs two, which changes "
-        "reduction order in batched convolutions by ~1e-7 per step; UniPC amplifies it to <1e-4 after decoding."
+        "decoded frames in [0, 1], fp32 on CPU, same weights, seed and scheduler settings. Components match "
+        "diffusers to <=1e-5 (C0). Over whole tiny trajectories (T2V, I2V, TI2V, A14B, DMD) fv measured "
+        "<=1.2e-6 (T2V 9.5e-7 with CFG batched into one forward, 8.3e-7 with diffusers' two sequential "
+        "forwards): the residue is kernel reduction order (batched vs single GEMMs, unaligned safetensors "
+        "buffers), not math. 1e-5 leaves ~8x margin for other CPUs' kernels."
     ),
 )
 _PARITY_BF16 = ParityTolerance(
@@ -191,7 +193,7 @@ def _card(
         level=ParityLevel.C1, reference="diffusers==0.42.1:WanPipeline",
         tolerances=(_PARITY_FP32, _PARITY_BF16),
         tests=("plugins/fv-wan/tests/test_parity_transformer.py", "plugins/fv-wan/tests/test_parity_vae.py",
-               "plugins/fv-wan/tests/test_parity_pipeline.py"),
+               "plugins/fv-wan/tests/test_parity_pipeline.py", "plugins/fv-wan/tests/test_checkpoint.py"),
     )
     return ModelCard(
         model_id=model_id, family="wan", summary=summary, components=components, loops=loops, programs=programs,
