@@ -224,6 +224,8 @@ def test_decode_step_streaming_equals_decode(pair21) -> None:
     assert [c.shape[2] for c in chunks] == [1, 4, 4, 4]
     assert cache.steps_done == 4
     assert torch.equal(torch.cat(chunks, dim=2), full)
+    with torch.no_grad():
+        assert torch.equal(torch.cat(list(ours.iter_decode(z)), dim=2), full)
 
 
 def test_tiled_decode_step_streaming_equals_tiled_decode(pair22) -> None:

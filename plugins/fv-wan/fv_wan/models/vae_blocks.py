@@ -8,23 +8,24 @@ from the reference, not copied, and differs in *how* it computes:
   given a fixed slot index at construction; callers pass a plain list of
   slots (``list[Tensor | None]``) through ``forward`` and the layer reads and
   replaces its own slot. Two requests therefore never share history.
-* Frame-wise 2D convolutions run as depth-1 3D convolutions on the 5D tensor,
-  and spatial zero padding is done by the convolution itself, which avoids the
-  permute/pad copies the reference makes at full resolution.
-* Fresh activations are updated in place (norm scale, SiLU, residual adds,
-  the 2.2 duplicate-upsample shortcut) so the peak working set stays small.
+* Activations are channels-last (NDHWC), which cuDNN's 3D convs prefer.
+  Frame-wise 2D convs run as depth-1 3D convs on the 5D tensor and spatial
+  zero padding is left to the conv, so no permute/pad copies are made.
+* Each RMSNorm writes straight into its causal conv's time-padded input
+  buffer; nearest upsampling (with the 2x temporal interleave) is one strided
+  copy; the 2.2 duplicate-upsample shortcut is added in place without
+  materialising it; SiLU and residual adds are in place. This keeps the peak
+  working set and memory traffic well below the reference's.
 
-Slot semantics (``CACHE_T = 2``): a slot holds up to the last two input frames
-of a causal conv, which stand in for its left zero padding on the next chunk.
+Slot semantics (``CACHE_T = 2``): a slot holds the last two (time-padded) input
+frames of a causal conv, which stand in for its left zero padding on the next
+chunk; zero frames in a slot are exactly equivalent to that padding.
 ``None`` means "this stream has not started"; for the temporal resamplers a
 zero-frame tensor means "started, but no history yet", reproducing the
 reference's ``"Rep"`` marker with a serialisable value.
 """
 
 from __future__ import annotations
-
-import itertools
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +40,11 @@ class SlotAllocator:
     """Hands out consecutive cache-slot indices while a network is built."""
 
     def __init__(self) -> None:
-        self._counter: Iterator[int] = itertools.count()
         self.count = 0
 
     def take(self) -> int:
         self.count += 1
-        return next(self._counter)
+        return self.count - 1
 
 
 def _history_after(previous: Tensor | None, x: Tensor) -> Tensor:
