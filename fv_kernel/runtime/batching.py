@@ -42,9 +42,9 @@ class WorkUnit:
     #: Arrival order, assigned by the engine; breaks ties between equal timestamps.
     seq: int = 0
 
-    @property
-    def key(self) -> tuple[Any, ...]:
-        return self.plan.batch_key()
+    def __post_init__(self) -> None:
+        # Computed once: the batch scheduler compares keys of every pending unit on every pick.
+        self.key: tuple[Any, ...] = self.plan.batch_key()
 
 
 class BatchPolicy(BaseModel):

@@ -21,10 +21,19 @@ __all__ = ["CostModel", "CostKey"]
 
 @dataclass(frozen=True)
 class CostKey:
+    """What a calibration factor is kept per: instance, step kind, shape and precision."""
+
     instance_id: str
     kind: str
     shape_sig: ShapeSignature
     precision: str
+
+    def __hash__(self) -> int:  # the shape's dims tuple hashes far faster than the pydantic model
+        return hash((self.instance_id, self.kind, self.shape_sig.dims, self.precision))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CostKey) and (self.instance_id, self.kind, self.shape_sig.dims, self.precision) == (
+            other.instance_id, other.kind, other.shape_sig.dims, other.precision)
 
 
 class CostModel:
@@ -40,6 +49,8 @@ class CostModel:
         self._min = min_factor
         self._max = max_factor
         self._factor: dict[CostKey, float] = {}
+        # Uncalibrated per-step prices, memoised: specs are immutable and shapes repeat every step.
+        self._base: dict[tuple[int, CostKey], float] = {}
         self._samples: dict[CostKey, int] = {}
         self._lock = threading.Lock()
 
@@ -51,7 +62,10 @@ class CostModel:
 
     def predict(self, key: CostKey, spec: StepCostSpec, batch_size: int = 1) -> float:
         """Calibrated expected GPU-seconds of a step (or a batch of ``batch_size`` of them)."""
-        return self.base_seconds(spec, key.shape_sig, key.precision, batch_size) * self._factor.get(key, 1.0)
+        base = self._base.get((id(spec), key))
+        if base is None:
+            base = self._base[(id(spec), key)] = self.base_seconds(spec, key.shape_sig, key.precision, 1)
+        return base * max(batch_size, 1) * self._factor.get(key, 1.0)
 
     def conservative(self, key: CostKey, spec: StepCostSpec, batch_size: int = 1) -> float:
         """The price admission reserves: the prediction times the spec's safety factor."""

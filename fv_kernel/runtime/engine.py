@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import typing
 import contextlib
 import logging
 import math
@@ -66,7 +67,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("fv.engine")
-_EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+_EVENT_CLASSES: dict[str, type] = {
+    cls.model_fields["type"].default: cls for cls in typing.get_args(typing.get_args(Event)[0])
+}
 
 
 class SchedulerConfig(BaseModel):
@@ -123,9 +126,10 @@ class _Record:
         self.step_index: dict[str, int] = {}
 
     def emit(self, event_type: str, **fields: Any) -> None:
-        event = _EVENT_ADAPTER.validate_python(
-            {"type": event_type, "request_id": self.request.request_id, "seq": len(self.events), **fields}
-        )
+        event_cls = _EVENT_CLASSES.get(event_type)
+        if event_cls is None:
+            raise ValueError(f"unknown event type {event_type!r}; allowed: {sorted(_EVENT_CLASSES)}")
+        event = event_cls(request_id=self.request.request_id, seq=len(self.events), **fields)
         self.events.append(event)
         for queue in self.subscribers:
             queue.put_nowait(event)

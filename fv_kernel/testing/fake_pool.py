@@ -67,6 +67,9 @@ class FakeState(LoopState):
     total: int
     fail_at: int | None = None
     nan_at: int | None = None
+    #: Precomputed flags: the fake loop's own per-step cost stays out of scheduler measurements.
+    no: torch.Tensor = torch.tensor([False])
+    yes: torch.Tensor = torch.tensor([True])
 
 
 def _injected(request: Request, what: str) -> int | None:
@@ -96,8 +99,8 @@ class FakeStepLoop(Loop[FakeState]):
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=kind, op="fake_step",
             inputs={"value": state.value,
-                    "fail": torch.tensor([state.step == state.fail_at]),
-                    "nan": torch.tensor([state.step == state.nan_at])},
+                    "fail": state.yes if state.step == state.fail_at else state.no,
+                    "nan": state.yes if state.step == state.nan_at else state.no},
             params={"step_kind": kind.value},
             shape_sig=ShapeSignature.of(tokens=1),
         )
