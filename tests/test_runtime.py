@@ -283,3 +283,10 @@ def test_jumbo_step_waits_at_most_the_interleave_ratio_of_other_work() -> None:
     assert scheduler.select([jumbo, small], now=6)[0] is small, "0.15 s < 0.2 x 1.0 s: small work may still run"
     scheduler.note_executed([small], 0.1)
     assert scheduler.select([jumbo, small], now=6) == [jumbo], "0.25 s >= 0.2 s: the video step runs now"
+
+
+def test_engine_forgets_old_finished_requests() -> None:
+    engine = engine_with(fake_card(), config=SchedulerConfig(device_thread=False, keep_finished=2))
+    results = run_concurrently(engine, [video(i, steps=1) for i in range(5)])
+    assert all(r.status == "completed" for r in results)
+    assert len(engine._records) == 2

@@ -91,6 +91,9 @@ class SchedulerConfig(BaseModel):
     check_finite: bool = True
     #: Run model code on a dedicated thread (keeps the event loop responsive).
     device_thread: bool = True
+    #: Finished requests whose records (events, artifacts) the engine keeps for late
+    #: subscribers; older ones are forgotten so a long-running server does not grow.
+    keep_finished: int = Field(default=1024, ge=0)
 
 
 @dataclass
@@ -301,6 +304,7 @@ class Engine:
         self._queue = RequestQueue(self.config.max_queue)
         self._pending = PendingUnits()
         self._running: dict[str, _Record] = {}
+        self._finished: deque[str] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._scheduler_task: asyncio.Task[None] | None = None
@@ -516,11 +520,17 @@ class Engine:
                 except Exception:  # noqa: BLE001 - a plugin's listener must not fail the request
                     log.exception("fv_request_finished hook failed")
             self._running.pop(request.request_id, None)
+            self._forget_old(request.request_id)
             for unit in self._pending.drop_request(request.request_id):
                 if not unit.future.done():
                     unit.future.cancel()
             self.admission.release(request.request_id)
             self._kick()
+
+    def _forget_old(self, request_id: str) -> None:
+        self._finished.append(request_id)
+        while len(self._finished) > self.config.keep_finished:
+            self._records.pop(self._finished.popleft(), None)
 
     def _finish_failed(self, record: _Record, exc: BaseException) -> None:
         if isinstance(exc, FvError):
