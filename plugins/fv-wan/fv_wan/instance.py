@@ -10,6 +10,7 @@ exists.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Mapping
@@ -26,17 +27,21 @@ from fv_kernel.api import (
     read_safetensors,
     resolve_source,
 )
+from fv_kernel.compute.compile import CompileCache, CompileKey, ComputeOptions, GraphedStep, compile_blocks
+from fv_wan.checkpoint import is_original_layout, transformer_config_from_disk
 from fv_wan.models.encoders import WanImageEncoder, WanTextEncoder
 from fv_wan.models.transformer import (
     IGNORED_CHECKPOINT_KEY_PATTERN,
+    WanStateDictError,
     WanTransformer,
     WanTransformerConfig,
     cast_for_inference,
+    convert_original_state_dict,
     load_wan_state_dict,
 )
 from fv_wan.models.vae import CausalCache, WanVAE, WanVAEConfig
 
-__all__ = ["build_wan_instance", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops", "torch_dtype"]
+__all__ = ["build_wan_instance", "configure_transformer", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops", "torch_dtype"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,7 +71,39 @@ def _seeded(seed: int, build: Any) -> Any:
         return build()
 
 
-def load_transformer(card: ModelCard, component_id: str, options: InstanceOptions) -> WanTransformer:
+def configure_transformer(
+    model: WanTransformer, options: InstanceOptions, compute: ComputeOptions | None = None, *, registry: Any = None
+) -> WanTransformer:
+    """Apply the deployment's attention backend and compute tier to a loaded transformer.
+
+    The backend is a named driver (``fv.attention_backends``; ``registry`` is the plugin
+    host's ``drivers("attention_backends")``, None: installed entry points). The default
+    ``sdpa`` keeps the model's own ``F.scaled_dot_product_attention`` call, so the default
+    path is today's code exactly. ``compute`` adds fused kernels and/or per-block compile.
+    """
+    if options.attention_backend != "sdpa":
+        from fv_kernel.compute.attention_backends import attention_callable, load_attention_backend
+
+        model.set_attention_fn(attention_callable(load_attention_backend(options.attention_backend, registry)))
+    if compute is None:
+        return model
+    from fv_kernel.compute.fused import select_fused_ops
+
+    device = model.patch_embedding.weight.device
+    model.set_fused_ops(select_fused_ops(device, compute.fused_ops))
+    if compute.compile == "blocks":
+        compile_blocks(model.blocks, mode=compute.compile_mode)
+    return model
+
+
+def load_transformer(
+    card: ModelCard, component_id: str, options: InstanceOptions, compute: ComputeOptions | None = None
+) -> WanTransformer:
+    model = _load_transformer_weights(card, component_id, options)
+    return configure_transformer(model, options, compute)
+
+
+def _load_transformer_weights(card: ModelCard, component_id: str, options: InstanceOptions) -> WanTransformer:
     spec = card.components[component_id]
     expected = WanTransformerConfig.from_diffusers_config(spec.config)
     dtype = _component_dtype(card, component_id, options)
@@ -77,7 +114,7 @@ def load_transformer(card: ModelCard, component_id: str, options: InstanceOption
         model = _seeded(seed, lambda: WanTransformer(expected))
         model.rope.build_tables(device)
         return cast_for_inference(model.to(device), dtype).eval().requires_grad_(False)
-    config = WanTransformerConfig.from_diffusers_config(json.loads((folder / "config.json").read_text()))
+    config = WanTransformerConfig.from_diffusers_config(transformer_config_from_disk(json.loads((folder / "config.json").read_text())))
     if config != expected:
         raise CheckpointNotFound(
             f"checkpoint {folder} holds a transformer config that is not card {card.model_id!r}'s "
@@ -85,6 +122,12 @@ def load_transformer(card: ModelCard, component_id: str, options: InstanceOption
             param="model",
         )
     state_dict = read_safetensors(folder, device=str(device))
+    if is_original_layout(state_dict):
+        # The original release's names: renamed (not copied) through the declared key map.
+        try:
+            state_dict = convert_original_state_dict(state_dict)
+        except WanStateDictError as exc:
+            raise CheckpointNotFound(f"checkpoint {folder} (original Wan layout): {exc}", param="model") from None
     with torch.device("meta"):
         model = WanTransformer(config)
     expected = set(model.state_dict())
@@ -159,20 +202,14 @@ _LOADERS = {"dit": load_transformer, "vae": load_vae, "text_encoder": load_text_
 # --------------------------------------------------------------------------- ops
 
 
-def _text_embeddings(encoder: WanTextEncoder, ids: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
-    """UMT5 states cut to each prompt's real length and zero-padded to ``max_len`` (WanPipeline's rule)."""
-    device = next(encoder.model.parameters()).device
-    ids, mask = ids.to(device), mask.to(device)
-    hidden = encoder.model(ids, mask).last_hidden_state.float()
-    keep = torch.arange(hidden.shape[1], device=device)[None, :] < mask.gt(0).sum(dim=1)[:, None]
-    hidden = torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype, device=device))
-    if hidden.shape[1] < max_len:
-        hidden = torch.cat([hidden, hidden.new_zeros(hidden.shape[0], max_len - hidden.shape[1], hidden.shape[2])], dim=1)
-    return hidden
+def wan_ops(
+    instance: ModelInstance, *, compute: ComputeOptions | None = None, compile_cache: CompileCache | None = None
+) -> dict[str, StepOp]:
+    """The executable steps of a Wan instance, over whichever components are loaded.
 
-
-def wan_ops(instance: ModelInstance) -> dict[str, StepOp]:
-    """The executable steps of a Wan instance, over whichever components are loaded."""
+    With ``compute.cuda_graphs`` the DiT ops replay CUDA graphs per batch bucket, kept in
+    ``compile_cache`` (which outlives op rebuilds, so nothing is captured twice).
+    """
     comps = instance.components
     ops: dict[str, StepOp] = {}
 
@@ -180,7 +217,8 @@ def wan_ops(instance: ModelInstance) -> dict[str, StepOp]:
         text_encoder: WanTextEncoder = comps["text_encoder"]
 
         def encode_text(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-            return {"embeds": _text_embeddings(text_encoder, inputs["ids"], inputs["mask"], int(params["max_len"]))}
+            embeds = text_encoder.embed_ids(inputs["ids"], inputs["mask"], int(params["max_len"]), dtype=torch.float32)
+            return {"embeds": embeds}
 
         ops["encode_text"] = StepOp("encode_text", encode_text)
 
@@ -206,7 +244,10 @@ def wan_ops(instance: ModelInstance) -> dict[str, StepOp]:
 
     for expert in ("transformer", "transformer_2"):
         if expert in comps:
-            ops[f"dit_forward:{expert}"] = _dit_op(expert, comps[expert])
+            graphs = None
+            if compute is not None and compute.cuda_graphs:
+                graphs = _graphed_forward(instance, expert, comps[expert], compute, compile_cache or CompileCache())
+            ops[f"dit_forward:{expert}"] = _dit_op(expert, comps[expert], graphs)
 
     if "vae_decoder" in comps:
         vae_dec: WanVAE = comps["vae_decoder"]
@@ -226,7 +267,21 @@ def wan_ops(instance: ModelInstance) -> dict[str, StepOp]:
     return ops
 
 
-def _dit_op(expert: str, model: WanTransformer) -> StepOp:
+def _graphed_forward(
+    instance: ModelInstance, expert: str, model: WanTransformer, compute: ComputeOptions, cache: CompileCache
+) -> GraphedStep:
+    key = CompileKey(
+        model=instance.model_id, component=expert, kind="diffusion_step", precision=instance.precision,
+        backend=instance.options.attention_backend, tier=compute.tier,
+    )
+
+    def forward(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"v": model(inputs["x"], inputs["t"], inputs["context"], inputs.get("image_embeds")).float()}
+
+    return GraphedStep(forward, key_base=key, cache=cache, buckets=compute.graph_batch_buckets)
+
+
+def _dit_op(expert: str, model: WanTransformer, graphs: GraphedStep | None = None) -> StepOp:
     def dit_forward(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """One denoise forward over N rows (guidance branches, and requests when fused).
 
@@ -255,6 +310,11 @@ def _dit_op(expert: str, model: WanTransformer) -> StepOp:
                 for i in range(x.shape[0])
             ]
             out = torch.cat(rows)
+        elif graphs is not None:
+            batch = {"x": x, "t": t.float(), "context": context}
+            if image is not None:
+                batch["image_embeds"] = image
+            return graphs(batch)
         else:
             out = model(x, t, context, image, block_runner=runner)
         return {"v": out.float()}
@@ -281,15 +341,24 @@ class _WanBlocks:
 # --------------------------------------------------------------------------- factory
 
 
-def build_wan_instance(card: ModelCard, options: InstanceOptions) -> ModelInstance:
-    """The card's factory: a resident instance whose components load on first use."""
+def build_wan_instance(
+    card: ModelCard, options: InstanceOptions, compute: ComputeOptions | None = None
+) -> ModelInstance:
+    """The card's factory: a resident instance whose components load on first use.
+
+    ``compute`` (fused kernels, per-block compile, CUDA graphs) is optional; without it
+    the instance runs the eager code with ``options.attention_backend``.
+    """
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise CheckpointNotFound(f"device {options.device!r} was asked for but CUDA is not available", param="device")
 
     def load(component_id: str) -> Any:
         kind = card.components[component_id].kind
+        if kind == "dit":
+            return load_transformer(card, component_id, options, compute)
         return _LOADERS[kind](card, component_id, options)
 
     source = options.source or card.checkpoint.source
     version = f"seeded:{card.model_id}" if source is None else f"checkpoint:{Path(source).name if Path(source).exists() else source}"
-    return ModelInstance(card=card, options=options, component_loader=load, ops_builder=wan_ops, weights_version=version)
+    ops_builder = wan_ops if compute is None else functools.partial(wan_ops, compute=compute, compile_cache=CompileCache())
+    return ModelInstance(card=card, options=options, component_loader=load, ops_builder=ops_builder, weights_version=version)

@@ -108,8 +108,16 @@ class WanTextEncoder(nn.Module):
             return_attention_mask=True,
             return_tensors="pt",
         )
-        input_ids = tokens.input_ids.to(model_device)
-        mask = tokens.attention_mask.to(model_device)
+        hidden = self.embed_ids(tokens.input_ids, tokens.attention_mask, max_sequence_length, dtype=dtype or model_dtype)
+        return hidden.to(device) if device is not None else hidden
+
+    @torch.no_grad()
+    def embed_ids(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, max_sequence_length: int = 512, *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Already-tokenised prompts -> (B, max_sequence_length, dim), zero past each prompt's real length."""
+        model_device, model_dtype = _module_device_dtype(self.model)
+        input_ids, mask = input_ids.to(model_device), mask.to(model_device)
         seq_lens = mask.gt(0).sum(dim=1)
         hidden = self.model(input_ids, mask).last_hidden_state.to(dtype or model_dtype)
         # Keep the first seq_len rows of each prompt, zeros after: diffusers' cut-and-re-pad, vectorised.
@@ -119,7 +127,7 @@ class WanTextEncoder(nn.Module):
         if length < max_sequence_length:
             padding = hidden.new_zeros(hidden.shape[0], max_sequence_length - length, hidden.shape[2])
             hidden = torch.cat([hidden, padding], dim=1)
-        return hidden.to(device) if device is not None else hidden
+        return hidden
 
     def forward(self, prompts: str | Sequence[str], max_sequence_length: int = 512) -> torch.Tensor:
         return self.encode(prompts, max_sequence_length)
