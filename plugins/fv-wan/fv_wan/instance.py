@@ -28,7 +28,7 @@ from fv_kernel.api import (
     resolve_source,
 )
 from fv_kernel.compute.compile import CompileCache, CompileKey, ComputeOptions, GraphedStep, compile_blocks
-from fv_wan.checkpoint import is_original_layout, transformer_config_from_disk
+from fv_wan.checkpoint import is_original_layout, same_architecture, transformer_config_from_disk
 from fv_wan.models.encoders import WanImageEncoder, WanTextEncoder
 from fv_wan.models.transformer import (
     IGNORED_CHECKPOINT_KEY_PATTERN,
@@ -115,12 +115,13 @@ def _load_transformer_weights(card: ModelCard, component_id: str, options: Insta
         model.rope.build_tables(device)
         return cast_for_inference(model.to(device), dtype).eval().requires_grad_(False)
     config = WanTransformerConfig.from_diffusers_config(transformer_config_from_disk(json.loads((folder / "config.json").read_text())))
-    if config != expected:
+    if not same_architecture(config, expected):
         raise CheckpointNotFound(
             f"checkpoint {folder} holds a transformer config that is not card {card.model_id!r}'s "
             f"(e.g. {config.num_layers} layers x {config.num_attention_heads} heads vs {expected.num_layers} x {expected.num_attention_heads})",
             param="model",
         )
+    config = expected  # the card's (same architecture; its RoPE table bound)
     state_dict = read_safetensors(folder, device=str(device))
     if is_original_layout(state_dict):
         # The original release's names: renamed (not copied) through the declared key map.

@@ -27,6 +27,9 @@ from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, model_va
 from torch import nn
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: A ``fv_kernel.compute.fused.FusedOps`` (duck-typed: the model never imports the kernel's compute
+#: package). None keeps the eager code path, bit-identical to diffusers.
+FusedOps = Any
 BlockRunner = Callable[["WanTransformer", torch.Tensor, "WanBlockInputs"], torch.Tensor]
 
 #: Text context length of the UMT5 encoder. diffusers hardcodes it to find the image
@@ -361,6 +364,35 @@ class WanAttention(nn.Module):
     def _key_value(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _split_heads(self.norm_k(self.to_k(context)), self.heads), _split_heads(self.to_v(context), self.heads)
 
+    def _normed_heads(
+        self, norm: nn.RMSNorm, projected: torch.Tensor, ops: FusedOps, rotary: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        eps = norm.eps if norm.eps is not None else torch.finfo(projected.dtype).eps
+        return ops.qk_rms_norm_rope(projected, norm.weight, eps, self.heads, rotary)
+
+    def self_attention_fused(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_fn: AttentionFn, ops: FusedOps
+    ) -> torch.Tensor:
+        """:meth:`self_attention` with RMSNorm + RoPE of q and k done by ``ops`` in one pass each."""
+        query = self._normed_heads(self.norm_q, self.to_q(x), ops, rotary)
+        key = self._normed_heads(self.norm_k, self.to_k(x), ops, rotary)
+        value = _split_heads(self.to_v(x), self.heads)
+        return self._project_out(_attend(attention_fn, query, key, value), query)
+
+    def cross_attention_fused(
+        self, x: torch.Tensor, context: torch.Tensor, context_image: torch.Tensor | None, attention_fn: AttentionFn,
+        ops: FusedOps,
+    ) -> torch.Tensor:
+        """:meth:`cross_attention` with the (long) query's RMSNorm done by ``ops``; text K/V stay eager."""
+        query = self._normed_heads(self.norm_q, self.to_q(x), ops, None)
+        key, value = self._key_value(context)
+        attended = _attend(attention_fn, query, key, value)
+        if context_image is not None and self.add_k_proj is not None:
+            key_image = _split_heads(self.norm_added_k(self.add_k_proj(context_image)), self.heads)
+            value_image = _split_heads(self.add_v_proj(context_image), self.heads)
+            attended = attended + _attend(attention_fn, query, key_image, value_image).type_as(attended)
+        return self._project_out(attended, query)
+
     def _project_out(self, attended: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return self.to_out[0](attended.flatten(2).type_as(like))
 
@@ -427,7 +459,11 @@ class WanTransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim, eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
-    def forward(self, x: torch.Tensor, inputs: WanBlockInputs, attention_fn: AttentionFn) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, inputs: WanBlockInputs, attention_fn: AttentionFn, fused_ops: FusedOps = None
+    ) -> torch.Tensor:
+        if fused_ops is not None:
+            return self._forward_fused(x, inputs, attention_fn, fused_ops)
         # (1, 6, dim) + (B, S, 6, dim) -> six (B, S, dim) modulation tensors, in fp32.
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
             self.scale_shift_table + inputs.timestep_proj.float()
@@ -445,11 +481,30 @@ class WanTransformerBlock(nn.Module):
         normed = (_fp32_layer_norm(self.norm3, x) * (1 + scale_ff) + shift_ff).type_as(x)
         return (x.float() + self.ffn(normed).float() * gate_ff).type_as(x)
 
+    def _forward_fused(self, x: torch.Tensor, inputs: WanBlockInputs, attention_fn: AttentionFn, ops: FusedOps) -> torch.Tensor:
+        """The same block with its elementwise glue in fused passes (equal to eager within bf16 rounding)."""
+        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
+            self.scale_shift_table + inputs.timestep_proj.float()
+        ).unbind(2)
+        normed = ops.modulated_layer_norm(x, scale_sa, shift_sa, self.norm1.eps)
+        attended = self.attn1.self_attention_fused(normed, inputs.rotary, attention_fn, ops)
+        if isinstance(self.norm2, nn.LayerNorm):
+            x, normed = ops.residual_layer_norm(
+                x, attended, gate_sa, self.norm2.eps, weight=self.norm2.weight, bias=self.norm2.bias
+            )
+        else:
+            x = normed = ops.gated_residual(x, attended, gate_sa)
+        crossed = self.attn2.cross_attention_fused(normed, inputs.context, inputs.context_image, attention_fn, ops)
+        x, normed = ops.residual_layer_norm(x, crossed, None, self.norm3.eps, scale=scale_ff, shift=shift_ff)
+        return ops.gated_residual(x, self.ffn(normed), gate_ff)
+
 
 class WanTransformer(nn.Module):
     """The Wan DiT. State-dict keys are those of diffusers' ``WanTransformer3DModel``."""
 
-    def __init__(self, config: WanTransformerConfig, attention_fn: AttentionFn | None = None) -> None:
+    def __init__(
+        self, config: WanTransformerConfig, attention_fn: AttentionFn | None = None, fused_ops: FusedOps = None
+    ) -> None:
         super().__init__()
         self.config = config
         dim = config.inner_dim
@@ -462,6 +517,7 @@ class WanTransformer(nn.Module):
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self._attention_fn: AttentionFn = attention_fn or F.scaled_dot_product_attention
+        self._fused_ops: FusedOps = fused_ops
 
     # -- attention backend
 
@@ -474,6 +530,14 @@ class WanTransformer(nn.Module):
         if not callable(attention_fn):
             raise TypeError(f"attention_fn must be callable, got {type(attention_fn).__name__}")
         self._attention_fn = attention_fn
+
+    @property
+    def fused_ops(self) -> FusedOps:
+        return self._fused_ops
+
+    def set_fused_ops(self, fused_ops: FusedOps) -> None:
+        """Use fused elementwise kernels (a ``FusedOps``) in the blocks and the output norm; None: eager."""
+        self._fused_ops = fused_ops
 
     @property
     def num_layers(self) -> int:
@@ -542,13 +606,18 @@ class WanTransformer(nn.Module):
         )
 
     def run_block(self, index: int, x: torch.Tensor, inputs: WanBlockInputs) -> torch.Tensor:
-        return self.blocks[index](x, inputs, self._attention_fn)
+        if self._fused_ops is None:
+            return self.blocks[index](x, inputs, self._attention_fn)
+        return self.blocks[index](x, inputs, self._attention_fn, self._fused_ops)
 
     def finish(self, x: torch.Tensor, inputs: WanBlockInputs) -> torch.Tensor:
         """Output norm (modulated by temb), projection and unpatchify -> (B, C_out, F, H, W)."""
         # (1, 1, 2, dim) + (B, S, 1, dim): the head is modulated by temb, not timestep_proj.
         shift, scale = (self.scale_shift_table.unsqueeze(0) + inputs.temb.unsqueeze(2)).unbind(2)
-        x = (_fp32_layer_norm(self.norm_out, x) * (1 + scale) + shift).type_as(x)
+        if self._fused_ops is not None:
+            x = self._fused_ops.modulated_layer_norm(x, scale.float(), shift.float(), self.norm_out.eps)
+        else:
+            x = (_fp32_layer_norm(self.norm_out, x) * (1 + scale) + shift).type_as(x)
         x = self.proj_out(x)
         batch = x.shape[0]
         frames, height, width = inputs.grid_sizes

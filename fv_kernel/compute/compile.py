@@ -1,0 +1,315 @@
+"""Compile tiers: per-block ``torch.compile``, CUDA-graph capture of whole steps, and their cache.
+
+Every tier is optional and eager is always available and correct:
+
+- ``compile="blocks"``: each transformer block is compiled in place (``Module.compile``),
+  so the state dict keeps its keys and identical blocks share one compiled graph (one
+  block's compile time, not the model's).
+- ``cuda_graphs=True``: a whole step (one DiT forward) is captured once per shape
+  bucket and replayed; the batch is padded up to the next bucket so a handful of
+  graphs serve every batch size the scheduler fuses.
+- :class:`CompileCache` holds what was built, keyed by :class:`CompileKey` (model,
+  component, loop, kind, shape signature, precision, parallel plan, attention backend
+  and tier), so nothing is compiled or captured twice and two different backends never
+  share an artefact. ``CompileKey.digest()`` is the ``WorkPlan.graph_key`` a loop sets
+  so the batch scheduler never fuses steps that would need different graphs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+from torch import nn
+
+__all__ = [
+    "ComputeOptions",
+    "CompileKey",
+    "CompileCache",
+    "CompileStats",
+    "compile_blocks",
+    "CapturedStep",
+    "GraphedStep",
+    "bucket_for",
+]
+
+T = TypeVar("T")
+TensorDict = dict[str, torch.Tensor]
+CompileTier = Literal["eager", "fused", "blocks", "blocks+graphs", "graphs", "fused+graphs"]
+
+
+class ComputeOptions(BaseModel):
+    """How an instance runs its denoiser, beyond the attention backend (which ``InstanceOptions`` names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: "off": the model's eager code; "auto": Triton kernels on CUDA when importable; "torch": the
+    #: reference implementation of the fused ops; "triton": Triton kernels or an error.
+    fused_ops: Literal["off", "auto", "torch", "triton"] = "off"
+    #: "blocks": ``torch.compile`` each transformer block in place.
+    compile: Literal["eager", "blocks"] = "eager"
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
+    #: Capture each denoise forward as a CUDA graph per batch bucket (CUDA only; eager elsewhere).
+    cuda_graphs: bool = False
+    graph_batch_buckets: tuple[PositiveInt, ...] = Field(default=(1, 2, 4, 8, 16, 32))
+
+    @field_validator("graph_batch_buckets")
+    @classmethod
+    def _sorted_unique(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if not value or list(value) != sorted(set(value)):
+            raise ValueError(f"graph_batch_buckets must be non-empty, strictly increasing; got {value}")
+        return value
+
+    @property
+    def tier(self) -> CompileTier:
+        base = "blocks" if self.compile == "blocks" else "fused" if self.fused_ops != "off" else "eager"
+        if not self.cuda_graphs:
+            return base  # type: ignore[return-value]
+        return "graphs" if base == "eager" else f"{base}+graphs"  # type: ignore[return-value]
+
+
+class CompileKey(BaseModel):
+    """Everything a compiled or captured artefact depends on; two different keys never share one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    component: str
+    loop: str = ""
+    kind: str = ""
+    #: ``ShapeSignature.dims`` style ``(name, value)`` pairs; include every shape the graph fixes.
+    shape_signature: tuple[tuple[str, int | float | str], ...] = ()
+    precision: str
+    parallel_plan: str = "single"
+    backend: str
+    tier: str
+
+    def with_shapes(self, **dims: int | float | str) -> "CompileKey":
+        """This key for another shape (e.g. a batch bucket), keeping every other field."""
+        merged = dict(self.shape_signature)
+        merged.update(dims)
+        return self.model_copy(update={"shape_signature": tuple(sorted(merged.items()))})
+
+    def digest(self) -> str:
+        """A short stable hash, usable as ``WorkPlan.graph_key``."""
+        payload = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@dataclass
+class CompileStats:
+    hits: int = 0
+    misses: int = 0
+    build_seconds: float = 0.0
+    evictions: int = 0
+
+
+class CompileCache:
+    """Built artefacts (compiled callables, captured graphs) by :class:`CompileKey`, least-recently-used out.
+
+    Building is timed (``stats.build_seconds``; per key in :meth:`build_seconds`). A
+    failed build stores nothing and re-raises, so the caller can fall back to eager.
+    """
+
+    def __init__(self, max_entries: int = 64) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self.stats = CompileStats()
+        self._entries: OrderedDict[CompileKey, Any] = OrderedDict()
+        self._build_seconds: dict[CompileKey, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[CompileKey]:
+        return list(self._entries)
+
+    def build_seconds(self, key: CompileKey) -> float | None:
+        return self._build_seconds.get(key)
+
+    def get_or_build(self, key: CompileKey, build: Callable[[], T]) -> T:
+        if not isinstance(key, CompileKey):
+            raise TypeError(f"key must be a CompileKey, got {type(key).__name__}")
+        if key in self._entries:
+            self.stats.hits += 1
+            self._entries.move_to_end(key)
+            return self._entries[key]  # type: ignore[no-any-return]
+        self.stats.misses += 1
+        started = time.perf_counter()
+        value = build()
+        elapsed = time.perf_counter() - started
+        self.stats.build_seconds += elapsed
+        self._build_seconds[key] = elapsed
+        self._entries[key] = value
+        while len(self._entries) > self.max_entries:
+            old, _ = self._entries.popitem(last=False)
+            self._build_seconds.pop(old, None)
+            self.stats.evictions += 1
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._build_seconds.clear()
+
+
+def compile_blocks(
+    blocks: nn.ModuleList,
+    *,
+    mode: str = "default",
+    dynamic: bool | None = False,
+    fullgraph: bool = False,
+    backend: str = "inductor",
+) -> int:
+    """``torch.compile`` every block in place (keys unchanged); returns how many were wrapped.
+
+    Compilation itself happens on each block's first call. Identical blocks reuse one
+    graph because module parameters are graph inputs (``inline_inbuilt_nn_modules``).
+    """
+    options: dict[str, Any] = {"dynamic": dynamic, "fullgraph": fullgraph, "backend": backend}
+    if mode != "default":
+        options["mode"] = mode
+    for block in blocks:
+        block.compile(**options)
+    return len(blocks)
+
+
+def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= ``batch``, or None when the batch is larger than every bucket."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    return next((b for b in buckets if b >= batch), None)
+
+
+class CapturedStep:
+    """One CUDA graph of ``fn(inputs) -> outputs`` at the shapes of ``example``.
+
+    Inputs are copied into the graph's static buffers on every call and outputs are
+    cloned out, so callers may keep what they get across replays.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[TensorDict], TensorDict],
+        example: TensorDict,
+        *,
+        warmup: int = 2,
+        pool: Any = None,
+    ) -> None:
+        if not example or any(t.device.type != "cuda" for t in example.values()):
+            raise ValueError("CUDA-graph capture needs every example input on a CUDA device")
+        self._static = {name: t.clone() for name, t in example.items()}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture stream: lazy inits, autotuning, handles
+            for _ in range(warmup):
+                fn(self._static)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self._outputs = fn(self._static)
+
+    @property
+    def pool(self) -> Any:
+        return self.graph.pool()
+
+    def __call__(self, inputs: TensorDict) -> TensorDict:
+        if inputs.keys() != self._static.keys():
+            raise KeyError(f"captured step takes inputs {sorted(self._static)}, got {sorted(inputs)}")
+        for name, tensor in inputs.items():
+            static = self._static[name]
+            if tensor.shape != static.shape:
+                raise ValueError(f"input {name!r} has shape {tuple(tensor.shape)}, captured {tuple(static.shape)}")
+            static.copy_(tensor)
+        self.graph.replay()
+        return {name: out.clone() for name, out in self._outputs.items()}
+
+
+class GraphedStep:
+    """``fn(inputs) -> outputs`` (batch on dim 0) replayed from CUDA graphs, one per batch bucket.
+
+    A batch of ``n`` runs the graph of the smallest bucket >= n, its inputs padded with
+    copies of their last row, and the outputs are cut back to ``n`` rows (rows of a
+    DiT batch are independent, so padding changes nothing but the matmul tile choice:
+    results agree with eager within bf16 rounding). Inputs off CUDA, or larger than
+    the largest bucket, run ``fn`` eagerly. Captures live in ``cache`` under
+    ``key_base.with_shapes(batch_bucket=..., <input shapes>)``.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[TensorDict], TensorDict],
+        *,
+        key_base: CompileKey,
+        cache: CompileCache,
+        buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+        warmup: int = 2,
+    ) -> None:
+        self.fn = fn
+        self.key_base = key_base
+        self.cache = cache
+        self.buckets = tuple(buckets)
+        self.warmup = warmup
+        self.eager_calls = 0
+        self.replays = 0
+        self._pool: Any = None
+
+    def key_for(self, inputs: TensorDict, bucket: int) -> CompileKey:
+        dims: dict[str, int | float | str] = {"batch_bucket": bucket}
+        for name, tensor in sorted(inputs.items()):
+            dims[f"{name}.shape"] = "x".join(str(d) for d in tensor.shape[1:])
+            dims[f"{name}.dtype"] = str(tensor.dtype).removeprefix("torch.")
+        return self.key_base.with_shapes(**dims)
+
+    def capture(self, inputs: TensorDict) -> CompileKey:
+        """Capture (or find) the graph for ``inputs``' bucket ahead of traffic; returns its key."""
+        batch = next(iter(inputs.values())).shape[0]
+        bucket = bucket_for(batch, self.buckets)
+        if bucket is None:
+            raise ValueError(f"batch {batch} is larger than the largest graph bucket {self.buckets[-1]}")
+        padded = _pad_batch(inputs, bucket)
+        key = self.key_for(inputs, bucket)
+        self._captured(key, padded)
+        return key
+
+    def _captured(self, key: CompileKey, padded: TensorDict) -> CapturedStep:
+        def build() -> CapturedStep:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()  # one pool shared by every bucket's graph
+            return CapturedStep(self.fn, padded, warmup=self.warmup, pool=self._pool)
+
+        return self.cache.get_or_build(key, build)
+
+    def __call__(self, inputs: TensorDict) -> TensorDict:
+        batch = next(iter(inputs.values())).shape[0]
+        bucket = bucket_for(batch, self.buckets)
+        on_cuda = all(t.device.type == "cuda" for t in inputs.values())
+        if bucket is None or not on_cuda or torch.cuda.is_current_stream_capturing():
+            self.eager_calls += 1
+            return self.fn(inputs)
+        padded = _pad_batch(inputs, bucket)
+        step = self._captured(self.key_for(inputs, bucket), padded)
+        self.replays += 1
+        outputs = step(padded)
+        return {name: out[:batch] for name, out in outputs.items()} if bucket != batch else outputs
+
+
+def _pad_batch(inputs: TensorDict, bucket: int) -> TensorDict:
+    padded = {}
+    for name, tensor in inputs.items():
+        missing = bucket - tensor.shape[0]
+        if missing < 0:
+            raise ValueError(f"input {name!r} has batch {tensor.shape[0]} > bucket {bucket}")
+        if missing:
+            tensor = torch.cat([tensor, tensor[-1:].expand(missing, *tensor.shape[1:])], dim=0)
+        padded[name] = tensor
+    return padded
