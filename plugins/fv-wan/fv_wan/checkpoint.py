@@ -1,4 +1,10 @@
-"""Recognising Wan checkpoints on disk: which card does a diffusers-layout directory hold?"""
+"""Recognising Wan checkpoints on disk: which card does a directory hold, and in which layout?
+
+Two transformer layouts load: diffusers' (``WanTransformer3DModel`` names) and the original
+Wan release's (``wan/modules/model.py`` names: ``dim``/``num_heads`` in ``config.json``,
+``blocks.N.self_attn.q`` ... in the weights), renamed through the declared
+``ORIGINAL_TO_DIFFUSERS_KEYMAP``. The layout is detected from the files themselves.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,51 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fv_wan.cards import wan_cards
-from fv_wan.models.transformer import WanConfigError, WanTransformerConfig
+from fv_wan.models.transformer import ORIGINAL_KEY_PREFIXES, WanConfigError, WanTransformerConfig
 from fv_wan.models.vae import WanVAEConfig
 
-__all__ = ["match_card"]
+__all__ = ["match_card", "transformer_config_from_disk", "is_original_layout", "same_architecture"]
+
+#: The original release's CLIP (open-clip ViT-H/14) width, which I2V's ``image_dim`` takes.
+_ORIGINAL_I2V_IMAGE_DIM = 1280
+
+
+def transformer_config_from_disk(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A transformer ``config.json`` in diffusers' field names; the original release's is translated.
+
+    Original fields (``WanModel``): ``dim``, ``num_heads``, ``num_layers``, ``ffn_dim``, ``freq_dim``,
+    ``in_dim``, ``out_dim``, ``eps``, ``text_dim``, ``patch_size``, ``cross_attn_norm``, ``model_type``
+    (``i2v``/``flf2v`` add the CLIP image branch, diffusers' ``image_dim`` and ``added_kv_proj_dim``).
+    """
+    if "dim" not in config or "num_heads" not in config:
+        return dict(config)
+    dim, heads = int(config["dim"]), int(config["num_heads"])
+    translated: dict[str, Any] = {
+        "num_attention_heads": heads, "attention_head_dim": dim // heads, "num_layers": config["num_layers"],
+        "ffn_dim": config["ffn_dim"], "freq_dim": config.get("freq_dim", 256), "in_channels": config["in_dim"],
+        "out_channels": config["out_dim"], "eps": config.get("eps", 1e-6), "text_dim": config.get("text_dim", 4096),
+        "patch_size": tuple(config.get("patch_size", (1, 2, 2))), "cross_attn_norm": config.get("cross_attn_norm", True),
+    }  # fmt: skip
+    if config.get("model_type") in ("i2v", "flf2v"):
+        translated.update(image_dim=_ORIGINAL_I2V_IMAGE_DIM, added_kv_proj_dim=dim)
+    if config.get("model_type") == "flf2v":
+        translated["pos_embed_seq_len"] = 2 * 257  # first and last frame, 257 CLIP tokens each
+    return translated
+
+
+def same_architecture(found: WanTransformerConfig, expected: WanTransformerConfig) -> bool:
+    """Equal configs, up to ``rope_max_seq_len``: it bounds the RoPE table (positions are computed,
+    not learned, and equal below the bound), and original-layout configs do not record it."""
+    return found.model_copy(update={"rope_max_seq_len": expected.rope_max_seq_len}) == expected
+
+
+def is_original_layout(keys: Any) -> bool:
+    """True for transformer weights named as the original Wan release names them."""
+    for key in keys:
+        stripped = next((key[len(p) :] for p in ORIGINAL_KEY_PREFIXES if key.startswith(p)), key)
+        if stripped == "head.head.weight":
+            return True
+    return False
 
 
 def match_card(root: Path, transformer_config: Mapping[str, Any]) -> str | None:
@@ -21,14 +68,14 @@ def match_card(root: Path, transformer_config: Mapping[str, Any]) -> str | None:
     one whose task set fits the checkpoint (an image encoder means image-to-video) wins.
     """
     try:
-        found = WanTransformerConfig.from_diffusers_config(transformer_config)
-    except WanConfigError:
+        found = WanTransformerConfig.from_diffusers_config(transformer_config_from_disk(transformer_config))
+    except (WanConfigError, KeyError, TypeError, ValueError):
         return None
     vae_file = root / "vae" / "config.json"
     vae = WanVAEConfig.from_diffusers_config(json.loads(vae_file.read_text())) if vae_file.is_file() else None
     has_expert_2 = (root / "transformer_2").is_dir()
     for card in wan_cards():
-        if WanTransformerConfig.from_diffusers_config(card.components["transformer"].config) != found:
+        if not same_architecture(found, WanTransformerConfig.from_diffusers_config(card.components["transformer"].config)):
             continue
         if ("transformer_2" in card.components) != has_expert_2:
             continue
