@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fv_kernel.extend.interceptors import StepInterceptor
 from fv_kernel.loop.contract import StepResult
@@ -37,11 +37,12 @@ class StepSkipSettings(BaseModel):
     #: Explicit schedule, one entry per step: 1 runs, 0 reuses; steps past its end run. Overrides the two above.
     steps_computation_mask: Optional[tuple[Literal[0, 1], ...]] = None
 
-    @model_validator(mode="after")
-    def _mask_starts_with_a_computed_step(self) -> "StepSkipSettings":
-        if self.steps_computation_mask and self.steps_computation_mask[0] != 1:
-            raise ValueError("steps_computation_mask must start with 1: step 0 has no earlier prediction to reuse")
-        return self
+    @field_validator("steps_computation_mask")
+    @classmethod
+    def _mask_starts_with_a_computed_step(cls, mask: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if mask and mask[0] != 1:
+            raise ValueError("must start with 1: step 0 has no earlier prediction to reuse")
+        return mask
 
     def computes(self, step: int) -> bool:
         if self.steps_computation_mask is not None:
