@@ -48,7 +48,13 @@ from fv_kernel.errors import (
     StepFailed,
     UnknownModel,
 )
-from fv_kernel.extend.observers import Observer, Profiler, StepRecord
+from fv_kernel.compute.attention_backends import attention_callable, load_attention_backend
+from fv_kernel.compute.compile import CompileCache, CompileKey, ComputeOptions, GraphedStep, compile_blocks
+from fv_kernel.compute.fused import select_fused_ops
+from fv_kernel.extend.hooks import BlockHooks, RequestHooks
+from fv_kernel.extend.interceptors import BlockCall, BlockInterceptor, BlockSequence, Interceptor, StepInterceptor
+from fv_kernel.extend.observers import BlockObserver, NaNWatch, Observer, ParityAligner, Profiler, StepRecord
+from fv_kernel.extend.registry import ExtensionSet, ExtensionSettings, InterceptorRejected
 from fv_kernel.loop.context import CancelToken, LoopContext
 from fv_kernel.loop.contract import (
     CachePlan,
@@ -81,6 +87,7 @@ from fv_kernel.loop.samplers import (
     FlowUniPCSampler,
     Sampler,
     SamplerState,
+    UniPCState,
     add_noise,
     builtin_samplers,
 )
@@ -112,6 +119,7 @@ from fv_kernel.request.request import (
 )
 from fv_kernel.request.types import Precision, TaskType
 from fv_kernel.runtime.cost import CostKey, CostModel
-from fv_kernel.runtime.engine import Engine, GenerationResult, RequestHandle, SchedulerConfig
+from fv_kernel.runtime.engine import Engine, GenerationResult, RequestHandle, SchedulerConfig, run_concurrently, run_serially
+from fv_kernel.runtime.local import run_local, run_local_async
 
 __all__ = [name for name in dir() if not name.startswith("_") and name != "annotations"]

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fv_kernel.card.validate import RequestLimits
+from fv_kernel.compute.compile import ComputeOptions
 from fv_kernel.errors import FvError
 from fv_kernel.extend.registry import ExtensionSettings
 from fv_kernel.plugins.config import PluginsConfig
@@ -36,6 +37,7 @@ class CardDeployment(BaseModel):
     device: str = "cpu"
     precision: Precision | None = None
     attention_backend: str = "sdpa"
+    compute: ComputeOptions | None = None
     local_files_only: bool = False
 
 

@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from fv_kernel.card.spec import ModelCard
+from fv_kernel.compute.compile import ComputeOptions
 from fv_kernel.errors import InvalidRequest
 from fv_kernel.request.types import Precision, TaskType
 
@@ -83,6 +84,8 @@ class InstanceOptions(BaseModel):
     source: str | None = None
     local_files_only: bool = False
     attention_backend: str = "sdpa"
+    #: Fused kernels / compile / CUDA-graph tier of the denoiser (None: eager).
+    compute: ComputeOptions | None = None
     #: Tasks whose components are loaded up front; others load on first use.
     preload_tasks: tuple[TaskType, ...] = ()
 

@@ -26,8 +26,7 @@ from typing import Any, ClassVar, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fv_kernel.errors import InvalidRequest
-from fv_kernel.extend.interceptors import BlockCall, BlockInterceptor, BlockSequence
+from fv_kernel.api import BlockCall, BlockInterceptor, BlockSequence, InvalidRequest
 
 from fv_cachedit.overrides import apply_overrides, overrides_model
 

@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Literal, O
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from fv_kernel.extend.interceptors import StepInterceptor
-from fv_kernel.loop.contract import StepResult
+from fv_kernel.api import StepInterceptor, StepResult
 
 from fv_cachedit.overrides import apply_overrides, overrides_model
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.loop.contract import WorkPlan
+    from fv_kernel.api import WorkPlan
 
 __all__ = ["StepSkipSettings", "StepSkipParams", "StepSkip"]
 

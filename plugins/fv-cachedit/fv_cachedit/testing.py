@@ -21,11 +21,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
-from fv_kernel.card.spec import ModelCard
-from fv_kernel.extend.registry import ExtensionSet
-from fv_kernel.request.request import Request
-from fv_kernel.runtime.engine import Engine
-from fv_kernel.runtime.local import run_local
+from fv_kernel.api import Engine, ExtensionSet, ModelCard, Request, run_local
 from fv_kernel.testing.card_kit import InterleaveConformance
 
 __all__ = ["CachedInterleaveConformance"]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fv_kernel.api import (
+    UniPCState,
     ARParams,
     Done,
     EmitSpec,
@@ -45,7 +46,6 @@ from fv_kernel.api import (
     new_generator_state,
     sample_next_token,
 )
-from fv_kernel.loop.samplers import UniPCState
 from fv_cosmos3.models.config import Cosmos3Config
 from fv_cosmos3.models.tokenizer import PromptSpec, build_generation_prompt
 

@@ -18,6 +18,11 @@ from typing import Any, Mapping
 import torch
 
 from fv_kernel.api import (
+    CompileCache,
+    CompileKey,
+    ComputeOptions,
+    GraphedStep,
+    compile_blocks,
     CheckpointKeyError,
     CheckpointNotFound,
     InstanceOptions,
@@ -27,7 +32,6 @@ from fv_kernel.api import (
     read_safetensors,
     resolve_source,
 )
-from fv_kernel.compute.compile import CompileCache, CompileKey, ComputeOptions, GraphedStep, compile_blocks
 from fv_wan.checkpoint import is_original_layout, same_architecture, transformer_config_from_disk
 from fv_wan.models.encoders import WanImageEncoder, WanTextEncoder
 from fv_wan.models.transformer import (
@@ -82,12 +86,12 @@ def configure_transformer(
     path is today's code exactly. ``compute`` adds fused kernels and/or per-block compile.
     """
     if options.attention_backend != "sdpa":
-        from fv_kernel.compute.attention_backends import attention_callable, load_attention_backend
+        from fv_kernel.api import attention_callable, load_attention_backend
 
         model.set_attention_fn(attention_callable(load_attention_backend(options.attention_backend, registry)))
     if compute is None:
         return model
-    from fv_kernel.compute.fused import select_fused_ops
+    from fv_kernel.api import select_fused_ops
 
     device = model.patch_embedding.weight.device
     model.set_fused_ops(select_fused_ops(device, compute.fused_ops))
