@@ -97,7 +97,7 @@ def run_once(instance: ModelInstance, request: Request, extensions: ExtensionSet
     total = time.perf_counter() - start
     denoise_loop = next(loop for loop in timer.marks if loop not in ("text_encode", "decode", "image_encode"))
     plugin_state = next(iter(last["state"].plugin_state.values())) if last else {}
-    return {"frames": artifacts[0].frames.float().cpu(), "denoise_s": timer.seconds(denoise_loop), "total_s": total,
+    return {"frames": artifacts[0].frames.float(), "denoise_s": timer.seconds(denoise_loop), "total_s": total,
             "stats": block_cache_stats(plugin_state)}
 
 
