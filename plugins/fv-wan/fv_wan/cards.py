@@ -131,8 +131,9 @@ def _components(
     components = {
         "transformer": ComponentSpec(component_id="transformer", kind="dit", builder=f"{_PKG}.instance:load_transformer",
                                      config=tcfg, precision_policy=fp32),
+        # Decode runs in the card's precision (bf16 on GPU, as FastVideo decodes); encode stays fp32.
         "vae_decoder": ComponentSpec(component_id="vae_decoder", kind="vae", builder=f"{_PKG}.instance:load_vae",
-                                     config=vcfg, precision_policy=PrecisionPolicy(dtype="fp32")),
+                                     config=vcfg),
         "text_encoder": ComponentSpec(component_id="text_encoder", kind="text_encoder", builder=f"{_PKG}.instance:load_text_encoder",
                                       config={"tiny": {"d_model": 32, "num_layers": 2}} if tiny else {},
                                       precision_policy=PrecisionPolicy(dtype="fp32")),

@@ -264,8 +264,9 @@ def wan_ops(
             z = vae_dec.denormalize_latents(inputs["z"].to(device=ref.device, dtype=torch.float32)).to(ref.dtype)
             frames, cache = vae_dec.decode_step(z, cache, tiling=params.get("tiling"))
             video = (frames.float() / 2 + 0.5).clamp(0, 1)
-            out = {"frames": video, "preview": video[0].transpose(0, 1)}
-            out.update({f"cache.{k}": v for k, v in cache.to_tensors().items()})
+            out = {"frames": video}
+            if not params.get("last", False):  # the stream's last frame needs no history after it
+                out.update({f"cache.{k}": v for k, v in cache.to_tensors().items()})
             return out
 
         ops["vae_decode_frame"] = StepOp("vae_decode_frame", vae_decode_frame)

@@ -482,10 +482,14 @@ class WanDecodeLoop(Loop[WanDecodeState]):
         pts = (done_frames / state.fps, (done_frames + new_frames) / state.fps)
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.VAE_TILE, op="vae_decode_frame",
-            inputs=inputs, params={"tiling": TilingConfig(**state.tiling) if state.tiling else None},
+            inputs=inputs,
+            params={"tiling": TilingConfig(**state.tiling) if state.tiling else None,
+                    "last": index == state.latents.shape[2] - 1},
             shape_sig=ShapeSignature.of(latent=str(tuple(state.latents.shape[-2:])), first=int(index == 0)),
-            batchable=False,
-            emits=[EmitSpec(stream="video", modality="video", preview=True, from_output="preview", pts=pts)],
+            # A one-frame decode (images) carries no causal history in or out, so requests can
+            # share one batched call; a video's frame-by-frame decode stays batch-of-1.
+            batchable=state.latents.shape[2] == 1,
+            emits=[EmitSpec(stream="video", modality="video", preview=True, from_output="frames", pts=pts)],
         )
 
     def advance(self, state: WanDecodeState, result: StepResult) -> WanDecodeState:
