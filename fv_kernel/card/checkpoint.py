@@ -71,8 +71,8 @@ def resolve_source(source: str, *, subfolder: str = "", local_files_only: bool =
         root = snapshot_download(source, allow_patterns=patterns, local_files_only=offline)
     except LocalEntryNotFoundError:
         raise CheckpointNotFound(
-            f"{source!r} is not in the local Hugging Face cache and downloads are off (offline); "
-            "download it first or pass a local directory",
+            f"{source!r} is not in the local Hugging Face cache and could not be downloaded "
+            "(offline, HF_HUB_OFFLINE set, or the hub unreachable); download it first or pass a local directory",
             param="model",
         ) from None
     except Exception as exc:  # network errors, gated repos, typos

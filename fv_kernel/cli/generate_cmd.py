@@ -150,6 +150,7 @@ def generate(
         engine = Engine(SchedulerConfig(), hooks=host.hooks)
         resolve_request(card, request)  # every input error surfaces before weights load
         instance = build_instance(card, InstanceOptions(device=device, precision=precision, source=resolved.source))  # type: ignore[arg-type]
+        instance.load_for_task(request.task)  # weights load here, so a bad checkpoint is one typed line
         engine.add_instance(instance)
         result = host.hooks.wrap_generate(request, lambda req: _run(engine, req, _Progress(not quiet)))
     except FvError as exc:

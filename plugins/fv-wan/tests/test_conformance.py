@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import pytest
 
 from fv_kernel.api import ModelCard, Request
-from fv_kernel.plugins.check import PluginChecker
 from fv_kernel.testing import CardConformance, InterleaveConformance, PluginConformance
 from fv_wan.cards import TINY_CARD_IDS, wan_cards
 
@@ -22,15 +20,6 @@ def test_every_card_is_either_run_or_validated() -> None:
 
 class TestWanPlugin(PluginConformance):
     distribution = "fv-wan"
-
-    @pytest.mark.xfail(
-        strict=True,
-        reason="fv_wan/fv-plugin.yaml declares `loops:` (text_encode, image_encode, denoise, decode) but "
-        "fv_wan.plugin registers no fv_register_loops hook; cards name their loop classes directly, so the fix "
-        "is to drop that manifest section (as fv-cosmos3 does) or to register the loops. Owner: fv-wan lead.",
-    )
-    def test_contributions_exist_and_satisfy_bases(self, fv_plugin_checker: PluginChecker) -> None:
-        super().test_contributions_exist_and_satisfy_bases(fv_plugin_checker)
 
 
 class _ThreeSteps:
