@@ -18,7 +18,7 @@ override :meth:`load_card` to supply them directly.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Iterator, Mapping, Sequence
 
 import pytest
 import torch
@@ -32,11 +32,13 @@ from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.engine import Engine, SchedulerConfig, run_concurrently, run_serially
+from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.runtime.local import run_local
 
 __all__ = [
     "CardConformance",
     "InterleaveConformance",
+    "CachedInterleaveConformance",
     "sample_requests",
     "assert_artifacts_identical",
     "forbid_module_calls",
@@ -244,4 +246,58 @@ class InterleaveConformance(_CardKitBase):
             assert c.status == "completed", f"interleaved {c.request_id}: {c.status} {c.error}"
             assert_artifacts_identical(s.artifacts, c.artifacts, what=f"{c.request_id} interleaved vs serial")
 
+
+class CachedInterleaveConformance(InterleaveConformance):
+    """The interleave gate with interceptors on: N requests with caching enabled, interleaved
+    and batched through the Engine, are bit-identical to the same requests run serially.
+
+    Set :attr:`card_ids`, :attr:`interceptors` (plugin id -> class, as the deploy config's
+    ``extensions:`` enables them) and :attr:`plugin_params` (what every gate request sends).
+    The gate also checks that the parameters really change the output on at least one
+    request (an interceptor that never fires would pass the gate vacuously), unless
+    :attr:`require_effect` is False.
+    """
+
+    interceptors: ClassVar[Mapping[str, type]] = {}
+    #: Deploy-time settings per plugin id (``ExtensionSettings`` fields: ``default_on``, ``config``).
+    extension_settings: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    plugin_params: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    require_effect: ClassVar[bool] = True
+
+    def make_extensions(self) -> ExtensionSet:
+        assert self.interceptors, "set interceptors (plugin id -> class) on the cached interleave conformance class"
+        settings = {name: dict(self.extension_settings.get(name, {})) for name in self.interceptors}
+        return ExtensionSet.build(settings, dict(self.interceptors))
+
+    def make_engine(self, cards: Sequence[ModelCard]) -> Engine:
+        engine = Engine(self.scheduler, extensions=self.make_extensions())
+        for card in cards:
+            engine.add_instance(self.build(card))
+        return engine
+
+    def gate_requests(self, cards: Sequence[ModelCard], prefix: str) -> list[Request]:
+        params = {name: dict(values) for name, values in self.plugin_params.items()}
+        return [r.with_updates(plugin_params=params) for r in super().gate_requests(cards, prefix)]
+
+    def test_interceptor_changes_the_output(self) -> None:
+        if not self.require_effect:
+            return
+        cards = [self.load_card(m) for m in self.card_ids]
+        extensions = self.make_extensions()
+        changed = []
+        for card in cards:
+            instance = self.build(card)
+            for request in self.gate_requests([card], "effect-"):
+                cached = run_local(request, instance, extensions=extensions)
+                plain = run_local(request.with_updates(plugin_params={}), instance)
+                changed.append(any(_differs(a, b) for a, b in zip(cached, plain)))
+        assert any(changed), (
+            f"plugin_params {dict(self.plugin_params)} never changed an output on {list(self.card_ids)}: "
+            "the interleave gate would pass without the interceptor doing anything"
+        )
+
+
+def _differs(a: Artifact, b: Artifact) -> bool:
+    da, db = _artifact_tensors(a), _artifact_tensors(b)
+    return any(isinstance(v, torch.Tensor) and not torch.equal(v, db[k]) for k, v in da.items())
 

@@ -1,4 +1,4 @@
-"""The cached interleave gate (``fv_cachedit.testing.CachedInterleaveConformance``) on the kernel's
+"""The cached interleave gate (``fv_kernel.testing.CachedInterleaveConformance``) on the kernel's
 toy card and on wan-tiny: requests with caching on, interleaved and batched through the Engine,
 are bit-identical to the same requests run serially."""
 
@@ -9,7 +9,7 @@ from typing import Sequence
 from cachedit_testutils import any_card
 
 from fv_cachedit import DBCache, TaylorSeer
-from fv_cachedit.testing import CachedInterleaveConformance
+from fv_kernel.testing import CachedInterleaveConformance
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.request.request import Request
 
