@@ -306,6 +306,31 @@ def _step_row(b: Bench, impl: str, batch: int, timing: dict[str, Any], **extra: 
     return row
 
 
+def section_step_batching(b: Bench) -> dict[str, Any]:
+    """Cross-request batching of one denoise step: n single-frame 480x832 requests' DiT steps fused into
+    one call (what the Engine runs under ``batching: throughput``) vs the same steps one request at a time."""
+    config = dit_config(b)
+    model = b.cache.get("dit") or build_dit(b, config)
+    b.cache["dit"] = model
+    fn, backend = attention_fn(b, b.args.attention)
+    model.set_attention_fn(fn)
+    model.set_fused_ops(None)
+    h, w = (64, 64) if b.smoke else (480, 832)
+    text = 16 if b.smoke else 512
+    out: dict[str, Any] = {"shape": f"{h}x{w}x1", "backend": backend, "tokens_per_request": (h // 16) * (w // 16)}
+    counts = (1, 2, 4) if b.smoke else (1, 8, 32)
+    with torch.no_grad():
+        for n in counts:
+            x = torch.randn(n, config.in_channels, 1, h // 8, w // 8, device=b.device, dtype=b.dtype)
+            t = torch.full((n,), 500.0, device=b.device)
+            ctx = torch.randn(n, text, config.text_dim, device=b.device, dtype=b.dtype)
+            fused = b.time_ms(lambda: model(x, t, ctx), iters=3 if b.smoke else 5)
+            single = b.time_ms(lambda: [model(x[i : i + 1], t[i : i + 1], ctx[i : i + 1]) for i in range(n)], iters=2 if b.smoke else 3)
+            out[str(n)] = {"fused_ms": round(fused["ms"], 2), "one_at_a_time_ms": round(single["ms"], 2),
+                           "throughput_x": round(single["ms"] / fused["ms"], 3)}
+    return out
+
+
 def section_dit(b: Bench) -> dict[str, Any]:
     """fv eager (with the chosen backend), eager+fused, and diffusers eager, at batch 1 and CFG batch 2."""
     config = dit_config(b)
@@ -609,6 +634,11 @@ def table(b: Bench) -> str:
     extra = ["", "| measure | result |", "|---|---|"]
     if "matmul" in s:
         extra.append(f"| {s['matmul']['n']}^3 matmul | {s['matmul']['tflops']} TFLOP/s |")
+    batching = s.get("step_batching", {})
+    for n, row in batching.items():
+        if isinstance(row, dict) and "fused_ms" in row:
+            extra.append(f"| {n} single-frame {batching['shape']} DiT steps fused vs one at a time | {row['fused_ms']} ms vs "
+                         f"{row['one_at_a_time_ms']} ms = {row['throughput_x']}x throughput |")
     thr = s.get("engine_throughput", {})
     for key, value in thr.items():
         if key.endswith(":speedup"):
@@ -663,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         ("diffusers", 200 if args.diffusers_compile else 60, lambda: section_diffusers(b)),
         ("graphs", 60, lambda: section_graphs(b)),
         ("vae", 60, lambda: section_vae(b)),
+        ("step_batching", 60, lambda: section_step_batching(b)),
         ("engine_throughput", 100, lambda: section_engine_throughput(b)),
         ("e2e", 60, lambda: section_e2e(b)),
         ("compiled", 150, lambda: section_compiled(b)),

@@ -352,9 +352,11 @@ def build_wan_instance(
 ) -> ModelInstance:
     """The card's factory: a resident instance whose components load on first use.
 
-    ``compute`` (fused kernels, per-block compile, CUDA graphs) is optional; without it
-    the instance runs the eager code with ``options.attention_backend``.
+    ``compute`` (fused kernels, per-block compile, CUDA graphs; default ``options.compute``,
+    which the deploy config sets per card) is optional; without it the instance runs the
+    eager code with ``options.attention_backend``.
     """
+    compute = compute if compute is not None else options.compute
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise CheckpointNotFound(f"device {options.device!r} was asked for but CUDA is not available", param="device")
 
