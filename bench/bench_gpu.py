@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import functools
 import json
-import math
 import platform
 import signal
 import statistics

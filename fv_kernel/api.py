@@ -90,6 +90,7 @@ from fv_kernel.loop.samplers import (
     UniPCState,
     add_noise,
     builtin_samplers,
+    sampler_from_state,
 )
 from fv_kernel.loop.sampling import apply_presence_penalty, sample_next_token
 from fv_kernel.loop.state import TensorState, generator_from_state, new_generator_state

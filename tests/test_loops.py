@@ -16,7 +16,6 @@ from fv_kernel.card.instance import build_instance
 from fv_kernel.card.validate import resolve_request
 from fv_kernel.loop.context import LoopContext
 from fv_kernel.loop.contract import LoopState, StepResult, WorkPlan
-from fv_kernel.loop.driver import resume
 from fv_kernel.loop.state import StateFormatError
 from fv_kernel.request.events import MediaChunk
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart

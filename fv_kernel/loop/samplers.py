@@ -481,3 +481,16 @@ class DMDSampler(_ShiftedFlowSampler):
 def builtin_samplers() -> dict[str, type[Sampler]]:
     """The kernel's built-in samplers by name (a fresh dict; the plugin host registers them)."""
     return {cls.name: cls for cls in (FlowEulerSampler, FlowUniPCSampler, DMDSampler)}
+
+
+def sampler_from_state(state: SamplerState) -> Sampler:
+    """The sampler a state belongs to, rebuilt from the full config its signature records.
+
+    So a loop needs no sampler object of its own: a state restored in another process
+    advances with exactly the sampler (and a request's shift override) that made it.
+    """
+    name, _, config = state.sampler.partition(":")
+    samplers = builtin_samplers()
+    if name not in samplers:
+        raise SamplerError(f"state was made by sampler {name!r}; allowed: {sorted(samplers)}")
+    return samplers[name](**json.loads(config))

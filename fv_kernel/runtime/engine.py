@@ -26,16 +26,15 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterable, Literal
+from typing import Any, AsyncIterator, Iterable, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field
 
 from fv_kernel.cache.feature import FeatureCache, apply_cache_writes
 from fv_kernel.card.instance import ModelInstance
 from fv_kernel.card.validate import RequestLimits, resolve_request
 from fv_kernel.errors import (
-    CapacityError,
     FvError,
     NonFiniteOutput,
     QueueFull,

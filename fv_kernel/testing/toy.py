@@ -54,7 +54,7 @@ from fv_kernel.loop.contract import (
 )
 from fv_kernel.loop.driver import drive
 from fv_kernel.loop.guidance import builtin_guidance_policies
-from fv_kernel.loop.samplers import SamplerState, builtin_samplers
+from fv_kernel.loop.samplers import SamplerState, builtin_samplers, sampler_from_state
 from fv_kernel.loop.sampling import apply_presence_penalty, sample_next_token
 from fv_kernel.loop.state import generator_from_state, new_generator_state
 from fv_kernel.program.base import Program
@@ -326,7 +326,7 @@ class ToyDenoiseLoop(Loop[DenoiseState]):
         )
 
     def next(self, state: DenoiseState) -> WorkPlan | Done:
-        sampler = self._sampler_for(state)
+        sampler = sampler_from_state(state.sampler_state)
         if sampler.is_done(state.sampler_state):
             return Done()
         branches = self._guidance().branches(state.guidance)
@@ -342,15 +342,8 @@ class ToyDenoiseLoop(Loop[DenoiseState]):
             emits=[], tag="+".join(branches),
         )
 
-    def _sampler_for(self, state: DenoiseState) -> Any:
-        # The sampler config (incl. a request's shift) is recorded in the state's signature.
-        import json
-
-        name, _, config = state.sampler_state.sampler.partition(":")
-        return builtin_samplers()[name](**json.loads(config))
-
     def advance(self, state: DenoiseState, result: StepResult) -> DenoiseState:
-        sampler = self._sampler_for(state)
+        sampler = sampler_from_state(state.sampler_state)
         policy = self._guidance()
         branches = policy.branches(state.guidance)
         out = result.outputs["v"]

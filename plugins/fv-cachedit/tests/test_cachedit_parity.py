@@ -21,7 +21,6 @@ Differences by design (and how the test keeps them out of the comparison):
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 

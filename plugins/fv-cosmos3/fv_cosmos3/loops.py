@@ -9,12 +9,12 @@ instance's tokenizer (per instance, never per request).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 
 from fv_kernel.api import (
+    sampler_from_state,
     UniPCState,
     ARParams,
     Done,
@@ -287,10 +287,6 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
     kind = "diffusion_denoise"
     state_type = DenoiseState
 
-    def _sampler(self, signature: str) -> Any:
-        name, _, config = signature.partition(":")
-        return builtin_samplers()[name](**json.loads(config))
-
     @staticmethod
     def _policy() -> StandardCFG:
         return StandardCFG(active_when="not_one")  # Cosmos 3 skips the uncond pass only at exactly 1.0
@@ -409,7 +405,7 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
                 return WorkPlan(**base, kind=WorkKind.ENCODER_CHUNK, op="text_kv",
                                 inputs={"ids": torch.tensor([ids], dtype=torch.long)},
                                 shape_sig=ShapeSignature.of(tokens=len(ids)), tag=f"text_kv:{branch}")
-        sampler = self._sampler(state.video_sampler.sampler)
+        sampler = sampler_from_state(state.video_sampler)
         if sampler.is_done(state.video_sampler):
             return Done()
         inputs: dict[str, torch.Tensor] = {"video": state.video, "timestep": sampler.timestep(state.video_sampler).float().reshape(1)}
@@ -456,7 +452,7 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
                     "text_values": {**state.text_values, branch: result.outputs["values"][0]},
                 })
         out = result.outputs
-        sampler = self._sampler(state.video_sampler.sampler)
+        sampler = sampler_from_state(state.video_sampler)
         video_sampler, video = sampler.step(state.video_sampler, self._combine(state, out["v_video"][0]).unsqueeze(0), state.video)
         if state.video_x0 is not None and state.video_clean:
             # Re-inject the clean conditioning frames (they must not drift through the solver).

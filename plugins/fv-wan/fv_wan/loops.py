@@ -9,7 +9,6 @@ below: nothing is kept on the loop objects or the modules.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from fv_kernel.api import (
     WorkPlan,
     builtin_guidance_policies,
     builtin_samplers,
+    sampler_from_state,
     generator_from_state,
 )
 from fv_kernel.cache import CacheKey, content_hash
@@ -278,12 +278,6 @@ class WanDenoiseState(LoopState):
     precision: str
 
 
-def _sampler_from_state(state: SamplerState) -> Sampler:
-    # The state records its sampler's full config, so a resumed state rebuilds the same sampler.
-    name, _, config = state.sampler.partition(":")
-    return builtin_samplers()[name](**json.loads(config))
-
-
 class WanDenoiseLoop(Loop[WanDenoiseState]):
     """Flow-matching denoise: one WorkPlan per step, CFG branches batched in it.
 
@@ -358,7 +352,7 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         return torch.cat([state.latents, state.condition], dim=1)
 
     def next(self, state: WanDenoiseState) -> WorkPlan | Done:
-        sampler = _sampler_from_state(state.sampler_state)
+        sampler = sampler_from_state(state.sampler_state)
         if sampler.is_done(state.sampler_state):
             return Done()
         t = sampler.timestep(state.sampler_state)
@@ -393,7 +387,7 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         )
 
     def advance(self, state: WanDenoiseState, result: StepResult) -> WanDenoiseState:
-        sampler = _sampler_from_state(state.sampler_state)
+        sampler = sampler_from_state(state.sampler_state)
         t = sampler.timestep(state.sampler_state)
         _, scale = self._expert(state, t)
         policy = self._policy()
