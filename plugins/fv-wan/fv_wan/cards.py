@@ -36,7 +36,7 @@ from fv_wan.models.vae import WanVAEConfig
 __all__ = ["wan_cards", "TINY_CARD_IDS", "WAN_FP32_MODULES"]
 
 _PKG = "fv_wan"
-T2V, I2V = TaskType.TEXT_TO_VIDEO, TaskType.IMAGE_TO_VIDEO
+T2V, I2V, T2I = TaskType.TEXT_TO_VIDEO, TaskType.IMAGE_TO_VIDEO, TaskType.TEXT_TO_IMAGE
 #: diffusers' ``_keep_in_fp32_modules`` for WanTransformer3DModel.
 WAN_FP32_MODULES = ("rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
 
@@ -169,6 +169,9 @@ def _card(
     max_frames: int | None = None,
 ) -> ModelCard:
     tiny = source is None
+    if T2V in tasks:
+        # A text-to-video card makes single frames too (frames = 1 is 4k+1 with k = 0), as WanPipeline does.
+        tasks = tasks | {T2I}
     vae_encoder_tasks = frozenset({I2V}) & tasks if i2v_mode is not None else frozenset()
     components, checkpoint = _components(
         transformer=transformer, vae=vae, tiny=tiny, image_encoder=image_encoder, tasks=tasks,
