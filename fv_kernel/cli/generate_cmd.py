@@ -104,7 +104,7 @@ def generate(
     precision: Optional[str] = typer.Option(None, "--precision", help=f"One of {', '.join(PRECISIONS)} (the card's default if omitted)."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
     upsample_prompt: bool = typer.Option(False, "--upsample-prompt", help="Rewrite the prompt with the card's reasoner first (cards that have one)."),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Token budget of the prompt rewrite."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Token budget of the prompt rewrite (the card's default if omitted)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Generate a video (or image) with one card and write it to --output."""
@@ -123,7 +123,7 @@ def generate(
         request = Request(
             model=model, task=chosen_task, inputs=tuple(inputs), precision=precision,  # type: ignore[arg-type]
             prompt_upsampling=upsample_prompt,
-            ar=ARParams(max_tokens=max_tokens, seed=seed) if upsample_prompt else None,
+            ar=ARParams(max_tokens=max_tokens, seed=seed) if upsample_prompt and max_tokens is not None else None,
             diffusion=DiffusionParams(height=height, width=width, frames=frames, steps=steps, guidance=guidance,
                                       shift=shift, sampler=sampler, seed=seed),
         )
