@@ -177,28 +177,25 @@ def load_vae(card: ModelCard, component_id: str, options: InstanceOptions) -> Wa
     return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def load_text_encoder(card: ModelCard, component_id: str, options: InstanceOptions) -> WanTextEncoder:
+def _load_encoder(card: ModelCard, component_id: str, options: InstanceOptions, encoder_cls: Any) -> Any:
+    """A transformers-backed encoder: seeded tiny weights for embedded cards, else ``from_pretrained``."""
     spec = card.components[component_id]
     dtype = _component_dtype(card, component_id, options)
     source = options.source or card.checkpoint.source
     if source is None:
         seed = card.checkpoint.components[component_id].random_init_seed or 0
-        encoder = WanTextEncoder.tiny(seed, **spec.config.get("tiny", {}))
+        encoder = encoder_cls.tiny(seed, **spec.config.get("tiny", {}))
         return encoder.to(device=options.device, dtype=dtype).eval().requires_grad_(False)
     root = resolve_source(source, local_files_only=options.local_files_only)
-    return WanTextEncoder.from_pretrained(root, dtype=dtype, device=options.device).requires_grad_(False)
+    return encoder_cls.from_pretrained(root, dtype=dtype, device=options.device).requires_grad_(False)
+
+
+def load_text_encoder(card: ModelCard, component_id: str, options: InstanceOptions) -> WanTextEncoder:
+    return _load_encoder(card, component_id, options, WanTextEncoder)
 
 
 def load_image_encoder(card: ModelCard, component_id: str, options: InstanceOptions) -> WanImageEncoder:
-    spec = card.components[component_id]
-    dtype = _component_dtype(card, component_id, options)
-    source = options.source or card.checkpoint.source
-    if source is None:
-        seed = card.checkpoint.components[component_id].random_init_seed or 0
-        encoder = WanImageEncoder.tiny(seed, **spec.config.get("tiny", {}))
-        return encoder.to(device=options.device, dtype=dtype).eval().requires_grad_(False)
-    root = resolve_source(source, local_files_only=options.local_files_only)
-    return WanImageEncoder.from_pretrained(root, dtype=dtype, device=options.device).requires_grad_(False)
+    return _load_encoder(card, component_id, options, WanImageEncoder)
 
 
 _LOADERS = {"dit": load_transformer, "vae": load_vae, "text_encoder": load_text_encoder, "image_encoder": load_image_encoder}
