@@ -8,6 +8,8 @@ The plugin API version is :data:`API_VERSION`.
 from __future__ import annotations
 
 from fv_kernel import API_VERSION, __version__
+from fv_kernel.cache.feature import FeatureCache
+from fv_kernel.cache.keys import CacheKey, content_hash
 from fv_kernel.cache.paged_kv import CacheFull, KVBlockTable, PagedKVConfig, PagedKVPool
 from fv_kernel.card.catalog import CardCatalog, ResolvedModel
 from fv_kernel.card.checkpoint import apply_key_map, dtype_for_key, load_into, read_safetensors, resolve_source

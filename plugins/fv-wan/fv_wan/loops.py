@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from fv_kernel.api import (
+    CacheKey,
+    content_hash,
     CachePlan,
     CacheRef,
     Done,
@@ -39,7 +41,6 @@ from fv_kernel.api import (
     sampler_from_state,
     generator_from_state,
 )
-from fv_kernel.cache import CacheKey, content_hash
 from fv_wan.models.encoders import clean_prompt
 from fv_wan.models.transformer import TEXT_CONTEXT_LENGTH, WanTransformerConfig
 from fv_wan.models.vae import TilingConfig, WanVAEConfig
