@@ -16,6 +16,15 @@ _DIFFUSERS_META_PREFIX = "_"
 _DIFFUSERS_IGNORED_FIELDS = frozenset({"dtype", "attention_dropout"})
 
 
+#: What the released Nano and Super configs share: GQA with 8 KV heads of 128, and the
+#: sound and action generation heads (per the reference notes; no checkpoint config was
+#: available to confirm the modality sizes).
+_RELEASED_COMMON: dict[str, Any] = dict(
+    num_key_value_heads=8, head_dim=128, sound_gen=True, sound_dim=64, action_gen=True, action_dim=64,
+    num_embodiment_domains=32,
+)
+
+
 class Cosmos3Config(BaseModel):
     """Architecture of one Cosmos 3 checkpoint (both towers share these sizes)."""
 
@@ -130,17 +139,7 @@ class Cosmos3Config(BaseModel):
     def nano(cls, **overrides: Any) -> "Cosmos3Config":
         """Cosmos 3 Nano (16B total, two towers of hidden 4096 x 36 layers)."""
         base: dict[str, Any] = dict(
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            sound_gen=True,
-            sound_dim=64,
-            action_gen=True,
-            action_dim=64,
-            num_embodiment_domains=32,
+            _RELEASED_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32
         )
         return cls(**{**base, **overrides})
 
@@ -148,17 +147,7 @@ class Cosmos3Config(BaseModel):
     def super_(cls, **overrides: Any) -> "Cosmos3Config":
         """Cosmos 3 Super (64B total; hidden 5120 != heads x head_dim = 8192)."""
         base: dict[str, Any] = dict(
-            hidden_size=5120,
-            intermediate_size=25600,
-            num_hidden_layers=64,
-            num_attention_heads=64,
-            num_key_value_heads=8,
-            head_dim=128,
-            sound_gen=True,
-            sound_dim=64,
-            action_gen=True,
-            action_dim=64,
-            num_embodiment_domains=32,
+            _RELEASED_COMMON, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64
         )
         return cls(**{**base, **overrides})
 
