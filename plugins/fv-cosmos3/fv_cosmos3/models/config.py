@@ -6,6 +6,8 @@ Field names follow diffusers' ``Cosmos3OmniTransformer`` config so a diffusers
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -19,10 +21,10 @@ _DIFFUSERS_IGNORED_FIELDS = frozenset({"dtype", "attention_dropout"})
 #: What the released Nano and Super configs share: GQA with 8 KV heads of 128, and the
 #: sound and action generation heads (per the reference notes; no checkpoint config was
 #: available to confirm the modality sizes).
-_RELEASED_COMMON: dict[str, Any] = dict(
+_RELEASED_COMMON: Mapping[str, Any] = MappingProxyType(dict(
     num_key_value_heads=8, head_dim=128, sound_gen=True, sound_dim=64, action_gen=True, action_dim=64,
     num_embodiment_domains=32,
-)
+))
 
 
 class Cosmos3Config(BaseModel):
