@@ -120,7 +120,7 @@ from fv_kernel.request.request import (
     TextPart,
     VideoPart,
 )
-from fv_kernel.request.types import Precision, TaskType
+from fv_kernel.request.types import Precision, TaskType, torch_dtype
 from fv_kernel.runtime.cost import CostKey, CostModel
 from fv_kernel.runtime.engine import Engine, GenerationResult, RequestHandle, SchedulerConfig, run_concurrently, run_serially
 from fv_kernel.runtime.local import run_local, run_local_async

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-__all__ = ["TaskType", "Precision", "PRECISIONS", "torch_dtype_name"]
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["TaskType", "Precision", "PRECISIONS", "torch_dtype", "torch_dtype_name"]
 
 
 class TaskType(str, Enum):
@@ -27,6 +30,13 @@ Precision = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "nvfp4"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8_e4m3", "nvfp4")
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(precision: str) -> "torch.dtype":
+    """The torch dtype that holds weights of ``precision`` (a typed error for quantized formats)."""
+    import torch
+
+    return getattr(torch, torch_dtype_name(precision))
 
 
 def torch_dtype_name(precision: str) -> str:

@@ -15,6 +15,7 @@ the kernel's samplers and guidance policies as a library, the way a family does.
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
@@ -588,7 +589,7 @@ def _ops(instance: ModelInstance) -> dict[str, StepOp]:
     return ops
 
 
-_BUILDERS = {"lm": ToyLM, "dit": ToyDiT, "decoder": ToyDecoder}
+_BUILDERS = MappingProxyType({"lm": ToyLM, "dit": ToyDiT, "decoder": ToyDecoder})
 
 
 def build_component(name: str, seed: int) -> nn.Module:

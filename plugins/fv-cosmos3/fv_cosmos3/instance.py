@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fv_kernel.api import (
+    torch_dtype,
     CheckpointNotFound,
     InstanceOptions,
     ModelCard,
@@ -40,7 +41,6 @@ from fv_wan.models.vae import WanVAE, WanVAEConfig
 
 __all__ = ["Cosmos3Instance", "build_cosmos3_instance", "seeded_init", "text_pool_config"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -92,7 +92,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
 def _load_component(card: ModelCard, options: InstanceOptions, component_id: str) -> Any:
     spec = card.components[component_id]
     ckpt = card.checkpoint.components.get(component_id)
-    dtype = _DTYPES[options.precision or card.precision.default]
+    dtype = torch_dtype(options.precision or card.precision.default)
     if spec.kind == "tokenizer":
         if spec.config.get("kind") == "byte":
             return ByteTokenizer(vocab_size=int(spec.config["vocab_size"]))

@@ -9,6 +9,8 @@ instance's tokenizer (per instance, never per request).
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from typing import Any
 
 import torch
@@ -233,11 +235,11 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
 
 Mode = str  # "t2v" | "t2i" | "i2v" | "t2v_sound" | "action_policy" | "forward_dynamics" | "inverse_dynamics"
 
-_TASK_MODE = {
+_TASK_MODE = MappingProxyType({
     TaskType.TEXT_TO_VIDEO: "t2v", TaskType.TEXT_TO_IMAGE: "t2i", TaskType.IMAGE_TO_VIDEO: "i2v",
     TaskType.TEXT_TO_VIDEO_AUDIO: "t2v_sound", TaskType.ACTION_POLICY: "action_policy",
     TaskType.FORWARD_DYNAMICS: "forward_dynamics", TaskType.INVERSE_DYNAMICS: "inverse_dynamics",
-}
+})
 
 
 class DenoiseState(LoopState):

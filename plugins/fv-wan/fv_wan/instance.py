@@ -13,11 +13,13 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
 
 from fv_kernel.api import (
+    torch_dtype,
     CompileCache,
     CompileKey,
     ComputeOptions,
@@ -45,14 +47,7 @@ from fv_wan.models.transformer import (
 )
 from fv_wan.models.vae import CausalCache, WanVAE, WanVAEConfig
 
-__all__ = ["build_wan_instance", "configure_transformer", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops", "torch_dtype"]
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def torch_dtype(precision: str) -> torch.dtype:
-    return _DTYPES[precision]
-
+__all__ = ["build_wan_instance", "configure_transformer", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops"]
 
 def _component_dtype(card: ModelCard, component_id: str, options: InstanceOptions) -> torch.dtype:
     policy = card.components[component_id].precision_policy
@@ -198,7 +193,9 @@ def load_image_encoder(card: ModelCard, component_id: str, options: InstanceOpti
     return _load_encoder(card, component_id, options, WanImageEncoder)
 
 
-_LOADERS = {"dit": load_transformer, "vae": load_vae, "text_encoder": load_text_encoder, "image_encoder": load_image_encoder}
+_LOADERS = MappingProxyType(
+    {"dit": load_transformer, "vae": load_vae, "text_encoder": load_text_encoder, "image_encoder": load_image_encoder}
+)
 
 
 # --------------------------------------------------------------------------- ops
