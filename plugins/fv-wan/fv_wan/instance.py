@@ -225,9 +225,7 @@ def wan_ops(
         image_encoder: WanImageEncoder = comps["image_encoder"]
 
         def encode_image(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-            pixels = inputs["pixel_values"].to(next(image_encoder.model.parameters()))
-            hidden = image_encoder.model(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
-            return {"image_embeds": hidden.float()}
+            return {"image_embeds": image_encoder.embed_pixels(inputs["pixel_values"]).float()}
 
         ops["encode_image"] = StepOp("encode_image", encode_image)
 

@@ -251,10 +251,15 @@ class WanImageEncoder(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """(B, tokens, hidden) = ``hidden_states[-2]`` of the CLIP vision model."""
-        model_device, model_dtype = _module_device_dtype(self.model)
-        pixels = self.pixel_values(images).to(device=model_device, dtype=model_dtype)
-        hidden = self.model(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
+        hidden = self.embed_pixels(self.pixel_values(images))
         return hidden.to(device=device or hidden.device, dtype=dtype or hidden.dtype)
+
+    @torch.no_grad()
+    def embed_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Already-preprocessed pixels -> ``hidden_states[-2]`` (what Wan 2.1 I2V consumes)."""
+        model_device, model_dtype = _module_device_dtype(self.model)
+        pixels = pixel_values.to(device=model_device, dtype=model_dtype)
+        return self.model(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
 
     def forward(self, images: ImageInput | Sequence[ImageInput]) -> torch.Tensor:
         return self.encode(images)
