@@ -9,6 +9,7 @@ import pytest
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from fv_kernel.loop.samplers import FlowEulerSampler
 from fv_kernel.card.instance import build_instance
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.extend.hooks import ActiveInterceptor
@@ -62,7 +63,7 @@ class SkipOddSteps(StepInterceptor):
         return True
 
     async def around_step(self, plan, state, params, call_next):  # type: ignore[no-untyped-def]
-        step = int(plan.params.get("step_index", 0))
+        step = plan.step_index or 0
         if step % 2 == 1 and "last" in state:
             return StepResult(outputs={"v": state["last"]})
         result = await call_next(plan)
@@ -144,17 +145,18 @@ def test_default_on_interceptor_applies_without_request_params() -> None:
 def test_step_interceptor_skips_steps() -> None:
     instance = build_instance(toy_card("toy-dit"))
     extensions = ExtensionSet.build({"skip-odd": {}}, {"skip-odd": SkipOddSteps})
-    calls: list[int] = []
+    calls: list[float] = []
     instance.load_for_task(TaskType.TEXT_TO_VIDEO)
     original = instance.op("dit_forward").fn
 
     def counting(inputs, params):  # type: ignore[no-untyped-def]
-        calls.append(int(params["step_index"]))
+        calls.append(float(inputs["t"][0]))  # the per-sample timestep names the step
         return original(inputs, params)
 
     instance._ops["dit_forward"] = instance.op("dit_forward").__class__("dit_forward", counting)
     run_local(t2v(0, params={"skip-odd": {}}), instance, extensions=extensions)
-    assert calls == [0, 2, 4]
+    timesteps = FlowEulerSampler(shift=1.0).init_state(5).timesteps
+    assert calls == [float(timesteps[i]) for i in (0, 2, 4)]
 
 
 def _distilled() -> ModelCard:

@@ -115,7 +115,7 @@ class RequestHooks:
         applies = self.block is not None and self.block.interceptor.applies_to(plan)
         if not supports_block_hooks or not (applies or self.block_observers):
             return plan
-        step_index = int(plan.params.get("step_index", state.step))
+        step_index = plan.step_index if plan.step_index is not None else state.step
         calls, states = [], []
         for branch in branches_of(plan):
             calls.append(BlockCall(state.request_id, state.loop_id, branch, step_index, num_steps))

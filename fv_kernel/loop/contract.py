@@ -152,7 +152,10 @@ class WorkPlan(BaseModel):
 
     ``op`` names an executable step of the model instance; ``inputs`` are this
     request's tensors with the batch on dim 0; ``params`` are the non-tensor
-    arguments, which must be equal for two plans to batch together.
+    arguments, which must be equal for two plans to batch together. Per-request
+    scalars that differ between requests at different points of their loops (the
+    timestep, the sigma) belong in ``inputs`` as one value per row, never in
+    ``params``: steps of requests at different step indices then still batch.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
@@ -175,6 +178,9 @@ class WorkPlan(BaseModel):
     batchable: bool = True
     #: Which guidance branch / sub-step this is, for observers (e.g. "cond").
     tag: str = ""
+    #: The loop step this plan is (stamped by the driver from ``LoopState.step`` when left
+    #: None). Per request, so it is not part of :meth:`batch_key`.
+    step_index: int | None = Field(default=None, ge=0)
 
     def batch_key(self) -> tuple[Any, ...]:
         """Plans with equal keys can run as one batched execution."""

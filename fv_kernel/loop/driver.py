@@ -56,6 +56,8 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopR
         plan = loop.next(state)
         if isinstance(plan, Done):
             break
+        if plan.step_index is None:
+            plan = plan.model_copy(update={"step_index": state.step})
         try:
             if ctx.hooks is not None:
                 supports = ctx.instance is not None and ctx.instance.op(plan.op).supports_block_hooks

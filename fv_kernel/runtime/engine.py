@@ -125,7 +125,6 @@ class _Record:
         self.task: asyncio.Task[None] | None = None
         self.status: str = "queued"
         self.steps_done = 0
-        self.step_index: dict[str, int] = {}
 
     def emit(self, event_type: str, **fields: Any) -> None:
         event_cls = _EVENT_CLASSES.get(event_type)
@@ -628,7 +627,7 @@ class Engine:
             record = StepRecord(
                 instance_id=plan.instance_id, loop_id=plan.loop_id, kind=plan.kind.value, op=plan.op,
                 shape_sig=plan.shape_sig, precision=plan.precision,
-                request_ids=tuple(u.request_id for u in live), steps=tuple(0 for _ in live),
+                request_ids=tuple(u.request_id for u in live), steps=tuple(u.plan.step_index or 0 for u in live),
                 wall_seconds=wall, device_seconds=device_s, predicted_seconds=sum(u.price_seconds for u in live),
                 cost_spec=instance.card.loops[plan.loop_id].step_cost, failed=tuple(failed),
             )
@@ -690,7 +689,7 @@ class Engine:
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 return NonFiniteOutput(
                     f"step {unit.plan.op!r} of loop {unit.plan.loop_id!r} produced NaN/Inf in output {name!r} "
-                    f"at step {unit.plan.params.get('step_index', '?')}"
+                    f"at step {unit.plan.step_index if unit.plan.step_index is not None else '?'}"
                 )
         return outcome
 

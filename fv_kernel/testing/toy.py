@@ -338,7 +338,7 @@ class ToyDenoiseLoop(Loop[DenoiseState]):
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.DIFFUSION_STEP, op="dit_forward",
             inputs={"x": state.latents.expand(n, *state.latents.shape[1:]), "t": t, "context": context},
-            params={"branches": n, "step_index": state.step, "dispatch": self.spec.config.get("cfg_dispatch", "batched")},
+            params={"branches": n, "dispatch": self.spec.config.get("cfg_dispatch", "batched")},
             shape_sig=ShapeSignature.of(tokens=tokens, branches=n),
             emits=[], tag="+".join(branches),
         )

@@ -85,7 +85,7 @@ class StepSkip(StepInterceptor):
         call_next: Callable[["WorkPlan"], Awaitable[StepResult]],
     ) -> StepResult:
         # Loops that do not publish a step index are counted here (one call per step).
-        step = int(plan.params.get("step_index", len(state.get("computed_steps", [])) + len(state.get("skipped_steps", []))))
+        step = plan.step_index if plan.step_index is not None else len(state.get("computed_steps", [])) + len(state.get("skipped_steps", []))
         settings = self.settings(params)
         if not state:
             state.update(computed_steps=[], skipped_steps=[])
