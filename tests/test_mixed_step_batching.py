@@ -72,3 +72,21 @@ def test_a_per_request_scalar_in_params_breaks_mixed_step_batching(monkeypatch: 
     run_staggered(engine(recorder), requests, loop_id="denoise", offset=3)
     totals = {r.request_id: STEPS for r in requests}
     assert unbatched_co_resident(recorder.of_kind("diffusion_step"), totals), "staggered requests batched despite the bug"
+
+
+def test_a_loop_spec_that_is_not_batchable_keeps_every_step_alone() -> None:
+    card = toy_card("toy-dit")
+    loops = {k: (v.model_copy(update={"batchable": False}) if k == "denoise" else v) for k, v in card.loops.items()}
+    solo_card = card.model_copy(update={"loops": loops})
+    recorder = StepRecorder()
+    e = Engine(SchedulerConfig(), observers=[recorder])
+    e.add_instance(build_instance(solo_card))
+
+    async def all_at_once() -> None:
+        async with e.running():
+            await asyncio.gather(*(e.generate_async(request(i)) for i in range(2)))
+
+    asyncio.run(all_at_once())
+    denoise = recorder.of_kind("diffusion_step")
+    assert denoise and all(r.batch_size == 1 for r in denoise)
+    assert any(r.batch_size > 1 for r in recorder.records), "the other loops still batch"

@@ -549,7 +549,11 @@ class Engine:
         instance = self._by_instance_id.get(plan.instance_id)
         if instance is None:
             raise StepFailed(f"plan names unknown instance {plan.instance_id!r}")
-        spec = instance.card.loops[plan.loop_id].step_cost
+        loop_spec = instance.card.loops[plan.loop_id]
+        if plan.batchable and not loop_spec.batchable:
+            # The card's LoopSpec can forbid cross-request batching for every step of a loop.
+            plan = plan.model_copy(update={"batchable": False})
+        spec = loop_spec.step_cost
         key = CostKey(plan.instance_id, plan.kind.value, plan.shape_sig, plan.precision)
         price = plan.resources.gpu_seconds
         if price is None:
