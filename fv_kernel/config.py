@@ -39,6 +39,9 @@ class CardDeployment(BaseModel):
     attention_backend: str = "sdpa"
     compute: ComputeOptions | None = None
     local_files_only: bool = False
+    #: Deploy in a ``precision`` the card's recipe excludes (``recipe.assumes_precision``)
+    #: instead of refusing with ``recipe_mismatch``; logged when the card is loaded.
+    override_recipe: bool = False
 
 
 class ServerConfig(BaseModel):

@@ -12,7 +12,7 @@ import torch
 from fv_kernel.card.instance import build_instance
 from fv_kernel.errors import CapacityError, InvalidRequest, QueueFull, UnknownModel
 from fv_kernel.loop.contract import ShapeSignature, WorkKind, WorkPlan
-from fv_kernel.request.request import ARParams, DiffusionParams, Request, TextPart
+from fv_kernel.request.request import ARParams, DiffusionParams, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.admission import AdmissionController, Budgets, Reservation
 from fv_kernel.runtime.batching import BatchPolicy, BatchScheduler, WorkUnit
@@ -209,7 +209,8 @@ def test_events_are_ordered_and_complete() -> None:
 
     async def go():
         async with engine.running():
-            handle = engine.submit(Request(model="toy-dit", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="fox"),)))
+            handle = engine.submit(Request(model="toy-dit", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="fox"),),
+                                           output=OutputSpec(stream_previews=True)))
             return [e async for e in handle.events()]
 
     events = asyncio.run(go())

@@ -8,6 +8,7 @@ batched across requests.
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.compute.compile import ComputeOptions
-from fv_kernel.errors import InvalidRequest
+from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.request.types import Precision, TaskType
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["StepOp", "InstanceOptions", "ModelInstance", "import_object", "build_instance"]
 
 TensorDict = dict[str, torch.Tensor]
+log = logging.getLogger("fv.card")
 
 
 def import_object(reference: str) -> Any:
@@ -88,6 +90,10 @@ class InstanceOptions(BaseModel):
     compute: ComputeOptions | None = None
     #: Tasks whose components are loaded up front; others load on first use.
     preload_tasks: tuple[TaskType, ...] = ()
+    #: Deploy outside the card's recipe (a ``precision`` its ``assumes_precision`` excludes)
+    #: instead of refusing with ``RecipeMismatch``. Logged, and kept on the instance
+    #: (``ModelInstance.recipe_overrides``).
+    allow_recipe_mismatch: bool = False
 
 
 @dataclass
@@ -118,6 +124,12 @@ class ModelInstance:
     @property
     def device(self) -> torch.device:
         return torch.device(self.options.device)
+
+    @property
+    def recipe_overrides(self) -> tuple[str, ...]:
+        """The recipe fields this instance departs from (only under ``allow_recipe_mismatch``)."""
+        assumed = self.card.recipe.assumes_precision
+        return ("precision",) if assumed is not None and self.precision != assumed else ()
 
     def load_for_task(self, task: TaskType) -> None:
         """Load every component the task needs (and nothing it does not)."""
@@ -175,6 +187,21 @@ def build_instance(card: ModelCard, options: InstanceOptions | None = None) -> M
         raise InvalidRequest(
             "precision", f"card {card.model_id!r} does not support {options.precision!r}",
             allowed=sorted(card.precision.supported),
+        )
+    precision = options.precision or card.precision.default
+    assumed = card.recipe.assumes_precision
+    if assumed is not None and precision != assumed:
+        if not options.allow_recipe_mismatch:
+            raise RecipeMismatch(
+                "precision", model_id=card.model_id, method=card.recipe.method, assumes=f"precision {assumed!r}",
+                asked=(
+                    f"an instance in precision {precision!r} (an explicit override deploys it anyway: "
+                    "deploy config 'override_recipe: true', fv generate --override-recipe)"
+                ),
+            )
+        log.warning(
+            "card %r (recipe %r) assumes precision %r; deploying it in %r because the recipe was overridden",
+            card.model_id, card.recipe.method, assumed, precision,
         )
     factory = import_object(card.factory)
     instance = factory(card, options)

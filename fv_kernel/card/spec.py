@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fv_kernel.request.request import ArtifactKind
 from fv_kernel.request.types import PRECISIONS, Precision, TaskType
 
 __all__ = [
@@ -66,6 +67,11 @@ class ParityLevel(str, Enum):
     C2 = "C2"  # behavioural identity between train and serve forwards
     C3 = "C3"  # distribution parity
     C4 = "C4"  # artifact quality
+
+    @property
+    def rank(self) -> int:
+        """Position on the ladder: C0 is 0, C4 is 4 (a higher rung is a stronger guarantee)."""
+        return int(self.value[1:])
 
 
 class PrecisionPolicy(_Spec):
@@ -188,12 +194,12 @@ class LoopSpec(_Spec):
     #: Options of the loop implementation (e.g. an expert-routing boundary); the family documents them.
     config: dict[str, Any] = Field(default_factory=dict)
     step_cost: StepCostSpec = StepCostSpec()
-    #: Parallel plan patterns this loop is valid under (axis names); empty = single device only.
+    #: Parallel axes (names from ``PARALLEL_AXES``) this loop's math is valid under; empty =
+    #: single device only. Validated against ``causal`` and the card's ``ParallelismContract``.
     valid_parallel_axes: tuple[str, ...] = ()
-    graph_capture: Literal["never", "eager_first", "always"] = "never"
     #: Whether steps of this loop may batch across requests.
     batchable: bool = True
-    #: Whether this loop is causal (AR / chunked): some parallel axes are invalid for causal loops.
+    #: Whether this loop is causal (AR / chunked): ``pp_patch`` is invalid for causal loops.
     causal: bool = False
     #: Interceptor classes this loop refuses ("step_skip", "block_cache"), e.g. few-step distilled loops.
     rejects_interceptors: frozenset[Literal["step_skip", "block_cache"]] = frozenset()
@@ -203,12 +209,34 @@ class LoopSpec(_Spec):
     def _check_implementation(cls, value: str) -> str:
         return ImportString(value)
 
+    @field_validator("valid_parallel_axes")
+    @classmethod
+    def _known_axes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [axis for axis in value if axis not in PARALLEL_AXES]
+        if unknown:
+            raise ValueError(f"valid_parallel_axes names unknown axes {unknown}; allowed: {list(PARALLEL_AXES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _causal_axes(self) -> "LoopSpec":
+        if self.causal and "pp_patch" in self.valid_parallel_axes:
+            raise ValueError(
+                f"loop {self.loop_id!r} is causal: valid_parallel_axes may not list 'pp_patch' "
+                "(displaced-patch pipelining reads stale KV, which breaks causality)"
+            )
+        return self
+
 
 class ProgramSpec(_Spec):
     """How a task runs on this card: an inline sequence of the card's loops, or a custom program class."""
 
     loops: tuple[str, ...] = ()
     implementation: str | None = None
+    #: The artifact kinds the program can return for this task; a request's
+    #: ``output.modalities`` must be a subset. A kind may be conditional (a rewritten
+    #: prompt's text only with ``prompt_upsampling``). None: undeclared, so
+    #: ``output.modalities`` still filters the artifacts but is not checked up front.
+    returns: frozenset[ArtifactKind] | None = None
 
     @model_validator(mode="after")
     def _one_form(self) -> "ProgramSpec":
@@ -227,8 +255,11 @@ class RecipeSpec(_Spec):
     data_contract: str | None = None
     #: The loop id the weights require at serve time; None for base recipes.
     assumes_loop: str | None = None
-    #: The precision a QAT recipe baked in; None when any supported precision is fine.
+    #: The precision a QAT recipe baked in; None when any supported precision is fine. An
+    #: instance at another precision is a ``RecipeMismatch`` unless the deployment overrides it.
     assumes_precision: Precision | None = None
+    #: The lowest rung of the parity ladder this recipe's outputs are valid under: the
+    #: card's ``parity.level`` must reach it.
     consistency_required: ParityLevel = ParityLevel.C1
 
 
@@ -262,7 +293,11 @@ PARALLEL_AXES = ("dp", "tp", "sp", "cp", "cfgp", "pp_patch", "vae", "ep", "fsdp"
 
 
 class ParallelismContract(_Spec):
-    """Which named axes a card supports and up to what degree; validated up front."""
+    """Which named axes a card supports and up to what degree; validated up front.
+
+    Every card runs on one device today: parallel execution is not built yet, so a card
+    declaring a degree above 1 is refused (``ModelCard`` validation) rather than promised.
+    """
 
     max_degree: dict[str, int] = Field(default_factory=dict)
 
@@ -391,10 +426,41 @@ class ModelCard(_Spec):
                 f"recipe.assumes_precision {self.recipe.assumes_precision!r} is not in precision.supported "
                 f"{sorted(self.precision.supported)}"
             )
+        if self.recipe.assumes_precision is not None and self.recipe.assumes_precision != self.precision.default:
+            raise ValueError(
+                f"precision.default {self.precision.default!r} contradicts recipe.assumes_precision "
+                f"{self.recipe.assumes_precision!r}: a default deployment would run outside its recipe"
+            )
+        if self.parity.level.rank < self.recipe.consistency_required.rank:
+            raise ValueError(
+                f"parity.level {self.parity.level.value} is below recipe.consistency_required "
+                f"{self.recipe.consistency_required.value}: the recipe's outputs are valid only at "
+                f"{self.recipe.consistency_required.value} or above (ladder C0 < C1 < C2 < C3 < C4)"
+            )
+        self._check_parallelism()
         for task in self.capabilities.tasks:
             if not any(task in c.required_for or task in c.optional_for for c in self.checkpoint.components.values()):
                 raise ValueError(f"no checkpoint component is required_for or optional_for task {task.value!r}")
         return self
+
+    def _check_parallelism(self) -> None:
+        for axis, degree in self.parallelism.max_degree.items():
+            if degree <= 1:
+                continue
+            if not any(axis in loop.valid_parallel_axes for loop in self.loops.values()):
+                raise ValueError(
+                    f"parallelism.max_degree[{axis!r}] is {degree} but no loop lists {axis!r} in "
+                    f"valid_parallel_axes; allowed: 1, or list the axis on the loops it is valid for"
+                )
+            raise ValueError(
+                f"parallelism.max_degree[{axis!r}] is {degree}: parallel execution is not built yet (every card "
+                f"runs on one device), so degrees above 1 cannot be honoured; allowed: 1"
+            )
+
+    def artifact_kinds(self, task: TaskType) -> frozenset[str] | None:
+        """The artifact kinds the card's program for ``task`` can return (None: undeclared)."""
+        program = self.programs.get(task)
+        return None if program is None else program.returns
 
     def denoise_loops(self) -> dict[str, LoopSpec]:
         return {k: v for k, v in self.loops.items() if v.kind == "diffusion_denoise"}

@@ -1,8 +1,9 @@
 """Validate a request against a card before any compute (design §4.2: the recipe's teeth).
 
 :func:`resolve_request` fills the card's defaults, checks shapes against the card's
-capabilities and the deployment's limits, and enforces ``RecipeSpec.assumes_loop`` /
-``assumes_precision``. Every failure is a typed error naming the field.
+capabilities and the deployment's limits, enforces ``RecipeSpec.assumes_loop`` /
+``assumes_precision``, and checks ``output.modalities`` against what the card's
+program returns. Every failure is a typed error naming the field.
 """
 
 from __future__ import annotations
@@ -73,10 +74,11 @@ def select_denoise_loop(card: ModelCard, request: Request) -> str | None:
     raise InvalidRequest("sampler", f"card {card.model_id!r} has no denoise loop with sampler {asked_sampler!r}", allowed=allowed)
 
 
-def _check_precision(card: ModelCard, request: Request) -> None:
+def _check_precision(card: ModelCard, request: Request, allow_recipe_mismatch: bool) -> None:
     if request.precision is None:
         return
-    if card.recipe.assumes_precision is not None and request.precision != card.recipe.assumes_precision:
+    assumed = card.recipe.assumes_precision
+    if assumed is not None and request.precision != assumed and not allow_recipe_mismatch:
         raise RecipeMismatch(
             "precision", model_id=card.model_id, method=card.recipe.method,
             assumes=f"precision {card.recipe.assumes_precision!r}", asked=f"precision {request.precision!r}",
@@ -88,8 +90,28 @@ def _check_precision(card: ModelCard, request: Request) -> None:
         )
 
 
-def resolve_request(card: ModelCard, request: Request, limits: RequestLimits | None = None) -> Request:
-    """A copy of ``request`` with the card's defaults filled in, or a typed error."""
+def _check_modalities(card: ModelCard, request: Request) -> None:
+    asked = request.output.modalities
+    returns = card.artifact_kinds(request.task)
+    if asked is None or returns is None:
+        return
+    missing = sorted(asked - returns)
+    if missing:
+        raise InvalidRequest(
+            "output.modalities",
+            f"card {card.model_id!r} returns no {', '.join(missing)} for {request.task.value!r}",
+            allowed=sorted(returns),
+        )
+
+
+def resolve_request(
+    card: ModelCard, request: Request, limits: RequestLimits | None = None, *, allow_recipe_mismatch: bool = False
+) -> Request:
+    """A copy of ``request`` with the card's defaults filled in, or a typed error.
+
+    ``allow_recipe_mismatch`` is the deployment's explicit override of the recipe's
+    ``assumes_precision`` (``InstanceOptions.allow_recipe_mismatch``); requests never set it.
+    """
     limits = limits or RequestLimits()
     caps = card.capabilities
     if request.model != card.model_id:
@@ -98,7 +120,8 @@ def resolve_request(card: ModelCard, request: Request, limits: RequestLimits | N
         raise InvalidRequest(
             "task", f"card {card.model_id!r} cannot run {request.task.value!r}", allowed=sorted(t.value for t in caps.tasks)
         )
-    _check_precision(card, request)
+    _check_precision(card, request, allow_recipe_mismatch)
+    _check_modalities(card, request)
     if request.task is TaskType.TEXT_GENERATION:
         if limits.max_tokens is not None and request.ar is not None and request.ar.max_tokens > limits.max_tokens:
             raise InvalidRequest("max_tokens", f"{request.ar.max_tokens} exceeds this deployment's limit", allowed=f"<= {limits.max_tokens}")

@@ -102,6 +102,10 @@ def generate(
     sampler: Optional[str] = typer.Option(None, "--sampler", help="Sampler of the denoise loop (the card's default if omitted)."),
     seed: int = typer.Option(0, "--seed"),
     precision: Optional[str] = typer.Option(None, "--precision", help=f"One of {', '.join(PRECISIONS)} (the card's default if omitted)."),
+    override_recipe: bool = typer.Option(
+        False, "--override-recipe",
+        help="Run in a --precision the card's recipe excludes (assumes_precision) instead of refusing.",
+    ),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
     upsample_prompt: bool = typer.Option(False, "--upsample-prompt", help="Rewrite the prompt with the card's reasoner first (cards that have one)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Token budget of the prompt rewrite (the card's default if omitted)."),
@@ -148,8 +152,18 @@ def generate(
         card = resolved.card
         request = request.with_updates(model=card.model_id)
         engine = Engine(SchedulerConfig(), hooks=host.hooks)
-        resolve_request(card, request)  # every input error surfaces before weights load
-        instance = build_instance(card, InstanceOptions(device=device, precision=precision, source=resolved.source))  # type: ignore[arg-type]
+        # every input error surfaces before weights load
+        resolve_request(card, request, allow_recipe_mismatch=override_recipe)
+        options = InstanceOptions(
+            device=device, precision=precision, source=resolved.source, allow_recipe_mismatch=override_recipe,  # type: ignore[arg-type]
+        )
+        instance = build_instance(card, options)
+        if instance.recipe_overrides:
+            typer.echo(
+                f"warning: running {card.model_id!r} outside its recipe ({card.recipe.method!r} assumes precision "
+                f"{card.recipe.assumes_precision!r}; running in {instance.precision!r}) because of --override-recipe",
+                err=True,
+            )
         instance.load_for_task(request.task)  # weights load here, so a bad checkpoint is one typed line
         engine.add_instance(instance)
         result = host.hooks.wrap_generate(request, lambda req: _run(engine, req, _Progress(not quiet)))

@@ -122,11 +122,16 @@ class CachePlan(BaseModel):
 
 
 class CancelScope(str, Enum):
-    """Where cancellation may take effect (design §12)."""
+    """What cancelling the request does to a planned step (design §12).
+
+    ``REQUEST`` (the default): the step is abandoned if it has not started; its queued
+    unit is dropped and the request ends at this step boundary. ``NONE``: once planned,
+    the step runs to completion (e.g. a cache write that must land); cancellation takes
+    effect at the next step boundary after it ran. Loop-, stream- and session-scoped
+    cancellation are not built yet.
+    """
 
     REQUEST = "request"
-    LOOP = "loop"
-    STREAM = "stream"
     NONE = "none"
 
 
@@ -134,17 +139,24 @@ class EmitSpec(BaseModel):
     """A stream chunk the driver emits after the step ran.
 
     Either it names a step output (``from_output``: the driver streams that tensor,
-    e.g. decoded frames as a preview) or it carries ``text`` directly.
+    e.g. decoded frames as a preview) or it carries ``text`` directly. The first chunk
+    of a stream is preceded by ``media.init``; ``media.complete`` follows when the loop
+    that opened the stream finishes.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     stream: str
     modality: Literal["video", "audio", "text"]
+    #: A preview chunk is emitted only for requests with ``output.stream_previews``.
     preview: bool = False
     from_output: str | None = None
     text: str | None = None
     pts: tuple[float, float] = (0.0, 0.0)
+    #: The stream's frame rate, for its ``media.init`` (default: the request's fps for video).
+    fps: float | None = Field(default=None, gt=0)
+    #: The stream's sample rate in Hz, for its ``media.init`` (audio).
+    sample_rate: int | None = Field(default=None, gt=0)
 
 
 class WorkPlan(BaseModel):
@@ -172,6 +184,7 @@ class WorkPlan(BaseModel):
     graph_key: str = ""
     resources: ResourceRequest = ResourceRequest()
     cache: CachePlan = CachePlan()
+    #: What cancelling the request does to this step once planned (see :class:`CancelScope`).
     cancel_scope: CancelScope = CancelScope.REQUEST
     emits: list[EmitSpec] = Field(default_factory=list)
     #: False keeps the step batch-of-1 by policy (e.g. a jumbo video step).

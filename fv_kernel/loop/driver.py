@@ -4,8 +4,8 @@
     while (plan := loop.next(state)) is not Done:
         result = await ctx.execute(plan)        # the single seam
         state = loop.advance(state, result)
-        emit plan.emits; check cancellation
-    return loop.finalize(state)
+        emit plan.emits (media.init before a stream's first chunk); check cancellation
+    result = loop.finalize(state); media.complete for each stream the loop opened
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ class LoopCancelled(RequestCancelled):
 
 
 def _emit_chunks(ctx: "LoopContext", plan: WorkPlan, result: StepResult, counters: dict[str, int]) -> None:
+    """Emit the plan's chunks; ``counters`` (stream -> next index) holds the streams this loop opened."""
+    previews = ctx.request.output.stream_previews
     for emit in plan.emits:
-        index = counters.get(emit.stream, 0)
-        counters[emit.stream] = index + 1
+        if emit.preview and not previews:
+            continue  # a preview is a copy and an event: only requests that ask for previews pay for them
         payload: dict[str, Any] = {}
         if emit.text is not None:
             payload["text"] = emit.text
@@ -44,6 +46,14 @@ def _emit_chunks(ctx: "LoopContext", plan: WorkPlan, result: StepResult, counter
             payload["samples" if emit.modality == "audio" else "frames"] = tensor.detach()
         else:
             continue
+        if emit.stream not in counters:
+            fps = emit.fps
+            if fps is None and emit.modality == "video":
+                fps = ctx.request.diffusion.fps
+            ctx.emit("media.init", stream=emit.stream, modality=emit.modality, fps=fps, sample_rate=emit.sample_rate)
+            counters[emit.stream] = 0
+        index = counters[emit.stream]
+        counters[emit.stream] = index + 1
         ctx.emit("media.chunk", stream=emit.stream, index=index, pts=emit.pts, preview=emit.preview, **payload)
 
 
@@ -78,7 +88,12 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopR
             replacement = ctx.on_state(state)
             if replacement is not None:
                 state = replacement
-    return loop.finalize(state)
+    result = loop.finalize(state)
+    # The loop that opened a stream closes it once it has finished; a failed or cancelled
+    # loop leaves its streams open, and the request's terminal event ends them.
+    for stream in counters:
+        ctx.emit("media.complete", stream=stream)
+    return result
 
 
 async def drive(loop: Loop[Any], model: "ModelInstance", ctx: "LoopContext") -> LoopResult:

@@ -25,6 +25,7 @@ __all__ = [
     "ModalPart",
     "DiffusionParams",
     "ARParams",
+    "ArtifactKind",
     "OutputSpec",
     "Request",
 ]
@@ -134,15 +135,35 @@ class ARParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
 
 
+#: The kinds of artifact a program can return (``Artifact.kind``). An image is a one-frame video.
+ArtifactKind = Literal["video", "audio", "text", "latent", "tensor"]
+
+
 class OutputSpec(BaseModel):
     """What the caller wants back and how."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    modalities: frozenset[Literal["video", "image", "audio", "text", "latent"]] = frozenset({"video"})
+    #: The artifact kinds to return. None (the default): every artifact the program makes.
+    #: A set must be kinds the card's program can return for the task (checked at
+    #: validation when the card declares them); artifacts of other kinds are not returned.
+    modalities: frozenset[ArtifactKind] | None = None
+    #: Emit preview ``media.chunk`` events (e.g. frames as they decode). Off: no preview is
+    #: copied or sent. Non-preview chunks (streamed text tokens) are always emitted.
     stream_previews: bool = False
-    #: Record per-step behaviour (RL rollouts). Costs memory; off for serving.
-    capture_behavior: bool = False
+
+    @field_validator("modalities")
+    @classmethod
+    def _not_empty(cls, value: frozenset[str] | None) -> frozenset[str] | None:
+        if value is not None and not value:
+            raise ValueError("modalities must name at least one artifact kind, or be omitted for all of them")
+        return value
+
+    def keep(self, artifacts: list[Any]) -> list[Any]:
+        """The artifacts this spec asks for, in order."""
+        if self.modalities is None:
+            return list(artifacts)
+        return [a for a in artifacts if a.kind in self.modalities]
 
 
 _REQUIRED_PARTS: dict[TaskType, tuple[str, ...]] = {

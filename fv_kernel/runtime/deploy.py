@@ -34,7 +34,7 @@ def build_engine(config: DeployConfig, host: PluginHost | None = None) -> Engine
         options = InstanceOptions(
             device=deployment.device, precision=deployment.precision, source=resolved.source,
             local_files_only=deployment.local_files_only, attention_backend=deployment.attention_backend,
-            compute=deployment.compute,
+            compute=deployment.compute, allow_recipe_mismatch=deployment.override_recipe,
         )
         engine.add_instance(build_instance(resolved.card, options))
     return engine

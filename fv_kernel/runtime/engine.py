@@ -36,6 +36,7 @@ from fv_kernel.card.instance import ModelInstance
 from fv_kernel.card.validate import RequestLimits, resolve_request
 from fv_kernel.errors import (
     FvError,
+    InvalidRequest,
     NonFiniteOutput,
     QueueFull,
     RequestCancelled,
@@ -46,7 +47,7 @@ from fv_kernel.extend.hooks import RequestHooks
 from fv_kernel.extend.observers import BlockObserver, Observer, Profiler, StepRecord
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.loop.context import CancelToken, LoopContext
-from fv_kernel.loop.contract import StepResult, WorkPlan
+from fv_kernel.loop.contract import CancelScope, StepResult, WorkPlan
 from fv_kernel.loop.driver import LoopCancelled
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.events import TERMINAL_EVENT_TYPES, ErrorInfo, Event
@@ -234,9 +235,14 @@ class PendingUnits:
         chosen = {id(u) for u in batch}
         self.units = [u for u in self.units if id(u) not in chosen]
 
-    def drop_request(self, request_id: str) -> list[WorkUnit]:
-        dropped = [u for u in self.units if u.request_id == request_id]
-        self.units = [u for u in self.units if u.request_id != request_id]
+    def drop_request(self, request_id: str, *, abandonable_only: bool = False) -> list[WorkUnit]:
+        """Remove the request's units; ``abandonable_only`` keeps those planned with ``CancelScope.NONE``."""
+
+        def dropped_unit(u: WorkUnit) -> bool:
+            return u.request_id == request_id and not (abandonable_only and u.plan.cancel_scope is CancelScope.NONE)
+
+        dropped = [u for u in self.units if dropped_unit(u)]
+        self.units = [u for u in self.units if not dropped_unit(u)]
         return dropped
 
 
@@ -369,7 +375,16 @@ class Engine:
         instance = self._instances.get(request.model)
         if instance is None:
             raise UnknownModel(request.model, self._instances)
-        resolved = resolve_request(instance.card, request, self.limits)
+        resolved = resolve_request(
+            instance.card, request, self.limits, allow_recipe_mismatch=instance.options.allow_recipe_mismatch
+        )
+        if resolved.precision is not None and resolved.precision != instance.precision:
+            # One resident instance per card, at one precision: a request can ask for it, not change it.
+            raise InvalidRequest(
+                "precision",
+                f"this deployment serves {instance.model_id!r} in {instance.precision!r} only",
+                allowed=[instance.precision],
+            )
         self.hooks_for(instance, resolved)
         return resolved
 
@@ -434,7 +449,8 @@ class Engine:
             record.done.set_result(GenerationResult(request_id, "cancelled"))
             self.metrics.cancelled += 1
             return True
-        for unit in self._pending.drop_request(request_id):
+        # Steps planned with CancelScope.NONE stay queued and run; the driver stops after them.
+        for unit in self._pending.drop_request(request_id, abandonable_only=True):
             if not unit.future.done():
                 unit.future.set_exception(RequestCancelled(reason))
         self._kick()
@@ -496,6 +512,7 @@ class Engine:
             artifacts = await program.run(record.instance, ctx)
         except (LoopCancelled, RequestCancelled) as exc:
             partial = exc.partial.artifacts if isinstance(exc, LoopCancelled) and exc.partial else []
+            partial = request.output.keep(partial)
             for artifact in partial:
                 record.emit("artifact.ready", artifact=artifact)
             record.status = "cancelled"
@@ -505,6 +522,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - isolate: one request's failure ends only it
             self._finish_failed(record, exc)
         else:
+            artifacts = request.output.keep(artifacts)  # only the artifact kinds the request asked for
             for artifact in artifacts:
                 record.emit("artifact.ready", artifact=artifact)
             record.status = "completed"
@@ -544,7 +562,8 @@ class Engine:
 
     # -- internals: loop scheduler --------------------------------------------------
     async def _enqueue(self, record: _Record, plan: WorkPlan) -> StepResult:
-        record.cancel.raise_if_cancelled()
+        if plan.cancel_scope is not CancelScope.NONE:  # a NONE step, once planned, runs even after a cancel
+            record.cancel.raise_if_cancelled()
         assert self._loop is not None
         instance = self._by_instance_id.get(plan.instance_id)
         if instance is None:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from fv_kernel.card.instance import ModelInstance
 from fv_kernel.errors import FvError
 from fv_kernel.request.artifacts import VideoArtifact
-from fv_kernel.request.request import DiffusionParams, ImagePart, Request, TextPart
+from fv_kernel.request.request import DiffusionParams, ImagePart, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.engine import Engine, RequestHandle
 from fv_kernel.serving.errors import ApiError, from_fv_error, from_validation_errors
@@ -208,6 +208,7 @@ class JobManager:
         frames: int | None = None,
         fps: float | None = None,
         seed: int,
+        stream_previews: bool = False,
     ) -> tuple[ModelInstance, Request]:
         instance = self._instance(body.model)
         width = height = None
@@ -228,6 +229,7 @@ class JobManager:
                     width=width, height=height, frames=frames, fps=fps, steps=body.steps, guidance=body.guidance, seed=seed,
                 ),
                 plugin_params=self._plugin_params(body.extensions),
+                output=OutputSpec(stream_previews=stream_previews),
             )
         except ValidationError as exc:
             raise self.reject(from_validation_errors(exc.errors())) from None
@@ -258,6 +260,7 @@ class JobManager:
         task = TaskType.IMAGE_TO_VIDEO if image is not None else TaskType.TEXT_TO_VIDEO
         instance, request = self._build_request(
             body, request_id=job_id, task=task, image=image, frames=frames, fps=fps, seed=seed,
+            stream_previews=True,  # the job's SSE stream carries video.preview frames
         )
         handle = self._submit(request)
         d = request.diffusion

@@ -645,8 +645,10 @@ def toy_card(model_id: str) -> ModelCard:
         )
         loops["decode"] = LoopSpec(loop_id="decode", kind="vae_decode", implementation=f"{_MODULE}:ToyDecodeLoop", step_cost=cost)
         program = (
-            ProgramSpec(implementation=f"{_MODULE}:UpsampleThenGenerate") if model_id == "toy-omni"
-            else ProgramSpec(loops=("text_encode", "denoise", "decode"))
+            # The rewritten prompt comes back as text when the request asks for prompt_upsampling.
+            ProgramSpec(implementation=f"{_MODULE}:UpsampleThenGenerate", returns=frozenset({"video", "text"}))
+            if model_id == "toy-omni"
+            else ProgramSpec(loops=("text_encode", "denoise", "decode"), returns=frozenset({"video"}))
         )
         programs = {t: program for t in _T2V}
     if has_lm_task:
@@ -656,7 +658,9 @@ def toy_card(model_id: str) -> ModelCard:
             loop_id="upsample" if model_id == "toy-omni" else "decode_text", kind="ar_decode",
             implementation=f"{_MODULE}:ToyARDecodeLoop", causal=True, step_cost=cost,
         )
-        programs[TaskType.TEXT_GENERATION] = ProgramSpec(loops=("upsample" if model_id == "toy-omni" else "decode_text",))
+        programs[TaskType.TEXT_GENERATION] = ProgramSpec(
+            loops=("upsample" if model_id == "toy-omni" else "decode_text",), returns=frozenset({"text"}),
+        )
     ckpt["lm"] = ComponentCheckpoint(required_for=frozenset(lm_tasks), random_init_seed=0)
     return ModelCard(
         model_id=model_id,

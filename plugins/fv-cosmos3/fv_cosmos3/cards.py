@@ -132,7 +132,18 @@ def cosmos3_card(model_id: str) -> ModelCard:
         "decode_sound": LoopSpec(loop_id="decode_sound", kind="audio_decode", implementation=f"{_PKG}.loops:SoundDecodeLoop",
                                  step_cost=StepCostSpec(fixed_seconds=1e-2 if tiny else 0.5), batchable=False),
     }
-    program = ProgramSpec(implementation=_PROGRAM)
+    # What Cosmos3Program returns per task; "text" is the rewritten prompt (with prompt_upsampling)
+    # or, for text_generation, the answer; "tensor" is the action of the action tasks.
+    returns: dict[TaskType, frozenset[str]] = {
+        T.TEXT_GENERATION: frozenset({"text"}),
+        T.TEXT_TO_VIDEO_AUDIO: frozenset({"video", "audio", "text"}),
+        T.ACTION_POLICY: frozenset({"video", "tensor", "text"}),
+        T.INVERSE_DYNAMICS: frozenset({"video", "tensor", "text"}),
+    }
+    programs = {
+        task: ProgramSpec(implementation=_PROGRAM, returns=returns.get(task, frozenset({"video", "text"})))
+        for task in _ALL_TASKS
+    }
     return ModelCard(
         model_id=model_id,
         family="cosmos3",
@@ -143,7 +154,7 @@ def cosmos3_card(model_id: str) -> ModelCard:
         ),
         components=components,
         loops=loops,
-        programs={task: program for task in _ALL_TASKS},
+        programs=programs,  # type: ignore[arg-type]
         capabilities=CapabilityMatrix(
             tasks=_ALL_TASKS, defaults=defaults,
             spatial_multiple=vae.spatial_compression * mot.latent_patch_size,

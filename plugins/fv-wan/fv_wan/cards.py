@@ -18,7 +18,6 @@ from fv_kernel.api import (
     GenerationDefaults,
     LoopSpec,
     ModelCard,
-    ParallelismContract,
     ParityLevel,
     ParitySpec,
     ParityTolerance,
@@ -117,7 +116,7 @@ def _programs(tasks: frozenset[TaskType], image_loop: bool) -> dict[TaskType, Pr
     for task in tasks:
         with_image = image_loop and task is I2V
         chain = ("text_encode", "image_encode", "denoise", "decode") if with_image else ("text_encode", "denoise", "decode")
-        programs[task] = ProgramSpec(loops=chain)
+        programs[task] = ProgramSpec(loops=chain, returns=frozenset({"video"}))
     return programs
 
 
@@ -187,7 +186,10 @@ def _card(
         loops[denoise_loop_id] = loops.pop("denoise").model_copy(update={"loop_id": denoise_loop_id})
     programs = _programs(tasks, image_loop=bool(vae_encoder_tasks))
     if denoise_loop_id != "denoise":
-        programs = {t: ProgramSpec(loops=tuple(denoise_loop_id if l == "denoise" else l for l in p.loops)) for t, p in programs.items()}
+        programs = {
+            t: p.model_copy(update={"loops": tuple(denoise_loop_id if l == "denoise" else l for l in p.loops)})
+            for t, p in programs.items()
+        }
     spatial = vae.spatial_compression * transformer.patch_size[1]
     precision = (
         PrecisionContract(default="fp32", supported=frozenset({"fp32", "bf16"})) if tiny
@@ -208,7 +210,6 @@ def _card(
         ),
         recipe=recipe or RecipeSpec(method="base", data_contract="Wan-AI release"),
         parity=parity,
-        parallelism=ParallelismContract(max_degree={"cfgp": 2, "sp": 8, "dp": 8}),
         precision=precision,
         checkpoint=CheckpointManifest(layout="embedded" if tiny else "diffusers", source=source, components=checkpoint),
         factory=f"{_PKG}.instance:build_wan_instance",
