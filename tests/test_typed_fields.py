@@ -308,4 +308,3 @@ def test_graph_capture_is_not_a_loop_field() -> None:
     # The compute tier (ComputeOptions.cuda_graphs) is the one switch for CUDA graphs.
     with pytest.raises(ValidationError, match="graph_capture"):
         LoopSpec(loop_id="x", kind="vae_decode", implementation="m:C", graph_capture="always")  # type: ignore[call-arg]
-
