@@ -7,9 +7,14 @@ a :class:`KVBlockTable` (its block ids in order and its token count). The table 
 small immutable value, so it lives in the request's ``LoopState`` and serialises
 with it; the tensors stay in the pool.
 
-Budgeting is in blocks: a loop's ``estimate`` asks for ``blocks_for(tokens)`` blocks
-(``ResourceRequest.cache_blocks``), admission reserves them, and the pool refuses an
-allocation beyond ``num_blocks`` with :class:`CacheFull`.
+Budgeting is in blocks. An instance exposes its pools by name
+(``ModelInstance.block_pools()``); the engine registers each one with admission at
+its real capacity (``num_blocks``). A loop's ``estimate`` asks for
+``blocks_for(tokens)`` blocks of a named pool (``ResourceRequest.pool_blocks``), and a
+request is admitted only when those blocks are free next to every admitted request's,
+so the loop's allocation cannot fail: a request that does not fit waits in the queue.
+The pool itself still refuses an allocation beyond ``num_blocks`` with
+:class:`CacheFull` (a loop that allocates more than it estimated).
 
 The pool is model-agnostic: it knows layers, KV heads and head size, nothing else.
 Storage is allocated on the first allocation, so building a pool costs nothing.
@@ -120,6 +125,15 @@ class PagedKVPool:
     @property
     def used_blocks(self) -> int:
         return self.config.num_blocks - len(self._free)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.config.num_blocks
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes the pool's storage takes once touched (what the instance keeps on its device)."""
+        return self.config.num_blocks * self.config.block_bytes
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks a sequence of ``tokens`` tokens occupies."""

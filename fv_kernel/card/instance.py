@@ -23,6 +23,7 @@ from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.request.types import Precision, TaskType
 
 if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.cache.paged_kv import PagedKVPool
     from fv_kernel.loop.contract import Loop
     from fv_kernel.program.base import Program
 
@@ -164,6 +165,15 @@ class ModelInstance:
     @property
     def ops(self) -> Mapping[str, StepOp]:
         return dict(self._ops)
+
+    def block_pools(self) -> Mapping[str, "PagedKVPool"]:
+        """The instance's block pools by name (e.g. ``{"text_kv": pool}``); none by default.
+
+        The engine makes each one part of admission: a loop's estimate reserves blocks of
+        it by name (``ResourceRequest.pool_blocks``) against its real capacity, so the
+        loop's allocations cannot fail for lack of blocks.
+        """
+        return {}
 
     def loop(self, loop_id: str) -> "Loop":
         """The card's loop ``loop_id``, built once per instance (loops hold no per-request state)."""

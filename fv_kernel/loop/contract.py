@@ -14,7 +14,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from fv_kernel.loop.state import TensorState
 from fv_kernel.request.artifacts import Artifact
@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 __all__ = [
     "WorkKind",
     "ShapeSignature",
+    "StepEstimate",
     "ResourceRequest",
     "CacheRef",
     "CachePlan",
@@ -85,19 +86,44 @@ class ShapeSignature(BaseModel):
         return ",".join(f"{k}={v}" for k, v in self.dims)
 
 
-class ResourceRequest(BaseModel):
-    """What a step needs reserved before it may run (design §6.2)."""
+class StepEstimate(BaseModel):
+    """``count`` steps a loop will run, described so the runtime can price them (design §6.1).
+
+    The fields are those of the :class:`WorkPlan` s the loop will emit. The runtime prices
+    them with the same calibrated cost key as executed steps (instance, kind, shape,
+    precision) and the loop's ``StepCostSpec``, so what the Profiler learns from executed
+    steps moves the next request's reservation.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    #: Predicted GPU-seconds. Filled by the runtime's cost model when left at None.
+    loop_id: str
+    kind: WorkKind
+    shape_sig: ShapeSignature = ShapeSignature()
+    precision: str = "fp32"
+    count: int = Field(default=1, ge=0)
+
+
+class ResourceRequest(BaseModel):
+    """What a step (or a loop's whole life) needs reserved before it may run (design §6.2)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: Predicted GPU-seconds, used as given (uncalibrated). On a WorkPlan, None lets the
+    #: runtime's cost model price the step; a loop's whole-life estimate describes ``steps``
+    #: instead and leaves this None.
     gpu_seconds: float | None = Field(default=None, ge=0)
     #: Bytes that stay allocated for the life of the request (latents, KV, state).
     resident_bytes: int = Field(default=0, ge=0)
     #: Worst-case transient activation bytes while the step runs.
     peak_bytes: int = Field(default=0, ge=0)
-    #: Blocks of a cache pool the step allocates.
+    #: Blocks of an unnamed cache, counted against ``scheduler.budgets.cache_blocks``.
     cache_blocks: int = Field(default=0, ge=0)
+    #: Blocks per named block pool of the instance (``ModelInstance.block_pools()``), reserved
+    #: against that pool's real capacity.
+    pool_blocks: dict[str, NonNegativeInt] = Field(default_factory=dict)
+    #: The steps a whole-life estimate covers; the runtime prices them with its cost model.
+    steps: tuple[StepEstimate, ...] = ()
 
 
 class CacheRef(BaseModel):
@@ -307,8 +333,12 @@ class Loop(abc.ABC, Generic[S]):
     def estimate(self, request: "Request", model: "ModelInstance") -> ResourceRequest:
         """Whole-life resources of this loop for ``request``: reserved at admission.
 
-        ``gpu_seconds`` is the sum of the conservative step prices, ``resident_bytes``
-        what the loop keeps allocated, ``peak_bytes`` its largest transient. The default
-        reserves nothing, which is right only for loops with negligible footprint.
+        ``steps`` describes every step the loop will run (kind, shape signature,
+        precision, count: the same values its WorkPlans will carry), and the runtime
+        prices them with its calibrated cost model; ``resident_bytes`` is what the loop
+        keeps allocated, ``peak_bytes`` its largest transient, ``pool_blocks`` the blocks
+        it takes from the instance's block pools. Estimates read the card's real
+        dimensions and must not load weights. The default reserves nothing, which is
+        right only for loops with negligible footprint.
         """
-        return ResourceRequest(gpu_seconds=0.0)
+        return ResourceRequest()

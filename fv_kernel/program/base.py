@@ -43,13 +43,25 @@ class Program(abc.ABC):
         """The loops this program runs for ``request`` (used to price it before admission)."""
 
     def estimate(self, model: "ModelInstance", request: "Request") -> ResourceRequest:
-        """The request's whole-life reservation: summed compute, summed resident, largest peak."""
+        """The request's whole-life needs: every loop's steps, summed resident and blocks, the largest peak.
+
+        Loops run one step at a time on the device, so peaks do not add up; what a loop
+        keeps (its outputs, its state) is counted for the whole request. The runtime
+        prices ``steps`` with its cost model.
+        """
         parts = [model.loop(loop_id).estimate(request, model) for loop_id in self.loop_ids(request)]
+        explicit = [p.gpu_seconds for p in parts if p.gpu_seconds is not None]
+        pool_blocks: dict[str, int] = {}
+        for part in parts:
+            for pool, blocks in part.pool_blocks.items():
+                pool_blocks[pool] = pool_blocks.get(pool, 0) + blocks
         return ResourceRequest(
-            gpu_seconds=sum(p.gpu_seconds or 0.0 for p in parts),
+            gpu_seconds=sum(explicit) if explicit else None,
             resident_bytes=sum(p.resident_bytes for p in parts),
             peak_bytes=max((p.peak_bytes for p in parts), default=0),
             cache_blocks=sum(p.cache_blocks for p in parts),
+            pool_blocks=pool_blocks,
+            steps=tuple(step for p in parts for step in p.steps),
         )
 
 

@@ -3,9 +3,12 @@
 One object with a stable interface, so the scheduler's budget and a fleet router's
 input are the same thing. Predictions come from the loop's declared
 :class:`~fv_kernel.card.spec.StepCostSpec`; the Profiler calibrates them online with a
-per-(instance, kind, shape) correction factor. Admission always uses the
-conservative price; calibration refines, it never licenses optimism below the
-declared floor of the correction.
+per-(instance, kind, shape, precision) correction factor. A shape not measured yet
+borrows the factor learnt on its (instance, kind, precision): how wrong a declared
+spec is carries over between shapes far better than not at all. Admission always
+uses the conservative price, for whole requests too (:meth:`CostModel.price`, over
+the steps a loop's estimate describes); calibration refines, it never licenses
+optimism below the declared floor of the correction.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from fv_kernel.card.spec import StepCostSpec
-from fv_kernel.loop.contract import ShapeSignature
+from fv_kernel.loop.contract import ShapeSignature, StepEstimate
 
 __all__ = ["CostModel", "CostKey"]
 
@@ -49,6 +52,8 @@ class CostModel:
         self._min = min_factor
         self._max = max_factor
         self._factor: dict[CostKey, float] = {}
+        #: The same correction per (instance, kind, precision), over every shape measured.
+        self._kind_factor: dict[tuple[str, str, str], float] = {}
         # Uncalibrated per-step prices, memoised: specs are immutable and shapes repeat every step.
         self._base: dict[tuple[int, CostKey], float] = {}
         self._samples: dict[CostKey, int] = {}
@@ -65,25 +70,37 @@ class CostModel:
         base = self._base.get((id(spec), key))
         if base is None:
             base = self._base[(id(spec), key)] = self.base_seconds(spec, key.shape_sig, key.precision, 1)
-        return base * max(batch_size, 1) * self._factor.get(key, 1.0)
+        return base * max(batch_size, 1) * self.factor(key)
 
     def conservative(self, key: CostKey, spec: StepCostSpec, batch_size: int = 1) -> float:
         """The price admission reserves: the prediction times the spec's safety factor."""
         return self.predict(key, spec, batch_size) * spec.conservative_factor
 
+    def price(self, instance_id: str, step: StepEstimate, spec: StepCostSpec) -> float:
+        """What admission reserves for ``step.count`` steps a loop's estimate describes."""
+        key = CostKey(instance_id, step.kind.value, step.shape_sig, step.precision)
+        return self.conservative(key, spec) * step.count
+
     def observe(self, key: CostKey, spec: StepCostSpec, measured_seconds: float, batch_size: int = 1) -> None:
-        """Fold a measured step time into the key's correction factor."""
+        """Fold a measured step time into the key's correction factor (and its kind's)."""
         base = self.base_seconds(spec, key.shape_sig, key.precision, batch_size)
         if base <= 0 or measured_seconds < 0:
             return
         ratio = min(max(measured_seconds / base, self._min), self._max)
+        kind = (key.instance_id, key.kind, key.precision)
         with self._lock:
             old = self._factor.get(key)
             self._factor[key] = ratio if old is None else (1 - self._alpha) * old + self._alpha * ratio
             self._samples[key] = self._samples.get(key, 0) + 1
+            old_kind = self._kind_factor.get(kind)
+            self._kind_factor[kind] = ratio if old_kind is None else (1 - self._alpha) * old_kind + self._alpha * ratio
 
     def factor(self, key: CostKey) -> float:
-        return self._factor.get(key, 1.0)
+        """The key's correction: its own once measured, else its kind's, else 1 (the declared spec)."""
+        own = self._factor.get(key)
+        if own is not None:
+            return own
+        return self._kind_factor.get((key.instance_id, key.kind, key.precision), 1.0)
 
     def samples(self, key: CostKey) -> int:
         return self._samples.get(key, 0)

@@ -54,6 +54,7 @@ from fv_kernel.request.events import TERMINAL_EVENT_TYPES, ErrorInfo, Event
 from fv_kernel.request.request import Request
 from fv_kernel.runtime.admission import AdmissionController, Budgets, Reservation
 from fv_kernel.runtime.batching import BatchPolicy, BatchScheduler, WorkUnit
+from fv_kernel.runtime.capacity import device_key, device_total_bytes, instance_resident_bytes
 from fv_kernel.runtime.cost import CostKey, CostModel
 
 __all__ = [
@@ -126,6 +127,8 @@ class _Record:
         self.task: asyncio.Task[None] | None = None
         self.status: str = "queued"
         self.steps_done = 0
+        #: Priced once, when the request first reaches the head of its queue.
+        self.reservation: Reservation | None = None
 
     def emit(self, event_type: str, **fields: Any) -> None:
         event_cls = _EVENT_CLASSES.get(event_type)
@@ -296,6 +299,10 @@ class Engine:
             + [o for o in self.extensions.observers if not isinstance(o, BlockObserver)]
         )
         self.admission = AdmissionController(self.config.budgets)
+        #: Total memory of each device an instance lives on (sized once, for "auto" budgets).
+        self._device_total: dict[str, int] = {}
+        #: Per instance: the loaded component ids and the bytes they (and its pools) keep.
+        self._resident_cache: dict[str, tuple[frozenset[str], int]] = {}
         self.batcher = BatchScheduler(self.config.batch)
         self.metrics = EngineMetrics()
         #: The plugin host's typed hook façade, for lifecycle broadcasts (None: no plugins).
@@ -320,6 +327,11 @@ class Engine:
         if instance.model_id in self._instances:
             raise ValueError(f"an instance of {instance.model_id!r} is already resident")
         self.extensions.check_cards([instance.card])
+        device = device_key(instance.device)
+        if self.config.budgets.memory_bytes == "auto" and device not in self._device_total:
+            self._device_total[device] = device_total_bytes(device)  # fails here, typed, for an unsizable device
+        for name, pool in instance.block_pools().items():
+            self.admission.register_pool(self._pool_key(instance, name), pool.capacity_blocks)
         self._instances[instance.model_id] = instance
         self._by_instance_id[instance.instance_id] = instance
 
@@ -470,19 +482,75 @@ class Engine:
         if self._wake is not None:
             self._wake.set()
 
+    # -- admission --------------------------------------------------------------------
+    @staticmethod
+    def _pool_key(instance: ModelInstance, name: str) -> str:
+        return f"{instance.instance_id}/{name}"
+
+    def reservation_for(self, request: Request) -> Reservation:
+        """What admitting ``request`` (as :meth:`validate` resolves it) reserves now.
+
+        The program's estimate, with its steps priced by the calibrated cost model
+        (``CostModel.price``: the Profiler's correction times the spec's conservative
+        factor), its pool blocks keyed by this engine's pools, on the instance's device.
+        """
+        instance = self._instances.get(request.model)
+        if instance is None:
+            raise UnknownModel(request.model, self._instances)
+        need = instance.program(request.task).estimate(instance, request)
+        seconds = need.gpu_seconds or 0.0
+        for step in need.steps:
+            spec = instance.card.loops.get(step.loop_id)
+            if spec is None:
+                raise ValueError(f"an estimate of {instance.model_id!r} prices steps of unknown loop {step.loop_id!r}")
+            seconds += self.cost_model.price(instance.instance_id, step, spec.step_cost)
+        pools = instance.block_pools()
+        pool_blocks: dict[str, int] = {}
+        for name, blocks in need.pool_blocks.items():
+            if name not in pools:
+                raise ValueError(f"an estimate of {instance.model_id!r} reserves blocks of pool {name!r}; "
+                                 f"the instance has {sorted(pools) or 'no pools'}")
+            pool_blocks[self._pool_key(instance, name)] = blocks
+        return Reservation(
+            request.request_id, need.resident_bytes, need.peak_bytes, need.cache_blocks, seconds,
+            pool_blocks=pool_blocks, device=device_key(instance.device),
+        )
+
+    def _size_memory(self) -> None:
+        """Size each device's ``"auto"`` memory budget: total x (1 - headroom) - what resident instances keep."""
+        budgets = self.config.budgets
+        if budgets.memory_bytes != "auto":
+            return
+        resident: dict[str, int] = {}
+        for instance in self._instances.values():
+            loaded = frozenset(dict(instance.components))
+            cached = self._resident_cache.get(instance.instance_id)
+            if cached is None or cached[0] != loaded:  # weights load lazily: re-measure when components change
+                cached = self._resident_cache[instance.instance_id] = (loaded, instance_resident_bytes(instance))
+            device = device_key(instance.device)
+            resident[device] = resident.get(device, 0) + cached[1]
+        for device, total in self._device_total.items():
+            usable = int(total * (1.0 - budgets.memory_headroom))
+            kept = resident.get(device, 0)
+            self.admission.set_memory_capacity(
+                device, max(usable - kept, 0),
+                f"auto: {total} bytes of {device} x (1 - memory_headroom {budgets.memory_headroom}) - {kept} bytes "
+                "kept by resident instances",
+            )
+
     def _admit_queued(self) -> None:
         limit = 1 if self.config.scheduling == "request" else self.config.max_running_requests
+        if len(self._queue):
+            self._size_memory()
         for record in self._queue.ordered():
             if len(self._running) >= limit:
                 return
             request = record.request
             try:
                 program = record.instance.program(request.task)
-                need = program.estimate(record.instance, request)
-                want = Reservation(
-                    request.request_id, need.resident_bytes, need.peak_bytes, need.cache_blocks, need.gpu_seconds or 0.0
-                )
-                blocked = self.admission.try_admit(want)
+                if record.reservation is None:
+                    record.reservation = self.reservation_for(request)
+                blocked = self.admission.try_admit(record.reservation)
             except Exception as exc:  # a request that can never run, or a broken estimate
                 self._queue.remove(record)
                 self._finish_failed(record, exc)
@@ -599,9 +667,8 @@ class Engine:
             self._admit_queued()
             await self._settle()
             self._admit_queued()
-            headroom = None
-            if self.config.budgets.memory_bytes is not None:
-                headroom = max(self.config.budgets.memory_bytes - self.admission.memory_in_use(), 0)
+            # Admitted requests' peaks may add up only within what their residents leave free.
+            headroom = self.admission.peak_headroom()
             batch = self.batcher.select(self._pending.units, time.monotonic(), peak_headroom=headroom)
             self.metrics.scheduler_seconds += time.perf_counter() - tick
             if not batch:

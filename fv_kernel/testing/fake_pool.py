@@ -33,7 +33,9 @@ from fv_kernel.card.spec import (
     StepCostSpec,
 )
 from fv_kernel.loop.context import LoopContext
-from fv_kernel.loop.contract import Done, Loop, LoopResult, LoopState, ResourceRequest, ShapeSignature, StepResult, WorkKind, WorkPlan
+from fv_kernel.loop.contract import (
+    Done, Loop, LoopResult, LoopState, ResourceRequest, ShapeSignature, StepEstimate, StepResult, WorkKind, WorkPlan,
+)
 from fv_kernel.request.artifacts import LatentArtifact, Provenance
 from fv_kernel.request.request import Request
 from fv_kernel.request.types import TaskType
@@ -123,7 +125,9 @@ class FakeStepLoop(Loop[FakeState]):
         steps = request.ar.max_tokens if request.ar is not None else (request.diffusion.steps or 1)
         extra = model.card.components["core"].config
         return ResourceRequest(
-            gpu_seconds=steps * self.spec.step_cost.fixed_seconds * self.spec.step_cost.conservative_factor,
+            # The runtime prices these with its calibrated cost model (the plans' kind and shape).
+            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind(model_kind(self.spec)),
+                                shape_sig=ShapeSignature.of(tokens=1), count=steps),),
             resident_bytes=int(extra.get("resident_bytes", 0)), peak_bytes=int(extra.get("peak_bytes", 0)),
             cache_blocks=int(extra.get("cache_blocks", 0)),
         )

@@ -49,6 +49,7 @@ from fv_kernel.loop.contract import (
     LoopState,
     ResourceRequest,
     ShapeSignature,
+    StepEstimate,
     StepResult,
     WorkKind,
     WorkPlan,
@@ -79,6 +80,7 @@ __all__ = [
 ]
 
 _MODULE = "fv_kernel.testing.toy"
+_FP32 = 4
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -107,6 +109,17 @@ class ToyConfig:
     latent_channels = 4
     text_len = 16
     vae_scale = 2
+
+
+def _toy_activation_bytes(rows: int, tokens: int, attended: int | None = None) -> int:
+    """Transient fp32 bytes of one toy block over ``rows`` x ``tokens``.
+
+    About eight hidden-widths per token are alive at once (input, q/k/v, attention
+    output, the 2x-wide MLP hidden), plus the attention score matrix (heads x tokens x
+    the tokens attended, self or cross).
+    """
+    c = ToyConfig
+    return _FP32 * rows * tokens * (8 * c.dim + c.heads * max(tokens, attended or 0))
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
@@ -282,6 +295,15 @@ class TextEncodeLoop(Loop[TextEncodeState]):
     def progress(self, state: TextEncodeState) -> tuple[int, int | None]:
         return state.step, 1
 
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        rows, tokens = 2, ToyConfig.text_len  # prompt and negative prompt, padded
+        return ResourceRequest(
+            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind.ENCODER_CHUNK,
+                                shape_sig=ShapeSignature.of(tokens=tokens)),),
+            resident_bytes=_FP32 * rows * tokens * ToyConfig.dim,  # the embeddings the denoise loop conditions on
+            peak_bytes=_toy_activation_bytes(rows, tokens),
+        )
+
 
 class DenoiseState(LoopState):
     latents: torch.Tensor
@@ -368,12 +390,21 @@ class ToyDenoiseLoop(Loop[DenoiseState]):
 
     def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
         d = request.diffusion
-        tokens = (d.frames or 1) * (d.height or 8) // 2 * (d.width or 8) // 2
-        latent_bytes = 4 * ToyConfig.latent_channels * tokens
-        per_step = self.spec.step_cost.fixed_seconds + self.spec.step_cost.per_unit_seconds * tokens
+        assert d.height and d.width and d.frames and d.steps is not None
+        s = ToyConfig.vae_scale
+        tokens = d.frames * (d.height // s) * (d.width // s)  # what next() puts in the shape signature
+        branches = len(self._guidance().branches(float(d.guidance or 0.0)))
+        binding = self.spec.sampler
+        steps = binding.fixed_steps if binding is not None and binding.fixed_steps else d.steps
+        latent_bytes = _FP32 * ToyConfig.latent_channels * tokens
+        # "sequential" dispatch runs one branch row at a time; "batched" runs them together.
+        rows = 1 if self.spec.config.get("cfg_dispatch", "batched") == "sequential" else branches
         return ResourceRequest(
-            gpu_seconds=per_step * (d.steps or 1) * self.spec.step_cost.conservative_factor,
-            resident_bytes=latent_bytes * 4, peak_bytes=latent_bytes * 16,
+            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind.DIFFUSION_STEP,
+                                shape_sig=ShapeSignature.of(tokens=tokens, branches=branches), count=steps),),
+            # latents, the sampler's history (UniPC keeps up to three), the branch outputs
+            resident_bytes=latent_bytes * (4 + branches),
+            peak_bytes=_toy_activation_bytes(rows, tokens, ToyConfig.text_len) + latent_bytes * branches,
         )
 
 
@@ -427,6 +458,20 @@ class ToyDecodeLoop(Loop[DecodeState]):
 
     def progress(self, state: DecodeState) -> tuple[int, int | None]:
         return state.step, int(state.latents.shape[2])
+
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        d = request.diffusion
+        assert d.height and d.width and d.frames
+        s = ToyConfig.vae_scale
+        latent_pixels = (d.height // s) * (d.width // s)
+        frame_bytes = _FP32 * 3 * d.height * d.width
+        return ResourceRequest(
+            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind.VAE_TILE,
+                                shape_sig=ShapeSignature.of(tokens=latent_pixels), count=d.frames),),
+            resident_bytes=frame_bytes * d.frames,  # every decoded frame, until the artifact is made
+            # the upsampled latent frame, the conv output and its tanh
+            peak_bytes=_FP32 * ToyConfig.latent_channels * d.height * d.width + 2 * frame_bytes,
+        )
 
 
 class ARState(LoopState):
@@ -506,13 +551,21 @@ class ToyARDecodeLoop(Loop[ARState]):
         return state.step, state.max_tokens + 1
 
     def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
-        ar = request.ar
-        max_tokens = ar.max_tokens if ar else 64
-        cost = self.spec.step_cost
-        kv_bytes = 4 * 2 * ToyConfig.layers * ToyConfig.dim * (64 + max_tokens)
+        max_tokens = request.ar.max_tokens if request.ar else 64
+        prompt = len(ByteCodec().encode(request.text("prompt") or "", 64))  # what init() tokenizes
+        # One prefill, then a token step per further token, each at its own context length (next()).
+        steps = [StepEstimate(loop_id=self.loop_id, kind=WorkKind.AR_PREFILL, shape_sig=ShapeSignature.of(tokens=prompt))]
+        steps += [
+            StepEstimate(loop_id=self.loop_id, kind=WorkKind.AR_TOKEN,
+                         shape_sig=ShapeSignature.of(tokens=1, context=prompt + i))
+            for i in range(max_tokens - 1)
+        ]
+        kv_bytes = _FP32 * 2 * ToyConfig.layers * ToyConfig.dim * (prompt + max_tokens)
         return ResourceRequest(
-            gpu_seconds=(max_tokens + 1) * cost.fixed_seconds * cost.conservative_factor,
-            resident_bytes=kv_bytes, peak_bytes=kv_bytes,
+            steps=tuple(steps),
+            resident_bytes=kv_bytes,
+            # a token step returns the grown cache as a new tensor next to the old one
+            peak_bytes=kv_bytes + _toy_activation_bytes(1, prompt),
         )
 
 

@@ -1,0 +1,87 @@
+"""How much memory a device has, and how much of it the resident instances keep.
+
+The engine sizes the ``"auto"`` memory budget of each device it serves from these:
+``total * (1 - headroom) - resident``, where ``resident`` is the bytes of every loaded
+weight and buffer of the instances on that device plus the full capacity of their
+block pools (a pool's storage is allocated on first use, then kept).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fv_kernel.errors import CapacityError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.card.instance import ModelInstance
+
+__all__ = ["device_key", "device_total_bytes", "module_bytes", "instance_resident_bytes"]
+
+
+def device_key(device: torch.device | str) -> str:
+    """A stable name for a device: ``"cuda"`` becomes ``"cuda:<current index>"``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return f"cuda:{index}"
+    return str(device)
+
+
+def device_total_bytes(device: torch.device | str) -> int:
+    """Total memory of ``device``: the GPU's memory for CUDA, the machine's RAM for CPU.
+
+    Raises :class:`CapacityError` for a device whose size fv cannot read; the deploy
+    config then has to give ``scheduler.budgets.memory_bytes`` explicitly.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CapacityError(
+                f"cannot size the memory budget of {device_key(device)}: CUDA is not available", param="memory_bytes"
+            )
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    if device.type == "cpu":
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        except (AttributeError, ValueError, OSError):
+            pass
+    raise CapacityError(
+        f"cannot read the memory size of device {str(device)!r}; set scheduler.budgets.memory_bytes "
+        "(bytes, e.g. '40GiB') or 'unlimited' in the deploy config",
+        param="memory_bytes",
+    )
+
+
+def module_bytes(module: Any, device: torch.device | str | None = None) -> int:
+    """Bytes of a module's parameters and buffers (shared storage counted once), on ``device`` if given.
+
+    Components that are not ``nn.Module`` s (tokenizers, processors) hold no device memory: 0.
+    """
+    if not isinstance(module, nn.Module):
+        return 0
+    want = None if device is None else device_key(device)
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.device.type == "meta" or (want is not None and device_key(tensor.device) != want):
+            continue
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def instance_resident_bytes(instance: "ModelInstance") -> int:
+    """What ``instance`` keeps on its device: loaded weights and buffers, and its block pools' capacity."""
+    device = instance.device
+    weights = sum(module_bytes(component, device) for component in list(instance.components.values()))
+    pools = sum(pool.capacity_bytes for pool in instance.block_pools().values())
+    return weights + pools
