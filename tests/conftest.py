@@ -21,7 +21,7 @@ import pytest
 pytest_plugins = ["fv_kernel.testing"]
 
 FIXTURE_PLUGINS = Path(__file__).parent / "fixtures" / "plugins"
-FIXTURE_PACKAGES = ("fv_good", "fv_broken", "fv_oldapi", "fv_bad")
+FIXTURE_PACKAGES = ("fv_good", "fv_broken", "fv_oldapi", "fv_bad", "fv_badcard", "fv_hello", "fv_toy")
 
 
 def materialise_distribution(source: Path, site: Path) -> None:

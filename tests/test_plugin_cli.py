@@ -35,16 +35,24 @@ def test_list_survives_broken_plugins(plugin_site: Path) -> None:
     assert rows["fv-good"]["contributions"]["attention_backends"] == ["fv-good/toy"]
     assert rows["fv-broken"]["status"] == "error" and "fv_broken exploded at import" in rows["fv-broken"]["reason"]
     assert rows["fv-oldapi"]["status"] == "error" and "'>=2.0,<3'" in rows["fv-oldapi"]["reason"]
-    assert result.stderr.count("warning: fv: skipped plugin") == 2
+    assert rows["fv-badcard"]["status"] == "error" and "precision.default" in rows["fv-badcard"]["reason"]
+    assert rows["fv-hello"]["registered"] == {
+        "samplers": ["fv-hello/euler-shift3"], "attention_backends": ["fv-hello/hello-math"],
+    }
+    assert rows["fv-badcard"]["registered"] == {}  # unregistered: none of its hooks count
+    assert result.stderr.count("warning: fv: skipped plugin") == 3
 
 
-def test_list_table_with_config_and_explicit_broken_plugin(plugin_site: Path, tmp_path: Path) -> None:
+def test_list_table_with_config(plugin_site: Path, tmp_path: Path) -> None:
     config = tmp_path / "deploy.yaml"
-    config.write_text("plugins: {autoload: false, enable: [fv-broken]}\n")
+    config.write_text("plugins: {autoload: false, enable: [fv-hello]}\n")
     result = runner.invoke(app, ["plugins", "list", "--config", str(config)])
     assert result.exit_code == 0, result.output
     assert "fv-good 1.2.0  [disabled]  not enabled (autoload is off)" in result.stdout
-    assert "fv-broken 0.3.0  [error]" in result.stdout and "exploded" in result.stdout
+    # The tutorial's promise (docs/plugins.md, step 4), with the contributions it names.
+    assert "fv-hello 0.1.0  [enabled]  enabled by 'fv-hello'" in result.stdout
+    assert "    samplers: fv-hello/euler-shift3" in result.stdout
+    assert "    attention_backends: fv-hello/hello-math" in result.stdout
 
 
 def test_check_passes_on_good_plugin(plugin_site: Path) -> None:

@@ -25,7 +25,7 @@ def fixture_host(site: Path, **config: object) -> PluginHost:
 
 def test_driver_lookup_imports_only_the_selected_driver(plugin_site: Path) -> None:
     registry = fixture_host(plugin_site, disable=["fv-bad"]).drivers("attention_backends")
-    assert registry.names() == ["toy"]
+    assert {"toy", "hello-math", "sdpa"} <= set(registry.names()) and "not-a-backend" not in registry.names()
     assert "fv_good.attention" not in sys.modules
     toy = registry.load("toy")
     assert toy.__module__ == "fv_good.attention" and issubclass(toy, AttentionBackend)
@@ -43,8 +43,8 @@ def test_driver_base_class_is_checked(plugin_site: Path) -> None:
 
 def test_unknown_driver_lists_available_and_why_missing(plugin_site: Path) -> None:
     registry = fixture_host(plugin_site, autoload=False).drivers("transports")
-    assert registry.names() == []
-    with pytest.raises(UnknownDriverError, match=r"no transports driver named 'loopback'.*available: <none>.*'fv-good' is not an enabled fv plugin"):
+    assert registry.names() == ["inproc"]  # the kernel's built-in is always on
+    with pytest.raises(UnknownDriverError, match=r"no transports driver named 'loopback'.*available: inproc.*'fv-good' is not an enabled fv plugin"):
         registry.load("loopback")
 
 

@@ -22,6 +22,11 @@ from fv_kernel.plugins import (
 )
 from fv_kernel.loop.samplers import FlowEulerSampler
 
+from conftest import FIXTURE_PACKAGES
+
+
+FIXTURES = ["fv-bad", "fv-badcard", "fv-broken", "fv-good", "fv-hello", "fv-oldapi", "fv-toy"]
+
 
 def make_host(site: Path, config: PluginsConfig | None = None, environ: dict[str, str] | None = None) -> PluginHost:
     return PluginHost(config, search_path=[str(site)], environ=environ or {})
@@ -35,9 +40,9 @@ def test_discovery_reads_metadata_only(plugin_site: Path) -> None:
     import sys
 
     host = make_host(plugin_site)
-    assert [p.distribution for p in host.discovered()] == ["fv-bad", "fv-broken", "fv-good", "fv-oldapi"]
+    assert [p.distribution for p in host.discovered()] == FIXTURES
     assert host.scan() is host.scan()  # scanned once
-    assert not any(name.split(".")[0] in {"fv_good", "fv_bad", "fv_broken", "fv_oldapi"} for name in sys.modules)
+    assert not any(name.split(".")[0] in FIXTURE_PACKAGES for name in sys.modules)
 
 
 def test_autoloaded_broken_plugins_warn_once_and_are_skipped(plugin_site: Path) -> None:
@@ -45,11 +50,15 @@ def test_autoloaded_broken_plugins_warn_once_and_are_skipped(plugin_site: Path) 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         host.start()
-    assert statuses(host) == {"fv-bad": "enabled", "fv-broken": "error", "fv-good": "enabled", "fv-oldapi": "error"}
+    assert statuses(host) == {
+        "fv-bad": "enabled", "fv-badcard": "error", "fv-broken": "error", "fv-good": "enabled", "fv-hello": "enabled",
+        "fv-kernel": "enabled", "fv-oldapi": "error", "fv-toy": "enabled",
+    }
     messages = sorted(str(w.message) for w in caught if issubclass(w.category, PluginWarning))
-    assert len(messages) == 2 and all("\n" not in m for m in messages)
-    assert "fv-broken 0.3.0" in messages[0] and "RuntimeError: fv_broken exploded at import" in messages[0]
-    assert "requires kernel API '>=2.0,<3'" in messages[1] and "provides API version '1.0'" in messages[1]
+    assert len(messages) == 3 and all("\n" not in m for m in messages)
+    assert "fv-badcard 0.1.0" in messages[0] and "precision.default: Input should be 'fp32'" in messages[0]
+    assert "fv-broken 0.3.0" in messages[1] and "RuntimeError: fv_broken exploded at import" in messages[1]
+    assert "requires kernel API '>=2.0,<3'" in messages[2] and "provides API version '1.0'" in messages[2]
     assert "fv_broken exploded" in host.record("fv-broken").reason
     assert host.record("fv-good").contributions == {
         "attention_backends": ["fv-good/toy"],
@@ -79,15 +88,17 @@ def test_explicit_kernel_api_mismatch_names_both_versions(plugin_site: Path) -> 
 
 def test_strict_makes_autoload_failures_fatal(plugin_site: Path) -> None:
     with pytest.raises(PluginLoadError, match="fv-broken"):
-        make_host(plugin_site, PluginsConfig(strict=True, disable=["fv-oldapi"])).start()
+        make_host(plugin_site, PluginsConfig(strict=True, disable=["fv-oldapi", "fv-badcard"])).start()
 
 
 def test_enable_disable_by_config(plugin_site: Path) -> None:
     host = make_host(plugin_site, PluginsConfig(autoload=False, enable=["fv-good>=1,<2"], disable=["fv-broken"]))
     host.start()
-    assert statuses(host) == {"fv-bad": "disabled", "fv-broken": "disabled", "fv-good": "enabled", "fv-oldapi": "disabled"}
+    assert statuses(host) == {
+        **{name: "disabled" for name in FIXTURES}, "fv-good": "enabled", "fv-kernel": "enabled",
+    }
     assert host.record("fv-broken").reason == "disabled by 'fv-broken'"
-    assert host.enabled_names() == ["fv-good"]
+    assert host.enabled_names() == ["fv-good", "fv-kernel"]
 
 
 def test_enable_with_unsatisfied_version_is_fatal(plugin_site: Path) -> None:
@@ -107,8 +118,8 @@ def test_enabled_but_not_installed(plugin_site: Path) -> None:
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ("", {"fv-bad": "disabled", "fv-broken": "disabled", "fv-good": "disabled", "fv-oldapi": "disabled"}),
-        ("fv-good,fv-bad", {"fv-bad": "enabled", "fv-broken": "disabled", "fv-good": "enabled", "fv-oldapi": "disabled"}),
+        ("", {**{name: "disabled" for name in FIXTURES}, "fv-kernel": "enabled"}),
+        ("fv-good,fv-bad", {**{name: "disabled" for name in FIXTURES}, "fv-bad": "enabled", "fv-good": "enabled", "fv-kernel": "enabled"}),
     ],
 )
 def test_fv_plugins_env(plugin_site: Path, env: str, expected: dict[str, str]) -> None:
@@ -147,26 +158,31 @@ def sampler_plugin(*entries: tuple[str, object]) -> types.ModuleType:
 
 
 def test_registration_hooks_namespaced_and_checked(fv_host: PluginHost, register_plugin, hook_recorder) -> None:
-    register_plugin(sampler_plugin(("variant", EulerVariant)), name="fv-alpha")
+    register_plugin(sampler_plugin(("euler-variant", EulerVariant)), name="fv-alpha")
+    assert hook_recorder.names() == ["fv_register_samplers"]  # run once, when the plugin registered
     found = fv_host.hooks.samplers()
-    assert list(found) == ["fv-alpha/variant"] and found["fv-alpha/variant"].obj is EulerVariant
-    assert fv_host.hooks.get("samplers", "variant").id == "fv-alpha/variant"
-    assert hook_recorder.names() == ["fv_register_samplers"]
-    with pytest.raises(UnknownContributionError, match="no samplers contribution 'nope'; available: fv-alpha/variant"):
+    assert list(found) == ["fv-kernel/euler", "fv-kernel/unipc", "fv-kernel/dmd", "fv-alpha/euler-variant"]
+    assert found["fv-alpha/euler-variant"].obj is EulerVariant
+    assert fv_host.hooks.get("samplers", "euler-variant").id == "fv-alpha/euler-variant"
+    assert hook_recorder.names() == ["fv_register_samplers"]  # lookups never call a plugin
+    with pytest.raises(UnknownContributionError, match="no samplers contribution 'nope'; available: fv-alpha/euler-variant, fv-kernel/dmd"):
         fv_host.hooks.get("samplers", "nope")
 
 
 def test_same_short_name_from_two_plugins_names_both(fv_host: PluginHost, register_plugin) -> None:
-    register_plugin(sampler_plugin(("variant", EulerVariant)), name="fv-alpha")
-    register_plugin(sampler_plugin(("variant", EulerVariant)), name="fv-beta")
-    with pytest.raises(DuplicateContributionError, match="'variant' is contributed by both 'fv-alpha' and 'fv-beta'"):
-        fv_host.hooks.samplers()
+    register_plugin(sampler_plugin(("euler-variant", EulerVariant)), name="fv-alpha")
+    with pytest.raises(DuplicateContributionError, match="'euler-variant' is contributed by both 'fv-alpha' and 'fv-beta'"):
+        register_plugin(sampler_plugin(("euler-variant", EulerVariant)), name="fv-beta")
+    # The refused plugin is out entirely; the first keeps working.
+    assert statuses(fv_host)["fv-beta"] == "error" and fv_host.pm.get_plugin("fv-beta") is None
+    assert fv_host.hooks.get("samplers", "euler-variant").plugin == "fv-alpha"
 
 
 def test_contribution_must_satisfy_its_base(fv_host: PluginHost, register_plugin) -> None:
-    register_plugin(sampler_plugin(("weird", dict)), name="fv-weird")
     with pytest.raises(DriverTypeError, match=r"fv-weird/weird \(samplers\) must be a subclass of fv_kernel.loop.samplers:Sampler, got dict"):
-        fv_host.hooks.samplers()
+        register_plugin(sampler_plugin(("weird", dict)), name="fv-weird")
+    assert "must be a subclass" in fv_host.record("fv-weird").reason
+    assert "fv-weird/weird" not in fv_host.hooks.samplers()
 
 
 def test_register_twice_is_idempotent_and_late_plugins_see_host_started(fv_host: PluginHost) -> None:
@@ -180,7 +196,8 @@ def test_register_twice_is_idempotent_and_late_plugins_see_host_started(fv_host:
     late = Late()
     fv_host.register(late, name="fv-late")
     fv_host.register(late, name="fv-late")
-    assert seen == [fv_host] and len(fv_host.pm.get_plugins()) == 1
+    assert seen == [fv_host] and fv_host.pm.get_plugin("fv-late") is late
+    assert [fv_host.pm.get_name(p) for p in fv_host.pm.get_plugins()].count("fv-late") == 1
     with pytest.raises(PluginError, match="different plugin object is already registered as 'fv-late'"):
         fv_host.register(Late(), name="fv-late")
 
@@ -200,7 +217,7 @@ def test_hook_contract_is_enforced(fv_host: PluginHost) -> None:
         fv_host.register(Typo(), name="fv-typo")
     with pytest.raises(PluginError, match="without wrapper=True"):
         fv_host.register(PlainWrap(), name="fv-plain")
-    assert fv_host.pm.get_plugins() == set()
+    assert {fv_host.pm.get_name(p) for p in fv_host.pm.get_plugins()} == {"fv-kernel"}  # the built-ins only
 
 
 def test_wrap_generate_and_lifecycle_broadcasts(fv_host: PluginHost, register_plugin, hook_recorder) -> None:

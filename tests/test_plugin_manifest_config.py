@@ -77,13 +77,17 @@ def test_kernel_manifest_tracks_kernel_version() -> None:
     manifest.check_kernel_api(fv_kernel.API_VERSION)
 
 
-def test_config_from_yaml_reads_only_the_plugins_section(tmp_path: Path) -> None:
+def test_config_from_yaml_reads_the_plugins_section_strictly(tmp_path: Path) -> None:
     path = tmp_path / "deploy.yaml"
-    path.write_text("engine: {gpus: 1}\nplugins:\n  autoload: false\n  enable: ['fv-good>=1,<2']\n  strict: true\n")
+    path.write_text("cards: [toy-dit]\nplugins:\n  autoload: false\n  enable: ['fv-good>=1,<2']\n  strict: true\n")
     config = PluginsConfig.from_yaml(path)
     assert config == PluginsConfig(autoload=False, enable=["fv-good>=1,<2"], strict=True)
-    (tmp_path / "empty.yaml").write_text("engine: {}\n")
+    (tmp_path / "empty.yaml").write_text("cards: []\n")
     assert PluginsConfig.from_yaml(tmp_path / "empty.yaml") == PluginsConfig()
+    # The whole file goes through the deploy config's strict loader: other sections' unknown keys are errors too.
+    (tmp_path / "extra.yaml").write_text("engine: {gpus: 1}\nplugins: {autoload: false}\n")
+    with pytest.raises(PluginConfigError, match="engine: Extra inputs are not permitted"):
+        PluginsConfig.from_yaml(tmp_path / "extra.yaml")
 
 
 @pytest.mark.parametrize(
@@ -94,7 +98,7 @@ def test_config_from_yaml_reads_only_the_plugins_section(tmp_path: Path) -> None
         ("plugins: {enable: [a], disable: [a]}", "both enable and disable: a"),
         ("plugins: {disable: [fv-kernel]}", "cannot be disabled"),
         ("plugins: {enabled: [a]}", "plugins.enabled: Extra inputs are not permitted"),
-        ("- just a list", "expected a mapping"),
+        ("- just a list", "must be a mapping at the top level"),
     ],
 )
 def test_bad_config_is_a_typed_error(tmp_path: Path, body: str, needle: str) -> None:

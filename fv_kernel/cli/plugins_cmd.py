@@ -1,38 +1,41 @@
 """``fv plugins``: list installed plugins and check one distribution.
 
-Both commands survive broken plugins: failures become statuses and reasons, never tracebacks.
+Both commands survive broken plugins: an autoloaded plugin that fails becomes a status and
+a reason, never a traceback. A plugin the deployment explicitly enabled that fails stops
+``fv plugins list`` with one ``error:`` line, as it stops every command that selects plugins.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from fv_kernel.plugins import PluginConfigError, PluginHost, PluginRecord, PluginsConfig, PluginWarning
+from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
+from fv_kernel.plugins import KINDS, PluginHost, PluginRecord, PluginStatus
 from fv_kernel.plugins.check import PluginChecker
 
 plugins_app = typer.Typer(help="Inspect and validate fv plugins.", no_args_is_help=True)
 
-ConfigOption = typer.Option(
-    None, "--config", "-c", help="Deploy config YAML; its 'plugins:' section selects plugins.", exists=True, dir_okay=False
-)
+
+def _registered(host: PluginHost, record: PluginRecord) -> dict[str, list[str]]:
+    """What an enabled plugin actually registered (its hooks ran at start) and its named drivers."""
+    if record.status is not PluginStatus.ENABLED:
+        return {}
+    out: dict[str, list[str]] = {}
+    for kind, spec in KINDS.items():
+        if spec.hook is None:
+            ids = [i for i in host.drivers(kind).ids() if i.startswith(f"{record.name}/")]
+        else:
+            ids = [c.id for c in host.hooks.contributions(kind).values() if c.plugin == record.name]
+        if ids:
+            out[kind] = ids
+    return out
 
 
-def _load_config(path: Optional[Path]) -> PluginsConfig:
-    if path is None:
-        return PluginsConfig()
-    try:
-        return PluginsConfig.from_yaml(path)
-    except PluginConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-
-
-def _record_json(record: PluginRecord) -> dict[str, object]:
+def _record_json(host: PluginHost, record: PluginRecord) -> dict[str, object]:
     return {
         "name": record.name,
         "version": record.version,
@@ -41,6 +44,7 @@ def _record_json(record: PluginRecord) -> dict[str, object]:
         "entry_point": record.entry_point,
         "kernel_api": record.manifest.kernel_api if record.manifest else None,
         "contributions": record.contributions,
+        "registered": _registered(host, record),
     }
 
 
@@ -49,16 +53,16 @@ def list_plugins(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON array instead of a table."),
     config: Optional[Path] = ConfigOption,
 ) -> None:
-    """Show every discovered plugin: name, version, status (enabled, disabled, error) and contributions."""
-    host = PluginHost(_load_config(config))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", PluginWarning)
-        host.start(fail_fast=False)
-    for warning in caught:
-        typer.echo(f"warning: {warning.message}", err=True)
+    """Show every discovered plugin: name, version, status (enabled, disabled, error) and contributions.
+
+    Contributions are those the manifest declares; ``--json`` adds, for an enabled plugin,
+    what it actually registered (``registered``): the ids cards, ``--sampler`` and deploy
+    configs may name.
+    """
+    host = start_host(load_config(config))
     records = host.records()
     if as_json:
-        typer.echo(json.dumps([_record_json(r) for r in records], indent=2))
+        typer.echo(json.dumps([_record_json(host, r) for r in records], indent=2))
         return
     if not records:
         typer.echo("no fv plugins found (entry-point group 'fv.plugins')")

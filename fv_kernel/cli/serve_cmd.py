@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
+from fv_kernel.cli.deploy_options import ConfigOption
+
 if TYPE_CHECKING:  # the config imports the engine (torch); the CLI root must stay light
     from fv_kernel.config import DeployConfig
 
@@ -25,7 +27,10 @@ def resolve_serve_config(
     port: Optional[int],
     api_key: Optional[str],
 ) -> "DeployConfig":
-    """The deploy config with the command line's overrides applied (``--model`` replaces ``cards:``)."""
+    """The deploy config with the command line's overrides applied (``--model`` replaces ``cards:``).
+
+    Read by the one strict loader every ``--config`` uses; raises ``DeployConfigError`` naming the key.
+    """
     from fv_kernel.config import DeployConfig, load_deploy_config
 
     config = load_deploy_config(config_path) if config_path is not None else DeployConfig()
@@ -48,7 +53,7 @@ def resolve_serve_config(
 
 
 def serve(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Deploy config YAML.", exists=True, dir_okay=False),
+    config: Optional[Path] = ConfigOption,
     model: list[str] = typer.Option([], "--model", "-m", help="Card to serve (repeatable); replaces the config's cards."),
     host: Optional[str] = typer.Option(None, "--host", help="Interface to bind (default 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, "--port", help="Port to listen on (default 8000)."),
@@ -58,25 +63,24 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve the OpenAI-style video API (POST /v1/videos, SSE events, /metrics) over the deployment."""
+    from fv_kernel.cli.deploy_options import fail, start_host
     from fv_kernel.config import DeployConfig, DeployConfigError
 
     try:
         deploy = resolve_serve_config(config, model, host, port, api_key or os.environ.get("FV_API_KEY"))
     except DeployConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(exc.message)
     try:
         from fv_kernel.serving import create_app, serve_forever
     except ImportError as exc:
         typer.echo(f"error: fv serve needs the serve extra (pip install 'fv-kernel[serve]'): {exc}", err=True)
         raise typer.Exit(2) from None
     from fv_kernel.errors import FvError
-    from fv_kernel.plugins.host import PluginHost
+    from fv_kernel.plugins import PluginError
     from fv_kernel.runtime.deploy import build_engine
 
-    plugin_host = PluginHost(deploy.plugins)
+    plugin_host = start_host(deploy)
     try:
-        plugin_host.start()
         if not deploy.cards:
             default = plugin_host.hooks.default_model()
             if default is None:
@@ -85,9 +89,8 @@ def serve(
             deploy = deploy.model_copy(update={"cards": [{"model": default}]})
             deploy = DeployConfig.model_validate(deploy.model_dump())
         engine = build_engine(deploy, host=plugin_host)
-    except FvError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    except (FvError, PluginError) as exc:
+        fail(str(exc))
     app = create_app(engine, deploy)
     typer.echo(
         f"fv serve: {', '.join(sorted(engine.instances))} on http://{deploy.server.host}:{deploy.server.port}"

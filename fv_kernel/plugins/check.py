@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint
 from typing import Callable, Mapping, Sequence
 
+import pluggy
 from packaging.utils import canonicalize_name
 
 from .. import API_VERSION
 from .drivers import DriverRegistry, entry_point_distribution
 from .errors import PluginError
 from .host import PLUGINS_GROUP, DiscoveredPlugin, PluginHost, scan_entry_points
-from .kinds import KINDS, KindSpec, check_satisfies, import_target
+from .kinds import KINDS, KindSpec, check_registered_name, check_satisfies, import_target
 from .manifest import PluginManifest, load_manifest, locate_manifest
 from .probe import run_probe
 
@@ -151,10 +152,9 @@ class PluginChecker:
         """The ``fv.plugins`` entry point imports, and its hooks validate against the specs."""
 
         def run() -> list[str]:
-            plugin = self._plugin()
-            host = PluginHost(discover=False, environ={}, kinds=self._kinds)
+            self._manifest()
             try:
-                host.register(plugin, name=self._found().distribution, manifest=self._manifest())
+                self._bare_host(self._plugin(), self._found().distribution)
             except PluginError as exc:
                 return [str(exc)]
             return []
@@ -167,7 +167,7 @@ class PluginChecker:
         def run() -> list[str]:
             plugin = self._plugin()
             name = self._found().distribution
-            host = PluginHost(discover=False, environ={}, kinds=self._kinds)
+            host = PluginHost(discover=False, environ={}, kinds=self._kinds, kernel_builtins=False)
             try:
                 host.register(plugin, name=name)
                 before = self._registered_ids(host)
@@ -182,6 +182,17 @@ class PluginChecker:
             return []
 
         return self._run(run)
+
+    def _bare_host(self, plugin: object, name: str) -> PluginHost:
+        """A hermetic host with ``plugin`` in its plugin manager and its hooks validated, but
+        its registration hooks not yet run: the checks run them and report every problem."""
+        host = PluginHost(discover=False, environ={}, kinds=self._kinds, kernel_builtins=False)
+        try:
+            host.pm.register(plugin, name=name)
+        except (ValueError, pluggy.PluginValidationError) as exc:
+            raise PluginError(f"plugin {name!r} has an invalid hook implementation: {exc}") from exc
+        host._validate_hookimpls(plugin, name)
+        return host
 
     def _registered_ids(self, host: PluginHost) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -198,9 +209,8 @@ class PluginChecker:
             plugin = self._plugin()
             name = self._found().distribution
             problems: list[str] = []
-            host = PluginHost(discover=False, environ={}, kinds=self._kinds)
             try:
-                host.register(plugin, name=name, manifest=manifest)
+                host = self._bare_host(plugin, name)
             except PluginError as exc:
                 return [str(exc)]
             driver_eps = self._scan[1]
@@ -217,6 +227,7 @@ class PluginChecker:
                         for cname, obj in provided.items():
                             try:
                                 check_satisfies(spec, obj, what=f"contribution {name}/{cname}")
+                                check_registered_name(spec, obj, cname, what=f"contribution {name}/{cname}")
                             except PluginError as exc:
                                 problems.append(str(exc))
                     source = f"registered through {spec.hook}"

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-import yaml
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from .errors import PluginConfigError
 
@@ -68,31 +67,19 @@ class PluginsConfig(BaseModel):
         return self
 
     @classmethod
-    def from_yaml(cls, path: str | Path, section: str = "plugins") -> "PluginsConfig":
-        """Read the ``section`` of a deploy-config YAML; other top-level keys are ignored.
+    def from_yaml(cls, path: str | Path) -> "PluginsConfig":
+        """The ``plugins:`` section of a deploy config (the defaults when it has none).
 
-        A file without the section yields the defaults.
+        The whole file goes through the one strict loader, :func:`fv_kernel.config.load_deploy_config`:
+        an unknown key anywhere in it is an error naming the key's path, exactly as for
+        every command that takes ``--config``.
         """
-        path = Path(path)
+        from fv_kernel.config import DeployConfigError, load_deploy_config  # the deploy config imports the engine
+
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise PluginConfigError(f"cannot read deploy config {path}: {exc}") from exc
-        except yaml.YAMLError as exc:
-            raise PluginConfigError(f"{path}: not valid YAML: {exc}") from exc
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise PluginConfigError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
-        body = data.get(section) or {}
-        try:
-            return cls.model_validate(body)
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{section}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else f"{section}: {err['msg']}"
-                for err in exc.errors()
-            )
-            raise PluginConfigError(f"{path}: {problems}") from None
+            return load_deploy_config(path).plugins
+        except DeployConfigError as exc:
+            raise PluginConfigError(exc.message) from None
 
     def with_env(self, environ: Mapping[str, str]) -> "PluginsConfig":
         """Apply ``FV_PLUGINS``: unset keeps this config; ``""`` enables none; ``"a,b"`` enables exactly a and b.

@@ -56,3 +56,22 @@ class DriverTypeError(PluginError, TypeError):
 
 class PluginConfigError(PluginError, ValueError):
     """The deploy-scope plugin configuration (file or ``FV_PLUGINS``) is invalid."""
+
+
+def one_line(exc: BaseException) -> str:
+    """``"<Type>: <message>"`` on one line; a pydantic ValidationError lists ``field: message`` pairs.
+
+    Plugin failures are reported as one CLI line or one warning, so no cause may span lines.
+    """
+    errors = getattr(exc, "errors", None)
+    title = getattr(exc, "title", None)
+    if callable(errors) and isinstance(title, str):  # pydantic.ValidationError, without importing pydantic here
+        try:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in errors()
+            )
+            return f"{type(exc).__name__} in {title}: {problems}"
+        except (TypeError, KeyError):
+            pass
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

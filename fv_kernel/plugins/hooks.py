@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 import pluggy
 
-from .errors import DuplicateContributionError, PluginError, UnknownContributionError
-from .kinds import KINDS, KindSpec, check_satisfies, kind_spec
+from .errors import DuplicateContributionError, PluginError, UnknownContributionError, one_line
+from .kinds import KINDS, KindSpec, check_registered_name, check_satisfies, kind_spec
 
 if TYPE_CHECKING:
     from .host import PluginHost
@@ -36,68 +36,103 @@ class Contribution:
 
 
 class PluginHooks:
-    """Typed calls into the plugins registered with one :class:`pluggy.PluginManager`."""
+    """Typed calls into the plugins registered with one :class:`pluggy.PluginManager`.
+
+    Registration hooks run once per plugin, when the host registers it (:meth:`collect`);
+    what they register is checked, then kept per plugin (:meth:`accept`) until the plugin
+    is unregistered (:meth:`forget`). Lookups never call a plugin.
+    """
 
     def __init__(self, pm: pluggy.PluginManager, kinds: Mapping[str, KindSpec] = KINDS) -> None:
         self._pm = pm
         self._kinds = kinds
-        self._contributions: dict[str, dict[str, Contribution]] = {}
-
-    def invalidate(self) -> None:
-        """Forget collected contributions; the host calls this when plugins change."""
-        self._contributions.clear()
+        self._accepted: dict[str, dict[str, list[Contribution]]] = {}
+        """plugin name -> kind -> its checked contributions, in registration order."""
 
     # ------------------------------------------------------------------ registration
-    def contributions(self, kind: str) -> dict[str, Contribution]:
-        """All contributions of a hook-registered ``kind``, keyed by namespaced id.
+    def collect(self, plugin: object, plugin_name: str) -> dict[str, list[Contribution]]:
+        """Run every registration hook ``plugin`` implements and check each contribution.
 
-        Each plugin's registration hook is called once (results are cached until
-        plugins change); every object is checked against the kind's base.
+        Raises :class:`PluginError` at the first problem, naming the plugin: a hook raised
+        (e.g. a card that fails validation), a name is invalid or registered twice, an object
+        does not satisfy its kind's base, or its own name (``model_id``, ``name``) differs
+        from the name it is registered under.
         """
-        if kind not in self._contributions:
-            spec = kind_spec(kind, self._kinds)
-            collected = {c.id: c for c in self.registered(kind)}
-            for contribution in collected.values():
-                check_satisfies(spec, contribution.obj, what=f"contribution {contribution.id}")
-            self._contributions[kind] = collected
-        return dict(self._contributions[kind])
+        found: dict[str, list[Contribution]] = {}
+        for spec in self._kinds.values():
+            if spec.hook is None or not self._implements(plugin, spec.hook):
+                continue
+            contributions = self._call_registration(plugin, plugin_name, spec)
+            for contribution in contributions:
+                what = f"contribution {contribution.id}"
+                check_satisfies(spec, contribution.obj, what=what)
+                check_registered_name(spec, contribution.obj, contribution.name, what=what)
+            found[spec.kind] = contributions
+        return found
+
+    def accept(self, plugin_name: str, found: Mapping[str, list[Contribution]]) -> None:
+        """Keep ``found`` as ``plugin_name``'s contributions.
+
+        A short name is unique per kind across the deployment (lookups by short name, card
+        ids and sampler states rely on it): a name another plugin already contributes raises
+        :class:`DuplicateContributionError` naming both, and nothing of ``plugin_name`` is kept.
+        """
+        for kind, contributions in found.items():
+            owners = {c.name: c.plugin for other, by_kind in self._accepted.items() if other != plugin_name for c in by_kind.get(kind, ())}
+            for contribution in contributions:
+                if contribution.name in owners:
+                    raise DuplicateContributionError(
+                        f"{kind} {contribution.name!r} is contributed by both {owners[contribution.name]!r} and {plugin_name!r}"
+                    )
+        self._accepted[plugin_name] = {kind: list(items) for kind, items in found.items()}
+
+    def forget(self, plugin_name: str) -> None:
+        """Drop ``plugin_name``'s contributions (the host unregistered it)."""
+        self._accepted.pop(plugin_name, None)
+
+    def contributions(self, kind: str) -> dict[str, Contribution]:
+        """The accepted contributions of a hook-registered ``kind``, keyed by namespaced id."""
+        spec = kind_spec(kind, self._kinds)
+        if spec.hook is None:
+            raise PluginError(f"{kind} are named drivers (entry-point group {spec.entry_point_group}), not hook registrations")
+        return {c.id: c for by_kind in self._accepted.values() for c in by_kind.get(kind, ())}
 
     def registered(self, kind: str) -> list[Contribution]:
-        """Run the registration hooks of ``kind`` and return what they registered, unchecked and uncached.
+        """Run the registration hooks of ``kind`` for every registered plugin, unchecked and unkept.
 
-        Raises :class:`DuplicateContributionError` when two plugins register one short name.
+        For checkers (``fv plugins check``) that compare what a plugin registers with its manifest.
         """
         spec = kind_spec(kind, self._kinds)
         if spec.hook is None:
             raise PluginError(f"{kind} are named drivers (entry-point group {spec.entry_point_group}), not hook registrations")
         collected: list[Contribution] = []
-        owners: dict[str, str] = {}
         for plugin in self._plugins_implementing(spec.hook):
-            plugin_name = self._pm.get_name(plugin) or repr(plugin)
-            registered: dict[str, object] = {}
-
-            def register(name: str, obj: object, _registered: dict[str, object] = registered, _plugin: str = plugin_name) -> None:
-                if not isinstance(name, str) or not name or "/" in name:
-                    raise PluginError(f"plugin {_plugin!r} registered a {kind} contribution with invalid name {name!r} (non-empty, no '/')")
-                if name in _registered:
-                    raise DuplicateContributionError(f"plugin {_plugin!r} registered {kind} {name!r} twice")
-                _registered[name] = obj
-
-            caller = self._pm.subset_hook_caller(spec.hook, remove_plugins=[p for p in self._pm.get_plugins() if p is not plugin])
-            try:
-                caller(register=register)
-            except PluginError:
-                raise
-            except Exception as exc:
-                raise PluginError(f"plugin {plugin_name!r} failed in {spec.hook}: {type(exc).__name__}: {exc}") from exc
-            for name, obj in registered.items():
-                if name in owners:
-                    raise DuplicateContributionError(
-                        f"{kind} {name!r} is contributed by both {owners[name]!r} and {plugin_name!r}"
-                    )
-                owners[name] = plugin_name
-                collected.append(Contribution(kind=kind, plugin=plugin_name, name=name, obj=obj))
+            collected.extend(self._call_registration(plugin, self._pm.get_name(plugin) or repr(plugin), spec))
         return collected
+
+    def _call_registration(self, plugin: object, plugin_name: str, spec: KindSpec) -> list[Contribution]:
+        kind = spec.kind
+        registered: dict[str, object] = {}
+
+        def register(name: str, obj: object) -> None:
+            if not isinstance(name, str) or not name or "/" in name:
+                raise PluginError(f"plugin {plugin_name!r} registered a {kind} contribution with invalid name {name!r} (non-empty, no '/')")
+            if name in registered:
+                raise DuplicateContributionError(f"plugin {plugin_name!r} registered {kind} {name!r} twice")
+            registered[name] = obj
+
+        assert spec.hook is not None
+        caller = self._pm.subset_hook_caller(spec.hook, remove_plugins=[p for p in self._pm.get_plugins() if p is not plugin])
+        try:
+            caller(register=register)
+        except PluginError:
+            raise
+        except Exception as exc:  # a plugin's hook may raise anything
+            raise PluginError(f"plugin {plugin_name!r} failed in {spec.hook}: {one_line(exc)}") from exc
+        return [Contribution(kind=kind, plugin=plugin_name, name=name, obj=obj) for name, obj in registered.items()]
+
+    def _implements(self, plugin: object, hook_name: str) -> bool:
+        return any(impl.plugin is plugin for impl in getattr(self._pm.hook, hook_name).get_hookimpls())
 
     def get(self, kind: str, name: str) -> Contribution:
         """Look up by namespaced id (``"fv-wan/wan-tiny"``) or unique short name (``"wan-tiny"``)."""
@@ -149,12 +184,26 @@ class PluginHooks:
         self._pm.hook.fv_step_finished(event=event)
 
     # ------------------------------------------------------------------ single answer
-    def resolve_model_source(self, source: str) -> str | None:
-        """The first plugin's card id for ``source``, or None when no plugin claims it."""
-        result = self._pm.hook.fv_resolve_model_source(source=source)
-        if result is not None and not isinstance(result, str):
-            raise PluginError(f"fv_resolve_model_source returned {type(result).__name__}, expected a card id string or None")
-        return result  # type: ignore[no-any-return]
+    def resolve_model_source(self, source: str) -> Any:
+        """The first plugin's answer for ``source``: a card id, a ``ModelCard`` it derived, or None.
+
+        A plugin that recognises ``source`` but cannot serve it raises a typed ``FvError``
+        (passed through); any other exception is a ``PluginError`` naming the hook.
+        """
+        from fv_kernel.card.spec import ModelCard
+        from fv_kernel.errors import FvError
+
+        try:
+            result = self._pm.hook.fv_resolve_model_source(source=source)
+        except FvError:
+            raise
+        except Exception as exc:  # a plugin's hook may raise anything
+            raise PluginError(f"fv_resolve_model_source failed for {source!r}: {type(exc).__name__}: {exc}") from exc
+        if result is not None and not isinstance(result, (str, ModelCard)):
+            raise PluginError(
+                f"fv_resolve_model_source returned {type(result).__name__}, expected a card id string, a ModelCard or None"
+            )
+        return result
 
     def default_model(self) -> str | None:
         result = self._pm.hook.fv_default_model()

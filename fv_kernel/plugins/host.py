@@ -10,19 +10,22 @@ import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib.metadata import EntryPoint
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import pluggy
 from packaging.utils import canonicalize_name
 
 from .. import API_VERSION
 from . import hookspecs
-from .config import PluginsConfig, Selection, select
+from .config import KERNEL_DISTRIBUTION, PluginsConfig, Selection, select
 from .drivers import DriverRegistry, entry_point_distribution
-from .errors import ManifestError, PluginError, PluginLoadError
+from .errors import ManifestError, PluginError, PluginLoadError, one_line
 from .hooks import PluginHooks
 from .kinds import KINDS, KindSpec, kind_spec
 from .manifest import PluginManifest, load_manifest, locate_manifest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .registry import DeployRegistry
 
 PLUGINS_GROUP = "fv.plugins"
 DRIVER_GROUP_PREFIX = "fv."
@@ -88,6 +91,22 @@ def scan_entry_points(search_path: Sequence[str] | None = None) -> EntryPointSca
     return EntryPointScan(plugins=tuple(plugins), drivers={g: tuple(eps) for g, eps in drivers.items()})
 
 
+def scan_kernel_distribution() -> EntryPointScan:
+    """The kernel's own ``fv.*`` entry points (its built-ins), read from its metadata alone."""
+    try:
+        dist = importlib.metadata.distribution(KERNEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return EntryPointScan((), {})
+    plugins: list[DiscoveredPlugin] = []
+    drivers: dict[str, list[EntryPoint]] = {}
+    for ep in dist.entry_points:
+        if ep.group == PLUGINS_GROUP:
+            plugins.append(DiscoveredPlugin(distribution=dist.metadata["Name"], version=dist.version, entry_point=ep))
+        elif ep.group.startswith(DRIVER_GROUP_PREFIX):
+            drivers.setdefault(ep.group, []).append(ep)
+    return EntryPointScan(plugins=tuple(plugins), drivers={g: tuple(eps) for g, eps in drivers.items()})
+
+
 @dataclass
 class PluginRecord:
     """What the host knows about one plugin; ``fv plugins list`` prints these."""
@@ -114,7 +133,10 @@ class PluginHost:
     ``discover=False`` makes a hermetic host that sees no installed plugins (tests
     register plugin objects with :meth:`register`). Discovery reads metadata once per
     host; the process-wide host from :func:`get_host` therefore scans once per process.
-    Nothing here initialises CUDA or reads weights; plugins are imported by :meth:`start`.
+    The kernel's built-ins (the ``fv-kernel`` distribution) are always loaded, found on
+    the search path or not, unless ``kernel_builtins=False`` (checkers that look at one
+    plugin alone). Nothing here initialises CUDA or reads weights; plugins are imported
+    and registered by :meth:`start`.
     """
 
     def __init__(
@@ -126,6 +148,7 @@ class PluginHost:
         search_path: Sequence[str] | None = None,
         kinds: Mapping[str, KindSpec] = KINDS,
         kernel_api: str = API_VERSION,
+        kernel_builtins: bool = True,
     ) -> None:
         base = config or PluginsConfig()
         self.config: PluginsConfig = base.with_env(os.environ if environ is None else environ)
@@ -133,8 +156,10 @@ class PluginHost:
         self._discover = discover
         self._search_path = None if search_path is None else tuple(search_path)
         self._kinds = kinds
+        self._kernel_builtins = kernel_builtins
         self._scan: EntryPointScan | None = None
         self._records: dict[str, PluginRecord] = {}
+        self._registry: "DeployRegistry | None" = None
         self._started = False
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
@@ -155,23 +180,47 @@ class PluginHost:
     def discovered(self) -> list[DiscoveredPlugin]:
         return list(self.scan().plugins)
 
+    def _loadable(self) -> EntryPointScan:
+        """The scan plus the kernel's built-ins when the scan did not see them; the kernel comes first.
+
+        Loading the kernel first, then plugins by name, makes every outcome deterministic,
+        including which of two plugins contributing one name is refused.
+        """
+        scan = self.scan()
+        kernel = canonicalize_name(KERNEL_DISTRIBUTION)
+        plugins = list(scan.plugins)
+        drivers = {group: list(eps) for group, eps in scan.drivers.items()}
+        if self._kernel_builtins and not any(canonicalize_name(p.distribution) == kernel for p in plugins):
+            builtins = scan_kernel_distribution()
+            plugins.extend(builtins.plugins)
+            for group, eps in builtins.drivers.items():
+                drivers.setdefault(group, []).extend(eps)
+        if not self._kernel_builtins:
+            plugins = [p for p in plugins if canonicalize_name(p.distribution) != kernel]
+        plugins.sort(key=lambda p: (canonicalize_name(p.distribution) != kernel, canonicalize_name(p.distribution)))
+        return EntryPointScan(plugins=tuple(plugins), drivers={g: tuple(eps) for g, eps in drivers.items()})
+
     # ------------------------------------------------------------------ loading
     @property
     def started(self) -> bool:
         return self._started
 
     def start(self, *, fail_fast: bool = True) -> None:
-        """Load every selected plugin, then broadcast ``fv_host_started``. Idempotent.
+        """Load every selected plugin and run its registration hooks, then broadcast ``fv_host_started``. Idempotent.
 
-        A failing plugin that was explicitly enabled (or any failing plugin under
-        ``strict``) raises :class:`PluginLoadError` when ``fail_fast``; otherwise the
-        failure is recorded with status ``error`` (the CLI uses this to report). An
-        autoloaded plugin that fails is skipped with one :class:`PluginWarning` line.
+        A plugin fails when importing it, validating its manifest or running its
+        registration hooks raises, or when what it registers is invalid (a card that fails
+        validation, a sampler that is not a ``Sampler``, a name another plugin already
+        contributes). A failed plugin is unregistered (none of its hooks run) and recorded
+        with status ``error``; every other plugin keeps working. A failing plugin that was
+        explicitly enabled (or any failing plugin under ``strict``) raises
+        :class:`PluginLoadError` when ``fail_fast``; otherwise, and for autoloaded plugins,
+        the failure is one :class:`PluginWarning` line.
         """
         if self._started:
             return
-        discovered = self.discovered()
-        for found in discovered:
+        loadable = self._loadable()
+        for found in loadable.plugins:
             selection = select(self.config, found.distribution, found.version)
             if not selection.enabled:
                 self._records[canonicalize_name(found.distribution)] = PluginRecord(
@@ -184,7 +233,7 @@ class PluginHost:
                 )
                 continue
             self._load(found, selection, fail_fast=fail_fast)
-        installed = {canonicalize_name(p.distribution) for p in discovered}
+        installed = {canonicalize_name(p.distribution) for p in loadable.plugins}
         enable, _ = self.config.requirements()
         for key, req in enable.items():
             if key not in installed and key not in self._records:
@@ -193,7 +242,6 @@ class PluginHost:
                     raise PluginLoadError(req.name, None, None, cause)
                 self._records[key] = PluginRecord(req.name, None, None, PluginStatus.ERROR, cause, explicit=True)
         self._started = True
-        self.hooks.invalidate()
         self.hooks.host_started(self)
 
     def _manifest_or_none(self, found: DiscoveredPlugin) -> PluginManifest | None:
@@ -219,10 +267,10 @@ class PluginHost:
             try:
                 plugin = found.entry_point.load()
             except Exception as exc:  # a plugin's import may raise anything
-                raise PluginError(f"importing {found.entry_point.value} raised {type(exc).__name__}: {exc}") from exc
+                raise PluginError(f"importing {found.entry_point.value} raised {one_line(exc)}") from exc
             self.register(plugin, name=found.distribution, manifest=manifest, version=found.version)
         except PluginError as exc:
-            cause = str(exc)
+            cause = " ".join(str(exc).split())
             self._records[key] = PluginRecord(
                 name=found.distribution,
                 version=found.version,
@@ -253,12 +301,14 @@ class PluginHost:
         manifest: PluginManifest | None = None,
         version: str | None = None,
     ) -> None:
-        """Register a plugin object (module, class instance) under ``name``.
+        """Register a plugin object (module, class instance) under ``name`` and run its registration hooks.
 
         Registering the same object under the same name again is a no-op; another
         object under a taken name is an error. Hook implementations are validated
         against the specs: unknown ``fv_*`` hooks and non-wrapper ``fv_wrap_generate``
-        implementations are refused.
+        implementations are refused. When a registration hook fails or registers
+        something invalid, the plugin is unregistered, recorded with status ``error``,
+        and the :class:`PluginError` is raised.
         """
         key = canonicalize_name(name)
         existing = self.pm.get_plugin(name)
@@ -276,8 +326,19 @@ class PluginHost:
             raise PluginError(f"plugin {name!r} has an invalid hook implementation: {exc}") from exc
         try:
             self._validate_hookimpls(plugin, name)
-        except PluginError:
+            self.hooks.accept(name, self.hooks.collect(plugin, name))
+        except PluginError as exc:
             self.pm.unregister(plugin)
+            self.hooks.forget(name)
+            self._records[key] = PluginRecord(
+                name=name,
+                version=version or (manifest.version if manifest else None),
+                entry_point=None,
+                status=PluginStatus.ERROR,
+                reason=" ".join(str(exc).split()),
+                manifest=manifest,
+            )
+            self._registry = None
             raise
         self._records[key] = PluginRecord(
             name=name,
@@ -288,15 +349,16 @@ class PluginHost:
             manifest=manifest,
             plugin=plugin,
         )
-        self.hooks.invalidate()
+        self._registry = None
 
     def unregister(self, name: str) -> None:
-        """Remove a registered plugin; unknown names are ignored."""
+        """Remove a registered plugin and its contributions; unknown names are ignored."""
         plugin = self.pm.get_plugin(name)
         if plugin is not None:
             self.pm.unregister(plugin)
+        self.hooks.forget(name)
         self._records.pop(canonicalize_name(name), None)
-        self.hooks.invalidate()
+        self._registry = None
 
     def _validate_hookimpls(self, plugin: object, name: str) -> None:
         for caller in self.pm.get_hookcallers(plugin) or []:
@@ -327,6 +389,11 @@ class PluginHost:
     def enabled_names(self) -> list[str]:
         return [r.name for r in self.records() if r.status is PluginStatus.ENABLED]
 
+    def failures(self) -> list[PluginRecord]:
+        """The plugins that failed (status ``error``), explicit ones first."""
+        failed = [r for r in self.records() if r.status is PluginStatus.ERROR]
+        return sorted(failed, key=lambda r: not r.explicit)
+
     def drivers(self, kind: str) -> DriverRegistry:
         """The named drivers of ``kind`` contributed by enabled plugins (starts the host if needed)."""
         spec = kind_spec(kind, self._kinds)
@@ -334,13 +401,31 @@ class PluginHost:
         enabled = {canonicalize_name(n) for n in self.enabled_names()}
         selected: list[EntryPoint] = []
         ignored: dict[str, str] = {}
-        for ep in self.scan().drivers.get(spec.entry_point_group, ()):
+        for ep in self._loadable().drivers.get(spec.entry_point_group, ()):
             dist = entry_point_distribution(ep)
             if dist is not None and canonicalize_name(dist) in enabled:
                 selected.append(ep)
             else:
                 ignored[ep.name] = f"its distribution {dist!r} is not an enabled fv plugin"
         return DriverRegistry(kind, selected, kinds=self._kinds, ignored=ignored)
+
+    def registry(self) -> "DeployRegistry":
+        """The deploy-scope registry: samplers, loops and attention backends of the enabled plugins.
+
+        Built once per set of registered plugins (starts the host if needed); instances
+        built for this deployment resolve names through it, never through installed
+        entry points of plugins that are not enabled.
+        """
+        self.start()
+        if self._registry is None:
+            from .registry import DeployRegistry
+
+            self._registry = DeployRegistry(
+                samplers=self.hooks.samplers().values(),
+                loops=self.hooks.loops().values(),
+                attention_backends=self.drivers("attention_backends"),
+            )
+        return self._registry
 
 
 @functools.cache

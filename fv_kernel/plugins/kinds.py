@@ -35,6 +35,9 @@ class KindSpec(BaseModel):
     shape: Shape
     hook: str | None
     """Registration hook name, or None when the kind comes only from its driver group."""
+    name_attr: str | None = None
+    """The contribution's own name attribute (``model_id``, ``name``): it must equal the name it is
+    registered under, because lookups by that name (a request's model, a sampler state) must find it."""
 
     @property
     def entry_point_group(self) -> str:
@@ -42,16 +45,16 @@ class KindSpec(BaseModel):
         return f"fv.{self.kind}"
 
 
-def _row(kind: str, base: str, shape: Shape, hook: bool = True) -> tuple[str, KindSpec]:
-    return kind, KindSpec(kind=kind, base=base, shape=shape, hook=f"fv_register_{kind}" if hook else None)
+def _row(kind: str, base: str, shape: Shape, hook: bool = True, name_attr: str | None = None) -> tuple[str, KindSpec]:
+    return kind, KindSpec(kind=kind, base=base, shape=shape, hook=f"fv_register_{kind}" if hook else None, name_attr=name_attr)
 
 
 KINDS: Mapping[str, KindSpec] = MappingProxyType(
     dict(
         [
-            _row("model_cards", "fv_kernel.card:ModelCard", Shape.INSTANCE),
+            _row("model_cards", "fv_kernel.card:ModelCard", Shape.INSTANCE, name_attr="model_id"),
             _row("loops", "fv_kernel.loop:Loop", Shape.CLASS),
-            _row("samplers", "fv_kernel.loop.samplers:Sampler", Shape.CLASS),
+            _row("samplers", "fv_kernel.loop.samplers:Sampler", Shape.CLASS, name_attr="name"),
             _row("interceptors", "fv_kernel.extend:Interceptor", Shape.CLASS),
             _row("observers", "fv_kernel.extend:Observer", Shape.CLASS),
             _row("attention_backends", "fv_kernel.compute.attention:AttentionBackend", Shape.CLASS, hook=False),
@@ -110,3 +113,14 @@ def check_satisfies(spec: KindSpec, obj: object, *, what: str) -> None:
     if not ok:
         got = obj.__qualname__ if isinstance(obj, type) else f"{type(obj).__qualname__} instance"
         raise DriverTypeError(f"{what} ({spec.kind}) must be {expected}, got {got}")
+
+
+def check_registered_name(spec: KindSpec, obj: object, name: str, *, what: str) -> None:
+    """Raise :class:`PluginError` unless ``obj``'s own name (``spec.name_attr``) equals its registered ``name``."""
+    if spec.name_attr is None:
+        return
+    own = getattr(obj, spec.name_attr, None)
+    if own != name:
+        raise PluginError(
+            f"{what} is registered as {name!r} but its {spec.name_attr} is {own!r}; register {spec.kind} under their {spec.name_attr}"
+        )
