@@ -150,12 +150,13 @@ def test_emit_spec_rates_reach_media_init(monkeypatch: pytest.MonkeyPatch) -> No
     def next_with_rate(self: ToyDecodeLoop, state: Any) -> Any:
         plan = original(self, state)
         if isinstance(plan, WorkPlan):
-            plan.emits = [e.model_copy(update={"fps": 24.0}) for e in plan.emits]
+            plan.emits = [e.model_copy(update={"fps": 24.0, "sample_rate": 16000}) for e in plan.emits]
         return plan
 
     monkeypatch.setattr(ToyDecodeLoop, "next", next_with_rate)
     _, events = run_with_events(engine_for("toy-dit"), t2v(output=OutputSpec(stream_previews=True)))
-    assert next(e for e in events if e.type == "media.init").fps == 24.0  # type: ignore[union-attr]
+    init = next(e for e in events if e.type == "media.init")
+    assert (init.fps, init.sample_rate) == (24.0, 16000)  # type: ignore[union-attr]
     with pytest.raises(ValidationError):
         EmitSpec(stream="audio", modality="audio", sample_rate=0)
 
@@ -176,6 +177,20 @@ def test_a_cancelled_stream_gets_no_media_complete() -> None:
                                      on_submit=cancel_after_first_chunk)
     assert result.status == "cancelled" and events[-1].type == "request.cancelled"
     assert ("media.init", "video") in media(events) and ("media.complete", "video") not in media(events)
+
+
+def test_a_failed_stream_gets_no_media_complete(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = ToyDecodeLoop.advance
+
+    def fail_on_second_frame(self: ToyDecodeLoop, state: Any, result: Any) -> Any:
+        if state.step == 1:
+            raise RuntimeError("decoder fell over")
+        return original(self, state, result)
+
+    monkeypatch.setattr(ToyDecodeLoop, "advance", fail_on_second_frame)
+    result, events = run_with_events(engine_for("toy-dit"), t2v(output=OutputSpec(stream_previews=True)))
+    assert result.status == "failed" and events[-1].type == "request.failed"
+    assert media(events) == [("media.init", "video"), ("media.chunk", "video")]
 
 
 # -- WorkPlan.cancel_scope --------------------------------------------------------------------------
