@@ -95,9 +95,22 @@ from fv_kernel.loop.samplers import (
     sampler_from_state,
 )
 from fv_kernel.loop.sampling import apply_presence_penalty, sample_next_token
-from fv_kernel.loop.state import TensorState, generator_from_state, new_generator_state
+from fv_kernel.loop.state import (
+    StateFormatError,
+    StateNotSerializable,
+    TensorState,
+    generator_from_state,
+    new_generator_state,
+)
 from fv_kernel.plugins.hookspecs import hookimpl
 from fv_kernel.program.base import InlineProgram, Program, ProgramCompiler
+from fv_kernel.program.resume import (
+    CheckpointIncompatible,
+    ProgramCheckpoint,
+    ProgramNotResumable,
+    ProgramRun,
+    run_program,
+)
 from fv_kernel.request.artifacts import (
     Artifact,
     AudioArtifact,

@@ -176,12 +176,17 @@ class ModelInstance:
         return {}
 
     def loop(self, loop_id: str) -> "Loop":
-        """The card's loop ``loop_id``, built once per instance (loops hold no per-request state)."""
+        """The card's loop ``loop_id``, built and bound (``Loop.bind``) once per instance.
+
+        Loops hold no per-request state; what they bind is this instance's.
+        """
         if loop_id not in self._loops:
             spec = self.card.loops.get(loop_id)
             if spec is None:
                 raise InvalidRequest("loop", f"card {self.model_id!r} has no loop {loop_id!r}", allowed=sorted(self.card.loops))
-            self._loops[loop_id] = import_object(spec.implementation)(spec)
+            loop = import_object(spec.implementation)(spec)
+            loop.bind(self)
+            self._loops[loop_id] = loop
         return self._loops[loop_id]
 
     def program(self, task: TaskType) -> "Program":

@@ -322,6 +322,26 @@ class Loop(abc.ABC, Generic[S]):
     def finalize(self, state: S) -> LoopResult:
         """Turn the final state into outputs and artifacts."""
 
+    def bind(self, instance: "ModelInstance") -> None:
+        """Attach per-instance resources (a tokenizer, a pool) when ``instance`` builds this loop.
+
+        :meth:`ModelInstance.loop` calls it once, before the loop serves any request. A
+        loop may keep what it binds here (it is the instance's, shared by every request);
+        it never keeps anything it learns in ``init``. The default binds nothing.
+        """
+
+    def restore(self, state: S, model: "ModelInstance", ctx: "LoopContext") -> S:
+        """Re-attach what lives outside ``state`` after it was read back from bytes, maybe in another process.
+
+        The driver calls it instead of :meth:`init` when a loop resumes from a saved
+        state (``drive(loop, model, ctx, state=...)``). A loop whose state holds
+        everything it needs (the common case) returns it unchanged, the default. A loop
+        with per-process resources (e.g. K/V blocks in the instance's paged pool)
+        re-acquires them here and returns the state that points at them; it runs no
+        kernels here, but may return a state whose next steps rebuild what was lost.
+        """
+        return state
+
     def progress(self, state: S) -> tuple[int, int | None]:
         """(steps done, total steps or None) for progress events."""
         return state.step, None

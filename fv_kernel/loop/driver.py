@@ -58,7 +58,11 @@ def _emit_chunks(ctx: "LoopContext", plan: WorkPlan, result: StepResult, counter
 
 
 async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopResult:
-    """Drive ``loop`` from ``state`` (fresh from ``init`` or restored from bytes) to the end."""
+    """Drive ``loop`` from a state that is ready to run (from ``init`` or ``restore``) to the end.
+
+    A state read back from bytes goes through :func:`drive` with ``state=`` instead, so
+    the loop's ``restore`` hook re-attaches its per-process resources first.
+    """
     counters: dict[str, int] = {}
     while True:
         if ctx.cancel.cancelled:
@@ -96,8 +100,24 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopR
     return result
 
 
-async def drive(loop: Loop[Any], model: "ModelInstance", ctx: "LoopContext") -> LoopResult:
-    """Run one loop for ``ctx.request`` on ``model``."""
+async def drive(
+    loop: Loop[Any], model: "ModelInstance", ctx: "LoopContext", *, state: LoopState | None = None
+) -> LoopResult:
+    """Run one loop for ``ctx.request`` on ``model``.
+
+    With ``state`` (a saved state read back from bytes, maybe in another process) the
+    loop continues from it: the driver calls ``loop.restore(state, model, ctx)``
+    instead of ``loop.init`` so the loop re-attaches what lives outside its state.
+    """
     ctx = dataclasses.replace(ctx, instance=model)
-    state = loop.init(ctx.request, model, ctx)
+    if state is None:
+        state = loop.init(ctx.request, model, ctx)
+    else:
+        if state.loop_id != loop.loop_id or state.request_id != ctx.request.request_id:
+            raise ValueError(
+                f"a state of loop {state.loop_id!r} / request {state.request_id!r} cannot resume loop "
+                f"{loop.loop_id!r} of request {ctx.request.request_id!r}"
+            )
+        # The instance that saved the state may be gone (another process): plans name this one.
+        state = loop.restore(state.model_copy(update={"instance_id": model.instance_id}), model, ctx)
     return await resume(loop, state, ctx)

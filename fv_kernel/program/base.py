@@ -4,19 +4,25 @@ The card says which loops exist; a program says how to run them for one request.
 :class:`InlineProgram` runs a sequence of loops on one resident instance, handing
 each loop's outputs to the next. A family with braided control flow (an omni
 request that decodes text, then generates, then fans out decoders) writes its own
-:class:`Program` with ``async`` code over :func:`~fv_kernel.loop.driver.drive`.
+:class:`Program` with ``async`` code that runs each loop with :meth:`Program.run_loop`.
+
+A program that runs every loop through :meth:`Program.run_loop`, and whose control
+flow depends only on the request and the loops' results, declares ``resumable = True``:
+the runtime can then checkpoint it at any step boundary and continue it from a
+:class:`~fv_kernel.program.resume.ProgramCheckpoint`, maybe in another process.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.card.validate import select_denoise_loop
 from fv_kernel.errors import InvalidRequest
-from fv_kernel.loop.contract import ResourceRequest
+from fv_kernel.loop.contract import LoopResult, ResourceRequest
 from fv_kernel.loop.driver import drive
+from fv_kernel.program.resume import PROGRAM_RUN, ProgramRun
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.types import TaskType
 
@@ -31,8 +37,26 @@ __all__ = ["Program", "InlineProgram", "program_for", "ProgramCompiler"]
 class Program(abc.ABC):
     """Runs one request's loops; the runtime owns everything around it."""
 
+    #: The program can continue from a checkpoint: it runs every loop through :meth:`run_loop`
+    #: and its control flow depends only on the request and the loops' results. When False
+    #: the runtime does not checkpoint it, and a started request cannot resume (it fails
+    #: with ``not_resumable``); one that never started still runs from the beginning.
+    resumable: ClassVar[bool] = False
+
     def __init__(self, card: ModelCard) -> None:
         self.card = card
+
+    async def run_loop(self, loop_id: str, model: "ModelInstance", ctx: "LoopContext") -> LoopResult:
+        """Run the card's loop ``loop_id`` for ``ctx.request`` (what ``run`` calls for each loop).
+
+        Through the request's :class:`~fv_kernel.program.resume.ProgramRun` the runtime
+        records the loop's progress for checkpoints and, resuming, returns the recorded
+        result of a loop that had finished or continues the one that was in flight.
+        """
+        run = ctx.services.get(PROGRAM_RUN)
+        if isinstance(run, ProgramRun):
+            return await run.loop(loop_id, model, ctx)
+        return await drive(model.loop(loop_id), model, ctx)
 
     @abc.abstractmethod
     async def run(self, model: "ModelInstance", ctx: "LoopContext") -> list[Artifact]:
@@ -68,6 +92,8 @@ class Program(abc.ABC):
 class InlineProgram(Program):
     """A linear sequence of the card's loops on one instance; the degenerate, common case."""
 
+    resumable = True
+
     def __init__(self, card: ModelCard, loops: tuple[str, ...]) -> None:
         super().__init__(card)
         self.loops = loops
@@ -83,7 +109,7 @@ class InlineProgram(Program):
         upstream: dict[str, Any] = {}
         artifacts: list[Artifact] = []
         for loop_id in self.loop_ids(ctx.request):
-            result = await drive(model.loop(loop_id), model, ctx.child(upstream))
+            result = await self.run_loop(loop_id, model, ctx.child(upstream))
             upstream = {**upstream, **result.outputs}
             artifacts.extend(result.artifacts)
         return artifacts

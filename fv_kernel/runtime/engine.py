@@ -26,7 +26,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterable, Literal
+from typing import Any, AsyncIterator, Callable, Iterable, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,6 +49,7 @@ from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.loop.context import CancelToken, LoopContext
 from fv_kernel.loop.contract import CancelScope, StepResult, WorkPlan
 from fv_kernel.loop.driver import LoopCancelled
+from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun, run_program
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.events import TERMINAL_EVENT_TYPES, ErrorInfo, Event
 from fv_kernel.request.request import Request
@@ -127,6 +128,8 @@ class _Record:
         self.task: asyncio.Task[None] | None = None
         self.status: str = "queued"
         self.steps_done = 0
+        #: The request's way through its program, when it resumes a checkpoint or reports steps.
+        self.program_run: ProgramRun | None = None
         #: Priced once, when the request first reaches the head of its queue.
         self.reservation: Reservation | None = None
 
@@ -405,8 +408,20 @@ class Engine:
         loop_ids = instance.program(request.task).loop_ids(request)
         return self.extensions.hooks_for(instance.card, loop_ids, request.plugin_params, exact=request.exact)
 
-    def submit(self, request: Request) -> RequestHandle:
-        """Validate and enqueue; returns at once. Must be called on the engine's event loop."""
+    def submit(
+        self,
+        request: Request,
+        *,
+        resume_from: ProgramCheckpoint | None = None,
+        on_step: Callable[[ProgramRun], None] | None = None,
+    ) -> RequestHandle:
+        """Validate and enqueue; returns at once. Must be called on the engine's event loop.
+
+        ``resume_from`` continues a :class:`ProgramCheckpoint` of this request (checked
+        here: an unusable one raises ``CheckpointIncompatible`` / ``ProgramNotResumable``).
+        ``on_step(run)`` is called after every step of the request; ``run.checkpoint()``
+        is its resume point at that moment.
+        """
         if self._scheduler_task is None or self._loop is None:
             raise RuntimeError("the engine is not running: use 'async with engine.running():' or await engine.start()")
         try:
@@ -418,6 +433,14 @@ class Engine:
             raise ValueError(f"request id {resolved.request_id!r} was already submitted")
         instance = self._instances[resolved.model]
         record = _Record(resolved, instance, self._loop)
+        if resume_from is not None or on_step is not None:
+            try:
+                record.program_run = ProgramRun(
+                    instance.program(resolved.task), instance, resolved, resume_from=resume_from, on_step=on_step,
+                )
+            except FvError as exc:
+                self._count_rejection(exc.error_type)
+                raise
         try:
             self._queue.push(record)
         except QueueFull:
@@ -577,7 +600,7 @@ class Engine:
         )
         try:
             record.instance.load_for_task(request.task)
-            artifacts = await program.run(record.instance, ctx)
+            artifacts = await run_program(program, record.instance, ctx, run=record.program_run)
         except (LoopCancelled, RequestCancelled) as exc:
             partial = exc.partial.artifacts if isinstance(exc, LoopCancelled) and exc.partial else []
             partial = request.output.keep(partial)
@@ -806,5 +829,3 @@ def run_concurrently(engine: Engine, requests: Iterable[Request]) -> list[Genera
             return list(await asyncio.gather(*(h.result() for h in handles)))
 
     return asyncio.run(go())
-
-

@@ -17,6 +17,7 @@ from fv_kernel.card.validate import RequestLimits, resolve_request
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.loop.context import LoopContext
 from fv_kernel.loop.contract import LoopState, StepResult, WorkPlan
+from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun, run_program
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import Request
 
@@ -32,9 +33,19 @@ async def run_local_async(
     limits: RequestLimits | None = None,
     services: dict[str, Any] | None = None,
     extensions: ExtensionSet | None = None,
+    resume_from: ProgramCheckpoint | None = None,
+    on_step: Callable[[ProgramRun], None] | None = None,
 ) -> list[Artifact]:
+    """Run ``request`` on ``instance``; every plan executes at once, in this task.
+
+    ``resume_from`` continues a :class:`ProgramCheckpoint` of the same request (taken in
+    this process or another); ``on_step`` is called with the request's
+    :class:`ProgramRun` after every step (``run.checkpoint()`` is the resume point then).
+    """
     resolved = resolve_request(instance.card, request, limits)
     instance.load_for_task(resolved.task)
+    program = instance.program(resolved.task)
+    run = ProgramRun(program, instance, resolved, resume_from=resume_from, on_step=on_step)
 
     services = services if services is not None else {"feature_cache": FeatureCache()}
 
@@ -50,10 +61,10 @@ async def run_local_async(
         emit_event=on_event or (lambda *a, **k: None),
         services=services,
         hooks=None if extensions is None else extensions.hooks_for(
-            instance.card, instance.program(resolved.task).loop_ids(resolved), resolved.plugin_params, exact=resolved.exact
+            instance.card, program.loop_ids(resolved), resolved.plugin_params, exact=resolved.exact
         ),
     )
-    return await instance.program(resolved.task).run(instance, ctx)
+    return await run_program(program, instance, ctx, run=run)
 
 
 def run_local(request: Request, instance: ModelInstance, **kwargs: Any) -> list[Artifact]:

@@ -54,7 +54,6 @@ from fv_kernel.loop.contract import (
     WorkKind,
     WorkPlan,
 )
-from fv_kernel.loop.driver import drive
 from fv_kernel.loop.guidance import builtin_guidance_policies
 from fv_kernel.loop.samplers import SamplerState, builtin_samplers, sampler_from_state
 from fv_kernel.loop.sampling import apply_presence_penalty, sample_next_token
@@ -572,8 +571,11 @@ class ToyARDecodeLoop(Loop[ARState]):
 class UpsampleThenGenerate(Program):
     """toy-omni's text-to-video program: optionally rewrite the prompt with the LM, then generate.
 
-    Both loops run on the same resident instance and the same LM weights.
+    Both loops run on the same resident instance and the same LM weights. Every loop
+    runs through ``run_loop``, so a checkpoint of the request resumes anywhere.
     """
+
+    resumable = True
 
     def loop_ids(self, request: Request) -> list[str]:
         base = ["text_encode", "denoise", "decode"]
@@ -583,7 +585,7 @@ class UpsampleThenGenerate(Program):
         upstream: dict[str, Any] = {}
         artifacts: list[Any] = []
         for loop_id in self.loop_ids(ctx.request):
-            result = await drive(model.loop(loop_id), model, ctx.child(upstream))
+            result = await self.run_loop(loop_id, model, ctx.child(upstream))
             upstream.update(result.outputs)
             artifacts.extend(result.artifacts)
         return artifacts
