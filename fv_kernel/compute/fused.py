@@ -278,11 +278,20 @@ class TritonFusedOps(FusedOps):
         if not triton_available():
             raise FusedOpsUnavailable("fused_ops='triton' needs the triton package, which is not importable")
         self._residual_norm, self._rms_rope = _build_kernels()
+        from triton.runtime.interpreter import InterpretedFunction
 
-    @staticmethod
-    def _rows(x: torch.Tensor) -> tuple[int, int, int]:
+        #: Built under ``TRITON_INTERPRET=1`` (Triton decides when the kernels are decorated, so
+        #: at construction): the kernels then run in Triton's interpreter and take CPU tensors.
+        self.interpreted = isinstance(self._residual_norm, InterpretedFunction)
+
+    def _rows(self, x: torch.Tensor) -> tuple[int, int, int]:
         if x.dim() != 3:
             raise ValueError(f"expected a (B, L, D) token tensor, got shape {tuple(x.shape)}")
+        if x.device.type != "cuda" and not self.interpreted:
+            raise FusedOpsUnavailable(
+                f"TritonFusedOps got a {x.device.type} tensor: the kernels run on CUDA, or on CPU only when "
+                "built under Triton's interpreter (TRITON_INTERPRET=1 set before TritonFusedOps() is created)"
+            )
         batch, tokens, width = x.shape
         return batch, tokens, width
 
