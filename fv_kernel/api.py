@@ -11,6 +11,7 @@ from fv_kernel import API_VERSION, __version__
 from fv_kernel.cache.feature import FeatureCache
 from fv_kernel.cache.keys import CacheKey, content_hash
 from fv_kernel.cache.paged_kv import CacheFull, KVBlockTable, PagedKVConfig, PagedKVPool
+from fv_kernel.card.buildcheck import BuildProblem, InvalidCard, check_card_builds, parse_component_config
 from fv_kernel.card.catalog import CardCatalog, ResolvedModel
 from fv_kernel.card.checkpoint import apply_key_map, dtype_for_key, load_into, read_safetensors, resolve_source
 from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp, build_instance, import_object

@@ -93,6 +93,10 @@ class ComponentSpec(_Spec):
     builder: str
     #: The component's config, as its builder takes it (e.g. diffusers ``config.json`` keys).
     config: dict[str, Any] = Field(default_factory=dict)
+    #: How ``config`` parses: ``"module:attr"`` of a pydantic model or a function taking the dict.
+    #: ``fv cards validate`` (``fv_kernel.card.buildcheck``) and the family's loaders both parse
+    #: through it, so a config that validates is the config that loads. None: not checked up front.
+    config_schema: str | None = None
     precision_policy: PrecisionPolicy = PrecisionPolicy()
     #: Parity tests that cover this component (test node ids).
     parity_tests: tuple[str, ...] = ()
@@ -101,6 +105,11 @@ class ComponentSpec(_Spec):
     @classmethod
     def _check_builder(cls, value: str) -> str:
         return ImportString(value)
+
+    @field_validator("config_schema")
+    @classmethod
+    def _check_config_schema(cls, value: str | None) -> str | None:
+        return None if value is None else ImportString(value)
 
 
 class KeyMapRule(_Spec):

@@ -100,34 +100,46 @@ def show_card(model_id: str = typer.Argument(..., help="Card id, e.g. wan-tiny."
 def validate_card(
     card: str = typer.Argument(..., help="An installed card id, or a card file (.json / .yaml)."),
 ) -> None:
-    """Validate a card without loading weights; exits non-zero naming each bad field."""
+    """Validate a card without loading weights; exits non-zero naming each bad field.
+
+    Beyond the card's shape, it must build: every code reference imports (a component's
+    builder, the factory, loop classes) and every component config parses through the
+    component's ``config_schema`` -- the parser its loader uses.
+    """
+    from fv_kernel.card.buildcheck import check_card_builds
+    from fv_kernel.card.catalog import InvalidCardFile, is_card_file, read_card_file
+
     path = Path(card)
-    if path.suffix.lower() in (".json", ".yaml", ".yml") or path.is_file():
+    if is_card_file(card) or path.is_file():
         try:
-            text = path.read_text(encoding="utf-8")
-            data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-        except (OSError, ValueError, yaml.YAMLError) as exc:
-            _fail(f"cannot read card file {path}: {exc}")
-            return
-        try:
-            parsed = ModelCard.model_validate(data)
-        except ValidationError as exc:
+            found = read_card_file(path)  # validated and build-checked
+        except InvalidCardFile as exc:
             typer.echo(f"invalid card {path}:", err=True)
+            for line in exc.problems:
+                typer.echo(f"  {line}", err=True)
+            raise typer.Exit(1) from None
+        except FvError as exc:
+            _fail(exc.message)
+            return
+    else:
+        try:
+            found = _catalog().get(card)
+            ModelCard.model_validate(found.model_dump())
+        except ValidationError as exc:
             for line in _describe_validation_error(exc):
                 typer.echo(f"  {line}", err=True)
             raise typer.Exit(1) from None
-        typer.echo(f"ok: {parsed.model_id} ({parsed.family}, recipe {parsed.recipe.method})")
-        return
-    try:
-        found = _catalog().get(card)
-        ModelCard.model_validate(found.model_dump())
-    except ValidationError as exc:
-        for line in _describe_validation_error(exc):
-            typer.echo(f"  {line}", err=True)
-        raise typer.Exit(1) from None
-    except (FvError, PluginError) as exc:
-        _fail(str(exc))
-        return
-    typer.echo(f"ok: {found.model_id} ({found.family}, recipe {found.recipe.method})")
+        except (FvError, PluginError) as exc:
+            _fail(str(exc))
+            return
+        problems = check_card_builds(found)
+        if problems:
+            typer.echo(f"invalid card {card}:", err=True)
+            for problem in problems:
+                typer.echo(f"  {problem}", err=True)
+            raise typer.Exit(1)
+    unchecked = sorted(cid for cid, comp in found.components.items() if comp.config_schema is None)
+    note = f"; not checked (no config_schema): {', '.join(unchecked)}" if unchecked else ""
+    typer.echo(f"ok: {found.model_id} ({found.family}, recipe {found.recipe.method}; builds{note})")
 
 

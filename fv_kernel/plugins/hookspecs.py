@@ -120,11 +120,15 @@ def fv_step_finished(event: Any) -> None:
 
 
 @hookspec(firstresult=True)
-def fv_resolve_model_source(source: str) -> str | None:
-    """Map a model source (local directory, hub id, alias) to a model card id.
+def fv_resolve_model_source(source: str) -> Any:
+    """Map a model source (local directory, hub id, alias) to a model card.
 
-    Return the card id (``"<plugin>/<name>"`` or a unique short name) or ``None`` to
-    let the next plugin try. The first non-``None`` answer wins.
+    Return an installed card's id (``"<plugin>/<name>"`` or a unique short name), a
+    :class:`fv_kernel.card.ModelCard` derived from the source (a checkpoint no installed
+    card describes; its id must not be an installed card's, and it is build-checked
+    before use), or ``None`` to let the next plugin try. The first non-``None`` answer
+    wins. A source the plugin recognises but cannot serve (a missing file, an unsupported
+    config field) raises a typed ``fv_kernel.api.FvError`` saying so.
     """
 
 
