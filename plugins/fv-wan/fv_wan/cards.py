@@ -62,6 +62,13 @@ TINY_VAE22 = WanVAEConfig(
     latents_mean=tuple(0.05 * i for i in range(8)), latents_std=tuple(0.8 + 0.05 * i for i in range(8)),
 )
 
+#: How each component's ``config`` parses (``ComponentSpec.config_schema``): ``fv cards validate`` and the
+#: loaders in ``fv_wan.instance`` both parse through these.
+TRANSFORMER_SCHEMA = "fv_wan.models.transformer:WanTransformerConfig.from_diffusers_config"
+VAE_SCHEMA = "fv_wan.models.vae:WanVAEConfig.from_diffusers_config"
+TEXT_ENCODER_SCHEMA = "fv_wan.component_configs:WanTextEncoderConfig"
+IMAGE_ENCODER_SCHEMA = "fv_wan.component_configs:WanImageEncoderConfig"
+
 TINY_CARD_IDS = ("wan-tiny", "wan-tiny-i2v", "wan-tiny-ti2v", "wan-tiny-a14b", "fastwan-tiny")
 
 
@@ -129,13 +136,13 @@ def _components(
     vcfg = vae.to_diffusers_config()
     components = {
         "transformer": ComponentSpec(component_id="transformer", kind="dit", builder=f"{_PKG}.instance:load_transformer",
-                                     config=tcfg, precision_policy=fp32),
+                                     config=tcfg, config_schema=TRANSFORMER_SCHEMA, precision_policy=fp32),
         # Decode runs in the card's precision (bf16 on GPU, as FastVideo decodes); encode stays fp32.
         "vae_decoder": ComponentSpec(component_id="vae_decoder", kind="vae", builder=f"{_PKG}.instance:load_vae",
-                                     config=vcfg),
+                                     config=vcfg, config_schema=VAE_SCHEMA),
         "text_encoder": ComponentSpec(component_id="text_encoder", kind="text_encoder", builder=f"{_PKG}.instance:load_text_encoder",
                                       config={"tiny": {"d_model": 32, "num_layers": 2}} if tiny else {},
-                                      precision_policy=PrecisionPolicy(dtype="fp32")),
+                                      config_schema=TEXT_ENCODER_SCHEMA, precision_policy=PrecisionPolicy(dtype="fp32")),
     }
     checkpoint = {
         "transformer": ComponentCheckpoint(subfolder="transformer", required_for=tasks, random_init_seed=1 if tiny else None),
@@ -147,13 +154,13 @@ def _components(
         checkpoint["transformer_2"] = ComponentCheckpoint(subfolder="transformer_2", required_for=tasks, random_init_seed=4 if tiny else None)
     if vae_encoder_tasks:
         components["vae_encoder"] = ComponentSpec(component_id="vae_encoder", kind="vae", builder=f"{_PKG}.instance:load_vae",
-                                                  config=vcfg, precision_policy=PrecisionPolicy(dtype="fp32"))
+                                                  config=vcfg, config_schema=VAE_SCHEMA, precision_policy=PrecisionPolicy(dtype="fp32"))
         checkpoint["vae_encoder"] = ComponentCheckpoint(subfolder="vae", required_for=vae_encoder_tasks, random_init_seed=2 if tiny else None)
     if image_encoder:
         components["image_encoder"] = ComponentSpec(component_id="image_encoder", kind="image_encoder",
                                                     builder=f"{_PKG}.instance:load_image_encoder",
                                                     config={"tiny": {"hidden_size": 16}} if tiny else {},
-                                                    precision_policy=PrecisionPolicy(dtype="fp32"))
+                                                    config_schema=IMAGE_ENCODER_SCHEMA, precision_policy=PrecisionPolicy(dtype="fp32"))
         checkpoint["image_encoder"] = ComponentCheckpoint(subfolder="image_encoder", required_for=frozenset({I2V}),
                                                           random_init_seed=5 if tiny else None)
     return components, checkpoint

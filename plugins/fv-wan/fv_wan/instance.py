@@ -25,16 +25,21 @@ from fv_kernel.api import (
     ComputeOptions,
     GraphedStep,
     compile_blocks,
+    BuildProblem,
     CheckpointKeyError,
     CheckpointNotFound,
+    ComponentSpec,
     InstanceOptions,
+    InvalidCard,
     ModelCard,
     ModelInstance,
     StepOp,
+    parse_component_config,
     read_safetensors,
     resolve_source,
 )
 from fv_wan.checkpoint import is_original_layout, same_architecture, transformer_config_from_disk
+from fv_wan.component_configs import WanImageEncoderConfig, WanTextEncoderConfig
 from fv_wan.models.encoders import WanImageEncoder, WanTextEncoder
 from fv_wan.models.transformer import (
     IGNORED_CHECKPOINT_KEY_PATTERN,
@@ -62,6 +67,18 @@ def _folder(card: ModelCard, component_id: str, options: InstanceOptions) -> Pat
     if source is None:
         return None
     return resolve_source(source, subfolder=ckpt.subfolder, local_files_only=options.local_files_only)
+
+
+def _component_config(spec: ComponentSpec, expected: type, default: Any) -> Any:
+    """``spec.config`` parsed through the card's ``config_schema`` (``default`` when it names none):
+    the parser ``fv cards validate`` ran, so a card that validated loads the config it checked."""
+    config = parse_component_config(spec, default=default)
+    if not isinstance(config, expected):
+        raise InvalidCard([BuildProblem(
+            f"components.{spec.component_id}.config_schema",
+            f"{spec.config_schema!r} parses to {type(config).__name__}; this loader needs a {expected.__name__}",
+        )])
+    return config
 
 
 def _seeded(seed: int, build: Any) -> Any:
@@ -104,7 +121,7 @@ def load_transformer(
 
 def _load_transformer_weights(card: ModelCard, component_id: str, options: InstanceOptions) -> WanTransformer:
     spec = card.components[component_id]
-    expected = WanTransformerConfig.from_diffusers_config(spec.config)
+    expected = _component_config(spec, WanTransformerConfig, WanTransformerConfig.from_diffusers_config)
     dtype = _component_dtype(card, component_id, options)
     device = torch.device(options.device)
     folder = _folder(card, component_id, options)
@@ -141,7 +158,7 @@ def _load_transformer_weights(card: ModelCard, component_id: str, options: Insta
 
 def load_vae(card: ModelCard, component_id: str, options: InstanceOptions) -> WanVAE:
     """The VAE, keeping only the half this component is (``vae_encoder`` or ``vae_decoder``)."""
-    config = WanVAEConfig.from_diffusers_config(card.components[component_id].config)
+    config = _component_config(card.components[component_id], WanVAEConfig, WanVAEConfig.from_diffusers_config)
     dtype = _component_dtype(card, component_id, options)
     device = torch.device(options.device)
     folder = _folder(card, component_id, options)
@@ -172,25 +189,41 @@ def load_vae(card: ModelCard, component_id: str, options: InstanceOptions) -> Wa
     return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def _load_encoder(card: ModelCard, component_id: str, options: InstanceOptions, encoder_cls: Any) -> Any:
-    """A transformers-backed encoder: seeded tiny weights for embedded cards, else ``from_pretrained``."""
+def _load_encoder(
+    card: ModelCard, component_id: str, options: InstanceOptions, encoder_cls: Any, config_cls: type, width_field: str
+) -> Any:
+    """A transformers-backed encoder: seeded tiny weights for embedded cards, else ``from_pretrained``.
+
+    ``width_field`` (``d_model`` / ``hidden_size``) is the width the card's config may pin; a
+    checkpoint encoder of another width is refused here, naming both, not deep in the DiT.
+    """
     spec = card.components[component_id]
+    config = _component_config(spec, config_cls, config_cls.model_validate)
     dtype = _component_dtype(card, component_id, options)
     source = options.source or card.checkpoint.source
     if source is None:
         seed = card.checkpoint.components[component_id].random_init_seed or 0
-        encoder = encoder_cls.tiny(seed, **spec.config.get("tiny", {}))
+        tiny = config.tiny.model_dump() if config.tiny is not None else {}
+        encoder = encoder_cls.tiny(seed, **tiny)
         return encoder.to(device=options.device, dtype=dtype).eval().requires_grad_(False)
     root = resolve_source(source, local_files_only=options.local_files_only)
-    return encoder_cls.from_pretrained(root, dtype=dtype, device=options.device).requires_grad_(False)
+    encoder = encoder_cls.from_pretrained(root, dtype=dtype, device=options.device).requires_grad_(False)
+    expected, found = getattr(config, width_field), getattr(encoder.model.config, width_field, None)
+    if expected is not None and found != expected:
+        raise CheckpointNotFound(
+            f"checkpoint {source} holds a {component_id} of {width_field} {found}; card {card.model_id!r} "
+            f"expects {width_field} {expected}",
+            param="model",
+        )
+    return encoder
 
 
 def load_text_encoder(card: ModelCard, component_id: str, options: InstanceOptions) -> WanTextEncoder:
-    return _load_encoder(card, component_id, options, WanTextEncoder)
+    return _load_encoder(card, component_id, options, WanTextEncoder, WanTextEncoderConfig, "d_model")
 
 
 def load_image_encoder(card: ModelCard, component_id: str, options: InstanceOptions) -> WanImageEncoder:
-    return _load_encoder(card, component_id, options, WanImageEncoder)
+    return _load_encoder(card, component_id, options, WanImageEncoder, WanImageEncoderConfig, "hidden_size")
 
 
 _LOADERS = MappingProxyType(
