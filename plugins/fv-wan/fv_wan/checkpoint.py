@@ -1,4 +1,7 @@
-"""Recognising Wan checkpoints on disk: which card does a directory hold, and in which layout?
+"""Reading Wan transformer checkpoints on disk: their config in diffusers' terms, and their layout.
+
+(Which card a checkpoint directory is -- a built-in one, or one derived from its configs -- is
+``fv_wan.derive``.)
 
 Two transformer layouts load: diffusers' (``WanTransformer3DModel`` names) and the original
 Wan release's (``wan/modules/model.py`` names: ``dim``/``num_heads`` in ``config.json``,
@@ -8,15 +11,11 @@ Wan release's (``wan/modules/model.py`` names: ``dim``/``num_heads`` in ``config
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Mapping
 
-from fv_wan.cards import wan_cards
-from fv_wan.models.transformer import ORIGINAL_KEY_PREFIXES, WanConfigError, WanTransformerConfig
-from fv_wan.models.vae import WanVAEConfig
+from fv_wan.models.transformer import ORIGINAL_KEY_PREFIXES, WanTransformerConfig
 
-__all__ = ["match_card", "transformer_config_from_disk", "is_original_layout", "same_architecture"]
+__all__ = ["transformer_config_from_disk", "is_original_layout", "same_architecture"]
 
 #: The original release's CLIP (open-clip ViT-H/14) width, which I2V's ``image_dim`` takes.
 _ORIGINAL_I2V_IMAGE_DIM = 1280
@@ -58,28 +57,3 @@ def is_original_layout(keys: Any) -> bool:
         if stripped == "head.head.weight":
             return True
     return False
-
-
-def match_card(root: Path, transformer_config: Mapping[str, Any]) -> str | None:
-    """The id of the card whose transformer and VAE configs equal the checkpoint's, or None.
-
-    A real release matches its real card; a directory written by ``save_pretrained``
-    from a tiny card's configs matches that tiny card. Among equal candidates, the
-    one whose task set fits the checkpoint (an image encoder means image-to-video) wins.
-    """
-    try:
-        found = WanTransformerConfig.from_diffusers_config(transformer_config_from_disk(transformer_config))
-    except (WanConfigError, KeyError, TypeError, ValueError):
-        return None
-    vae_file = root / "vae" / "config.json"
-    vae = WanVAEConfig.from_diffusers_config(json.loads(vae_file.read_text())) if vae_file.is_file() else None
-    has_expert_2 = (root / "transformer_2").is_dir()
-    for card in wan_cards():
-        if not same_architecture(found, WanTransformerConfig.from_diffusers_config(card.components["transformer"].config)):
-            continue
-        if ("transformer_2" in card.components) != has_expert_2:
-            continue
-        if vae is not None and WanVAEConfig.from_diffusers_config(card.components["vae_decoder"].config) != vae:
-            continue
-        return card.model_id
-    return None

@@ -5,7 +5,6 @@ Kept light: cards are built (and model code imported) only when the host asks.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +30,21 @@ def fv_register_loops(register: Any) -> None:
 
 
 @hookimpl
-def fv_resolve_model_source(source: str) -> str | None:
-    """A card's own Hugging Face repo id, or a local diffusers-layout Wan checkpoint, maps to its card.
+def fv_resolve_model_source(source: str) -> Any:
+    """A card's own Hugging Face repo id maps to that card; a local Wan checkpoint directory to a card.
 
-    A local directory maps to the first card with the same transformer (and VAE)
-    architecture; the checkpoint's weights then replace the card's default source.
+    For a directory (``fv_wan.derive``): None unless it is a Wan checkpoint; the built-in card
+    that runs exactly its computation; else a card derived from its configs. A Wan checkpoint
+    fv-wan cannot serve raises a typed error naming the missing file or unsupported field.
     """
     root = Path(source).expanduser()
-    config_file = root / "transformer" / "config.json"
-    if not config_file.is_file():
-        from fv_wan.cards import wan_cards
+    if root.is_dir():
+        from fv_wan.derive import resolve_checkpoint_dir
 
-        return next((card.model_id for card in wan_cards() if card.checkpoint.source == source), None)
-    from fv_wan.checkpoint import match_card
+        return resolve_checkpoint_dir(root)
+    from fv_wan.cards import wan_cards
 
-    return match_card(root, json.loads(config_file.read_text()))
+    return next((card.model_id for card in wan_cards() if card.checkpoint.source == source), None)
 
 
 @hookimpl

@@ -238,7 +238,10 @@ class WanImageEncoder(nn.Module):
 
     def pixel_values(self, images: ImageInput | Sequence[ImageInput]) -> torch.Tensor:
         if self.processor is not None:
-            return self.processor(images=images, return_tensors="pt").pixel_values
+            # As uint8 PIL images, like the built-in path: a processor given a [0, 1] float tensor
+            # would rescale it by 1/255 a second time.
+            batch = list(images) if isinstance(images, (list, tuple)) else [images]
+            return self.processor(images=[_to_pil(image) for image in batch], return_tensors="pt").pixel_values
         assert self._builtin is not None
         return self._builtin(images)
 
