@@ -51,6 +51,7 @@ from fv_kernel.errors import (
     StepFailed,
     UnknownModel,
 )
+from fv_kernel.compute.attention import AttentionBackend, AttentionShapeError
 from fv_kernel.compute.attention_backends import attention_callable, load_attention_backend
 from fv_kernel.compute.compile import CompileCache, CompileKey, ComputeOptions, GraphedStep, compile_blocks
 from fv_kernel.compute.fused import select_fused_ops
@@ -92,8 +93,12 @@ from fv_kernel.loop.samplers import (
     SamplerState,
     UniPCState,
     add_noise,
+    SamplerError,
     builtin_samplers,
+    bound_sampler,
     sampler_from_state,
+    registered_samplers,
+    sampler_class,
 )
 from fv_kernel.loop.sampling import apply_presence_penalty, sample_next_token
 from fv_kernel.loop.state import (

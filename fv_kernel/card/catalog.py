@@ -129,12 +129,8 @@ class CardCatalog:
         entries: dict[str, CardEntry] = {}
         for contribution in self._host.hooks.model_cards().values():
             card = contribution.obj
-            assert isinstance(card, ModelCard)  # checked against the kind's base by the host
-            if contribution.name != card.model_id:
-                raise ValueError(
-                    f"plugin {contribution.plugin!r} registered card {card.model_id!r} under the name {contribution.name!r}; "
-                    "register cards under their model_id"
-                )
+            # The host checked it when the plugin registered: a ModelCard, registered under its model_id.
+            assert isinstance(card, ModelCard) and contribution.name == card.model_id
             entries[card.model_id] = CardEntry(card=card, plugin=contribution.plugin)
         return dict(sorted(entries.items()))
 

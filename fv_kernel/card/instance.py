@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.compute.compile import ComputeOptions
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
+from fv_kernel.plugins.registry import DeployRegistry, kernel_registry
 from fv_kernel.request.types import Precision, TaskType
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,7 +80,7 @@ class StepOp:
 class InstanceOptions(BaseModel):
     """How to build a resident instance of a card."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     device: str = "cpu"
     precision: Precision | None = None
@@ -91,6 +92,10 @@ class InstanceOptions(BaseModel):
     compute: ComputeOptions | None = None
     #: Tasks whose components are loaded up front; others load on first use.
     preload_tasks: tuple[TaskType, ...] = ()
+    #: The deploy-scope registry (samplers, loops, attention backends of the enabled plugins)
+    #: names resolve through; None: the kernel's built-ins only. Set by the runtime from its
+    #: plugin host (``host.registry()``); not configuration, so never serialised.
+    registry: DeployRegistry | None = Field(default=None, exclude=True, repr=False)
     #: Deploy outside the card's recipe (a ``precision`` its ``assumes_precision`` excludes)
     #: instead of refusing with ``RecipeMismatch``. Logged, and kept on the instance
     #: (``ModelInstance.recipe_overrides``).
@@ -125,6 +130,11 @@ class ModelInstance:
     @property
     def device(self) -> torch.device:
         return torch.device(self.options.device)
+
+    @property
+    def registry(self) -> DeployRegistry:
+        """The deploy-scope registry this instance was built with (the kernel's built-ins when none was given)."""
+        return self.options.registry if self.options.registry is not None else kernel_registry()
 
     @property
     def recipe_overrides(self) -> tuple[str, ...]:
@@ -184,10 +194,21 @@ class ModelInstance:
             spec = self.card.loops.get(loop_id)
             if spec is None:
                 raise InvalidRequest("loop", f"card {self.model_id!r} has no loop {loop_id!r}", allowed=sorted(self.card.loops))
-            loop = import_object(spec.implementation)(spec)
+            loop = self.loop_class(loop_id)(spec)
             loop.bind(self)
             self._loops[loop_id] = loop
         return self._loops[loop_id]
+
+    def loop_class(self, loop_id: str) -> type["Loop"]:
+        """The class of the card's loop ``loop_id``: ``implementation`` is a ``"module:Class"``
+        import string, or the name of a loop an enabled plugin registered (``"<plugin>/<name>"``
+        or a unique short name), resolved through :attr:`registry`."""
+        spec = self.card.loops.get(loop_id)
+        if spec is None:
+            raise InvalidRequest("loop", f"card {self.model_id!r} has no loop {loop_id!r}", allowed=sorted(self.card.loops))
+        if ":" in spec.implementation:
+            return import_object(spec.implementation)  # type: ignore[no-any-return]
+        return self.registry.loop(spec.implementation)
 
     def program(self, task: TaskType) -> "Program":
         from fv_kernel.program.base import program_for
@@ -222,6 +243,12 @@ def build_instance(card: ModelCard, options: InstanceOptions | None = None) -> M
     instance = factory(card, options)
     if not isinstance(instance, ModelInstance):
         raise TypeError(f"{card.factory} returned {type(instance).__name__}, expected ModelInstance")
+    # Names a card gives (a registered loop, a sampler) resolve in this deployment now, not mid-request.
+    for loop_id, spec in card.loops.items():
+        if ":" not in spec.implementation:
+            instance.loop_class(loop_id)
+        if spec.sampler is not None:
+            instance.registry.sampler(spec.sampler.name)
     for task in options.preload_tasks:
         instance.load_for_task(task)
     return instance

@@ -47,6 +47,7 @@ __all__ = [
 
 _IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+_LOOP_NAME_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class _Spec(BaseModel):
@@ -193,7 +194,9 @@ class LoopSpec(_Spec):
         "diffusion_denoise", "ar_decode", "text_encode", "image_encode", "vae_decode", "vae_encode",
         "audio_decode", "chunk_rollout",
     ]
-    #: The Loop class: ``"module:Class"``.
+    #: The Loop class: a ``"module:Class"`` import string, or the name of a loop an enabled
+    #: plugin registers (``"<plugin>/<name>"`` or a unique short name), resolved through the
+    #: deployment's registry when the instance is built.
     implementation: str
     #: The typed LoopState the loop keeps (documentation and conformance; the class declares it too).
     state_schema: str | None = None
@@ -216,7 +219,13 @@ class LoopSpec(_Spec):
     @field_validator("implementation")
     @classmethod
     def _check_implementation(cls, value: str) -> str:
-        return ImportString(value)
+        if ":" in value:
+            return ImportString(value)
+        if not _LOOP_NAME_RE.match(value):
+            raise ValueError(
+                f"{value!r} is neither a 'package.module:Class' reference nor a registered loop name ('<plugin>/<name>' or '<name>')"
+            )
+        return value
 
     @field_validator("valid_parallel_axes")
     @classmethod

@@ -8,6 +8,8 @@ program returns. Every failure is a typed error naming the field.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from fv_kernel.card.spec import LoopSpec, ModelCard
@@ -15,7 +17,7 @@ from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.request.request import DiffusionParams, Request
 from fv_kernel.request.types import TaskType
 
-__all__ = ["RequestLimits", "resolve_request", "select_denoise_loop", "describe_loop"]
+__all__ = ["RequestLimits", "resolve_request", "select_denoise_loop", "describe_loop", "allowed_samplers"]
 
 _DIFFUSION_TASKS = frozenset(TaskType) - {TaskType.TEXT_GENERATION}
 
@@ -38,8 +40,30 @@ def describe_loop(spec: LoopSpec) -> str:
     return f"loop {spec.loop_id!r} (sampler {spec.sampler.name!r}, {steps})"
 
 
+def _short_name(sampler: str) -> str:
+    return sampler.rsplit("/", 1)[-1]  # "fv-hello/euler-shift3" and "euler-shift3" name one sampler
+
+
+def allowed_samplers(card: ModelCard, registered: Iterable[str] = ()) -> list[str]:
+    """The samplers a request may name on ``card``: its denoise loops' samplers, plus the
+    ``registered`` ones (a deployment's) unless the recipe fixes the loop."""
+    loops = card.denoise_loops()
+    assumed_id = card.recipe.assumes_loop
+    if assumed_id is not None and assumed_id in loops:
+        binding = loops[assumed_id].sampler
+        return [binding.name] if binding is not None else []
+    bound = {_short_name(s.sampler.name) for s in loops.values() if s.sampler is not None}
+    return sorted(bound | ({_short_name(name) for name in registered} if loops else set()))
+
+
 def select_denoise_loop(card: ModelCard, request: Request) -> str | None:
-    """The denoise loop a request runs on this card; raises RecipeMismatch when the recipe forbids it."""
+    """The denoise loop a request runs on this card; raises RecipeMismatch when the recipe forbids it.
+
+    A sampler bound to one of the card's denoise loops selects that loop. Any other
+    sampler name selects the default loop, which then runs that sampler instead of its
+    own (``bound_sampler``); whether the name is registered in the deployment is checked
+    by :func:`resolve_request`.
+    """
     program = card.programs.get(request.task)
     program_loops = [l for l in (program.loops if program else ()) if card.loops[l].kind == "diffusion_denoise"]
     candidates = card.denoise_loops()
@@ -51,7 +75,7 @@ def select_denoise_loop(card: ModelCard, request: Request) -> str | None:
     if assumed_id is not None and card.loops[assumed_id].kind == "diffusion_denoise":
         assumed = card.loops[assumed_id]
         binding = assumed.sampler
-        wrong_sampler = asked_sampler is not None and binding is not None and asked_sampler != binding.name
+        wrong_sampler = asked_sampler is not None and binding is not None and _short_name(asked_sampler) != _short_name(binding.name)
         wrong_steps = (
             asked_steps is not None and binding is not None and binding.fixed_steps is not None
             and asked_steps != binding.fixed_steps
@@ -65,13 +89,27 @@ def select_denoise_loop(card: ModelCard, request: Request) -> str | None:
                 model_id=card.model_id, method=card.recipe.method, assumes=describe_loop(assumed), asked=asked,
             )
         return assumed_id
-    if asked_sampler is None:
-        return program_loops[0] if program_loops else next(iter(candidates))
-    for loop_id, spec in candidates.items():
-        if spec.sampler is not None and spec.sampler.name == asked_sampler:
-            return loop_id
-    allowed = sorted({s.sampler.name for s in candidates.values() if s.sampler is not None})
-    raise InvalidRequest("sampler", f"card {card.model_id!r} has no denoise loop with sampler {asked_sampler!r}", allowed=allowed)
+    if asked_sampler is not None:
+        for loop_id, spec in candidates.items():
+            if spec.sampler is not None and _short_name(spec.sampler.name) == _short_name(asked_sampler):
+                return loop_id
+    return program_loops[0] if program_loops else next(iter(candidates))
+
+
+def _check_sampler(card: ModelCard, request: Request, samplers: Iterable[str] | None) -> None:
+    asked = request.diffusion.sampler
+    if asked is None or not card.denoise_loops():
+        return
+    if samplers is None:
+        from fv_kernel.loop.samplers import registered_samplers
+
+        samplers = registered_samplers()
+    allowed = allowed_samplers(card, samplers)
+    if _short_name(asked) not in allowed:
+        raise InvalidRequest(
+            "sampler", f"card {card.model_id!r} has no denoise loop with sampler {asked!r}, and no enabled plugin registers it",
+            allowed=allowed,
+        )
 
 
 def _check_precision(card: ModelCard, request: Request, allow_recipe_mismatch: bool) -> None:
@@ -105,9 +143,19 @@ def _check_modalities(card: ModelCard, request: Request) -> None:
 
 
 def resolve_request(
-    card: ModelCard, request: Request, limits: RequestLimits | None = None, *, allow_recipe_mismatch: bool = False
+    card: ModelCard,
+    request: Request,
+    limits: RequestLimits | None = None,
+    *,
+    allow_recipe_mismatch: bool = False,
+    samplers: Iterable[str] | None = None,
 ) -> Request:
     """A copy of ``request`` with the card's defaults filled in, or a typed error.
+
+    ``samplers`` are the sampler names registered in the deployment (its instance's
+    ``registry.sampler_names()``; None: those registered here, the kernel's built-ins
+    outside a driven loop): a request may name one that no loop of the card binds, unless
+    the recipe fixes the loop.
 
     ``allow_recipe_mismatch`` is the deployment's explicit override of the recipe's
     ``assumes_precision`` (``InstanceOptions.allow_recipe_mismatch``); requests never set it.
@@ -136,6 +184,7 @@ def resolve_request(
     if d.guidance_2 is not None and (caps.defaults is None or caps.defaults.guidance_2 is None):
         raise InvalidRequest("guidance_2", f"card {card.model_id!r} has a single expert; guidance_2 does not apply", allowed="omit it")
     select_denoise_loop(card, request)
+    _check_sampler(card, request, samplers)
     defaults = caps.defaults
     if defaults is None:
         return request

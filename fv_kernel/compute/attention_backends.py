@@ -191,14 +191,15 @@ class FlashAttention2(_FlashAttentionPackage):
 def load_attention_backend(name: str, registry: Any = None) -> AttentionBackend:
     """Construct the attention driver registered as ``name``.
 
-    ``registry`` is a :class:`~fv_kernel.plugins.drivers.DriverRegistry` (a deployment
-    passes ``host.drivers("attention_backends")`` so only enabled plugins count); None
-    reads the installed entry points directly.
+    ``registry`` is a :class:`~fv_kernel.plugins.drivers.DriverRegistry`: a deployment
+    passes its host's ``drivers("attention_backends")`` (``registry().attention_backends``),
+    so only enabled plugins count and a disabled plugin's driver is refused naming why.
+    None means the kernel's built-in drivers alone, never every installed distribution.
     """
     if registry is None:
-        from fv_kernel.plugins.drivers import DriverRegistry
+        from fv_kernel.plugins.registry import kernel_registry
 
-        registry = DriverRegistry("attention_backends")
+        registry = kernel_registry().attention_backends
     backend_cls = registry.load(name)
     backend = backend_cls()
     if not isinstance(backend, AttentionBackend):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fv_kernel.errors import RequestCancelled
 from fv_kernel.loop.contract import Done, Loop, LoopResult, LoopState, StepResult, WorkPlan
+from fv_kernel.loop.samplers import use_samplers
 
 if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.card.instance import ModelInstance
@@ -108,7 +109,15 @@ async def drive(
     With ``state`` (a saved state read back from bytes, maybe in another process) the
     loop continues from it: the driver calls ``loop.restore(state, model, ctx)``
     instead of ``loop.init`` so the loop re-attaches what lives outside its state.
+
+    Sampler names the loop resolves (its binding, a state's signature) resolve through
+    the deploy registry ``model`` was built with (``use_samplers``), plugins' included.
     """
+    with use_samplers(model.registry.samplers):
+        return await _drive(loop, model, ctx, state=state)
+
+
+async def _drive(loop: Loop[Any], model: "ModelInstance", ctx: "LoopContext", *, state: LoopState | None) -> LoopResult:
     ctx = dataclasses.replace(ctx, instance=model)
     if state is None:
         state = loop.init(ctx.request, model, ctx)

@@ -19,15 +19,20 @@ Conventions (those of diffusers' flow schedulers, which the tests check step by 
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import math
-from typing import Annotated, ClassVar, Literal
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Annotated, ClassVar, Iterator, Literal, Mapping
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fv_kernel.loop.state import TensorState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.card.spec import SamplerBinding
 
 __all__ = [
     "SamplerError",
@@ -38,6 +43,11 @@ __all__ = [
     "FlowUniPCSampler",
     "DMDSampler",
     "builtin_samplers",
+    "registered_samplers",
+    "use_samplers",
+    "sampler_class",
+    "bound_sampler",
+    "sampler_from_state",
     "shift_sigmas",
     "add_noise",
 ]
@@ -483,14 +493,80 @@ def builtin_samplers() -> dict[str, type[Sampler]]:
     return {cls.name: cls for cls in (FlowEulerSampler, FlowUniPCSampler, DMDSampler)}
 
 
+# The samplers of the deployment whose instance the current loop runs on. The driver sets
+# it around each loop (from ``ModelInstance.registry``); a context variable, so concurrent
+# requests on different deployments never see each other's, and no process-wide table exists.
+_DEPLOY_SAMPLERS: ContextVar[Mapping[str, type[Sampler]] | None] = ContextVar("fv_deploy_samplers", default=None)
+
+
+def registered_samplers() -> Mapping[str, type[Sampler]]:
+    """The sampler classes code may use here, by short name and namespaced id.
+
+    Inside a loop run by the driver: the samplers of the deployment the instance was built
+    for (kernel built-ins plus enabled plugins). Elsewhere: the kernel's built-ins.
+    """
+    active = _DEPLOY_SAMPLERS.get()
+    if active is not None:
+        return active
+    from fv_kernel.plugins.registry import kernel_registry
+
+    return kernel_registry().samplers
+
+
+@contextlib.contextmanager
+def use_samplers(samplers: Mapping[str, type[Sampler]]) -> Iterator[None]:
+    """Resolve sampler names through ``samplers`` (a deploy registry's) inside the block."""
+    token = _DEPLOY_SAMPLERS.set(samplers)
+    try:
+        yield
+    finally:
+        _DEPLOY_SAMPLERS.reset(token)
+
+
+def _allowed(samplers: Mapping[str, type[Sampler]]) -> list[str]:
+    return sorted(name for name in samplers if "/" not in name)
+
+
+def sampler_class(name: str) -> type[Sampler]:
+    """The registered sampler class ``name`` (short name or ``"<plugin>/<name>"``), or a SamplerError listing the allowed names."""
+    samplers = registered_samplers()
+    if name not in samplers:
+        raise SamplerError(f"sampler {name!r} is not registered in this deployment; allowed: {_allowed(samplers)}")
+    return samplers[name]
+
+
+def _short_name(name: str) -> str:
+    return name.rsplit("/", 1)[-1]
+
+
+def bound_sampler(binding: "SamplerBinding", *, requested: str | None = None, shift: float | None = None) -> Sampler:
+    """The sampler a denoise loop runs for one request.
+
+    ``binding`` is the loop's :class:`~fv_kernel.card.spec.SamplerBinding`: its sampler with
+    its config. ``requested`` is the request's ``diffusion.sampler``; when it names another
+    sampler (one no loop of the card binds, which ``resolve_request`` accepted because it is
+    registered in this deployment), that sampler runs with its own defaults instead. The
+    request's ``shift`` overrides the shift of either.
+    """
+    if requested is not None and _short_name(requested) != _short_name(binding.name):
+        sampler_cls, config = sampler_class(requested), {}
+    else:
+        sampler_cls, config = sampler_class(binding.name), dict(binding.config)
+    if shift is not None:
+        config["shift"] = shift
+    return sampler_cls(**config)
+
+
 def sampler_from_state(state: SamplerState) -> Sampler:
     """The sampler a state belongs to, rebuilt from the full config its signature records.
 
     So a loop needs no sampler object of its own: a state restored in another process
-    advances with exactly the sampler (and a request's shift override) that made it.
+    advances with exactly the sampler (and a request's shift override) that made it. The
+    name resolves through :func:`registered_samplers` only: a state is data and never
+    chooses code, so a name this deployment does not register is refused.
     """
     name, _, config = state.sampler.partition(":")
-    samplers = builtin_samplers()
+    samplers = registered_samplers()
     if name not in samplers:
-        raise SamplerError(f"state was made by sampler {name!r}; allowed: {sorted(samplers)}")
+        raise SamplerError(f"state was made by sampler {name!r}, which is not registered here; allowed: {_allowed(samplers)}")
     return samplers[name](**json.loads(config))

@@ -14,14 +14,14 @@ built-ins only.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from .config import KERNEL_DISTRIBUTION
-from .drivers import DriverRegistry, entry_point_distribution
+from .drivers import DriverRegistry
 from .errors import UnknownContributionError
 from .hooks import Contribution
+from .kinds import kind_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.compute.attention import AttentionBackend
@@ -84,6 +84,14 @@ class DeployRegistry:
 
         return load_attention_backend(name, self.attention_backends)
 
+    def replace(self, *, attention_backends: DriverRegistry | None = None) -> "DeployRegistry":
+        """A copy with other attention drivers (an embedding application's own, a test's)."""
+        return DeployRegistry(
+            samplers=self._samplers.values(),
+            loops=self._loops.values(),
+            attention_backends=attention_backends if attention_backends is not None else self.attention_backends,
+        )
+
     def __repr__(self) -> str:
         return (
             f"DeployRegistry(samplers={self.sampler_names()}, loops={self.loop_ids()}, "
@@ -109,18 +117,14 @@ def _lookup(found: Mapping[str, Contribution], kind: str, name: str) -> Contribu
 def kernel_registry() -> DeployRegistry:
     """The kernel's built-ins alone (immutable, built once): samplers and attention drivers.
 
-    Code given no deploy registry resolves through this, never through the installed
-    entry points of other distributions, which may belong to plugins a deployment disabled.
+    Code given no deploy registry resolves through this. It reads the kernel's own
+    metadata only, never the entry points of other installed distributions, which may
+    belong to plugins a deployment disabled.
     """
     from fv_kernel.loop.samplers import builtin_samplers
 
     samplers = [Contribution("samplers", KERNEL_DISTRIBUTION, name, cls) for name, cls in builtin_samplers().items()]
-    group = "fv.attention_backends"
-    installed = list(importlib.metadata.entry_points(group=group))
-    own = [ep for ep in installed if entry_point_distribution(ep) == KERNEL_DISTRIBUTION]
-    left_out = {
-        ep.name: f"it comes from {entry_point_distribution(ep)!r}, and code given no deploy registry uses only the kernel's built-ins"
-        for ep in installed
-        if ep not in own
-    }
-    return DeployRegistry(samplers=samplers, attention_backends=DriverRegistry("attention_backends", own, ignored=left_out))
+    from .host import scan_kernel_distribution  # the host imports this module lazily too
+
+    own = scan_kernel_distribution().drivers.get(kind_spec("attention_backends").entry_point_group, ())
+    return DeployRegistry(samplers=samplers, attention_backends=DriverRegistry("attention_backends", own))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from fv_kernel.card.catalog import CardCatalog
 from fv_kernel.card.instance import InstanceOptions, build_instance
-from fv_kernel.config import DeployConfig
+from fv_kernel.config import CardDeployment, DeployConfig
 from fv_kernel.plugins.host import PluginHost
+from fv_kernel.plugins.registry import DeployRegistry
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.runtime.engine import Engine
 
-__all__ = ["build_engine", "available_extensions"]
+__all__ = ["build_engine", "available_extensions", "deployment_options"]
 
 
 def available_extensions(host: PluginHost) -> dict[str, type]:
@@ -19,6 +20,21 @@ def available_extensions(host: PluginHost) -> dict[str, type]:
     for contribution in [*host.hooks.interceptors().values(), *host.hooks.observers().values()]:
         found[contribution.name] = contribution.obj  # type: ignore[assignment]
     return found
+
+
+def deployment_options(deployment: CardDeployment, registry: DeployRegistry, *, source: str | None = None) -> InstanceOptions:
+    """The instance options of one configured card, carrying the deploy registry names resolve through.
+
+    The attention backend is checked against the enabled plugins' drivers now (metadata
+    only, nothing imported), so a backend of a disabled or missing plugin is an error at
+    deploy time naming why, not at the first request.
+    """
+    registry.attention_backends.entry_point(deployment.attention_backend)
+    return InstanceOptions(
+        device=deployment.device, precision=deployment.precision, source=source,
+        local_files_only=deployment.local_files_only, attention_backend=deployment.attention_backend,
+        compute=deployment.compute, allow_recipe_mismatch=deployment.override_recipe, registry=registry,
+    )
 
 
 def build_engine(config: DeployConfig, host: PluginHost | None = None) -> Engine:
@@ -31,10 +47,6 @@ def build_engine(config: DeployConfig, host: PluginHost | None = None) -> Engine
     engine = Engine(config.scheduler, limits=config.limits, hooks=host.hooks, extensions=extensions)
     for deployment in config.cards:
         resolved = catalog.resolve(deployment.model)
-        options = InstanceOptions(
-            device=deployment.device, precision=deployment.precision, source=resolved.source,
-            local_files_only=deployment.local_files_only, attention_backend=deployment.attention_backend,
-            compute=deployment.compute, allow_recipe_mismatch=deployment.override_recipe,
-        )
+        options = deployment_options(deployment, host.registry(), source=resolved.source)
         engine.add_instance(build_instance(resolved.card, options))
     return engine

@@ -391,7 +391,8 @@ class Engine:
         if instance is None:
             raise UnknownModel(request.model, self._instances)
         resolved = resolve_request(
-            instance.card, request, self.limits, allow_recipe_mismatch=instance.options.allow_recipe_mismatch
+            instance.card, request, self.limits, allow_recipe_mismatch=instance.options.allow_recipe_mismatch,
+            samplers=instance.registry.sampler_names(),
         )
         if resolved.precision is not None and resolved.precision != instance.precision:
             # One resident instance per card, at one precision: a request can ask for it, not change it.

@@ -42,7 +42,7 @@ async def run_local_async(
     this process or another); ``on_step`` is called with the request's
     :class:`ProgramRun` after every step (``run.checkpoint()`` is the resume point then).
     """
-    resolved = resolve_request(instance.card, request, limits)
+    resolved = resolve_request(instance.card, request, limits, samplers=instance.registry.sampler_names())
     instance.load_for_task(resolved.task)
     program = instance.program(resolved.task)
     run = ProgramRun(program, instance, resolved, resume_from=resume_from, on_step=on_step)

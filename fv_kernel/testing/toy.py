@@ -55,7 +55,7 @@ from fv_kernel.loop.contract import (
     WorkPlan,
 )
 from fv_kernel.loop.guidance import builtin_guidance_policies
-from fv_kernel.loop.samplers import SamplerState, builtin_samplers, sampler_from_state
+from fv_kernel.loop.samplers import SamplerState, bound_sampler, sampler_from_state
 from fv_kernel.loop.sampling import apply_presence_penalty, sample_next_token
 from fv_kernel.loop.state import generator_from_state, new_generator_state
 from fv_kernel.program.base import Program
@@ -320,13 +320,11 @@ class ToyDenoiseLoop(Loop[DenoiseState]):
     kind = "diffusion_denoise"
     state_type = DenoiseState
 
-    def _sampler(self, request_shift: float | None = None) -> Any:
+    def _sampler(self, request_shift: float | None = None, requested: str | None = None) -> Any:
         binding = self.spec.sampler
         assert binding is not None
-        config = dict(binding.config)
-        if request_shift is not None:
-            config["shift"] = request_shift
-        return builtin_samplers()[binding.name](**config)
+        # Names resolve through the deployment's registry (plugin samplers too); see bound_sampler.
+        return bound_sampler(binding, requested=requested, shift=request_shift)
 
     def _guidance(self) -> Any:
         return builtin_guidance_policies()[self.spec.guidance or "cfg"]()
@@ -338,7 +336,7 @@ class ToyDenoiseLoop(Loop[DenoiseState]):
         shape = (1, ToyConfig.latent_channels, d.frames, d.height // s, d.width // s)
         generator = torch.Generator().manual_seed(d.seed)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32)
-        sampler = self._sampler(d.shift)
+        sampler = self._sampler(d.shift, d.sampler)
         steps = self.spec.sampler.fixed_steps if self.spec.sampler and self.spec.sampler.fixed_steps else d.steps
         return DenoiseState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,

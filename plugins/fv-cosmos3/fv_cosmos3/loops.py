@@ -43,7 +43,7 @@ from fv_kernel.api import (
     WorkKind,
     WorkPlan,
     apply_presence_penalty,
-    builtin_samplers,
+    bound_sampler,
     generator_from_state,
     new_generator_state,
     sample_next_token,
@@ -379,10 +379,8 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
 
         binding = self.spec.sampler
         assert binding is not None
-        sampler_config = dict(binding.config)
-        if d.shift is not None:
-            sampler_config["shift"] = d.shift
-        sampler = builtin_samplers()[binding.name](**sampler_config)
+        # Resolved through the deployment's registry: a request may name a plugin's sampler.
+        sampler = bound_sampler(binding, requested=d.sampler, shift=d.shift)
         steps = binding.fixed_steps or d.steps
         return DenoiseState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id, mode=mode,

@@ -92,14 +92,18 @@ def configure_transformer(
 ) -> WanTransformer:
     """Apply the deployment's attention backend and compute tier to a loaded transformer.
 
-    The backend is a named driver (``fv.attention_backends``; ``registry`` is the plugin
-    host's ``drivers("attention_backends")``, None: installed entry points). The default
-    ``sdpa`` keeps the model's own ``F.scaled_dot_product_attention`` call, so the default
-    path is today's code exactly. ``compute`` adds fused kernels and/or per-block compile.
+    The backend is a named driver (``fv.attention_backends``) of the deployment's enabled
+    plugins: ``registry`` (a ``DriverRegistry``), else ``options.registry.attention_backends``
+    (the runtime's deploy registry), else the kernel's built-ins alone; a disabled plugin's
+    driver is refused naming why. The default ``sdpa`` keeps the model's own
+    ``F.scaled_dot_product_attention`` call, so the default path is today's code exactly.
+    ``compute`` adds fused kernels and/or per-block compile.
     """
     if options.attention_backend != "sdpa":
         from fv_kernel.api import attention_callable, load_attention_backend
 
+        if registry is None and options.registry is not None:
+            registry = options.registry.attention_backends
         model.set_attention_fn(attention_callable(load_attention_backend(options.attention_backend, registry)))
     if compute is None:
         return model

@@ -37,7 +37,7 @@ from fv_kernel.api import (
     WorkKind,
     WorkPlan,
     builtin_guidance_policies,
-    builtin_samplers,
+    bound_sampler,
     sampler_from_state,
     generator_from_state,
 )
@@ -292,13 +292,11 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
     kind = "diffusion_denoise"
     state_type = WanDenoiseState
 
-    def _sampler(self, shift: float | None) -> Sampler:
+    def _sampler(self, shift: float | None, requested: str | None = None) -> Sampler:
         binding = self.spec.sampler
         assert binding is not None, f"loop {self.loop_id!r} has no sampler binding"
-        config = dict(binding.config)
-        if shift is not None:
-            config["shift"] = shift
-        return builtin_samplers()[binding.name](**config)
+        # Resolved through the deployment's registry: a request may name a plugin's sampler.
+        return bound_sampler(binding, requested=requested, shift=shift)
 
     def _policy(self) -> Any:
         return builtin_guidance_policies()[self.spec.guidance or "cfg"]()
@@ -317,7 +315,7 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         # generator seeded with the user's seed; fv does the same, so seeds are portable.
         generator = torch.Generator(device="cpu").manual_seed(d.seed)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32)
-        sampler = self._sampler(d.shift)
+        sampler = self._sampler(d.shift, d.sampler)
         binding = self.spec.sampler
         steps = binding.fixed_steps if binding is not None and binding.fixed_steps else (d.steps or 1)
         config = self.spec.config
@@ -416,11 +414,15 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         shape = self._latent_shape(request, model)
         tokens = shape[2] * (shape[3] // 2) * (shape[4] // 2)
         binding = self.spec.sampler
-        steps = binding.fixed_steps if binding is not None and binding.fixed_steps else (request.diffusion.steps or 1)
-        branches = 2 if _uses_cfg(model, request) else 1
-        cost = self.spec.step_cost
-        per_step = cost.fixed_seconds + cost.per_unit_seconds * tokens + cost.per_unit_sq_seconds * tokens * tokens
-        seconds = per_step * branches * steps * cost.precision_factor.get(model.precision, 1.0) * cost.conservative_factor
+        steps = binding.fixed_steps if binding is not None and binding.fixed_steps else (d.steps or 1)
+        boundary = self.spec.config.get("boundary_ratio")
+        guidance = float(d.guidance if d.guidance is not None else 1.0)
+        per_token = int(bool(self.spec.config.get("expand_timesteps", False)))
+        counts: dict[tuple[str, int], int] = {}
+        for t in self._sampler(d.shift).init_state(steps).timesteps.tolist():
+            expert, scale = _expert_at(float(t), None if boundary is None else float(boundary) * 1000.0, guidance, d.guidance_2)
+            key = (expert, len(self._policy().branches(scale)))
+            counts[key] = counts.get(key, 0) + 1
         latent_bytes = 4 * int(torch.Size(shape).numel())
         return ResourceRequest(
             gpu_seconds=seconds, resident_bytes=latent_bytes * 6, peak_bytes=_activation_bytes(tokens, branches, model.precision),
