@@ -271,3 +271,21 @@ def test_plugins_json_lists_usable_names(plugin_site: Path, tmp_path: Path) -> N
     assert rows["fv-hello"]["registered"]["samplers"] == ["fv-hello/euler-shift3"]
     assert "fv-kernel/euler" in rows["fv-kernel"]["registered"]["samplers"]
     assert FlowEulerSampler.name == "euler"
+
+
+def test_fv_generate_takes_the_configs_card_entry_and_limits(plugin_site: Path, tmp_path: Path) -> None:
+    config = tmp_path / "deploy.yaml"
+    out = tmp_path / "out.pt"
+    args = ["generate", "-m", "toy-dit", "-p", "x", "-o", str(out), "-q", "--config", str(config)]
+    entry = "cards: [{model: toy-dit, attention_backend: hello-math}]\n"
+    config.write_text("plugins: {autoload: false, enable: [fv-toy, fv-hello]}\n" + entry)
+    assert runner.invoke(app, args).exit_code == 0 and out.is_file()
+    out.unlink()
+    # The card entry's backend is checked against this deployment's enabled plugins before anything loads.
+    config.write_text("plugins: {autoload: false, enable: [fv-toy]}\n" + entry)
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 2 and "'fv-hello' is not an enabled fv plugin" in refused.output and not out.exists()
+    # The config's limits apply to fv generate as they do to fv serve.
+    config.write_text("plugins: {autoload: false, enable: [fv-toy]}\nlimits: {max_steps: 2}\n")
+    limited = runner.invoke(app, [*args, "--steps", "5"])
+    assert limited.exit_code == 2 and "error: steps: 5 exceeds this deployment's limit; allowed: <= 2" in limited.output

@@ -6,9 +6,8 @@ Validation never loads weights or touches a GPU: a card is a declarative contrac
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 import yaml
@@ -17,19 +16,16 @@ from pydantic import ValidationError
 from fv_kernel.card.catalog import CardCatalog
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.errors import FvError
-from fv_kernel.plugins import PluginError, PluginHost, PluginWarning
+from fv_kernel.card.validate import allowed_samplers
+from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
+from fv_kernel.plugins import PluginError
 
 cards_app = typer.Typer(help="List, show and validate model cards.", no_args_is_help=True)
 
 
-def _catalog() -> CardCatalog:
-    host = PluginHost()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", PluginWarning)
-        host.start(fail_fast=False)
-    for warning in caught:
-        typer.echo(f"warning: {warning.message}", err=True)
-    return CardCatalog(host)
+def _catalog(config: Optional[Path]) -> CardCatalog:
+    """The cards of the plugins ``--config`` selects (one ``error:`` line when a required plugin fails)."""
+    return CardCatalog(start_host(load_config(config)))
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -63,10 +59,13 @@ def _summary(card: ModelCard, plugin: str) -> dict[str, Any]:
 
 
 @cards_app.command("list")
-def list_cards(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
+def list_cards(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    config: Optional[Path] = ConfigOption,
+) -> None:
     """Every card the enabled plugins contribute, with its recipe."""
     try:
-        entries = _catalog().entries()
+        entries = _catalog(config).entries()
     except (FvError, PluginError) as exc:
         _fail(str(exc))
         return
@@ -86,19 +85,27 @@ def list_cards(as_json: bool = typer.Option(False, "--json", help="Print JSON in
 
 
 @cards_app.command("show")
-def show_card(model_id: str = typer.Argument(..., help="Card id, e.g. wan-tiny.")) -> None:
-    """The full card as JSON."""
+def show_card(
+    model_id: str = typer.Argument(..., help="Card id, e.g. wan-tiny."),
+    config: Optional[Path] = ConfigOption,
+) -> None:
+    """The full card as JSON; the samplers ``fv generate --sampler`` accepts for it follow on stderr."""
     try:
-        card = _catalog().get(model_id)
+        host = start_host(load_config(config))
+        card = CardCatalog(host).get(model_id)
+        samplers = allowed_samplers(card, host.registry().sampler_names())
     except (FvError, PluginError) as exc:
         _fail(str(exc))
         return
     typer.echo(card.model_dump_json(indent=2))
+    if samplers:
+        typer.echo(f"samplers (--sampler): {', '.join(samplers)}", err=True)
 
 
 @cards_app.command("validate")
 def validate_card(
     card: str = typer.Argument(..., help="An installed card id, or a card file (.json / .yaml)."),
+    config: Optional[Path] = ConfigOption,
 ) -> None:
     """Validate a card without loading weights; exits non-zero naming each bad field.
 
@@ -109,6 +116,7 @@ def validate_card(
     from fv_kernel.card.buildcheck import check_card_builds
     from fv_kernel.card.catalog import InvalidCardFile, is_card_file, read_card_file
 
+    catalog = _catalog(config)  # the selected plugins start first: a required one that fails stops here
     path = Path(card)
     if is_card_file(card) or path.is_file():
         try:
@@ -123,7 +131,7 @@ def validate_card(
             return
     else:
         try:
-            found = _catalog().get(card)
+            found = catalog.get(card)
             ModelCard.model_validate(found.model_dump())
         except ValidationError as exc:
             for line in _describe_validation_error(exc):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,15 +15,19 @@ import typer
 from pydantic import ValidationError
 
 from fv_kernel.card.catalog import CardCatalog
-from fv_kernel.card.instance import InstanceOptions, build_instance
+from fv_kernel.card.instance import build_instance
 from fv_kernel.card.validate import resolve_request
+from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
+from fv_kernel.config import CardDeployment
 from fv_kernel.errors import FvError, InvalidRequest
 from fv_kernel.io.media import MediaError, write_artifact
-from fv_kernel.plugins import PluginError, PluginHost, PluginWarning
+from fv_kernel.extend.registry import ExtensionSet
+from fv_kernel.plugins import PluginError
 from fv_kernel.request.artifacts import AudioArtifact, TextArtifact, VideoArtifact
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
 from fv_kernel.request.types import PRECISIONS, TaskType
-from fv_kernel.runtime.engine import Engine, GenerationResult, SchedulerConfig
+from fv_kernel.runtime.deploy import available_extensions, deployment_options
+from fv_kernel.runtime.engine import Engine, GenerationResult
 
 __all__ = ["generate"]
 
@@ -99,19 +102,33 @@ def generate(
     steps: Optional[int] = typer.Option(None, "--steps"),
     guidance: Optional[float] = typer.Option(None, "--guidance"),
     shift: Optional[float] = typer.Option(None, "--shift"),
-    sampler: Optional[str] = typer.Option(None, "--sampler", help="Sampler of the denoise loop (the card's default if omitted)."),
+    sampler: Optional[str] = typer.Option(
+        None, "--sampler",
+        help="Sampler of the denoise loop (the card's default if omitted): one a card loop binds, or any sampler an "
+             "enabled plugin registers (the default loop then runs it with its own defaults) unless the recipe fixes the loop.",
+    ),
     seed: int = typer.Option(0, "--seed"),
     precision: Optional[str] = typer.Option(None, "--precision", help=f"One of {', '.join(PRECISIONS)} (the card's default if omitted)."),
     override_recipe: bool = typer.Option(
         False, "--override-recipe",
         help="Run in a --precision the card's recipe excludes (assumes_precision) instead of refusing.",
     ),
-    device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
+    device: Optional[str] = typer.Option(
+        None, "--device", help="torch device, e.g. cpu or cuda (default: the config's entry for --model, else cpu)."
+    ),
     upsample_prompt: bool = typer.Option(False, "--upsample-prompt", help="Rewrite the prompt with the card's reasoner first (cards that have one)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Token budget of the prompt rewrite (the card's default if omitted)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    config: Optional[Path] = ConfigOption,
 ) -> None:
-    """Generate a video (or image) with one card and write it to --output."""
+    """Generate a video (or image) with one card and write it to --output.
+
+    With --config, the deploy config applies as it does to ``fv serve``: its ``plugins``
+    select the plugins, its ``limits``, ``scheduler`` and ``extensions`` apply, and its
+    ``cards`` entry for --model (if any) gives the instance options (device, precision,
+    attention_backend, compute, local_files_only, override_recipe; flags win). Other
+    cards it lists are not loaded.
+    """
     suffix = output.suffix.lower()
     if suffix not in _OUTPUT_SUFFIXES:
         _fail(f"output: unsupported suffix {suffix or '(none)'!r}; allowed: {', '.join(_OUTPUT_SUFFIXES)}")
@@ -141,21 +158,25 @@ def generate(
         _fail(exc.message)
         return
 
-    host = PluginHost()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", PluginWarning)
-        host.start(fail_fast=False)
-    for warning in caught:
-        typer.echo(f"warning: {warning.message}", err=True)
+    deploy = load_config(config)
+    host = start_host(deploy)
     try:
         resolved = CardCatalog(host).resolve(model)
         card = resolved.card
         request = request.with_updates(model=card.model_id)
-        engine = Engine(SchedulerConfig(), hooks=host.hooks)
+        # The config's entry for this card (if any) gives the instance options; flags win.
+        deployment = next((c for c in deploy.cards if c.model in (model, card.model_id)), None) or CardDeployment(model=model)
+        overrides: dict[str, Any] = {"device": device, "precision": precision}
+        deployment = deployment.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+        if override_recipe:
+            deployment = deployment.model_copy(update={"override_recipe": True})
+        options = deployment_options(deployment, host.registry(), source=resolved.source)
+        extensions = ExtensionSet.build(deploy.extensions, available_extensions(host))
+        engine = Engine(deploy.scheduler, limits=deploy.limits, hooks=host.hooks, extensions=extensions)
         # every input error surfaces before weights load
-        resolve_request(card, request, allow_recipe_mismatch=override_recipe)
-        options = InstanceOptions(
-            device=device, precision=precision, source=resolved.source, allow_recipe_mismatch=override_recipe,  # type: ignore[arg-type]
+        resolve_request(
+            card, request, deploy.limits, allow_recipe_mismatch=options.allow_recipe_mismatch,
+            samplers=host.registry().sampler_names(),
         )
         instance = build_instance(card, options)
         if instance.recipe_overrides:
