@@ -71,7 +71,8 @@ class ResumePoint:
 
 def checkpoints_inside_every_loop(request: Request, instance: ModelInstance) -> tuple[list[Artifact], list[ResumePoint]]:
     """Run ``request`` writing a checkpoint at every step boundary; return its artifacts and, for
-    every loop that ran steps, the checkpoint in the middle of that loop's boundaries."""
+    every loop that ran steps, the checkpoint in the middle of that loop's boundaries (and one
+    between two counted steps when the middle falls in the loop's preparation)."""
     boundaries: list[tuple[dict[str, int], ResumePoint]] = []
 
     def write(run: ProgramRun) -> None:
@@ -80,12 +81,20 @@ def checkpoints_inside_every_loop(request: Request, instance: ModelInstance) -> 
         boundaries.append(({r.key: r.step for r in checkpoint.running}, point))
 
     artifacts = run_local(request, instance, on_step=write)
-    by_loop: dict[str, list[int]] = {}
+    by_loop: dict[str, list[tuple[int, int]]] = {}
     for index, (running, _) in enumerate(boundaries):
-        for key in running:
-            by_loop.setdefault(key, []).append(index)
-    picked = sorted({indices[(len(indices) - 1) // 2] for indices in by_loop.values()})
-    return artifacts, [boundaries[i][1] for i in picked]
+        for key, step in running.items():
+            by_loop.setdefault(key, []).append((index, step))
+    picked: set[int] = set()
+    for seen in by_loop.values():
+        index, step = seen[(len(seen) - 1) // 2]
+        picked.add(index)
+        last = seen[-1][1]
+        if step == 0 and last > 0:
+            # The middle boundary is still in the loop's preparation (e.g. prompt K/V): also
+            # resume between two of its counted steps, where sampler history matters.
+            picked.add(next(i for i, s in seen if s == max(1, last // 2)))
+    return artifacts, [boundaries[i][1] for i in sorted(picked)]
 
 
 def _importable(cls: type) -> str:

@@ -3,8 +3,14 @@
 Every per-request value lives in the loop's typed state: the reasoner's K/V block
 table (its tensors live in the instance's paged pool), the prompt K/V of each
 guidance branch (computed once, then reused by every denoise step), latents, sampler
-histories and RNG state. Loop objects hold only their spec and, once bound, the
-instance's tokenizer (per instance, never per request).
+histories and RNG state. Loop objects hold only their spec and the instance's
+tokenizer, bound when the instance builds the loop (per instance, never per request).
+
+The reasoner's K/V is the one thing outside a state: a state read back in another
+process points at blocks that process never allocated. ``Cosmos3ARDecodeLoop.restore``
+allocates fresh blocks and the loop rebuilds their contents with the very steps that
+wrote them (one prefill, then one ``ar_token`` per token already generated, sampling
+nothing), so the continued decode is bit-identical to an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -125,11 +131,18 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
 
     def __init__(self, spec: Any) -> None:
         super().__init__(spec)
-        self._tokenizer: Any = None  # bound to the instance's tokenizer on first init (per instance)
+        self._tokenizer: Any = None  # the instance's tokenizer, set by bind()
+
+    def bind(self, instance: ModelInstance) -> None:
+        self._tokenizer = instance.component("tokenizer")
+
+    def _bound_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise RuntimeError(f"loop {self.loop_id!r} is not bound to an instance (build it with ModelInstance.loop)")
+        return self._tokenizer
 
     def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> ARDecodeState:
-        tokenizer = model.component("tokenizer")
-        self._tokenizer = tokenizer
+        tokenizer = self._bound_tokenizer()
         purpose = str(ctx.upstream.get("ar_purpose", "chat"))
         text = request.text("prompt") or ""
         if purpose == "upsample":
@@ -159,6 +172,25 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
             model_id=model.model_id, weights_version=model.weights_version, seed=params.seed,
         )
 
+    def restore(self, state: ARDecodeState, model: ModelInstance, ctx: LoopContext) -> ARDecodeState:
+        """Blocks in this process's pool for a state read back from bytes; the next steps refill them."""
+        if state.finished:
+            return state  # finalize needs the tokens only
+        pool = model.text_kv_pool  # type: ignore[attr-defined]
+        pool.free(state.table)  # blocks this owner still holds here (a failed attempt); foreign ones are untouched
+        table = pool.allocate(state.request_id, tokens=len(state.prompt_ids) + state.max_tokens)
+        # Not prefilled, length 0: next() replays the prefill and the tokens already generated.
+        return state.model_copy(update={
+            "table": table, "table_ids": pool.table_tensor(table).unsqueeze(0), "prefilled": False,
+        })
+
+    @staticmethod
+    def _replaying(state: ARDecodeState) -> bool:
+        """The pool lacks K/V of tokens already sampled (after restore): the next step rewrites it, sampling nothing."""
+        if not state.prefilled:
+            return bool(state.generated)
+        return state.table.length < len(state.prompt_ids) + len(state.generated) - 1
+
     def next(self, state: ARDecodeState) -> WorkPlan | Done:
         if state.finished:
             return Done()
@@ -168,10 +200,21 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
                 inputs={"ids": torch.tensor([state.prompt_ids], dtype=torch.long), "table": state.table_ids},
                 shape_sig=ShapeSignature.of(tokens=len(state.prompt_ids)), tag="prefill",
             )
+        if self._replaying(state):
+            # Exactly the ar_token step that first wrote this position: same inputs, same K/V.
+            replayed = state.generated[state.table.length - len(state.prompt_ids)]
+            return WorkPlan(
+                loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.AR_TOKEN, op="ar_token",
+                inputs={
+                    "token": torch.tensor([[replayed]], dtype=torch.long), "table": state.table_ids,
+                    "length": torch.tensor([state.table.length], dtype=torch.long),
+                },
+                shape_sig=ShapeSignature.of(tokens=1), tag="replay",
+            )
         last = state.generated[-1]
         emits = []
-        if self._tokenizer is not None and last not in state.stop_ids:
-            emits = [EmitSpec(stream="text", modality="text", text=self._tokenizer.decode([last]))]
+        if last not in state.stop_ids:
+            emits = [EmitSpec(stream="text", modality="text", text=self._bound_tokenizer().decode([last]))]
         # The context length is an input, not part of the shape signature: requests at any
         # position group into one ar_token batch.
         return WorkPlan(
@@ -184,6 +227,9 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
         )
 
     def advance(self, state: ARDecodeState, result: StepResult) -> ARDecodeState:
+        if self._replaying(state):
+            written = len(state.prompt_ids) if not state.prefilled else state.table.length + 1
+            return state.model_copy(update={"prefilled": True, "table": state.table.model_copy(update={"length": written})})
         logits = apply_presence_penalty(result.outputs["logits"][0], state.generated, state.presence_penalty)
         generator = generator_from_state(state.rng_state)
         token = sample_next_token(logits, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
@@ -198,9 +244,7 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
 
     def _text(self, state: ARDecodeState) -> str:
         ids = [t for t in state.generated if t not in state.stop_ids]
-        if self._tokenizer is None:
-            raise RuntimeError("ar_decode finalize before init bound a tokenizer")
-        return str(self._tokenizer.decode(ids)).strip()
+        return str(self._bound_tokenizer().decode(ids)).strip()
 
     def finalize(self, state: ARDecodeState) -> LoopResult:
         text = self._text(state)

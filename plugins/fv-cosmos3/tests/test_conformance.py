@@ -53,3 +53,50 @@ def test_omni_gate_interleaved_equals_serial():
     assert [a.kind for a in interleaved[2].artifacts] == ["video"]
     pool = interleaved_engine.instances["cosmos3-tiny"].text_kv_pool
     assert pool.used_blocks == 0  # every request's blocks went back
+
+
+# --------------------------------------------------------------------------- resume (issue 12)
+from typing import Sequence  # noqa: E402
+
+import torch  # noqa: E402
+
+from fv_kernel.api import ActionPart, ARParams, ImagePart, ModelCard, VideoPart  # noqa: E402
+from fv_kernel.testing import ResumeConformance  # noqa: E402
+
+
+def resume_requests_for_every_task(card: ModelCard, prefix: str = "") -> list[Request]:
+    """One small request per task of cosmos3-tiny, plus prompt upsampling and the Euler denoise loop."""
+    d = card.capabilities.defaults
+    assert d is not None
+    image = torch.rand(3, d.height, d.width, generator=torch.Generator().manual_seed(0))
+    clip = torch.rand(d.frames, 3, d.height, d.width, generator=torch.Generator().manual_seed(1))
+    actions = torch.rand(4, 6, generator=torch.Generator().manual_seed(2))
+    text = (TextPart(text="a robot arm stacks cubes"), TextPart(text="blurry", role="negative_prompt"))
+    fast = DiffusionParams(steps=2, seed=5)
+    T = TaskType
+
+    def req(name: str, task: TaskType, *parts: object, **changes: object) -> Request:
+        return Request(request_id=f"{prefix}cosmos3-tiny-{name}", model=card.model_id, task=task,
+                       inputs=(*text, *parts), diffusion=changes.pop("diffusion", fast), **changes)  # type: ignore[arg-type]
+
+    return [
+        req("t2v", T.TEXT_TO_VIDEO),
+        req("t2v-upsampled", T.TEXT_TO_VIDEO, prompt_upsampling=True),  # 24 reasoner tokens (the card's limit)
+        req("t2i-euler", T.TEXT_TO_IMAGE, diffusion=fast.model_copy(update={"sampler": "euler"})),
+        req("i2v", T.IMAGE_TO_VIDEO, ImagePart(image=image)),
+        req("text", T.TEXT_GENERATION, ar=ARParams(max_tokens=6, temperature=0.8, top_k=20, seed=3)),
+        req("t2v-sound", T.TEXT_TO_VIDEO_AUDIO),  # fans out to the video and sound decoders
+        req("policy", T.ACTION_POLICY, ImagePart(image=image)),
+        req("forward", T.FORWARD_DYNAMICS, ImagePart(image=image), ActionPart(actions=actions, domain=1)),
+        req("inverse", T.INVERSE_DYNAMICS, VideoPart(frames=clip, fps=24.0)),
+    ]
+
+
+class TestCosmos3Resume(ResumeConformance):
+    """Every loop of cosmos3-tiny (reasoner decode with its paged K/V, both denoise loops, both decoders),
+    checkpointed mid-loop for every task, resumes in a fresh process bit-identically."""
+
+    card_ids = ["cosmos3-tiny"]
+
+    def requests_for(self, card: ModelCard, *, seeds: Sequence[int] = (0,), prefix: str = "") -> list[Request]:
+        return resume_requests_for_every_task(card, prefix)
