@@ -71,6 +71,7 @@ from fv_kernel.loop.contract import (
     LoopState,
     ResourceRequest,
     ShapeSignature,
+    StepEstimate,
     StepResult,
     WorkKind,
     WorkPlan,
@@ -92,13 +93,13 @@ from fv_kernel.loop.samplers import (
     Sampler,
     SamplerState,
     UniPCState,
-    add_noise,
     SamplerError,
-    builtin_samplers,
+    add_noise,
     bound_sampler,
-    sampler_from_state,
+    builtin_samplers,
     registered_samplers,
     sampler_class,
+    sampler_from_state,
 )
 from fv_kernel.loop.sampling import apply_presence_penalty, sample_next_token
 from fv_kernel.loop.state import (
@@ -143,5 +144,7 @@ from fv_kernel.request.types import Precision, TaskType, torch_dtype
 from fv_kernel.runtime.cost import CostKey, CostModel
 from fv_kernel.runtime.engine import Engine, GenerationResult, RequestHandle, SchedulerConfig, run_concurrently, run_serially
 from fv_kernel.runtime.local import run_local, run_local_async
+from fv_kernel.transport import TensorMeta, TransferManifest, Transport, TransportError
+from fv_kernel.transport.inproc import InProcessTransport
 
 __all__ = [name for name in dir() if not name.startswith("_") and name != "annotations"]

@@ -20,6 +20,10 @@ import pytest
 # The kernel's own tests use the conformance kit exactly as a plugin's tests would.
 pytest_plugins = ["fv_kernel.testing"]
 
+# Fixture plugins are distributions, not test modules: a fixture's own tests (the tutorial's
+# fv-hello/tests) run against that distribution installed, from test_plugin_tutorial.py.
+collect_ignore_glob = ["fixtures/*"]
+
 FIXTURE_PLUGINS = Path(__file__).parent / "fixtures" / "plugins"
 FIXTURE_PACKAGES = ("fv_good", "fv_broken", "fv_oldapi", "fv_bad", "fv_badcard", "fv_hello", "fv_toy")
 

@@ -5,7 +5,11 @@ Public contract for plugin authors (see ``docs/plugins.md``):
 - entry-point group ``fv.plugins``: ``<distribution name> = <plugin module>``;
 - entry-point groups ``fv.<kind>`` (e.g. ``fv.attention_backends``): ``<name> = "module:Class"``;
 - ``fv-plugin.yaml`` in the plugin's top-level package (:class:`PluginManifest`);
-- the hooks in :mod:`fv_kernel.plugins.hookspecs`, implemented with :data:`hookimpl`.
+- the hooks in :mod:`fv_kernel.plugins.hookspecs`, implemented with :data:`hookimpl`
+  (plugins import it, and everything else, from :mod:`fv_kernel.api`).
+
+A deployment's host (:class:`PluginHost`) loads the selected plugins, contains the ones
+that fail, and builds the deploy-scope :class:`DeployRegistry` that names resolve through.
 """
 
 from .config import FV_PLUGINS_ENV, PluginsConfig
@@ -26,6 +30,7 @@ from .hookspecs import hookimpl
 from .host import PLUGINS_GROUP, DiscoveredPlugin, PluginHost, PluginRecord, PluginStatus, PluginWarning, get_host
 from .kinds import KIND_NAMES, KINDS, KindSpec, Shape
 from .manifest import MANIFEST_FILENAME, ContributionDecl, PluginManifest, load_manifest, locate_manifest
+from .registry import DeployRegistry, kernel_registry
 
 __all__ = [
     "FV_PLUGINS_ENV",
@@ -35,6 +40,7 @@ __all__ = [
     "PLUGINS_GROUP",
     "Contribution",
     "ContributionDecl",
+    "DeployRegistry",
     "DiscoveredPlugin",
     "DriverRegistry",
     "DriverTypeError",
@@ -57,6 +63,7 @@ __all__ = [
     "UnknownDriverError",
     "get_host",
     "hookimpl",
+    "kernel_registry",
     "load_manifest",
     "locate_manifest",
 ]

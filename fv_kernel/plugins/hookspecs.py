@@ -3,7 +3,7 @@
 Project name ``"fv"``. A plugin module implements any subset of these hooks with
 :data:`hookimpl`::
 
-    from fv_kernel.plugins import hookimpl
+    from fv_kernel.api import hookimpl
 
     @hookimpl
     def fv_register_samplers(register):
@@ -15,9 +15,11 @@ it goes through the typed façade :class:`~fv_kernel.plugins.hooks.PluginHooks`.
 Registration hooks receive ``register(name: str, obj: object)``. ``name`` is the
 short contribution name; the kernel namespaces it as ``"<plugin>/<name>"``.
 Registration must be cheap: build specs and classes, never load weights or touch
-CUDA. Named drivers (attention backends, transports, and any ``fv.<kind>``
-entry-point group) are not registered through hooks; they are declared as entry
-points and imported only when selected.
+CUDA. The host runs each plugin's registration hooks once, when it registers the
+plugin (at start), and checks what they register; a hook that raises, or registers
+something invalid, disables that plugin alone. Named drivers (attention backends,
+transports, and any ``fv.<kind>`` entry-point group) are not registered through
+hooks; they are declared as entry points and imported only when selected.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ Register = Callable[[str, object], None]
 
 
 # --------------------------------------------------------------------------- registration
-# Called once per kind when the kernel first needs that kind's contributions.
+# Called once per plugin, when the host registers it (at start); results are checked and kept.
 
 
 @hookspec

@@ -67,3 +67,37 @@ def test_wan_refuses_a_backend_its_deployment_does_not_enable() -> None:
     bare = build_instance(card, InstanceOptions(attention_backend="counting"))
     with pytest.raises(UnknownDriverError, match="no attention_backends driver named 'counting'"):
         bare.component("transformer")
+
+
+def test_wan_runs_a_plugin_sampler_the_request_names() -> None:
+    """docs/plugins.md: `fv generate --model wan-tiny --sampler euler-shift3` runs the default denoise loop with it."""
+    import types
+
+    from fv_kernel.api import DiffusionParams, FlowEulerSampler, Request, TaskType, TextPart, hookimpl, run_local
+    from fv_kernel.plugins import PluginHost
+
+    class EulerShift3(FlowEulerSampler):
+        name = "euler-shift3"
+        shift: float = 3.0
+
+    @hookimpl
+    def fv_register_samplers(register):  # noqa: ANN001, ANN202
+        register("euler-shift3", EulerShift3)
+
+    plugin = types.ModuleType("fv_hello_like")
+    plugin.fv_register_samplers = fv_register_samplers  # type: ignore[attr-defined]
+    host = PluginHost(discover=False, environ={})
+    host.start()
+    host.register(plugin, name="fv-hello")
+    card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+    instance = build_instance(card, InstanceOptions(registry=host.registry()))
+
+    def frames(**diffusion: object) -> torch.Tensor:
+        request = Request(model="wan-tiny", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="a red ball"),),
+                          diffusion=DiffusionParams(steps=2, frames=1, height=16, width=16, seed=0, **diffusion))
+        (video,) = [a for a in run_local(request, instance) if a.kind == "video"]
+        return video.frames
+
+    plugin_run = frames(sampler="euler-shift3")
+    assert torch.equal(plugin_run, frames(sampler="euler", shift=3.0))
+    assert not torch.equal(plugin_run, frames())  # wan-tiny's own loop runs unipc
