@@ -90,7 +90,7 @@ class _Progress:
 
 
 def generate(
-    model: str = typer.Option(..., "--model", "-m", help="Card id (see 'fv cards list'), a local checkpoint directory, or a hub id."),
+    model: str = typer.Option(..., "--model", "-m", help="Card id (see 'fv cards list'), a card file (.json/.yaml, checked as 'fv cards validate' does), a local checkpoint directory, or a hub id."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="What to generate."),
     output: Path = typer.Option(..., "--output", "-o", help="Output file: .mp4 (H.264), .pt (float32 tensor (F,3,H,W) in [0,1]), .png (first frame)."),
     negative_prompt: Optional[str] = typer.Option(None, "--negative-prompt", help="What to steer away from (cards with CFG)."),

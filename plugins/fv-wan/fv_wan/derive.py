@@ -14,6 +14,9 @@ Everything fv-wan cannot reproduce is refused up front with a :class:`WanCheckpo
 naming the file, the field and its value (and the allowed values): another pipeline class or
 component class, a scheduler option fv's samplers do not implement, inconsistent widths.
 Only configs are read here; weights load when the card is built.
+
+``python -m fv_wan.derive DIR`` prints the derived card as JSON: a card file to keep, edit
+(defaults, say) and run with ``fv generate --model card.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, Iterable, Mapping
 from pydantic import ValidationError
 
 from fv_kernel.api import (
+    FvError,
     GenerationDefaults,
     InvalidRequest,
     ModelCard,
@@ -54,6 +58,7 @@ __all__ = [
     "builtin_equivalent",
     "resolve_checkpoint_dir",
     "RESEARCH_WIDTH",
+    "main",
 ]
 
 T2V, I2V = TaskType.TEXT_TO_VIDEO, TaskType.IMAGE_TO_VIDEO
@@ -573,3 +578,31 @@ def resolve_checkpoint_dir(root: Path) -> str | ModelCard | None:
         return None
     derived = derive_card(root)
     return builtin_equivalent(derived) or derived
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fv_wan.derive CHECKPOINT_DIR``: the card fv-wan derives for the directory, as JSON on stdout."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0].startswith("-"):
+        print("usage: python -m fv_wan.derive CHECKPOINT_DIR  (prints the derived card as JSON)", file=sys.stderr)
+        return 2
+    root = Path(args[0]).expanduser()
+    if not root.is_dir():
+        print(f"error: model: no such directory: {args[0]!r}", file=sys.stderr)
+        return 2
+    try:
+        card = derive_card(root)
+    except FvError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    builtin = builtin_equivalent(card)
+    if builtin is not None:
+        print(f"note: 'fv generate --model {args[0]}' runs the built-in card {builtin!r}, which computes the same", file=sys.stderr)
+    print(card.model_dump_json(indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

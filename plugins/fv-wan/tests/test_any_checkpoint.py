@@ -28,6 +28,7 @@ from fv_kernel.cli.app import app
 from fv_wan.cards import TINY_VAE21, wan_cards
 from fv_wan.derive import RESEARCH_WIDTH, WanCheckpointError, derive_card, resolve_checkpoint_dir
 from fv_wan.models.transformer import WanTransformerConfig
+from doc_blocks import REPO, doc_blocks, run_doc_block
 from tiny_wan_checkpoints import (
     reference_pipeline,
     tiny_transformer_config,
@@ -114,6 +115,14 @@ def i2v_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def i2v_experts_dir(tmp_path_factory) -> Path:
+    """Wan 2.2 I2V-A14B-style: image-to-video without a CLIP tower (frame mask + image latent only), two experts."""
+    transformer = tiny_transformer_config(in_channels=36)
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "i2v-experts", transformer=transformer, transformer_2=transformer,
+                            boundary_ratio=0.9, vae=tiny_vae_config(), scheduler=_unipc(flow_shift=5.0), seed=40)
+
+
+@pytest.fixture(scope="module")
 def ti2v_dir(tmp_path_factory) -> Path:
     """Wan 2.2 TI2V-style: a tiny Wan 2.2 VAE (z 8, patch 2, 16x) and per-token timesteps (expand_timesteps)."""
     vae = dict(base_dim=8, decoder_base_dim=8, z_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1, is_residual=True,
@@ -153,6 +162,7 @@ def test_derived_card_records_provenance_and_follows_the_configs(t2v_dir: Path, 
     assert t.inner_dim < RESEARCH_WIDTH and card.precision.default == "fp32"
     d = card.capabilities.defaults
     assert (d.height, d.width, d.frames, d.steps, d.guidance, d.shift) == (64, 96, 9, 8, 5.0, 7.0)
+    assert card.capabilities.max_frames == 4 * (32 - 1) + 1  # latent frames within the RoPE table (rope_max_seq_len 32)
     # Every builder and component config of the derived card builds (fv cards validate's check).
     assert check_card_builds(card) == []
     # Another config is another card: the fingerprint and id follow the configs.
@@ -248,6 +258,18 @@ def test_image_to_video_checkpoint_equals_wan_i2v_pipeline(i2v_dir: Path, tmp_pa
     _assert_equal_within_tolerance(card, fv, _reference(pipe, card, image=image))
 
 
+def test_image_to_video_experts_without_clip_equal_wan_i2v_pipeline(i2v_experts_dir: Path, tmp_path: Path) -> None:
+    card = derive_card(i2v_experts_dir)
+    assert card.capabilities.tasks == {I2V} and "image_encoder" not in card.components
+    assert card.loops["denoise"].config == {"boundary_ratio": 0.9, "i2v_mode": "concat"}
+    d = card.capabilities.defaults
+    image = _condition_image(d.height, d.width, tmp_path / "cond.png")
+    fv = _fv_video(i2v_experts_dir, tmp_path, "--image", str(tmp_path / "cond.png"))
+    pipe = reference_pipeline(i2v_experts_dir)
+    assert pipe.image_encoder is None and pipe.transformer_2 is not None
+    _assert_equal_within_tolerance(card, fv, _reference(pipe, card, image=image))
+
+
 def test_ti2v_checkpoint_runs_image_to_video_as_the_expand_timesteps_pipeline(ti2v_dir: Path, tmp_path: Path) -> None:
     card = derive_card(ti2v_dir)
     # A WanPipeline with expand_timesteps is a TI2V checkpoint: WanImageToVideoPipeline(expand_timesteps=True)
@@ -274,6 +296,15 @@ def test_original_layout_transformer_folder_equals_the_diffusers_layout(t2v_dir:
     fv = _fv_video(root, tmp_path)
     reference = _reference(reference_pipeline(t2v_dir), derive_card(t2v_dir))
     _assert_equal_within_tolerance(card, fv, reference)
+    # Original-layout settings fv-wan does not run are named.
+    config_file = root / "transformer" / "config.json"
+    original = config_file.read_text()
+    for changes, fragment in (({"model_type": "flf2v"}, "model_type=\"flf2v\" is not supported; allowed: t2v, i2v, ti2v"),
+                              ({"window_size": [256, 256]}, "window_size=[256, 256] is not supported (local attention)")):
+        config_file.write_text(original)
+        _edit(config_file, **changes)
+        with pytest.raises(WanCheckpointError, match=re.escape(fragment)):
+            derive_card(root)
 
 
 # --------------------------------------------------------------------------- what is refused, and how
@@ -342,6 +373,67 @@ def test_unsupported_config_is_one_line_naming_file_field_and_value(
         derive_card(root)
 
 
+#: (case, fixture, file, changes, fragment of the typed error) -- checked from Python (no CLI start-up per case).
+REFUSED_FROM_PYTHON = [
+    ("out_channels vs z_dim", "t2v_dir", "transformer/config.json", {"out_channels": 8},
+     "out_channels=8 is not supported (the VAE's z_dim is 16); allowed: 16"),
+    ("t2v in_channels", "t2v_dir", "transformer/config.json", {"in_channels": 36},
+     "in_channels=36 is not supported (WanPipeline feeds the noisy latent); allowed: 16"),
+    ("image_dim without an encoder", "t2v_dir", "transformer/config.json", {"image_dim": 20, "added_kv_proj_dim": 24},
+     "image_dim=20 is not supported (the checkpoint has no image_encoder to feed it)"),
+    ("first-last-frame", "t2v_dir", "transformer/config.json", {"pos_embed_seq_len": 514, "image_dim": 20, "added_kv_proj_dim": 24},
+     "pos_embed_seq_len=514 is not supported (first-last-frame checkpoints"),
+    ("image encoder width", "i2v_dir", "image_encoder/config.json", {"hidden_size": 16},
+     "image_encoder/config.json: hidden_size=16 is not supported (transformer/config.json has image_dim 20); allowed: 20"),
+    ("i2v in_channels", "i2v_dir", "transformer/config.json", {"in_channels": 16},
+     "in_channels=16 is not supported (WanImageToVideoPipeline feeds noise + 4-channel frame mask + image latent); allowed: 36"),
+    ("i2v VAE not 4x in time", "i2v_dir", "vae/config.json", {"temperal_downsample": [False, True, False], "scale_factor_temporal": None},
+     "temperal_downsample=[false, true, false] is not supported (the image-to-video frame mask groups 4 frames"),
+    ("experts disagree", "experts_dir", "transformer_2/config.json", {"text_dim": 32},
+     "transformer_2/config.json: text_dim=32 is not supported (transformer/config.json has 48"),
+    ("boundary out of range", "experts_dir", "model_index.json", {"boundary_ratio": 1.5},
+     "boundary_ratio=1.5 is not supported; allowed: a number in (0, 1), or null"),
+]
+
+
+@pytest.mark.parametrize("case, fixture, file, changes, fragment", REFUSED_FROM_PYTHON, ids=[c[0] for c in REFUSED_FROM_PYTHON])
+def test_inconsistent_checkpoints_are_refused_naming_the_field(
+    case: str, fixture: str, file: str, changes: dict[str, Any], fragment: str, request: Any, tmp_path: Path
+) -> None:
+    root = _copy(request.getfixturevalue(fixture), tmp_path)
+    _edit(root / file, **changes)
+    with pytest.raises(WanCheckpointError) as info:
+        derive_card(root)
+    assert fragment in info.value.message and info.value.param == "model", info.value.message
+
+
+def _bad_value(wanted: Any) -> Any:
+    if isinstance(wanted, bool):
+        return not wanted
+    if wanted is None:
+        return 1.0
+    if isinstance(wanted, int):
+        return 500
+    return "something-else"
+
+
+def test_every_scheduler_setting_fv_does_not_reproduce_is_refused(t2v_dir: Path, experts_dir: Path, tmp_path: Path) -> None:
+    """Each field the samplers require a value for, set to another value, is named (Euler and UniPC tables)."""
+    from fv_wan.derive import _SCHEDULERS
+
+    for scheduler_class, source in (("FlowMatchEulerDiscreteScheduler", t2v_dir), ("UniPCMultistepScheduler", experts_dir)):
+        required = _SCHEDULERS[scheduler_class][1]
+        root = _copy(source, tmp_path, scheduler_class)
+        original = (root / _SCHED).read_text()
+        assert json.loads(original)["_class_name"] == scheduler_class
+        for field, (_, wanted) in required.items():
+            (root / _SCHED).write_text(original)
+            _edit(root / _SCHED, **{field: _bad_value(wanted)})
+            with pytest.raises(WanCheckpointError) as info:
+                derive_card(root)
+            assert f"{field}={json.dumps(_bad_value(wanted))} is not supported" in info.value.message, (field, info.value.message)
+
+
 def test_unipc_options_fv_does_not_run_are_named(experts_dir: Path, tmp_path: Path) -> None:
     root = _copy(experts_dir, tmp_path)
     scheduler = root / _SCHED
@@ -400,3 +492,15 @@ def test_paths_that_are_not_checkpoints_say_what_they_are(tmp_path: Path) -> Non
         assert result.exit_code == 2 and not out.exists(), result.output
         lines = [l for l in result.output.splitlines() if l.startswith("error:")]
         assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.output, (model, result.output)
+
+
+def test_the_examples_in_docs_models_wan_md_run_as_written(t2v_dir: Path, experts_dir: Path, tmp_path: Path) -> None:
+    derived, refused = doc_blocks(REPO / "docs" / "models" / "wan.md", "plugins/fv-wan/tests/test_any_checkpoint.py")
+    shutil.copytree(t2v_dir, tmp_path / "my-wan-checkpoint")
+    run_doc_block(derived, tmp_path)
+    assert torch.load(tmp_path / "fox.pt").shape == (9, 3, 64, 96) and (tmp_path / "fox4.mp4").stat().st_size > 0
+    thresholded = _copy(experts_dir, tmp_path, "my-wan-checkpoint-thresholded")
+    _edit(thresholded / _SCHED, thresholding=True)
+    (_copy(t2v_dir, tmp_path, "my-wan-checkpoint-no-transformer-config") / "transformer" / "config.json").unlink()
+    run_doc_block(refused, tmp_path)
+    assert not (tmp_path / "x.mp4").exists()

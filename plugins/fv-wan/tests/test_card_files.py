@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from fv_kernel.api import InvalidCard, ModelCard, TaskType, build_instance, check_card_builds
 from fv_kernel.cli.app import app
 from fv_wan.cards import wan_cards
+from doc_blocks import REPO, doc_blocks, run_doc_block
 
 PROMPT = "a red fox"
 
@@ -108,3 +109,11 @@ def test_loaders_parse_through_the_cards_config_schema() -> None:
     data["components"]["transformer"]["config"] = {}
     with pytest.raises(InvalidCard, match="parses to WanTextEncoderConfig; this loader needs a WanTransformerConfig"):
         build_instance(ModelCard.model_validate(data)).load_for_task(TaskType.TEXT_TO_VIDEO)
+
+
+def test_the_card_file_examples_in_docs_cards_md_run_as_written(tmp_path: Path) -> None:
+    happy, failing = doc_blocks(REPO / "docs" / "cards.md", "plugins/fv-wan/tests/test_card_files.py")
+    run_doc_block(happy, tmp_path)
+    assert (tmp_path / "fox.mp4").stat().st_size > 0
+    run_doc_block(failing, tmp_path)
+    assert not (tmp_path / "never.mp4").exists()
