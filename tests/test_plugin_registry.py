@@ -289,3 +289,34 @@ def test_fv_generate_takes_the_configs_card_entry_and_limits(plugin_site: Path, 
     config.write_text("plugins: {autoload: false, enable: [fv-toy]}\nlimits: {max_steps: 2}\n")
     limited = runner.invoke(app, [*args, "--steps", "5"])
     assert limited.exit_code == 2 and "error: steps: 5 exceeds this deployment's limit; allowed: <= 2" in limited.output
+
+
+def test_card_files_resolve_their_names_in_the_deployment(plugin_site: Path, tmp_path: Path) -> None:
+    path = tmp_path / "shift3.json"
+    path.write_text(with_denoise_sampler(SamplerBinding(name="euler-shift3"), model_id="toy-shift3").model_dump_json())
+    config = tmp_path / "deploy.yaml"
+    config.write_text("plugins: {autoload: false, enable: [fv-hello]}\n")
+    ok = runner.invoke(app, ["cards", "validate", str(path), "--config", str(config)])
+    assert ok.exit_code == 0 and "ok: toy-shift3" in ok.stdout, ok.output
+    out = tmp_path / "out.pt"
+    made = runner.invoke(app, ["generate", "-m", str(path), "-p", "x", "-o", str(out), "-q", "--config", str(config)])
+    assert made.exit_code == 0 and out.is_file(), made.output
+    config.write_text("plugins: {autoload: false}\n")
+    refused = runner.invoke(app, ["cards", "validate", str(path), "--config", str(config)])
+    assert refused.exit_code == 1
+    assert "loops.denoise.sampler.name: no samplers contribution 'euler-shift3' is enabled in this deployment" in refused.output
+
+
+def test_build_check_resolves_registered_loops(fv_host: PluginHost, register_plugin: Any) -> None:
+    from fv_kernel.card.buildcheck import check_card_builds
+
+    card = toy_card("toy-dit")
+    loops = dict(card.loops)
+    loops["denoise"] = loops["denoise"].model_copy(update={"implementation": "fv-loops/toy-denoise"})
+    named = card.model_copy(update={"loops": loops})
+    problems = check_card_builds(named, registry=fv_host.registry())
+    assert [str(p) for p in problems] == [
+        "loops.denoise.implementation: no loops contribution 'fv-loops/toy-denoise' is enabled in this deployment; available: <none>"
+    ]
+    register_plugin(loop_plugin(), name="fv-loops")
+    assert check_card_builds(named, registry=fv_host.registry()) == []

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pydantic import BaseModel, ValidationError
 
 from fv_kernel.card.spec import ComponentSpec, ModelCard
 from fv_kernel.errors import FvError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.plugins.registry import DeployRegistry
 
 __all__ = ["BuildProblem", "InvalidCard", "check_card_builds", "parse_component_config", "problems_from_validation"]
 
@@ -115,19 +118,34 @@ def _resolve(reference: str, field: str, *, want: str) -> tuple[Any, BuildProble
     return obj, None
 
 
-def check_card_builds(card: ModelCard) -> list[BuildProblem]:
+def check_card_builds(card: ModelCard, *, registry: "DeployRegistry | None" = None) -> list[BuildProblem]:
     """Every reason ``card`` would not build, without loading weights; empty when it would.
 
     Checks the factory, each component's builder (callable) and config (parsed through its
     ``config_schema``), each loop's implementation and state schema (classes), and each
     program class. Components without a ``config_schema`` have their configs left unchecked.
+    Names the card gives a deployment to resolve (a registered loop, a sampler) are looked
+    up in ``registry``, the deployment's (None: the kernel's built-ins).
     """
+    from fv_kernel.plugins.errors import PluginError
+    from fv_kernel.plugins.registry import kernel_registry
+
+    names = registry if registry is not None else kernel_registry()
     problems: list[BuildProblem] = []
     checks: list[tuple[str, str, str]] = [(card.factory, "factory", "callable")]
     for cid, comp in card.components.items():
         checks.append((comp.builder, f"components.{cid}.builder", "callable"))
     for lid, loop in card.loops.items():
-        checks.append((loop.implementation, f"loops.{lid}.implementation", "class"))
+        lookups = [(names.loop, loop.implementation, f"loops.{lid}.implementation")] if ":" not in loop.implementation else []
+        if loop.sampler is not None:
+            lookups.append((names.sampler, loop.sampler.name, f"loops.{lid}.sampler.name"))
+        for lookup, name, field in lookups:
+            try:
+                lookup(name)
+            except PluginError as exc:
+                problems.append(BuildProblem(field, str(exc)))
+        if ":" in loop.implementation:
+            checks.append((loop.implementation, f"loops.{lid}.implementation", "class"))
         if loop.state_schema is not None:
             checks.append((loop.state_schema, f"loops.{lid}.state_schema", "class"))
     for task, program in card.programs.items():

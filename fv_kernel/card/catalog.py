@@ -23,6 +23,7 @@ from fv_kernel.errors import CheckpointNotFound, FvError, InvalidRequest, Unknow
 
 if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.plugins.host import PluginHost
+    from fv_kernel.plugins.registry import DeployRegistry
 
 __all__ = ["CardEntry", "CardCatalog", "ResolvedModel", "CARD_FILE_SUFFIXES", "InvalidCardFile", "is_card_file", "read_card_file"]
 
@@ -47,8 +48,9 @@ def is_card_file(model: str) -> bool:
     return path.suffix.lower() in CARD_FILE_SUFFIXES and not path.is_dir()
 
 
-def read_card_file(path: Path) -> ModelCard:
-    """A card from a ``.json`` / ``.yaml`` file: validated, then build-checked (no weights read).
+def read_card_file(path: Path, *, registry: "DeployRegistry | None" = None) -> ModelCard:
+    """A card from a ``.json`` / ``.yaml`` file: validated, then build-checked (no weights read),
+    the names it gives resolving in ``registry`` (the deployment's; None: the kernel's built-ins).
 
     Raises :class:`CheckpointNotFound` when the file does not exist, :class:`InvalidRequest`
     when it cannot be read or parsed, and :class:`InvalidCardFile` naming every bad field.
@@ -66,7 +68,7 @@ def read_card_file(path: Path) -> ModelCard:
         card = ModelCard.model_validate(data)
     except ValidationError as exc:
         raise InvalidCardFile(path, [str(p) for p in problems_from_validation(exc, "")]) from None
-    problems = check_card_builds(card)
+    problems = check_card_builds(card, registry=registry)
     if problems:
         raise InvalidCardFile(path, [str(p) for p in problems])
     return card
@@ -124,6 +126,11 @@ class CardCatalog:
     def __init__(self, host: "PluginHost") -> None:
         self._host = host
 
+    @property
+    def host(self) -> "PluginHost":
+        """The plugin host whose enabled plugins contribute the cards (and whose registry they resolve in)."""
+        return self._host
+
     def entries(self) -> dict[str, CardEntry]:
         self._host.start()
         entries: dict[str, CardEntry] = {}
@@ -152,14 +159,14 @@ class CardCatalog:
         if model in entries:
             return ResolvedModel(entries[model].card, None)
         if is_card_file(model):
-            return ResolvedModel(read_card_file(Path(model).expanduser()), None)
+            return ResolvedModel(read_card_file(Path(model).expanduser(), registry=self._host.registry()), None)
         answer = self._host.hooks.resolve_model_source(model)
         if isinstance(answer, ModelCard):
             if answer.model_id in entries:
                 raise InvalidRequest(
                     "model", f"the card derived from {model!r} is named {answer.model_id!r}, which an installed card already is"
                 )
-            problems: list[BuildProblem] = check_card_builds(answer)
+            problems: list[BuildProblem] = check_card_builds(answer, registry=self._host.registry())
             if problems:
                 raise InvalidRequest("model", f"the card derived from {model!r} does not build: " + "; ".join(map(str, problems)))
             return ResolvedModel(answer, model)

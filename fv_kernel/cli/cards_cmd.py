@@ -120,7 +120,7 @@ def validate_card(
     path = Path(card)
     if is_card_file(card) or path.is_file():
         try:
-            found = read_card_file(path)  # validated and build-checked
+            found = read_card_file(path, registry=catalog.host.registry())  # validated and build-checked
         except InvalidCardFile as exc:
             typer.echo(f"invalid card {path}:", err=True)
             for line in exc.problems:
@@ -140,7 +140,7 @@ def validate_card(
         except (FvError, PluginError) as exc:
             _fail(str(exc))
             return
-        problems = check_card_builds(found)
+        problems = check_card_builds(found, registry=catalog.host.registry())
         if problems:
             typer.echo(f"invalid card {card}:", err=True)
             for problem in problems:
