@@ -57,6 +57,10 @@ class ServerConfig(BaseModel):
     db_path: Path | None = None
     #: Seconds between SSE keep-alive comments on an idle event stream.
     sse_heartbeat_s: float = Field(default=15.0, gt=0)
+    #: Write a running video job's program checkpoint (``<output_dir>/checkpoints/<job id>.pt``)
+    #: every this many steps, so a restarted server resumes it from there; 0: never (an
+    #: interrupted job then restarts from its first step).
+    checkpoint_every_steps: int = Field(default=5, ge=0)
 
 
 class DeployConfig(BaseModel):

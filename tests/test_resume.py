@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -35,6 +35,16 @@ T2V = Request(request_id="resume-t2v", model="toy-dit", task=TaskType.TEXT_TO_VI
 OMNI = Request(request_id="resume-omni", model="toy-omni", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="cat"),),
                prompt_upsampling=True, ar=ARParams(max_tokens=5, temperature=0.9, top_k=20, seed=1),
                diffusion=DiffusionParams(seed=2, steps=3))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads; on a shared machine they only spin (results
+    depend on the thread count, so every process of a test, fresh ones included, uses the same)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def _state_with(value: Any) -> LoopState:

@@ -3,7 +3,7 @@ in-process save/restore but fail the fresh-process check; unserializable state f
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -16,6 +16,16 @@ from fv_kernel.runtime.local import run_local
 from fv_kernel.testing import ResumeConformance
 from fv_kernel.testing.card_kit import assert_artifacts_identical, roundtrip_state
 from fv_kernel.testing.toy import DenoiseState, ToyDenoiseLoop, toy_card
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads; on a shared machine they only spin (results
+    depend on the thread count, so every process of a test, fresh ones included, uses the same)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 class RngOnLoopDenoise(ToyDenoiseLoop):

@@ -1,4 +1,7 @@
-"""The kernel's toy cards pass the card, loop and interleave conformance kits (the kits' own proof)."""
+"""The kernel's toy cards pass the card, loop and interleave conformance kits (the kits' own proof).
+
+The interleave gate's negative controls (buggy toy cards it must fail) are in
+``test_interleave_gate.py``."""
 
 from __future__ import annotations
 
@@ -23,7 +26,10 @@ class TestToyInterleaveGate(_ToyCards, InterleaveConformance):
 
 
 # --------------------------------------------------------------------------- resume (issue 12)
-from typing import Sequence  # noqa: E402
+from typing import Iterator, Sequence  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from fv_kernel.request.request import ARParams, Request  # noqa: E402
 from fv_kernel.request.types import TaskType  # noqa: E402
@@ -32,6 +38,14 @@ from fv_kernel.testing import ResumeConformance  # noqa: E402
 
 class TestToyResume(_ToyCards, ResumeConformance):
     """Every loop of every toy card, checkpointed mid-loop, resumes in a fresh process bit-identically."""
+
+    @pytest.fixture(autouse=True)
+    def _one_intra_op_thread(self) -> Iterator[None]:
+        # Tiny models gain nothing from intra-op threads; the fresh process copies this count.
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        yield
+        torch.set_num_threads(previous)
 
     def requests_for(self, card: ModelCard, *, seeds: Sequence[int] = (0,), prefix: str = "") -> list[Request]:
         requests = super().requests_for(card, seeds=seeds, prefix=prefix)

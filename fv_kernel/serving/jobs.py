@@ -4,6 +4,12 @@ A job is owned by the server, not by the HTTP request that created it: a followe
 task per job consumes the engine's typed events, writes the job's state to SQLite
 and its artifacts to ``<output_dir>/<job id>/``, and republishes the events for any
 number of SSE subscribers. A client that disconnects loses nothing.
+
+A job also survives the server: its request is saved as a program checkpoint when the
+job is created, and the checkpoint is rewritten every ``checkpoint_every_steps`` steps
+while it runs. A server started on the same data dir resumes every job the previous
+process left queued or running, from its last checkpoint; a job it cannot resume
+fails with a reason (``error.type = "not_resumable"``), none is silently lost.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ import uuid
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import torch
 from pydantic import BaseModel, ValidationError
 
 from fv_kernel.card.instance import ModelInstance
 from fv_kernel.errors import FvError
+from fv_kernel.loop.state import StateFormatError
+from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun
 from fv_kernel.request.artifacts import VideoArtifact
 from fv_kernel.request.request import DiffusionParams, ImagePart, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
@@ -43,7 +51,7 @@ from fv_kernel.serving.schemas import (
     _Generation,
     parse_size,
 )
-from fv_kernel.serving.store import JobRecord, JobStore
+from fv_kernel.serving.store import CheckpointStore, JobRecord, JobStore
 
 __all__ = ["JobManager", "StreamEvent"]
 
@@ -74,6 +82,8 @@ class _LiveJob:
     loop_fraction: dict[str, float] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    #: A client asked to cancel or delete it (a cancellation by a server shutdown is not final).
+    cancelled_by_client: bool = False
 
     def publish(self, event: str, data: dict[str, Any]) -> None:
         item = StreamEvent(len(self.events), event, data)
@@ -96,6 +106,10 @@ class _LiveJob:
         return self.record.progress
 
 
+class _CannotResume(Exception):
+    """Why a job a previous process left unfinished cannot continue."""
+
+
 def new_job_id() -> str:
     return f"video_{uuid.uuid4().hex}"
 
@@ -113,10 +127,18 @@ class JobManager:
         extension_schemas: Mapping[str, type[BaseModel]],
         max_image_pixels: int,
         rejections: Counter[str],
+        checkpoints: CheckpointStore | None = None,
+        checkpoint_every_steps: int = 5,
     ) -> None:
         self.engine = engine
         self.store = store
         self.output_dir = output_dir
+        #: Each unfinished video job's program checkpoint (its request from the start).
+        self.checkpoints = checkpoints if checkpoints is not None else CheckpointStore(output_dir / "checkpoints")
+        self.checkpoint_every_steps = checkpoint_every_steps
+        #: The latest ProgramRun of each running job that checkpoints (for a last checkpoint at shutdown).
+        self._runs: dict[str, ProgramRun] = {}
+        self._stopping = False
         self.enabled_extensions = dict(enabled_extensions)
         self.extension_schemas = dict(extension_schemas)
         self.max_image_pixels = max_image_pixels
@@ -125,19 +147,99 @@ class JobManager:
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> list[str]:
-        """Start the engine; fail the jobs a previous process left unfinished. Returns their ids."""
-        interrupted = self.store.fail_interrupted("the server stopped while this job was queued or running")
-        if interrupted:
-            log.warning("marked %d job(s) interrupted by a previous shutdown as failed", len(interrupted))
+        """Start the engine and resume the jobs a previous process left unfinished. Returns the resumed ids.
+
+        Each resumes from its last checkpoint (a job that never checkpointed mid-run starts
+        over from its saved request); one that cannot resume is marked failed with the reason.
+        """
         await self.engine.start()
-        return interrupted
+        resumed: list[str] = []
+        for record in self.store.unfinished():
+            try:
+                self._resume(record)
+            except _CannotResume as exc:
+                log.warning("job %s cannot resume: %s", record.id, exc)
+                error = {"type": "not_resumable", "message": f"the server restarted and could not resume this job: {exc}",
+                         "param": None}
+                self.store.finish(record.id, "failed", at=time.time(), progress=record.progress, error=error)
+                self.checkpoints.delete(record.id)
+            else:
+                resumed.append(record.id)
+        unfinished = set(resumed)
+        for job_id in self.checkpoints.job_ids():  # a job killed between its checkpoint and its row
+            if job_id not in unfinished:
+                self.checkpoints.delete(job_id)
+        if resumed:
+            log.warning("resumed %d job(s) a previous process left unfinished", len(resumed))
+        return resumed
+
+    def _resume(self, record: JobRecord) -> None:
+        instance = self.engine.instances.get(record.model)
+        if instance is None:
+            served = ", ".join(sorted(self.engine.instances)) or "none"
+            raise _CannotResume(f"card {record.model!r} is no longer served (served: {served})")
+        try:
+            checkpoint = self.checkpoints.read(record.id)
+        except FileNotFoundError:
+            raise _CannotResume("it has no checkpoint (it was created by a server that did not save one)") from None
+        except StateFormatError as exc:
+            raise _CannotResume(f"its checkpoint is unreadable ({exc.message})") from None
+        try:
+            program = instance.program(checkpoint.request.task)
+            if record.status == "in_progress" and not program.resumable:
+                raise _CannotResume(
+                    f"it had started and the {checkpoint.request.task.value!r} program of {record.model!r} "
+                    f"({type(program).__qualname__}) cannot resume"
+                )
+            handle = self.engine.submit(
+                checkpoint.request, resume_from=checkpoint if checkpoint.started else None,
+                on_step=self._checkpointer(record.id, program.resumable),
+            )
+        except FvError as exc:
+            raise _CannotResume(f"{exc.error_type}: {exc.message}") from None
+        if checkpoint.started:
+            log.info("job %s resumes at %s", record.id, checkpoint.position())
+        program_spec = instance.card.programs.get(checkpoint.request.task)
+        live = _LiveJob(record=record, handle=handle, loop_total=len(program_spec.loops) if program_spec else 0)
+        self._live[record.id] = live
+        live.publish("video.queued" if record.status == "queued" else "video.started", self.view(record).model_dump(mode="json"))
+        live.task = asyncio.create_task(self._follow(live), name=f"fv-serve-{record.id}")
+
+    def _checkpointer(self, job_id: str, resumable: bool) -> Callable[[ProgramRun], None] | None:
+        """Write the job's checkpoint every ``checkpoint_every_steps`` steps (None: never)."""
+        every = self.checkpoint_every_steps
+        if every <= 0 or not resumable:
+            return None
+
+        def on_step(run: ProgramRun) -> None:
+            self._runs[job_id] = run
+            if run.steps % every:
+                return
+            # Serializing is part of the step: a state that cannot be written fails the job, naming loop and field.
+            data = run.checkpoint().to_bytes()
+            try:
+                self.checkpoints.write(job_id, data)
+            except OSError as exc:  # the previous checkpoint is intact; the job keeps running
+                log.warning("could not write the checkpoint of job %s: %s", job_id, exc)
+
+        return on_step
 
     async def stop(self) -> None:
-        """Stop the engine (it cancels what runs) and let every follower record the outcome."""
+        """Stop the engine and suspend what runs: unfinished jobs keep their rows and get a last
+        checkpoint, so the next server on this data dir resumes them."""
+        self._stopping = True
         await self.engine.stop()
         tasks = [job.task for job in self._live.values() if job.task is not None and not job.task.done()]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        for job_id, live in self._live.items():
+            run = self._runs.pop(job_id, None)
+            if live.record.terminal or run is None:
+                continue
+            try:
+                self.checkpoints.write(job_id, run.checkpoint().to_bytes())
+            except (OSError, FvError) as exc:  # the previous checkpoint stays
+                log.warning("could not write the last checkpoint of job %s: %s", job_id, exc)
 
     # -- request building -------------------------------------------------------------
     def reject(self, error: ApiError) -> ApiError:
@@ -238,9 +340,9 @@ class JobManager:
         except FvError as exc:
             raise self.reject(from_fv_error(exc)) from None
 
-    def _submit(self, request: Request) -> RequestHandle:
+    def _submit(self, request: Request, *, on_step: Callable[[ProgramRun], None] | None = None) -> RequestHandle:
         try:
-            return self.engine.submit(request)
+            return self.engine.submit(request, on_step=on_step)
         except FvError as exc:
             error = from_fv_error(exc)
             if error.status != 429:  # queue_full is counted by the engine itself
@@ -262,7 +364,17 @@ class JobManager:
             body, request_id=job_id, task=task, image=image, frames=frames, fps=fps, seed=seed,
             stream_previews=True,  # the job's SSE stream carries video.preview frames
         )
-        handle = self._submit(request)
+        program = instance.program(task)
+        try:
+            # Saved before the job exists anywhere else: a restarted server finds every job's request.
+            self.checkpoints.write(job_id, ProgramCheckpoint.for_request(program, instance, request).to_bytes())
+        except OSError as exc:
+            raise ApiError(500, "storage", f"the server could not save the job: {exc}") from None
+        try:
+            handle = self._submit(request, on_step=self._checkpointer(job_id, program.resumable))
+        except ApiError:
+            self.checkpoints.delete(job_id)
+            raise
         d = request.diffusion
         record = JobRecord(
             id=job_id, model=instance.model_id, status="queued", created_at=time.time(),
@@ -276,9 +388,10 @@ class JobManager:
             self.store.insert(record)
         except Exception:
             handle.cancel("the job store refused the job")
+            self.checkpoints.delete(job_id)
             raise
-        program = instance.card.programs.get(task)
-        live = _LiveJob(record=record, handle=handle, loop_total=len(program.loops) if program else 0)
+        program_spec = instance.card.programs.get(task)
+        live = _LiveJob(record=record, handle=handle, loop_total=len(program_spec.loops) if program_spec else 0)
         self._live[job_id] = live
         live.publish("video.queued", self.view(record).model_dump(mode="json"))
         live.task = asyncio.create_task(self._follow(live), name=f"fv-serve-{job_id}")
@@ -291,7 +404,8 @@ class JobManager:
             async for event in live.handle.events():
                 kind = event.type
                 if kind == "request.started":
-                    record.status, record.started_at = "in_progress", event.ts
+                    # A resumed job keeps the start of its first attempt.
+                    record.status, record.started_at = "in_progress", record.started_at or event.ts
                     self.store.mark_started(record.id, event.ts)
                     live.publish("video.started", {"id": record.id, "status": record.status})
                 elif kind == "progress":
@@ -313,6 +427,8 @@ class JobManager:
                 elif kind == "request.failed":
                     self._finish(live, "failed", error=event.error.model_dump())
                 elif kind == "request.cancelled":
+                    if self._stopping and not live.cancelled_by_client:
+                        return  # suspended by the shutdown, not cancelled: the next server resumes it
                     self._finish(live, "cancelled", error={"type": "cancelled", "message": event.reason, "param": None})
         except Exception as exc:  # noqa: BLE001 - a broken follower must still leave the job terminal
             log.exception("following job %s failed", record.id)
@@ -349,6 +465,8 @@ class JobManager:
         if status == "completed":
             record.progress = 100
         self.store.finish(record.id, status, at=record.completed_at, progress=record.progress, error=error, variants=record.variants)
+        self.checkpoints.delete(record.id)  # a finished job never resumes
+        self._runs.pop(record.id, None)
         live.publish(f"video.{status}", self.view(record).model_dump(mode="json"))
 
     def _retire_finished(self) -> None:
@@ -409,6 +527,9 @@ class JobManager:
             return self.view(record)
         if record.terminal:
             raise ApiError(409, "invalid_state", f"video {job_id} already {record.status}", param="video_id")
+        live = self._live.get(job_id)
+        if live is not None:
+            live.cancelled_by_client = True
         if not self.engine.cancel(job_id, "cancelled by client"):
             raise ApiError(409, "invalid_state", f"video {job_id} is finishing and can no longer be cancelled", param="video_id")
         return self.view(record)
@@ -417,9 +538,11 @@ class JobManager:
         record = self.record(job_id)
         live = self._live.get(job_id)
         if live is not None and not live.done.is_set():
+            live.cancelled_by_client = True
             self.engine.cancel(job_id, "deleted by client")
             await live.done.wait()
         self.store.delete(record.id)
+        self.checkpoints.delete(record.id)
         self._live.pop(record.id, None)
         # The folder name is the validated, server-generated id.
         shutil.rmtree(self.output_dir / record.id, ignore_errors=True)

@@ -1,23 +1,26 @@
-"""Job metadata in SQLite (stdlib ``sqlite3``).
+"""Job metadata in SQLite (stdlib ``sqlite3``) and each unfinished job's program checkpoint on disk.
 
 Rows are the source of truth for every job the server ever accepted: a restarted
-server lists completed jobs and serves their content from the output directory, and
-marks jobs that were queued or running when the previous process died as ``failed``.
+server lists completed jobs and serves their content from the output directory. A job
+that was queued or running when the previous process died still has its row (status
+``queued`` / ``in_progress``) and its checkpoint file (:class:`CheckpointStore`), from
+which the restarted server resumes it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from fv_kernel.serving.schemas import TERMINAL_STATUSES
+from fv_kernel.program.resume import ProgramCheckpoint
+from fv_kernel.serving.schemas import JOB_ID_PATTERN, TERMINAL_STATUSES
 
-__all__ = ["JobRecord", "JobStore"]
+__all__ = ["JobRecord", "JobStore", "CheckpointStore"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -124,18 +127,12 @@ class JobStore:
     def delete(self, job_id: str) -> bool:
         return self._execute("DELETE FROM jobs WHERE id=?", (job_id,)).rowcount > 0
 
-    def fail_interrupted(self, reason: str) -> list[str]:
-        """Mark every job left queued or in progress (by a process that died) as failed; returns their ids."""
-        with self._lock:
-            ids = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE status IN ('queued', 'in_progress')")]
-            error = json.dumps({"type": "interrupted", "message": reason, "param": None})
-            self._db.execute(
-                "UPDATE jobs SET status='failed', completed_at=?, error=? WHERE status IN ('queued', 'in_progress')",
-                (time.time(), error),
-            )
-        return ids
-
     # -- reads ----------------------------------------------------------------------
+    def unfinished(self) -> list[JobRecord]:
+        """Jobs left queued or in progress (by a process that stopped without finishing them), oldest first."""
+        rows = self._fetch(f"SELECT {_COLUMNS} FROM jobs WHERE status IN ('queued', 'in_progress') ORDER BY seq")
+        return [_row_to_record(r) for r in rows]
+
     def get(self, job_id: str) -> JobRecord | None:
         rows = self._fetch(f"SELECT {_COLUMNS} FROM jobs WHERE id=?", (job_id,))
         return _row_to_record(rows[0]) if rows else None
@@ -166,3 +163,43 @@ class JobStore:
     def ids(self) -> Iterator[str]:
         for (job_id,) in self._fetch("SELECT id FROM jobs ORDER BY seq"):
             yield job_id
+
+
+class CheckpointStore:
+    """One :class:`ProgramCheckpoint` file per unfinished job: ``<folder>/<job id>.pt``.
+
+    A write goes to a temporary file that is flushed to disk and then renamed over the
+    previous checkpoint, so a process killed mid-write leaves the previous one intact.
+    File names are the server-generated job ids (checked against their pattern).
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def path(self, job_id: str) -> Path:
+        if not JOB_ID_PATTERN.match(job_id):
+            raise ValueError(f"not a job id: {job_id!r}")
+        return self.folder / f"{job_id}.pt"
+
+    def write(self, job_id: str, data: bytes) -> None:
+        final = self.path(job_id)
+        temporary = final.with_name(f".{final.name}.tmp")
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, final)
+
+    def read(self, job_id: str) -> ProgramCheckpoint:
+        """The job's checkpoint; FileNotFoundError when it has none, StateFormatError when it is unreadable."""
+        return ProgramCheckpoint.load(self.path(job_id))
+
+    def delete(self, job_id: str) -> None:
+        final = self.path(job_id)
+        final.unlink(missing_ok=True)
+        final.with_name(f".{final.name}.tmp").unlink(missing_ok=True)
+
+    def job_ids(self) -> list[str]:
+        """Jobs that have a checkpoint file."""
+        return sorted(p.stem for p in self.folder.glob("*.pt") if JOB_ID_PATTERN.match(p.stem))

@@ -16,7 +16,9 @@ that loop, and resumes each picked checkpoint in **one fresh Python process** pe
 conformance class: there the card is loaded and built again (through this class's
 :meth:`load_card` / :meth:`build`, so a class that overrides them must be importable
 at module level), and the request continues from the checkpoint. Its artifacts must be
-bit-identical to the uninterrupted run's (CPU, fp32).
+bit-identical to the uninterrupted run's (CPU, fp32). The fresh process copies this one's
+torch thread count, deterministic-algorithms flag and default dtype: CPU kernels split
+reductions by thread, so bit-identity across processes holds at equal settings.
 
 What it catches: a loop that keeps something it needs outside its state (a counter or
 an RNG on the loop object, a module global), a loop whose ``restore`` does not
@@ -110,7 +112,8 @@ def resume_in_fresh_process(
     """Resume each ``(model_id, point)`` in one new Python process; their artifacts (or errors) in order."""
     with tempfile.TemporaryDirectory(prefix="fv-resume-") as folder:
         job_file, out_file = Path(folder) / "jobs.pt", Path(folder) / "out.pt"
-        torch.save({"kit": _importable(kit), "jobs": [(model_id, p.data) for model_id, p in jobs]}, job_file)
+        torch.save({"kit": _importable(kit), "jobs": [(model_id, p.data) for model_id, p in jobs],
+                    "torch": _numerics()}, job_file)
         env = dict(os.environ)
         # The fresh process imports what this one could (the test module, its conftest's folder).
         env["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, env.get("PYTHONPATH", "")] if p)
@@ -122,6 +125,15 @@ def resume_in_fresh_process(
             raise AssertionError(f"the fresh resume process failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         results = torch.load(out_file, weights_only=True)
     return [_ResumedArtifacts.from_bytes(data) for data in results]
+
+
+def _numerics() -> dict[str, Any]:
+    """The process-wide torch settings results depend on (a conftest may set them); the fresh process copies them."""
+    return {
+        "num_threads": torch.get_num_threads(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
+    }
 
 
 class ResumeConformance(_CardKitBase):
@@ -169,6 +181,11 @@ def _resume_jobs(job_file: str, out_file: str) -> None:
     from fv_kernel.card.instance import import_object
 
     job = torch.load(job_file, weights_only=True)
+    settings = job["torch"]
+    # CPU kernels split reductions by thread: the same numbers need the same thread count.
+    torch.set_num_threads(settings["num_threads"])
+    torch.use_deterministic_algorithms(settings["deterministic"])
+    torch.set_default_dtype(getattr(torch, settings["default_dtype"]))
     kit = import_object(job["kit"])()
     instances: dict[str, ModelInstance] = {}
     results: list[bytes] = []

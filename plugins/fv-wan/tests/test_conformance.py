@@ -44,3 +44,14 @@ class TestWanInterleave(_ThreeSteps, InterleaveConformance):
     # Two concurrent wan-tiny T2V requests and two wan-tiny-i2v requests (CLIP + VAE encode + 36-channel
     # denoise) through one Engine, batched across requests, against the same four run one by one.
     card_ids = ["wan-tiny", "wan-tiny-i2v"]
+
+
+# --------------------------------------------------------------------------- resume (issue 12)
+from fv_kernel.testing import ResumeConformance  # noqa: E402
+
+
+class TestWanResume(_ThreeSteps, ResumeConformance):
+    # Every tiny card, every task the kit builds: each loop (text/image encode, denoise incl. both
+    # experts' routing and UniPC history, the chunked VAE decode with its causal cache) checkpointed
+    # mid-loop and resumed in one fresh process, bit-identical to the uninterrupted run.
+    card_ids = TINY_CARD_IDS
