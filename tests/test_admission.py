@@ -279,6 +279,54 @@ def test_negative_control_without_the_pool_reservation_the_allocation_fails(monk
     assert failed and all(r.error is not None and r.error.type == "capacity" for r in failed)
 
 
+def test_waiting_requests_start_in_submission_order() -> None:
+    engine, _ = _pooled_engine()
+
+    async def go() -> list[str]:
+        started: list[str] = []
+        async with engine.running():
+            handles = [engine.submit(video(i, steps=3)) for i in range(7)]
+
+            async def watch(handle) -> None:  # type: ignore[no-untyped-def]
+                async for event in handle.events():
+                    if event.type == "request.started":
+                        started.append(handle.request_id)
+
+            await asyncio.gather(*(watch(h) for h in handles))
+        return started
+
+    assert asyncio.run(go()) == [f"v{i}" for i in range(7)], "first in, first out: nobody overtakes a waiting request"
+
+
+class PeakyLoop(FakeStepLoop):
+    """Every step declares a 30-byte transient peak."""
+
+    def next(self, state):  # type: ignore[no-untyped-def]
+        plan = super().next(state)
+        return plan if not hasattr(plan, "resources") else plan.model_copy(update={"resources": ResourceRequest(peak_bytes=30)})
+
+
+def _peaky_engine() -> Engine:
+    engine = Engine(SchedulerConfig(device_thread=False, budgets=Budgets(memory_bytes=100)))
+    instance = build_instance(fake_card(resident_bytes=20, peak_bytes=30))
+    instance._loops["run"] = PeakyLoop(instance.card.loops["run"])
+    engine.add_instance(instance)
+    return engine
+
+
+def test_a_batch_adds_up_peaks_only_within_what_residents_leave_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _peaky_engine()
+    results = run_concurrently(engine, [video(i, steps=3) for i in range(3)])
+    assert all(r.status == "completed" for r in results)
+    # 3 x 20 resident leaves 40 bytes: one 30-byte peak at a time (two once a request has finished).
+    assert max(engine.metrics.batches_by_size) < 3, engine.metrics.batches_by_size
+    # Negative control: the same requests with the scheduling loop's headroom ignored batch all three steps.
+    monkeypatch.setattr(AdmissionController, "peak_headroom", lambda self: None)
+    engine = _peaky_engine()
+    run_concurrently(engine, [video(i, steps=3) for i in range(3)])
+    assert max(engine.metrics.batches_by_size) == 3
+
+
 # -- toy estimates describe the steps the loops run -----------------------------------------
 
 

@@ -6,6 +6,7 @@ sessions. Each kit lives in its own module and is re-exported here:
 - :mod:`.plugin_kit`: the plugin host fixtures and :class:`PluginConformance`;
 - :mod:`.card_kit`: :class:`CardConformance` and the interleave gate :class:`InterleaveConformance`;
 - :mod:`.batching`: staggered arrivals and the check that mid-trajectory requests batch;
+- :mod:`.admission`: the check that a loop's estimate prices the steps it runs;
 - :mod:`.resume_kit`: :class:`ResumeConformance`, every loop checkpointed and resumed in a fresh process;
 - :mod:`.toy`: tiny pure-torch cards used as fixtures and examples.
 
@@ -13,6 +14,8 @@ PYTEST_DONT_REWRITE: this package is usually imported by the test module that
 declares it in ``pytest_plugins``, i.e. before pytest could rewrite it.
 """
 
+from .admission import *  # noqa: F401,F403
+from .admission import __all__ as _admission_all
 from .batching import *  # noqa: F401,F403
 from .batching import __all__ as _batching_all
 from .card_kit import *  # noqa: F401,F403
@@ -22,4 +25,4 @@ from .plugin_kit import __all__ as _plugin_kit_all
 from .resume_kit import *  # noqa: F401,F403
 from .resume_kit import __all__ as _resume_kit_all
 
-__all__ = [*_plugin_kit_all, *_card_kit_all, *_batching_all, *_resume_kit_all]
+__all__ = [*_plugin_kit_all, *_card_kit_all, *_batching_all, *_resume_kit_all, *_admission_all]

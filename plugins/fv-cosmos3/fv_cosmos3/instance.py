@@ -53,6 +53,10 @@ class Cosmos3Instance(ModelInstance):
 
     text_kv_pool: PagedKVPool | None = None
 
+    def block_pools(self) -> dict[str, PagedKVPool]:
+        """The text-KV pool, by the name the decode loop's estimate reserves blocks of (admission)."""
+        return {"text_kv": self.text_kv_pool} if self.text_kv_pool is not None else {}
+
 
 def seeded_init(module: nn.Module, seed: int) -> nn.Module:
     """Deterministic random weights: norm gains near 1, everything else small (tiny cards)."""

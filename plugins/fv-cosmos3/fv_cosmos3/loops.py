@@ -40,6 +40,7 @@ from fv_kernel.api import (
     SamplerState,
     ShapeSignature,
     StandardCFG,
+    StepEstimate,
     StepResult,
     TaskType,
     TensorArtifact,
@@ -54,8 +55,11 @@ from fv_kernel.api import (
     new_generator_state,
     sample_next_token,
 )
+from fv_cosmos3.models.audio_vae import Cosmos3AudioDecoderConfig
 from fv_cosmos3.models.config import Cosmos3Config
 from fv_cosmos3.models.tokenizer import PromptSpec, build_generation_prompt
+from fv_wan import footprint
+from fv_wan.models.vae import WanVAEConfig
 
 __all__ = [
     "ARDecodeState",
@@ -263,16 +267,51 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
         return state.step, state.max_tokens
 
     def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
-        params = request.ar or upsample_params(request, model)
+        """The prompt's exact token count (the instance's tokenizer, as init() builds it) plus ``max_tokens``:
+        that many blocks of the text-KV pool, one prefill step and a token step per further token."""
+        purpose = "chat" if request.task is TaskType.TEXT_GENERATION else "upsample"
+        prompt_ids, params = _ar_prompt(request, model, purpose)
         pool = model.text_kv_pool  # type: ignore[attr-defined]
-        prompt_bound = 4 * len((request.text("prompt") or "").encode()) + 256  # bytes->tokens upper bound + template
-        tokens = min(prompt_bound + params.max_tokens, pool.config.max_tokens_per_sequence)
-        blocks = pool.blocks_for(tokens)
-        cost = self.spec.step_cost
+        total = len(prompt_ids) + params.max_tokens
+        if total > pool.config.max_tokens_per_sequence:
+            raise InvalidRequest(
+                "max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"reasoner's {pool.config.max_tokens_per_sequence}-token context",
+                allowed=f"<= {pool.config.max_tokens_per_sequence - len(prompt_ids)}",
+            )
+        config = Cosmos3Config(**model.card.components["transformer"].config)
+        e = footprint.element_bytes(model.precision)
+        # A token step gathers the sequence's K/V out of the pool into one padded tensor per layer.
+        gathered = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * total * e
+        prefill = len(prompt_ids) * (_token_activation_bytes(config, e) + config.vocab_size * 4)
+        steps = [StepEstimate(loop_id=self.loop_id, kind=WorkKind.AR_PREFILL, shape_sig=ShapeSignature.of(tokens=len(prompt_ids)))]
+        if params.max_tokens > 1:
+            steps.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.AR_TOKEN, shape_sig=ShapeSignature.of(tokens=1),
+                                      count=params.max_tokens - 1))
         return ResourceRequest(
-            gpu_seconds=(params.max_tokens + 1) * cost.fixed_seconds * cost.conservative_factor,
-            resident_bytes=0, peak_bytes=0, cache_blocks=blocks,
+            steps=tuple(steps), pool_blocks={"text_kv": pool.blocks_for(total)},
+            peak_bytes=max(prefill, gathered + _token_activation_bytes(config, e)),
         )
+
+
+def _ar_prompt(request: Request, model: ModelInstance, purpose: str) -> tuple[list[int], ARParams]:
+    """The reasoner's prompt ids and sampling parameters for ``purpose`` (what the decode loop's init builds)."""
+    text = request.text("prompt") or ""
+    if purpose == "upsample":
+        messages = [{"role": "system", "content": UPSAMPLE_SYSTEM_PROMPT}, {"role": "user", "content": text}]
+        params = upsample_params(request, model)
+    else:
+        system = request.text("system")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        params = request.ar or ARParams()
+    return model.component("tokenizer").chat_ids(messages), params
+
+
+def _token_activation_bytes(config: Cosmos3Config, element: int) -> int:
+    """Transient bytes per token of one tower layer: the stream (fp32 residual copy too), its norm, q, k, v,
+    the attention output and its projection, and the gated MLP's gate, up and product."""
+    d, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    return element * (5 * d + heads * config.head_dim + 2 * kv * config.head_dim + 3 * config.intermediate_size) + 4 * d
 
 
 # --------------------------------------------------------------------------- diffusion_denoise
@@ -540,18 +579,78 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
         return state.step, state.total_steps
 
     def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        """The steps init() and next() will plan: the conditioning encode, one ``text_kv`` per guidance branch,
+        one ``generate`` per sampler step, signed as next() signs them. With prompt upsampling the prompt is
+        not known yet: its length is bounded by the template plus the upsampling budget."""
         d = request.diffusion
+        assert d.height and d.width and d.frames and d.steps is not None and d.fps
+        mode = _TASK_MODE.get(request.task)
+        if mode is None:
+            raise InvalidRequest("task", f"{request.task.value!r} has no denoise mode", allowed=sorted(m.value for m in _TASK_MODE))
         config = Cosmos3Config(**model.card.components["transformer"].config)
-        frames, height, width = d.frames or 1, d.height or 16, d.width or 16
-        tokens = ((frames - 1) // config.vae_temporal_compression + 1) * (height // 32 + 1) * (width // 32 + 1)
-        latent_bytes = 4 * config.latent_channel * tokens * 4
-        kv_bytes = 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 1024
-        cost = self.spec.step_cost
-        per_step = cost.fixed_seconds + cost.per_unit_seconds * tokens
-        return ResourceRequest(
-            gpu_seconds=per_step * 2 * (d.steps or 1) * cost.conservative_factor,
-            resident_bytes=latent_bytes * 4 + kv_bytes, peak_bytes=latent_bytes * 32,
-        )
+        vae = WanVAEConfig(**model.card.components["vae"].config)
+        tokenizer = model.component("tokenizer")
+        frames, height, width = d.frames, d.height, d.width
+        action_len = 0
+        if mode == "forward_dynamics":
+            action_len = int(request.part("action").actions.shape[0])
+            frames = action_len + 1
+        elif mode == "inverse_dynamics":
+            frames = int(request.part("video").frames.shape[0])
+            action_len = frames - 1
+        elif mode == "action_policy":
+            action_len = frames - 1
+        s_comp = vae.spatial_compression
+        latent_t = (frames - 1) // config.vae_temporal_compression + 1
+        lat_h, lat_w = height // s_comp, width // s_comp
+        sound = 0
+        if mode == "t2v_sound":
+            sc = Cosmos3AudioDecoderConfig(**model.card.components["sound_decoder"].config)
+            sound = -(-int(frames / d.fps * sc.sampling_rate) // sc.hop)
+
+        spec = PromptSpec(num_frames=frames, height=height, width=width, fps=d.fps)
+        guidance = float(d.guidance or 0.0)
+        branches = list(self._policy().branches(guidance))
+        if request.prompt_upsampling:
+            budget = upsample_params(request, model).max_tokens
+            lengths = {"cond": len(build_generation_prompt("", tokenizer, spec)) + budget}
+        else:
+            lengths = {"cond": len(build_generation_prompt(request.text("prompt") or "", tokenizer, spec))}
+        if "uncond" in branches:
+            lengths["uncond"] = len(build_generation_prompt(request.text("negative_prompt") or "", tokenizer, spec,
+                                                            negative=True))
+        binding = self.spec.sampler
+        assert binding is not None
+        steps = binding.fixed_steps or d.steps
+        e = footprint.element_bytes(model.precision)
+
+        plans: list[StepEstimate] = []
+        peaks: list[int] = []
+        if mode in ("i2v", "action_policy", "forward_dynamics", "inverse_dynamics"):
+            plans.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.ENCODER_CHUNK,
+                                      shape_sig=ShapeSignature.of(frames=frames, height=height, width=width)))
+            peaks.append(3 * frames * height * width * (4 + e)
+                         + footprint.vae_encode_peak_bytes(vae, height, width, frames=frames, element=e))
+        for branch in branches:
+            plans.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.ENCODER_CHUNK,
+                                      shape_sig=ShapeSignature.of(tokens=lengths[branch])))
+        peaks.append(max(lengths.values()) * _token_activation_bytes(config, e))
+        plans.append(StepEstimate(
+            loop_id=self.loop_id, kind=WorkKind.DIFFUSION_STEP, count=steps,
+            shape_sig=ShapeSignature.of(
+                tokens=latent_t * lat_h * lat_w, frames=latent_t, height=lat_h, width=lat_w, mode=mode,
+                text=",".join(str(lengths[b]) for b in branches), sound=sound, action=action_len),
+        ))
+        # The generator runs one (row, branch) forward at a time over the patched video tokens (+ sound, action).
+        patch = config.latent_patch_size
+        generated = latent_t * (lat_h // patch) * (lat_w // patch) + sound + action_len
+        latent_bytes = 4 * (config.latent_channel * latent_t * lat_h * lat_w + (config.sound_dim or 0) * sound
+                            + (config.action_dim or 0) * action_len)
+        peaks.append(generated * _token_activation_bytes(config, e) + 2 * len(branches) * latent_bytes)
+        # Per branch, the prompt's K/V over every layer, kept for every step; the latents and their solver history.
+        text_kv = sum(2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * n * e
+                      for n in lengths.values())
+        return ResourceRequest(steps=tuple(plans), resident_bytes=text_kv + 5 * latent_bytes, peak_bytes=max(peaks))
 
 
 # --------------------------------------------------------------------------- decoders (fan-out)
@@ -602,6 +701,26 @@ class VideoDecodeLoop(Loop[VideoDecodeState]):
     def progress(self, state: VideoDecodeState) -> tuple[int, int | None]:
         return state.step, 1
 
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        """One whole-video decode: the VAE's per-frame activations and causal history, the video it fills
+        in the VAE's dtype and its fp32 [0, 1] copies; the fp32 frames stay until the artifact is made."""
+        d = request.diffusion
+        assert d.height and d.width and d.frames
+        vae = WanVAEConfig(**model.card.components["vae"].config)
+        frames = d.frames if request.task is not TaskType.INVERSE_DYNAMICS else int(request.part("video").frames.shape[0])
+        if request.task is TaskType.FORWARD_DYNAMICS:
+            frames = int(request.part("action").actions.shape[0]) + 1
+        latent_t = (frames - 1) // vae.temporal_compression + 1
+        h, w = d.height // vae.spatial_compression, d.width // vae.spatial_compression
+        e = footprint.element_bytes(model.precision)
+        step = footprint.vae_decode_step(vae, h, w, element=e)
+        video = 3 * (1 + vae.temporal_compression * (latent_t - 1)) * d.height * d.width
+        return ResourceRequest(
+            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind.VAE_TILE,
+                                shape_sig=ShapeSignature.of(frames=latent_t, height=h, width=w)),),
+            resident_bytes=4 * video, peak_bytes=step.activation_bytes + step.cache_bytes + video * (e + 3 * 4),
+        )
+
 
 class SoundDecodeState(LoopState):
     latents: torch.Tensor
@@ -645,3 +764,21 @@ class SoundDecodeLoop(Loop[SoundDecodeState]):
 
     def progress(self, state: SoundDecodeState) -> tuple[int, int | None]:
         return state.step, 1
+
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        """One decode of the sound latents; its largest stage holds about five tensors of its channels x length."""
+        d = request.diffusion
+        assert d.frames and d.fps
+        config = Cosmos3AudioDecoderConfig(**model.card.components["sound_decoder"].config)
+        length = -(-int(d.frames / d.fps * config.sampling_rate) // config.hop)
+        e = footprint.element_bytes(model.precision)
+        mults = (1, *config.dec_c_mults)
+        peak, n = 5 * config.dec_dim * mults[-1] * length, len(config.dec_strides)
+        for i, stride in enumerate(reversed(config.dec_strides)):
+            length *= stride
+            peak = max(peak, 5 * config.dec_dim * mults[n - i - 1] * length)
+        return ResourceRequest(
+            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind.AUDIO_CHUNK,
+                                shape_sig=ShapeSignature.of(frames=-(-int(d.frames / d.fps * config.sampling_rate) // config.hop))),),
+            resident_bytes=4 * config.dec_out_channels * length, peak_bytes=e * peak,
+        )

@@ -32,6 +32,7 @@ from fv_kernel.api import (
     Sampler,
     SamplerState,
     ShapeSignature,
+    StepEstimate,
     StepResult,
     VideoArtifact,
     WorkKind,
@@ -41,6 +42,7 @@ from fv_kernel.api import (
     sampler_from_state,
     generator_from_state,
 )
+from fv_wan import footprint
 from fv_wan.models.encoders import clean_prompt
 from fv_wan.models.transformer import TEXT_CONTEXT_LENGTH, WanTransformerConfig
 from fv_wan.models.vae import TilingConfig, WanVAEConfig
@@ -78,6 +80,26 @@ def _uses_cfg(model: ModelInstance, request: Request) -> bool:
     if request.diffusion.guidance_2 is not None:
         scales.append(request.diffusion.guidance_2)
     return any(len(policy.branches(s)) > 1 for s in scales)
+
+
+def _element_bytes(model: ModelInstance, component_id: str) -> int:
+    """Bytes per element a component computes in: its precision policy, else the instance's precision."""
+    policy = model.card.components[component_id].precision_policy.dtype
+    return footprint.element_bytes(model.precision if policy == "card" else str(policy))
+
+
+def _clip_tokens(model: ModelInstance) -> tuple[int, int]:
+    """(image size, tokens) of the CLIP image encoder: the tiny card's config, else ViT-H/14 at 224 px."""
+    tiny = model.card.components["image_encoder"].config.get("tiny")
+    size, patch = (int(tiny.get("image_size", 32)), int(tiny.get("patch_size", 8))) if tiny is not None else (224, 14)
+    return size, (size // patch) ** 2 + 1
+
+
+def _context_tokens(model: ModelInstance, text_tokens: int) -> int:
+    """Tokens the DiT cross-attends to: the text, plus the CLIP image tokens of image-conditioned models."""
+    if _transformer_config(model).image_dim is None or "image_encoder" not in model.card.components:
+        return text_tokens
+    return text_tokens + _clip_tokens(model)[1]
 
 
 # --------------------------------------------------------------------------- text encode
@@ -164,6 +186,17 @@ class WanTextEncodeLoop(Loop[WanTextEncodeState]):
 
     def progress(self, state: WanTextEncodeState) -> tuple[int, int | None]:
         return (1, 1) if not state.pending_rows else (0, 1)
+
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        """One encoder step over every row (feature-cache hits are not known before it runs: refunded unused)."""
+        max_len = int(self.spec.config.get("max_sequence_length", TEXT_CONTEXT_LENGTH))
+        rows = 2 if _uses_cfg(model, request) else 1
+        width = _transformer_config(model).text_dim  # the encoder's d_model: the DiT's text input width
+        return ResourceRequest(
+            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind.ENCODER_CHUNK, shape_sig=ShapeSignature.of(tokens=max_len)),),
+            resident_bytes=rows * max_len * width * 4,  # fp32 embeddings, kept until the denoise loop ends
+            peak_bytes=footprint.text_encoder_peak_bytes(width, max_len, rows),
+        )
 
 
 # --------------------------------------------------------------------------- image encode
@@ -258,6 +291,26 @@ class WanImageEncodeLoop(Loop[WanImageEncodeState]):
     def progress(self, state: WanImageEncodeState) -> tuple[int, int | None]:
         return state.step, 2 if state.pixel_values is not None else 1
 
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        d = request.diffusion
+        assert d.height and d.width and d.frames
+        frames = d.frames if str(self.spec.config.get("i2v_mode", "concat")) == "concat" else 1
+        steps, peaks = [], []
+        if "image_encoder" in model.card.components:
+            size, tokens = _clip_tokens(model)
+            steps.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.ENCODER_CHUNK,
+                                      shape_sig=ShapeSignature.of(pixels=3 * size * size)))
+            peaks.append(footprint.image_encoder_peak_bytes(_transformer_config(model).image_dim or 1280, tokens))
+        steps.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.ENCODER_CHUNK,
+                                  shape_sig=ShapeSignature.of(video=str((1, 3, frames, d.height, d.width)))))
+        vae = _vae_config(model)
+        element = _element_bytes(model, "vae_encoder")
+        video_bytes = 3 * frames * d.height * d.width * element  # the pixels, moved to the device
+        peaks.append(video_bytes + footprint.vae_encode_peak_bytes(vae, d.height, d.width, frames=frames, element=element))
+        latent = (vae.z_dim + 4) * ((frames - 1) // vae.temporal_compression + 1) * (d.height // vae.spatial_compression) * (
+            d.width // vae.spatial_compression)
+        return ResourceRequest(steps=tuple(steps), resident_bytes=4 * latent, peak_bytes=max(peaks))
+
 
 # --------------------------------------------------------------------------- denoise
 
@@ -277,6 +330,8 @@ class WanDenoiseState(LoopState):
     expand_timesteps: bool = False
     total_steps: int
     precision: str
+    #: Transient bytes of one forward of one row (the plan's reserved peak, times its rows).
+    row_peak_bytes: int = 0
 
 
 class WanDenoiseLoop(Loop[WanDenoiseState]):
@@ -334,13 +389,29 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
             image_embeds=up.get("image_embeds"), condition=condition, first_frame_mask=first_frame_mask,
             guidance=float(d.guidance if d.guidance is not None else 1.0), guidance_2=d.guidance_2,
             boundary_timestep=None if boundary is None else float(boundary) * 1000.0, expand_timesteps=expand,
-            total_steps=steps, precision=model.precision,
+            total_steps=steps, precision=model.precision, row_peak_bytes=self._row_peak_bytes(request, model),
         )
 
     def _expert(self, state: WanDenoiseState, t: torch.Tensor) -> tuple[str, float]:
-        if state.boundary_timestep is None or float(t) >= state.boundary_timestep:
-            return "transformer", state.guidance
-        return "transformer_2", state.guidance_2 if state.guidance_2 is not None else state.guidance
+        return _expert_at(float(t), state.boundary_timestep, state.guidance, state.guidance_2)
+
+    def _rows(self, branches: int) -> int:
+        """Rows one forward runs at once: "sequential" dispatch runs the branches one by one."""
+        return 1 if self.spec.config.get("cfg_dispatch", "sequential") == "sequential" else branches
+
+    def _row_peak_bytes(self, request: Request, model: ModelInstance) -> int:
+        shape = self._latent_shape(request, model)
+        config = _transformer_config(model)
+        tokens = shape[2] * (shape[3] // config.patch_size[1]) * (shape[4] // config.patch_size[2])
+        text = int(model.card.loops["text_encode"].config.get("max_sequence_length", TEXT_CONTEXT_LENGTH)) if (
+            "text_encode" in model.card.loops) else TEXT_CONTEXT_LENGTH
+        positions = shape[2] * shape[3] * shape[4]
+        # the model input in the compute dtype, and the velocity returned in fp32
+        io = positions * (config.in_channels * footprint.element_bytes(model.precision) + config.out_channels * 4)
+        return io + footprint.dit_step_peak_bytes(
+            config, tokens, precision=model.precision, context_tokens=_context_tokens(model, text),
+            per_token_timesteps=bool(self.spec.config.get("expand_timesteps", False)),
+        )
 
     def _model_input(self, state: WanDenoiseState) -> torch.Tensor:
         if state.condition is None:
@@ -382,7 +453,7 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
             inputs=inputs, params={"dispatch": self.spec.config.get("cfg_dispatch", "sequential")},
             shape_sig=ShapeSignature.of(tokens=tokens, branches=n, expert=expert, per_token_t=int(state.expand_timesteps)),
             precision=state.precision, tag="+".join(branches),
-            resources=ResourceRequest(peak_bytes=_activation_bytes(tokens, n, state.precision)),
+            resources=ResourceRequest(peak_bytes=self._rows(n) * state.row_peak_bytes),
         )
 
     def advance(self, state: WanDenoiseState, result: StepResult) -> WanDenoiseState:
@@ -411,28 +482,39 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         return state.step, state.total_steps
 
     def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        """Every step as next() will plan it (expert and branch count per timestep), and one forward's peak."""
+        d = request.diffusion
         shape = self._latent_shape(request, model)
-        tokens = shape[2] * (shape[3] // 2) * (shape[4] // 2)
+        tokens = shape[2] * (shape[3] // 2) * (shape[4] // 2)  # as next() signs its plans
         binding = self.spec.sampler
         steps = binding.fixed_steps if binding is not None and binding.fixed_steps else (d.steps or 1)
         boundary = self.spec.config.get("boundary_ratio")
         guidance = float(d.guidance if d.guidance is not None else 1.0)
         per_token = int(bool(self.spec.config.get("expand_timesteps", False)))
         counts: dict[tuple[str, int], int] = {}
-        for t in self._sampler(d.shift).init_state(steps).timesteps.tolist():
+        for t in self._sampler(d.shift, d.sampler).init_state(steps).timesteps.tolist():
             expert, scale = _expert_at(float(t), None if boundary is None else float(boundary) * 1000.0, guidance, d.guidance_2)
             key = (expert, len(self._policy().branches(scale)))
             counts[key] = counts.get(key, 0) + 1
         latent_bytes = 4 * int(torch.Size(shape).numel())
+        row_peak = self._row_peak_bytes(request, model)
         return ResourceRequest(
-            gpu_seconds=seconds, resident_bytes=latent_bytes * 6, peak_bytes=_activation_bytes(tokens, branches, model.precision),
+            steps=tuple(
+                StepEstimate(loop_id=self.loop_id, kind=WorkKind.DIFFUSION_STEP, precision=model.precision, count=count,
+                             shape_sig=ShapeSignature.of(tokens=tokens, branches=n, expert=expert, per_token_t=per_token))
+                for (expert, n), count in counts.items()
+            ),
+            # latents, the sampler's history (UniPC: two model outputs and the last sample), the update
+            resident_bytes=latent_bytes * 5,
+            peak_bytes=max(self._rows(n) for _, n in counts) * row_peak,
         )
 
 
-def _activation_bytes(tokens: int, branches: int, precision: str) -> int:
-    # A block's transient peak: ~16 hidden-sized tensors per token (QKV, attention output, FFN).
-    width = 2 if precision in ("bf16", "fp16") else 4
-    return int(tokens * branches * 16 * 1536 * width)
+def _expert_at(t: float, boundary_timestep: float | None, guidance: float, guidance_2: float | None) -> tuple[str, float]:
+    """The expert and guidance scale at timestep ``t``: ``transformer`` until the boundary, then ``transformer_2``."""
+    if boundary_timestep is None or t >= boundary_timestep:
+        return "transformer", guidance
+    return "transformer_2", guidance_2 if guidance_2 is not None else guidance
 
 
 # --------------------------------------------------------------------------- decode
@@ -513,4 +595,38 @@ class WanDecodeLoop(Loop[WanDecodeState]):
 
     def progress(self, state: WanDecodeState) -> tuple[int, int | None]:
         return state.step, int(state.latents.shape[2])
+
+    def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
+        """One step per latent frame; the decoded frames and the causal history stay for the loop's life."""
+        d = request.diffusion
+        assert d.height and d.width and d.frames
+        vae = _vae_config(model)
+        s, t = vae.spatial_compression, vae.temporal_compression
+        latent_frames, h, w = (d.frames - 1) // t + 1, d.height // s, d.width // s
+        element = _element_bytes(model, "vae_decoder")
+        height, width = h, w
+        tiles = 1
+        if self.spec.config.get("tiling"):
+            tiling = TilingConfig(**self.spec.config["tiling"])
+            if h > tiling.tile_sample_min_height // s or w > tiling.tile_sample_min_width // s:
+                height, width = tiling.tile_sample_min_height // s, tiling.tile_sample_min_width // s
+                tiles = len(range(0, h, tiling.tile_sample_stride_height // s)) * len(range(0, w, tiling.tile_sample_stride_width // s))
+        step = footprint.vae_decode_step(vae, height, width, element=element)
+        history = tiles * step.cache_bytes
+        pixel_frames = 1 + t * (latent_frames - 1)
+        out_frame = vae.video_channels * d.height * d.width
+        signature = str((h, w))
+        steps = [StepEstimate(loop_id=self.loop_id, kind=WorkKind.VAE_TILE, shape_sig=ShapeSignature.of(latent=signature, first=1))]
+        if latent_frames > 1:
+            steps.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.VAE_TILE, count=latent_frames - 1,
+                                      shape_sig=ShapeSignature.of(latent=signature, first=0)))
+        return ResourceRequest(
+            steps=tuple(steps),
+            # every decoded frame (fp32, until the artifact is made) and every tile's causal history
+            resident_bytes=4 * out_frame * pixel_frames + history,
+            # next to the history the step reads: its activations while it writes the new history, then the
+            # new history twice (the op returns it packed contiguous), and its frames in the VAE's dtype and
+            # as fp32 in [0, 1]
+            peak_bytes=max(step.activation_bytes + history, 2 * history) + out_frame * t * (element + 2 * 4),
+        )
 
