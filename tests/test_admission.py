@@ -119,6 +119,13 @@ def test_auto_budget_rejects_what_can_never_fit_with_the_numbers(monkeypatch: py
     assert result.status == "completed" and engine.admission.memory_limit("cpu") is None
 
 
+def test_an_explicit_memory_budget_is_used_as_is_on_every_device() -> None:
+    engine, instance = _toy_engine(memory_bytes="1GiB")
+    run_concurrently(engine, [_t2v(0)])
+    assert capacity.instance_resident_bytes(instance) > 0
+    assert engine.admission.memory_limit("cpu") == 2**30, "no weights subtracted from an explicit figure"
+
+
 def test_an_unsizable_device_is_a_typed_error_at_add_instance() -> None:
     card = toy_card("toy-dit")
     engine = Engine(SchedulerConfig(device_thread=False))
