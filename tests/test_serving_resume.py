@@ -9,6 +9,7 @@ wan-tiny through the real ``fv serve`` command (plugins/fv-wan/tests/test_servin
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -82,6 +83,17 @@ def wait_for(client: "httpx.Client", job_id: str, statuses: set[str], timeout_s:
             return job
         time.sleep(0.05)
     raise AssertionError(f"job {job_id} never reached {statuses}: {job}")
+
+
+def progress_of(client: "httpx.Client", job_id: str) -> list[tuple[str, int]]:
+    """The (loop, step) of every progress event this server published for the job."""
+    steps = []
+    with client.stream("GET", f"/v1/videos/{job_id}/events") as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"loop_id"' in line:
+                data = json.loads(line[6:])
+                steps.append((data["loop_id"], data["step"]))
+    return steps
 
 
 def wait_mid_denoise(checkpoints: CheckpointStore, job_id: str, *, at_least: int, timeout_s: float = 300.0) -> ProgramCheckpoint:
@@ -161,6 +173,9 @@ def test_kill_9_mid_denoise_then_restart_resumes_the_job_bit_identically(tmp_pat
         with httpx.Client(base_url=server.url, timeout=60.0) as client:
             for job_id in (job["id"], queued["id"]):
                 assert wait_for(client, job_id, {"completed", "failed"})["status"] == "completed"
+            # It continued from the checkpoint (a restart from scratch would be identical too, but slower).
+            ran = progress_of(client, job["id"])
+            assert ran[0] == ("denoise", denoise.step + 1) and ("text_encode", 1) not in ran, ran[:3]
             resumed_mp4 = client.get(f"/v1/videos/{job['id']}/content").content
             again = client.post("/v1/videos", json=LONG_JOB).json()  # the same request, never interrupted
             assert wait_for(client, again["id"], {"completed", "failed"})["status"] == "completed"
@@ -189,6 +204,7 @@ def test_a_graceful_stop_suspends_running_jobs_and_the_next_server_finishes_them
     try:
         with httpx.Client(base_url=server.url, timeout=60.0) as client:
             assert wait_for(client, job["id"], {"completed", "failed", "cancelled"})["status"] == "completed"
+            assert progress_of(client, job["id"])[0] == (last.running[0].loop_id, last.running[0].step + 1)
     finally:
         server.stop()
     assert torch.equal(kept.frames[job["id"]], reference_frames(last.request))
