@@ -279,3 +279,20 @@ def test_engine_submit_resumes_a_checkpoint_and_reports_checkpoints_per_step() -
     assert resumed.status == "completed", resumed.error
     assert_artifacts_identical(reference, resumed.artifacts, what="engine resume")
     assert fresh.status == "completed" and steps == list(range(1, len(saved) + 1))
+
+
+# --------------------------------------------------------------------------- the docs' example
+
+
+def test_the_cards_doc_resume_example_runs() -> None:
+    import contextlib
+    import io
+    import re
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "cards.md").read_text()
+    (block,) = re.findall(r"<!-- doc-test: tests/test_resume.py[^>]*-->\n```python\n(.*?)```", doc, flags=re.S)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(block, "docs/cards.md", "exec"), {})
+    expected = re.search(r"print\(checkpoint.position\(\)\)  # (.*)", block)
+    assert expected is not None and printed.getvalue().strip() == expected.group(1)

@@ -98,3 +98,14 @@ def test_a_kit_class_the_fresh_process_cannot_import_is_refused() -> None:
 
     with pytest.raises(AssertionError, match="must be defined at module level"):
         Local().check_cards(["toy-dit"])
+
+
+class TestFakePoolResume(ResumeConformance):
+    """The scheduler simulation's fake cards are cards too: their loops resume in a fresh process."""
+
+    card_ids = ("fake-video", "fake-ar")
+
+    def load_card(self, model_id: str) -> ModelCard:
+        from fv_kernel.testing.fake_pool import fake_card
+
+        return fake_card(model_id, loop_kind="ar_decode" if model_id == "fake-ar" else "diffusion_denoise", step_seconds=0.0)

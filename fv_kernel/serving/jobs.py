@@ -202,7 +202,8 @@ class JobManager:
         program_spec = instance.card.programs.get(checkpoint.request.task)
         live = _LiveJob(record=record, handle=handle, loop_total=len(program_spec.loops) if program_spec else 0)
         self._live[record.id] = live
-        live.publish("video.queued" if record.status == "queued" else "video.started", self.view(record).model_dump(mode="json"))
+        # Queued again in this process's engine; its stream starts over (progress continues from the checkpoint).
+        live.publish("video.queued", self.view(record).model_dump(mode="json"))
         live.task = asyncio.create_task(self._follow(live), name=f"fv-serve-{record.id}")
 
     def _checkpointer(self, job_id: str, resumable: bool) -> Callable[[ProgramRun], None] | None:

@@ -13,7 +13,7 @@ __all__ = ["ServerThread", "serve_forever"]
 
 
 def serve_forever(app: Any, *, host: str, port: int, log_level: str = "info") -> None:
-    """Serve ``app`` until interrupted (SIGINT/SIGTERM stop it gracefully: running jobs are cancelled)."""
+    """Serve ``app`` until interrupted (SIGINT/SIGTERM stop it gracefully: running jobs are suspended for the next start)."""
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
 
 
