@@ -109,3 +109,29 @@ class TestFakePoolResume(ResumeConformance):
         from fv_kernel.testing.fake_pool import fake_card
 
         return fake_card(model_id, loop_kind="ar_decode" if model_id == "fake-ar" else "diffusion_denoise", step_seconds=0.0)
+
+
+def _load_example(name: str) -> Any:
+    """A docs/examples module under the name its card's import strings use (as when it runs as a script)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "docs" / "examples" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+class TestExampleCardsResume(ResumeConformance):
+    """The docs' example cards (minimal_card.py, video_card_plugin.py) resume in a fresh process too."""
+
+    card_ids = ("demo-tiny", "tinyvideo")
+
+    def load_card(self, model_id: str) -> ModelCard:
+        module = {"demo-tiny": "minimal_card", "tinyvideo": "video_card_plugin"}[model_id]
+        return _load_example(module).CARD
