@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from pydantic import BaseModel, ConfigDict
 
 import fv_kernel.loop.state as state_module
 from fv_kernel.card.instance import build_instance
@@ -101,19 +102,25 @@ class _Color(str, Enum):
     RED = "red"
 
 
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
 class _Typed(TensorState):
     color: _Color
     tags: frozenset[str]
     pair: tuple[int, int]
     request: Request
+    loose: _Loose
 
 
 def test_enums_sets_tuples_and_requests_with_tensors_round_trip_with_weights_only() -> None:
     image = torch.rand(3, 8, 8)
     request = Request(model="toy-dit", task=TaskType.IMAGE_TO_VIDEO, inputs=(TextPart(text="x"), ImagePart(image=image)),
                       output=OutputSpec(modalities=frozenset({"video", "text"})))
-    value = _Typed(color=_Color.RED, tags=frozenset({"a", "b"}), pair=(1, 2), request=request)
+    value = _Typed(color=_Color.RED, tags=frozenset({"a", "b"}), pair=(1, 2), request=request, loose=_Loose(extra=3))
     back = _Typed.from_bytes(value.to_bytes())
+    assert back.loose.model_extra == {"extra": 3}
     assert back.color is _Color.RED and back.tags == frozenset({"a", "b"}) and back.pair == (1, 2)
     assert back.request.task is TaskType.IMAGE_TO_VIDEO and back.request.output.modalities == frozenset({"video", "text"})
     assert torch.equal(back.request.part("image").image, image)

@@ -102,10 +102,9 @@ def _to_plain(value: Any, *, top: bool = True, path: str = "", strict: bool = Fa
             plain[_TYPE_KEY] = _qualified(type(value))
         return plain
     if isinstance(value, BaseModel):
-        return {
-            name: _to_plain(getattr(value, name), top=False, path=f"{path}.{name}", strict=strict)
-            for name in type(value).model_fields
-        }
+        fields = {name: getattr(value, name) for name in type(value).model_fields}
+        fields.update(value.__pydantic_extra__ or {})  # a model that allows extra fields keeps them
+        return {name: _to_plain(item, top=False, path=f"{path}.{name}", strict=strict) for name, item in fields.items()}
     if isinstance(value, torch.Tensor):
         if strict and type(value) not in _TENSOR_TYPES:
             raise _Unserializable(path, value)
