@@ -320,3 +320,29 @@ def test_build_check_resolves_registered_loops(fv_host: PluginHost, register_plu
     ]
     register_plugin(loop_plugin(), name="fv-loops")
     assert check_card_builds(named, registry=fv_host.registry()) == []
+
+
+def test_fv_generate_applies_the_configs_scheduler_and_extensions(
+    plugin_site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fv_kernel.cli.generate_cmd as generate_cmd
+
+    engines: list[Engine] = []
+
+    class RecordingEngine(Engine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(generate_cmd, "Engine", RecordingEngine)
+    config = tmp_path / "deploy.yaml"
+    out = tmp_path / "out.pt"
+    args = ["generate", "-m", "toy-dit", "-p", "x", "-o", str(out), "-q", "--config", str(config)]
+    config.write_text("plugins: {autoload: false, enable: [fv-toy]}\nscheduler: {max_queue: 7}\nextensions: {nanwatch: {default_on: true}}\n")
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert engines[-1].config.max_queue == 7
+    assert [type(o).__name__ for o in engines[-1].extensions.observers] == ["NaNWatch"]
+    config.write_text("plugins: {autoload: false, enable: [fv-toy]}\nextensions: {nope: {}}\n")
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 2 and "error: extensions.nope: no enabled plugin provides it; available: nanwatch" in refused.output
