@@ -275,3 +275,10 @@ def test_every_command_rejects_unknown_config_keys(tmp_path: Path, command: str,
     config.write_text(body)
     args = [a.replace("OUT", str(tmp_path / "out.pt")) for a in COMMANDS[command]] + ["--config", str(config)]
     _only_error_line(runner.invoke(app, args), str(config), needle)
+
+
+def test_plugins_load_kernel_first_then_by_name(plugin_site: Path) -> None:
+    # The order decides which of two plugins contributing one short name is refused: it must not depend on sys.path.
+    host = PluginHost(PluginsConfig(), search_path=[str(plugin_site)], environ={})
+    order = [p.distribution for p in host._loadable().plugins]
+    assert order == ["fv-kernel", "fv-bad", "fv-badcard", "fv-broken", "fv-good", "fv-hello", "fv-oldapi", "fv-toy"]
