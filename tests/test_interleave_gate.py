@@ -1,0 +1,388 @@
+"""The interleave gate proves itself: negative controls it must fail, and the old design they passed.
+
+Each buggy card below is the toy card with one deliberate conditioning or RNG leak:
+
+- a DiT op that memoizes the text context on the module (first writer wins);
+- an encode op that parks the text context on the module for the DiT op (last writer wins);
+- a stochastic denoise loop that keeps its noise generator on the (shared) loop object.
+
+The gate (varied requests, each checked against a run alone on a fresh instance) fails on
+each. The design it replaced (one prompt for every request, reference run serially on the
+shared instance) passed the two conditioning leaks: with one prompt, a smeared conditioning
+is the right conditioning, and on a shared instance the reference smears too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import pytest
+import torch
+
+from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp
+from fv_kernel.card.spec import ModelCard, RecipeSpec, SamplerBinding
+from fv_kernel.card.validate import resolve_request
+from fv_kernel.loop.contract import StepResult
+from fv_kernel.loop.samplers import sampler_from_state
+from fv_kernel.loop.state import generator_from_state
+from fv_kernel.request.request import DiffusionParams, Request, TextPart
+from fv_kernel.request.types import TaskType
+from fv_kernel.runtime.engine import GenerationResult, run_serially
+from fv_kernel.testing import (
+    GATE_NEGATIVE_PROMPTS,
+    GATE_PROMPTS,
+    InterleaveConformance,
+    alternative_size,
+    sample_requests,
+)
+from fv_kernel.testing.toy import DenoiseState, ToyDenoiseLoop, build_toy_instance, toy_card
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = __name__  # "module:attr" references below resolve through this test module
+
+# --------------------------------------------------------------------------- buggy cards
+
+TensorDict = Mapping[str, torch.Tensor]
+
+
+def _wrap_ops(instance: ModelInstance, wrap: Callable[[ModelInstance, dict[str, StepOp]], dict[str, StepOp]]) -> ModelInstance:
+    inner = instance.ops_builder
+    instance.ops_builder = lambda inst: wrap(inst, dict(inner(inst)))
+    return instance
+
+
+def build_first_writer_instance(card: ModelCard, options: InstanceOptions) -> ModelInstance:
+    """BUG (a): the DiT op memoizes the text context on the module; the first request's wins."""
+
+    def wrap(instance: ModelInstance, ops: dict[str, StepOp]) -> dict[str, StepOp]:
+        if "dit_forward" in ops:
+            dit, plain = instance.components["dit"], ops["dit_forward"].fn
+
+            def dit_forward(inputs: TensorDict, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+                # "The context is the same at every step, so compute with it once": kept on the module.
+                memo = getattr(dit, "memo_context", None)
+                if memo is None or memo.shape != inputs["context"].shape:
+                    dit.memo_context = memo = inputs["context"]
+                return plain({**inputs, "context": memo}, params)
+
+            ops["dit_forward"] = dataclasses.replace(ops["dit_forward"], fn=dit_forward)
+        return ops
+
+    return _wrap_ops(build_toy_instance(card, options), wrap)
+
+
+def build_last_writer_instance(card: ModelCard, options: InstanceOptions) -> ModelInstance:
+    """BUG (b): the encode op parks the text context on the module and the DiT op reads it back."""
+
+    def wrap(instance: ModelInstance, ops: dict[str, StepOp]) -> dict[str, StepOp]:
+        lm = instance.components["lm"]
+        if "encode_text" in ops:
+            plain_encode = ops["encode_text"].fn
+
+            def encode_text(inputs: TensorDict, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+                out = plain_encode(inputs, params)
+                lm.parked_context = out["hidden"]  # rows: prompt, negative prompt
+                return out
+
+            ops["encode_text"] = dataclasses.replace(ops["encode_text"], fn=encode_text)
+        if "dit_forward" in ops:
+            plain_dit = ops["dit_forward"].fn
+
+            def dit_forward(inputs: TensorDict, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+                rows = inputs["x"].shape[0]  # cond (+ uncond): the parked rows in branch order
+                return plain_dit({**inputs, "context": lm.parked_context[:rows]}, params)
+
+            ops["dit_forward"] = dataclasses.replace(ops["dit_forward"], fn=dit_forward)
+        return ops
+
+    return _wrap_ops(build_toy_instance(card, options), wrap)
+
+
+class RngOnLoopDenoise(ToyDenoiseLoop):
+    """BUG (c): a stochastic loop whose noise generator lives on the loop object, which every
+    request on the instance shares (the last request to start re-seeds it for all)."""
+
+    def init(self, request: Request, model: ModelInstance, ctx: Any) -> DenoiseState:
+        state = super().init(request, model, ctx)
+        self.generator = generator_from_state(state.rng_state)
+        return state
+
+    def advance(self, state: DenoiseState, result: StepResult) -> DenoiseState:
+        sampler = sampler_from_state(state.sampler_state)
+        policy = self._guidance()
+        branches = policy.branches(state.guidance)
+        velocity = policy.combine(dict(zip(branches, result.outputs["v"].split(1))), state.guidance, step_index=state.step)
+        noise = None
+        if sampler.needs_noise(state.sampler_state):
+            noise = torch.randn(state.latents.shape, generator=self.generator, dtype=torch.float32)
+        sampler_state, latents = sampler.step(state.sampler_state, velocity, state.latents, noise=noise)
+        return state.model_copy(update={"latents": latents, "sampler_state": sampler_state, "step": state.step + 1})
+
+
+def toy_with_factory(factory: str) -> ModelCard:
+    return toy_card("toy-dit").model_copy(update={"factory": factory})
+
+
+def toy_dmd_card(implementation: str = "fv_kernel.testing.toy:ToyDenoiseLoop") -> ModelCard:
+    """toy-dit as a few-step stochastic recipe: DMD's SDE sampler (fresh noise every step but the
+    last), 3 fixed steps the recipe assumes, no CFG."""
+    card = toy_card("toy-dit")
+    denoise = card.loops["denoise"].model_copy(update={
+        "implementation": implementation, "guidance": "none", "config": {},
+        "sampler": SamplerBinding(name="dmd", config={"denoising_timesteps": [1000, 757, 522]}, fixed_steps=3),
+    })
+    loops = {**{k: v for k, v in card.loops.items() if k != "denoise_unipc"}, "denoise": denoise}
+    defaults = card.capabilities.defaults
+    assert defaults is not None
+    capabilities = card.capabilities.model_copy(
+        update={"uses_guidance": False, "defaults": defaults.model_copy(update={"steps": 3, "guidance": 1.0})}
+    )
+    data = card.model_copy(update={
+        "model_id": "toy-dmd", "loops": loops, "capabilities": capabilities,
+        "recipe": RecipeSpec(method="dmd2", parents=("toy-dit",), assumes_loop="denoise"),
+    }).model_dump()
+    return ModelCard.model_validate(data)
+
+
+# --------------------------------------------------------------------------- gates
+
+
+class _Gate(InterleaveConformance):
+    """The kit's gate on one card built by :attr:`card_factory`."""
+
+    card_factory: ClassVar[Callable[[], ModelCard]]
+
+    def load_card(self, model_id: str) -> ModelCard:
+        card = type(self).card_factory()
+        assert card.model_id == model_id
+        return card
+
+
+class _OldGateDesign:
+    """The gate before issue 12: every request the same prompt and negative prompt at the
+    card's default size and steps (only the seed changed), and as reference the same requests
+    run one after another on one shared instance."""
+
+    concurrency: ClassVar[int]
+
+    def gate_requests(self, cards: Sequence[ModelCard], prefix: str) -> list[Request]:
+        requests = []
+        for card in cards:
+            for task in (TaskType.TEXT_TO_IMAGE, TaskType.TEXT_TO_VIDEO):
+                for seed in range(self.concurrency):
+                    requests.append(Request(
+                        request_id=f"{prefix}{card.model_id}-{task.value}-{seed}", model=card.model_id, task=task,
+                        inputs=(TextPart(text="a red fox runs through snow"), TextPart(text="blurry", role="negative_prompt")),
+                        diffusion=DiffusionParams(seed=seed),
+                    ))
+        return requests
+
+    def reference_results(self, cards: Sequence[ModelCard], requests: Sequence[Request]) -> list[GenerationResult]:
+        return run_serially(self.make_engine(cards), requests)  # type: ignore[attr-defined]
+
+    def assert_requests_vary(self, cards: Sequence[ModelCard], requests: Sequence[Request]) -> None:
+        """The old design did not vary its requests."""
+
+
+class _SharedInstanceReference:
+    """Today's varied requests, but the old reference: run serially on one shared instance."""
+
+    def reference_results(self, cards: Sequence[ModelCard], requests: Sequence[Request]) -> list[GenerationResult]:
+        return run_serially(self.make_engine(cards), requests)  # type: ignore[attr-defined]
+
+
+def _gate(factory: Callable[[], ModelCard], *designs: type) -> InterleaveConformance:
+    card_id = factory().model_id
+    cls = type("Gate", (*designs, _Gate), {"card_ids": (card_id,), "card_factory": staticmethod(factory)})
+    return cls()
+
+
+def _fails(gate: InterleaveConformance) -> str:
+    with pytest.raises(AssertionError) as info:
+        gate.test_interleaved_equals_each_alone()
+    return str(info.value)
+
+
+FIRST_WRITER = lambda: toy_with_factory(f"{HERE}:build_first_writer_instance")  # noqa: E731
+LAST_WRITER = lambda: toy_with_factory(f"{HERE}:build_last_writer_instance")  # noqa: E731
+RNG_ON_LOOP = lambda: toy_dmd_card(f"{HERE}:RngOnLoopDenoise")  # noqa: E731
+CONDITIONING_LEAKS = pytest.mark.parametrize("factory", [FIRST_WRITER, LAST_WRITER], ids=["first-writer", "last-writer"])
+SMEAR = "interleaved vs alone on a fresh instance"
+
+
+# --------------------------------------------------------------------------- the controls
+
+
+@CONDITIONING_LEAKS
+def test_the_gate_fails_a_conditioning_kept_on_the_module(factory: Callable[[], ModelCard]) -> None:
+    assert SMEAR in _fails(_gate(factory))
+
+
+@CONDITIONING_LEAKS
+def test_the_old_gate_design_passed_a_conditioning_kept_on_the_module(factory: Callable[[], ModelCard]) -> None:
+    _gate(factory, _OldGateDesign).test_interleaved_equals_each_alone()
+
+
+def test_varied_requests_alone_catch_the_last_writer_but_the_first_writer_needs_the_fresh_reference() -> None:
+    # Serially on a shared instance, a parked context is read right after it is written: correct.
+    assert SMEAR.split(" on ")[0] in _fails(_gate(LAST_WRITER, _SharedInstanceReference))
+    # A memo on the module smears the shared-instance reference the same way as the interleaved run
+    # (the first request to reach the DiT is the first submitted in both), so only a fresh instance
+    # per reference request exposes it.
+    _gate(FIRST_WRITER, _SharedInstanceReference).test_interleaved_equals_each_alone()
+
+
+def test_the_gate_fails_a_loop_that_keeps_its_rng_on_the_loop_object() -> None:
+    assert SMEAR in _fails(_gate(RNG_ON_LOOP))
+    # The old design caught this one too: its requests' seeds already differed.
+    assert SMEAR in _fails(_gate(RNG_ON_LOOP, _OldGateDesign))
+
+
+def test_a_stochastic_loop_with_its_rng_in_the_state_passes() -> None:
+    _gate(toy_dmd_card).test_interleaved_equals_each_alone()
+
+
+def test_the_correct_toy_card_passes() -> None:
+    _gate(lambda: toy_card("toy-dit")).test_interleaved_equals_each_alone()
+
+
+def test_a_denoise_loop_marked_unbatchable_is_exempt_from_the_batching_check() -> None:
+    def unbatchable() -> ModelCard:
+        card = toy_card("toy-dit")
+        loops = {**card.loops, "denoise": card.loops["denoise"].model_copy(update={"batchable": False})}
+        return card.model_copy(update={"loops": loops})
+
+    _gate(unbatchable).test_interleaved_equals_each_alone()  # its steps run batch-of-1, by the card's word
+
+
+# --------------------------------------------------------------------------- the gate's requests
+
+
+def test_gate_requests_differ_in_everything_the_card_lets_vary() -> None:
+    card = toy_card("toy-dit")
+    requests = [resolve_request(card, r) for r in sample_requests(card, seeds=range(2), vary_size=True)]
+    for task in (TaskType.TEXT_TO_IMAGE, TaskType.TEXT_TO_VIDEO):
+        mine = [r for r in requests if r.task is task]
+        assert len(mine) == 4
+        for field in (lambda r: r.text("prompt"), lambda r: r.text("negative_prompt")):
+            assert len({field(r) for r in mine}) == 4
+        assert [r.diffusion.seed for r in mine] == [0, 1, 1000, 1001]
+        assert {(r.diffusion.height, r.diffusion.width) for r in mine} == {(8, 8), (4, 8)}
+        assert {r.diffusion.steps for r in mine} == {4, 5}
+        assert {r.diffusion.guidance for r in mine} == {3.0, 4.0}
+        for size in ((8, 8), (4, 8)):  # two requests per shape, so they can batch
+            assert sum((r.diffusion.height, r.diffusion.width) == size for r in mine) == 2
+
+
+def test_gate_prompts_batch_under_byte_tokenizers() -> None:
+    # Equal byte lengths keep prompt-length shape signatures equal; no punctuation a family might strip.
+    for texts in (GATE_PROMPTS, GATE_NEGATIVE_PROMPTS):
+        assert len({len(t.encode()) for t in texts}) == 1
+        assert all(re.fullmatch(r"[a-z ]+", t) for t in texts)
+    assert len({p[:15] for p in GATE_PROMPTS}) == len(GATE_PROMPTS)  # distinct within the toy encoder's window
+
+
+def test_gate_requests_respect_fixed_steps_and_no_guidance() -> None:
+    card = toy_dmd_card()
+    requests = sample_requests(card, seeds=range(2), steps=2, vary_size=True)
+    assert {r.diffusion.steps for r in requests} == {None}  # the recipe's 3 steps, never asked otherwise
+    assert {r.diffusion.guidance for r in requests} == {None}  # the card's 1.0: no CFG
+    assert {resolve_request(card, r).diffusion.steps for r in requests} == {3}
+
+
+def test_gate_requests_vary_steps_around_the_kits_steps() -> None:
+    requests = sample_requests(toy_card("toy-dit"), seeds=range(2), steps=2)
+    assert [r.diffusion.steps for r in requests] == [2, 3, 2, 3]
+
+
+def test_alternative_size_is_valid_for_the_card() -> None:
+    card = toy_card("toy-dit")  # 8x8, multiples of 4
+    assert alternative_size(card) == (4, 8)
+
+    def with_caps(**update: Any) -> ModelCard:
+        return card.model_copy(update={"capabilities": card.capabilities.model_copy(update=update)})
+
+    # Sides of one multiple cannot shrink; growing must stay within max_pixels.
+    defaults = card.capabilities.defaults
+    assert defaults is not None
+    small = with_caps(defaults=defaults.model_copy(update={"height": 4, "width": 4}))
+    assert alternative_size(small) == (8, 4)
+    assert alternative_size(with_caps(defaults=small.capabilities.defaults, max_pixels=16)) is None
+    size_free = with_caps(defaults=small.capabilities.defaults, max_pixels=16)
+    assert {(r.diffusion.height, r.diffusion.width) for r in sample_requests(size_free, seeds=range(2), vary_size=True)} == {(None, None)}
+    for request in sample_requests(card, seeds=range(2), vary_size=True):
+        resolve_request(card, request)  # valid: multiples of spatial_multiple, within the card's limits
+
+
+def test_image_to_video_requests_carry_an_image_of_their_size() -> None:
+    card = toy_card("toy-dit")
+    card = card.model_copy(update={"capabilities": card.capabilities.model_copy(
+        update={"tasks": card.capabilities.tasks | {TaskType.IMAGE_TO_VIDEO}})})
+    for request in sample_requests(card, seeds=range(2), vary_size=True):
+        if request.task is TaskType.IMAGE_TO_VIDEO:
+            resolved = resolve_request(card, request).diffusion
+            assert tuple(request.part("image").image.shape) == (3, resolved.height, resolved.width)
+
+
+def test_the_toy_gate_runs_twenty_requests() -> None:
+    cards = [toy_card(m) for m in ("toy-dit", "toy-lm", "toy-omni")]
+    assert len(InterleaveConformance().gate_requests(cards, "")) == 8 + 2 + 10
+
+
+def test_text_generation_requests_vary_prompt_seed_and_length() -> None:
+    requests = sample_requests(toy_card("toy-lm"), seeds=range(2), vary_size=True)
+    assert len(requests) == 2  # no sizes in text generation
+    assert len({r.text("prompt") for r in requests}) == 2
+    assert [(r.ar.seed, r.ar.max_tokens) for r in requests if r.ar] == [(0, 4), (1, 5)]
+
+
+def test_too_many_seeds_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="seeds: 5 requests per shape x 2 shapes"):
+        sample_requests(toy_card("toy-dit"), seeds=range(5), vary_size=True)
+
+
+def test_the_gate_refuses_requests_that_do_not_vary() -> None:
+    class FlatSteps(_Gate):
+        card_ids = ("toy-dit",)
+        card_factory = staticmethod(lambda: toy_card("toy-dit"))
+
+        def requests_for(self, card: ModelCard, **options: Any) -> list[Request]:
+            requests = super().requests_for(card, **options)
+            return [r.with_updates(diffusion=r.diffusion.model_copy(update={"steps": 2})) for r in requests]
+
+    message = _fails(FlatSteps())
+    assert "toy-dit: every gate request has the same steps ([2])" in message and "steps = N" in message
+
+
+def test_the_gate_refuses_a_request_that_never_batched() -> None:
+    class Lonely(_Gate):
+        card_ids = ("toy-dit",)
+        card_factory = staticmethod(lambda: toy_card("toy-dit"))
+
+        def requests_for(self, card: ModelCard, **options: Any) -> list[Request]:
+            requests = super().requests_for(card, **options)
+            odd = requests[0].with_updates(
+                request_id=f"{options['prefix']}odd-one", diffusion=requests[0].diffusion.model_copy(update={"frames": 5})
+            )
+            return [*requests, odd]
+
+    assert re.search(r"\['gate-odd-one'\] never ran a denoise or token step batched with another request", _fails(Lonely()))
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def test_conformance_doc_example_runs() -> None:
+    text = (ROOT / "docs" / "conformance.md").read_text()
+    [example] = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "class TestToyOmniGate" in b]
+    namespace: dict[str, Any] = {"__name__": "conformance_doc_example"}
+    exec(compile(example, "docs/conformance.md", "exec"), namespace)
+    gate = namespace["TestToyOmniGate"]()
+    requests = gate.gate_requests([toy_card("toy-omni")], "doc-")
+    assert {r.diffusion.sampler for r in requests} == {None, "unipc"}  # the default loop and the added one
+    assert {r.diffusion.steps for r in requests if r.task is not TaskType.TEXT_GENERATION} == {2, 3}
+    assert sum(r.prompt_upsampling for r in requests) == 2
+    gate.test_interleaved_equals_each_alone()
