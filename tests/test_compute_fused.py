@@ -1,18 +1,24 @@
 """Fused DiT glue ops: the torch reference equals the eager model; Triton kernels equal the reference.
 
-The Triton kernels run on CUDA when there is one, else on CPU through Triton's interpreter
-(the ``kernels`` fixture builds them under ``TRITON_INTERPRET=1``), so they are checked on
-every machine where triton installs, CI included. CI sets ``FV_REQUIRE_TRITON_KERNELS=1``
-(tox's ``kernel`` env): there a missing triton fails the kernel tests instead of skipping
-them. The interpreter rounds fp32 -> bf16 toward zero (half the elements of a bf16 output
-differ by one ulp from torch's round-to-nearest), so interpreter checks use fp32 tensors,
-which test the indexing and the math exactly; CUDA checks use bf16.
+The Triton kernels run on CUDA when there is one, else on CPU in Triton's interpreter, so
+they are checked on every machine where triton installs, CI included. Triton reads
+``TRITON_INTERPRET`` when ``triton.language`` is first imported (its own helpers such as
+``tl.sum`` are decorated then), and torch and diffusers import it as a side effect, so the
+interpreter checks run this file as a script in a fresh Python with ``TRITON_INTERPRET=1``
+set from the start. CI sets ``FV_REQUIRE_TRITON_KERNELS=1`` (tox's ``kernel`` env): there a
+missing triton fails the kernel tests instead of skipping them. The interpreter rounds
+fp32 -> bf16 toward zero (half the elements of a bf16 output differ by one ulp from
+torch's round-to-nearest), so interpreter checks use fp32 tensors, which test the indexing
+and the math exactly; CUDA checks use bf16.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Iterator
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 import torch
@@ -32,22 +38,6 @@ CUDA = torch.cuda.is_available()
 REQUIRE_KERNELS = os.environ.get("FV_REQUIRE_TRITON_KERNELS") == "1"
 
 
-@pytest.fixture
-def kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TritonFusedOps, str]]:
-    """The Triton kernels and the device to feed them: CUDA, else Triton's CPU interpreter."""
-    if not triton_available():
-        if REQUIRE_KERNELS:
-            pytest.fail("FV_REQUIRE_TRITON_KERNELS=1 but triton is not importable: the Triton kernels would not be tested")
-        pytest.skip("needs triton (on CUDA, or on CPU through its interpreter)")
-    if CUDA:
-        yield TritonFusedOps(), "cuda"
-        return
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by triton.jit, i.e. when TritonFusedOps() builds the kernels
-    ops = TritonFusedOps()
-    assert ops.interpreted, "TRITON_INTERPRET=1 was set but Triton compiled the kernels for a GPU"
-    yield ops, "cpu"
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape and torch.isfinite(a).all()
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
@@ -61,6 +51,9 @@ def test_selection_is_explicit() -> None:
         select_fused_ops("cpu", "triton")
     with pytest.raises(ValueError, match="'off', 'auto', 'torch', 'triton'"):
         select_fused_ops("cpu", "fast")
+
+
+# --------------------------------------------------------------------------- kernels vs reference
 
 
 def _mismatches(fused: FusedOps, ref: FusedOps, device: str, *, per_token: bool) -> dict[str, float]:
@@ -95,23 +88,6 @@ def _mismatches(fused: FusedOps, ref: FusedOps, device: str, *, per_token: bool)
     return {name: err for name, err in errors.items() if not err < tol}
 
 
-@pytest.mark.parametrize("per_token", [False, True])
-def test_triton_kernels_match_reference(kernels: tuple[TritonFusedOps, str], per_token: bool) -> None:
-    fused, device = kernels
-    assert _mismatches(fused, TorchFusedOps(), device, per_token=per_token) == {}
-
-
-def test_kernel_comparison_catches_per_token_modulation_read_as_per_sample(
-    kernels: tuple[TritonFusedOps, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Negative control: kernels fed the first token's modulation for every token must fail the comparison."""
-    fused, device = kernels
-    monkeypatch.setattr(fused_module, "_broadcast_rows", lambda mod, like: mod[:, :1].expand(like.shape))
-    failing = _mismatches(fused, TorchFusedOps(), device, per_token=True)
-    assert {"modulated_layer_norm", "gated_residual", "residual_layer_norm[modulated].normed"} <= set(failing), failing
-    assert _mismatches(fused, TorchFusedOps(), device, per_token=False) == {}  # per-sample modulation is unaffected
-
-
 class _RopeTheOtherWay(TorchFusedOps):
     """A wrong reference: rotates each pair by -angle."""
 
@@ -119,19 +95,89 @@ class _RopeTheOtherWay(TorchFusedOps):
         return super().qk_rms_norm_rope(x, weight, eps, heads, None if rotary is None else (rotary[0], -rotary[1]))
 
 
-def test_kernel_comparison_catches_a_wrong_reference(kernels: tuple[TritonFusedOps, str]) -> None:
+def _first_token_modulation(mod: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A broken broadcast: every token gets the first token's modulation (per-token read as per-sample)."""
+    return mod[:, :1].expand(like.shape)
+
+
+def kernel_checks(device: str) -> dict[str, Any]:
+    """The kernels against the reference, and the negative controls, as ``{check: mismatching ops}``."""
+    fused = TritonFusedOps()
+    out: dict[str, Any] = {"interpreted": fused.interpreted}
+    out["per_sample"] = _mismatches(fused, TorchFusedOps(), device, per_token=False)
+    out["per_token"] = _mismatches(fused, TorchFusedOps(), device, per_token=True)
+    out["wrong_rope_reference"] = _mismatches(fused, _RopeTheOtherWay(), device, per_token=False)
+    broadcast = fused_module._broadcast_rows
+    fused_module._broadcast_rows = _first_token_modulation
+    try:
+        out["first_token_modulation[per_token]"] = _mismatches(fused, TorchFusedOps(), device, per_token=True)
+        out["first_token_modulation[per_sample]"] = _mismatches(fused, TorchFusedOps(), device, per_token=False)
+    finally:
+        fused_module._broadcast_rows = broadcast
+    return out
+
+
+@pytest.fixture(scope="module")
+def kernels() -> dict[str, Any]:
+    """:func:`kernel_checks` on CUDA, else in a fresh Python under Triton's interpreter."""
+    if not triton_available():
+        if REQUIRE_KERNELS:
+            pytest.fail("FV_REQUIRE_TRITON_KERNELS=1 but triton is not importable: the Triton kernels would not be tested")
+        pytest.skip("needs triton (on CUDA, or on CPU through its interpreter)")
+    if CUDA:
+        return kernel_checks("cuda")
+    proc = subprocess.run(
+        [sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results["interpreted"], "TRITON_INTERPRET=1 was set but Triton compiled the kernels for a GPU"
+    return results
+
+
+@pytest.mark.parametrize("check", ["per_sample", "per_token"])
+def test_triton_kernels_match_reference(kernels: dict[str, Any], check: str) -> None:
+    assert kernels[check] == {}
+
+
+def test_kernel_comparison_catches_per_token_modulation_read_as_per_sample(kernels: dict[str, Any]) -> None:
+    """Negative control: kernels fed the first token's modulation for every token must fail the comparison."""
+    failing = kernels["first_token_modulation[per_token]"]
+    assert {"modulated_layer_norm", "gated_residual", "residual_layer_norm[modulated].normed"} <= set(failing), failing
+    assert kernels["first_token_modulation[per_sample]"] == {}  # per-sample modulation is unaffected
+
+
+def test_kernel_comparison_catches_a_wrong_reference(kernels: dict[str, Any]) -> None:
     """Negative control: a reference whose RoPE turns the other way differs from the kernels exactly there."""
-    fused, device = kernels
-    assert set(_mismatches(fused, _RopeTheOtherWay(), device, per_token=False)) == {"qk_rms_norm_rope[rope]"}
+    assert set(kernels["wrong_rope_reference"]) == {"qk_rms_norm_rope[rope]"}
 
 
-def test_triton_ops_refuse_cpu_tensors_outside_the_interpreter() -> None:
+# --------------------------------------------------------------------------- typed errors
+
+
+def test_triton_ops_refuse_cpu_tensors_outside_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     if not triton_available():
         pytest.skip("needs triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the whole session runs under Triton's interpreter")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ops = TritonFusedOps()  # kernels compile lazily: building them needs no GPU
     assert not ops.interpreted
     x = torch.randn(1, 2, 8)
     with pytest.raises(FusedOpsUnavailable, match="TRITON_INTERPRET=1"):
         ops.gated_residual(x, x, torch.randn(1, 1, 8))
+
+
+def test_interpreter_switched_on_after_triton_was_imported_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not triton_available():
+        pytest.skip("needs triton")
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(tl.sum, InterpretedFunction):
+        pytest.skip("this process imported triton under TRITON_INTERPRET=1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(FusedOpsUnavailable, match="before the process imports triton"):
+        TritonFusedOps()
+
+
+if __name__ == "__main__":  # the fixture's fresh-process run (TRITON_INTERPRET=1 set by the caller)
+    print(json.dumps(kernel_checks("cpu")))

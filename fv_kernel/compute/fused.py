@@ -278,11 +278,19 @@ class TritonFusedOps(FusedOps):
         if not triton_available():
             raise FusedOpsUnavailable("fused_ops='triton' needs the triton package, which is not importable")
         self._residual_norm, self._rms_rope = _build_kernels()
+        import triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
 
         #: Built under ``TRITON_INTERPRET=1`` (Triton decides when the kernels are decorated, so
         #: at construction): the kernels then run in Triton's interpreter and take CPU tensors.
         self.interpreted = isinstance(self._residual_norm, InterpretedFunction)
+        if self.interpreted and not isinstance(tl.sum, InterpretedFunction):
+            # Triton's own jit helpers (tl.sum) were decorated when triton.language was first
+            # imported; without the interpreter then, interpreted kernels fail when they call them.
+            raise FusedOpsUnavailable(
+                "TRITON_INTERPRET=1 was set after triton.language had been imported without it (torch and "
+                "diffusers import it): set it in the environment before the process imports triton"
+            )
 
     def _rows(self, x: torch.Tensor) -> tuple[int, int, int]:
         if x.dim() != 3:
