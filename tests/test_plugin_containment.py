@@ -204,7 +204,8 @@ def test_serve_keeps_working_beside_a_bad_plugin(plugin_site: Path, tmp_path: Pa
 
     monkeypatch.setattr(serving, "create_app", create_app)
     monkeypatch.setattr(serving, "serve_forever", lambda app, **kw: served.update(kw))
-    result = runner.invoke(app, ["serve", "-m", "toy-dit", "--port", "0", "--config", str(deploy_yaml(tmp_path))])
+    config = deploy_yaml(tmp_path, f"output_dir: {json.dumps(str(tmp_path / 'served'))}\n")
+    result = runner.invoke(app, ["serve", "-m", "toy-dit", "--port", "0", "--config", str(config)])
     assert result.exit_code == 0, result.output
     assert "fv serve: toy-dit on http://127.0.0.1:0" in result.stderr and "skipped plugin fv-badcard" in result.stderr
     engine = served["engine"]
