@@ -34,7 +34,7 @@ def test_list_survives_broken_plugins(plugin_site: Path) -> None:
     assert rows["fv-good"]["status"] == "enabled"
     assert rows["fv-good"]["contributions"]["attention_backends"] == ["fv-good/toy"]
     assert rows["fv-broken"]["status"] == "error" and "fv_broken exploded at import" in rows["fv-broken"]["reason"]
-    assert rows["fv-oldapi"]["status"] == "error" and "'>=2.0,<3'" in rows["fv-oldapi"]["reason"]
+    assert rows["fv-oldapi"]["status"] == "error" and "'>=3.0,<4'" in rows["fv-oldapi"]["reason"]
     assert rows["fv-badcard"]["status"] == "error" and "precision.default" in rows["fv-badcard"]["reason"]
     assert rows["fv-hello"]["registered"] == {
         "samplers": ["fv-hello/euler-shift3"], "attention_backends": ["fv-hello/hello-math"],

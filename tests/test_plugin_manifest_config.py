@@ -17,7 +17,7 @@ from fv_kernel.plugins import (
 from fv_kernel.plugins.config import select
 from fv_kernel.plugins.manifest import parse_manifest
 
-GOOD = {"name": "fv-x", "version": "1.0.0", "kernel_api": ">=1.0,<2", "contributions": {"samplers": [{"name": "s"}]}}
+GOOD = {"name": "fv-x", "version": "1.0.0", "kernel_api": ">=2.0,<3", "contributions": {"samplers": [{"name": "s"}]}}
 
 
 def test_manifest_ids_are_namespaced() -> None:

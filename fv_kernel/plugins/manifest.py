@@ -43,7 +43,7 @@ class PluginManifest(BaseModel):
     name: str
     version: str
     kernel_api: str
-    """PEP 440 specifier set checked against :data:`fv_kernel.API_VERSION`, e.g. ``">=1.0,<2"``."""
+    """PEP 440 specifier set checked against :data:`fv_kernel.API_VERSION`, e.g. ``">=2.0,<3"``."""
     summary: str = ""
     contributions: dict[str, list[ContributionDecl]] = Field(default_factory=dict)
 
@@ -62,7 +62,7 @@ class PluginManifest(BaseModel):
         try:
             SpecifierSet(value)
         except InvalidSpecifier:
-            raise ValueError(f"kernel_api {value!r} is not a PEP 440 specifier set (e.g. '>=1.0,<2')") from None
+            raise ValueError(f"kernel_api {value!r} is not a PEP 440 specifier set (e.g. '>=2.0,<3')") from None
         return value
 
     @field_validator("contributions")
