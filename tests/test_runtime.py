@@ -4,6 +4,7 @@ failure isolation, streaming order, cost-model calibration. All on a fake pool, 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 
 import pytest
@@ -197,10 +198,14 @@ def test_one_failing_request_leaves_the_others_bit_identical() -> None:
     assert max(engine.metrics.batches_by_size) >= 3, "the failing requests were batched with the healthy ones"
 
 
-def test_fused_batch_failure_falls_back_per_sample() -> None:
+def test_fused_batch_failure_falls_back_per_sample(caplog: pytest.LogCaptureFixture) -> None:
     engine = engine_with(fake_card(), config=SchedulerConfig(device_thread=False, batching="throughput"))
-    results = run_concurrently(engine, [video(0), video(1, prompt="fail@1"), video(2)])
+    with caplog.at_level(logging.WARNING, logger="fv.engine"):
+        results = run_concurrently(engine, [video(0), video(1, prompt="fail@1"), video(2)])
     assert [r.status for r in results] == ["completed", "failed", "completed"]
+    # The fallback is visible: logged and counted per op (a fused path that always fails costs every batch twice).
+    assert engine.metrics.fused_fallbacks and sum(engine.metrics.fused_fallbacks.values()) >= 1
+    assert any("re-running them one by one" in r.getMessage() for r in caplog.records)
 
 
 def test_events_are_ordered_and_complete() -> None:

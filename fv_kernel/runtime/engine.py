@@ -265,6 +265,8 @@ class EngineMetrics:
     scheduler_seconds: float = 0.0
     execute_seconds: float = 0.0
     rejections: dict[str, int] = field(default_factory=dict)
+    #: Fused (throughput-mode) batches that raised and were re-run per request, by op.
+    fused_fallbacks: dict[str, int] = field(default_factory=dict)
     completed: int = 0
     failed: int = 0
     cancelled: int = 0
@@ -771,6 +773,10 @@ class Engine:
                 try:
                     outcomes = [StepResult(outputs=o) for o in op.run_fused(inputs, plan.params)]
                 except Exception:  # noqa: BLE001 - fall back to per-sample to find the culprit
+                    # Visible, not silent: a fused path that always fails would cost every batch twice.
+                    log.warning("fused %r step of %d requests failed; re-running them one by one", op.name, len(batch),
+                                exc_info=True)
+                    self.metrics.fused_fallbacks[op.name] = self.metrics.fused_fallbacks.get(op.name, 0) + 1
                     outcomes = self._per_sample(op, batch)
             else:
                 outcomes = self._per_sample(op, batch)

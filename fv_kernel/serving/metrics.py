@@ -59,6 +59,9 @@ def render_metrics(engine: Engine, http_rejections: Counter[str], jobs_by_status
                for bound, count in zip(m.step_latency_buckets, m.step_latency_counts)]
     if not math.isinf(m.step_latency_buckets[-1]):
         buckets.append(("_bucket", {"le": "+Inf"}, m.step_latency_count))
+    w.family("fv_fused_fallbacks_total", "counter",
+             "Fused batches that raised and were re-run request by request, by op.",
+             [("", {"op": op}, n) for op, n in sorted(m.fused_fallbacks.items())])
     w.family("fv_step_latency_seconds", "histogram", "Wall time of one executed batch of WorkUnits.",
              [*buckets, ("_sum", {}, m.step_latency_sum), ("_count", {}, m.step_latency_count)])
     w.family("fv_gpu_seconds_admitted_total", "counter", "Predicted GPU-seconds reserved by admitted requests.",
