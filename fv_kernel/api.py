@@ -37,7 +37,7 @@ from fv_kernel.card.spec import (
     SamplerBinding,
     StepCostSpec,
 )
-from fv_kernel.card.validate import RequestLimits, resolve_request, select_denoise_loop
+from fv_kernel.card.validate import RequestLimits, resolve_for_instance, resolve_request, select_denoise_loop
 from fv_kernel.errors import (
     CapacityError,
     CheckpointKeyError,

@@ -21,6 +21,7 @@ from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.request.request import Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.engine import Engine, SchedulerConfig
+from fv_kernel.runtime.local import run_local
 from fv_kernel.testing.toy import toy_card
 
 
@@ -126,6 +127,10 @@ def test_request_precision_other_than_the_instance_precision_is_refused() -> Non
     assert "allowed: fp32" in str(info.value)
     assert engine.validate(t2v("toy-2p", precision="fp32")).precision == "fp32"
     assert engine.validate(t2v("toy-2p")).precision is None  # unset: the instance's precision
+    # The scheduler-free path refuses it the same way.
+    with pytest.raises(InvalidRequest) as info:
+        run_local(request, build_instance(card))
+    assert info.value.param == "precision"
 
 
 def test_request_precision_on_an_overridden_instance() -> None:

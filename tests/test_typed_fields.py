@@ -25,6 +25,7 @@ from fv_kernel.request.events import Event
 from fv_kernel.request.request import ARParams, DiffusionParams, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.engine import Engine, GenerationResult, SchedulerConfig
+from fv_kernel.runtime.local import run_local
 from fv_kernel.testing import StepRecorder
 from fv_kernel.testing.toy import ToyDecodeLoop, ToyDenoiseLoop, toy_card
 
@@ -84,6 +85,16 @@ def test_modalities_return_only_the_kinds_asked_for(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(OutputSpec, "keep", lambda self, artifacts: list(artifacts))
     unfiltered = engine_for("toy-omni").generate(request.with_updates(request_id="unfiltered"))
     assert sorted(a.kind for a in unfiltered.artifacts) == ["text", "video"]
+
+
+def test_run_local_validates_and_filters_like_the_engine() -> None:
+    instance = build_instance(toy_card("toy-omni"))
+    request = t2v("toy-omni", prompt_upsampling=True, ar=ARParams(max_tokens=4), diffusion=DiffusionParams(steps=2),
+                  output=OutputSpec(modalities=frozenset({"video"})))
+    assert [a.kind for a in run_local(request, instance)] == ["video"]
+    with pytest.raises(InvalidRequest) as info:
+        run_local(t2v("toy-omni", output=OutputSpec(modalities=frozenset({"audio"}))), instance)
+    assert info.value.param == "output.modalities"
 
 
 def test_asking_for_a_modality_the_card_does_not_return_is_a_typed_error() -> None:

@@ -8,7 +8,7 @@ program returns. Every failure is a typed error naming the field.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,7 +17,10 @@ from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.request.request import DiffusionParams, Request
 from fv_kernel.request.types import TaskType
 
-__all__ = ["RequestLimits", "resolve_request", "select_denoise_loop", "describe_loop", "allowed_samplers"]
+if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.card.instance import ModelInstance
+
+__all__ = ["RequestLimits", "resolve_request", "resolve_for_instance", "select_denoise_loop", "describe_loop", "allowed_samplers"]
 
 _DIFFUSION_TASKS = frozenset(TaskType) - {TaskType.TEXT_GENERATION}
 
@@ -220,3 +223,18 @@ def resolve_request(
     if limits.max_steps is not None and filled.steps is not None and filled.steps > limits.max_steps:
         raise InvalidRequest("steps", f"{filled.steps} exceeds this deployment's limit", allowed=f"<= {limits.max_steps}")
     return request.with_updates(diffusion=filled)
+
+
+def resolve_for_instance(instance: "ModelInstance", request: Request, limits: RequestLimits | None = None) -> Request:
+    """:func:`resolve_request` against a resident instance: its recipe override, its registered
+    samplers, and its one precision (a request may ask for it, not change it)."""
+    resolved = resolve_request(
+        instance.card, request, limits, allow_recipe_mismatch=instance.options.allow_recipe_mismatch,
+        samplers=instance.registry.sampler_names(),
+    )
+    if resolved.precision is not None and resolved.precision != instance.precision:
+        raise InvalidRequest(
+            "precision", f"this deployment serves {instance.model_id!r} in {instance.precision!r} only",
+            allowed=[instance.precision],
+        )
+    return resolved

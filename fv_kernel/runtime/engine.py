@@ -33,10 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fv_kernel.cache.feature import FeatureCache, apply_cache_writes
 from fv_kernel.card.instance import ModelInstance
-from fv_kernel.card.validate import RequestLimits, resolve_request
+from fv_kernel.card.validate import RequestLimits, resolve_for_instance
 from fv_kernel.errors import (
     FvError,
-    InvalidRequest,
     NonFiniteOutput,
     QueueFull,
     RequestCancelled,
@@ -392,17 +391,7 @@ class Engine:
         instance = self._instances.get(request.model)
         if instance is None:
             raise UnknownModel(request.model, self._instances)
-        resolved = resolve_request(
-            instance.card, request, self.limits, allow_recipe_mismatch=instance.options.allow_recipe_mismatch,
-            samplers=instance.registry.sampler_names(),
-        )
-        if resolved.precision is not None and resolved.precision != instance.precision:
-            # One resident instance per card, at one precision: a request can ask for it, not change it.
-            raise InvalidRequest(
-                "precision",
-                f"this deployment serves {instance.model_id!r} in {instance.precision!r} only",
-                allowed=[instance.precision],
-            )
+        resolved = resolve_for_instance(instance, request, self.limits)
         self.hooks_for(instance, resolved)
         return resolved
 

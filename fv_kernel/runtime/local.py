@@ -13,7 +13,7 @@ import torch
 
 from fv_kernel.cache.feature import FeatureCache, apply_cache_writes
 from fv_kernel.card.instance import ModelInstance
-from fv_kernel.card.validate import RequestLimits, resolve_request
+from fv_kernel.card.validate import RequestLimits, resolve_for_instance
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.loop.context import LoopContext
 from fv_kernel.loop.contract import LoopState, StepResult, WorkPlan
@@ -42,7 +42,7 @@ async def run_local_async(
     this process or another); ``on_step`` is called with the request's
     :class:`ProgramRun` after every step (``run.checkpoint()`` is the resume point then).
     """
-    resolved = resolve_request(instance.card, request, limits, samplers=instance.registry.sampler_names())
+    resolved = resolve_for_instance(instance, request, limits)
     instance.load_for_task(resolved.task)
     program = instance.program(resolved.task)
     run = ProgramRun(program, instance, resolved, resume_from=resume_from, on_step=on_step)
@@ -64,7 +64,7 @@ async def run_local_async(
             instance.card, program.loop_ids(resolved), resolved.plugin_params, exact=resolved.exact
         ),
     )
-    return await run_program(program, instance, ctx, run=run)
+    return resolved.output.keep(await run_program(program, instance, ctx, run=run))
 
 
 def run_local(request: Request, instance: ModelInstance, **kwargs: Any) -> list[Artifact]:
