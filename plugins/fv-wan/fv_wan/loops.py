@@ -82,10 +82,14 @@ def _uses_cfg(model: ModelInstance, request: Request) -> bool:
     return any(len(policy.branches(s)) > 1 for s in scales)
 
 
-def _element_bytes(model: ModelInstance, component_id: str) -> int:
-    """Bytes per element a component computes in: its precision policy, else the instance's precision."""
+def _component_precision(model: ModelInstance, component_id: str) -> str:
+    """The precision a component computes in: its precision policy, else the instance's precision."""
     policy = model.card.components[component_id].precision_policy.dtype
-    return footprint.element_bytes(model.precision if policy == "card" else str(policy))
+    return model.precision if policy == "card" else str(policy)
+
+
+def _element_bytes(model: ModelInstance, component_id: str) -> int:
+    return footprint.element_bytes(_component_precision(model, component_id))
 
 
 def _clip_tokens(model: ModelInstance) -> tuple[int, int]:
@@ -131,11 +135,13 @@ class WanTextEncodeLoop(Loop[WanTextEncodeState]):
         if _uses_cfg(model, request):
             texts.append(clean_prompt(request.text("negative_prompt") or ""))
         max_len = int(self.spec.config.get("max_sequence_length", TEXT_CONTEXT_LENGTH))
-        precision = model.card.components["text_encoder"].precision_policy.dtype
+        # The precision the encoder really runs in ("card" resolves to the instance's), so two
+        # instances at different precisions sharing one cache never share an entry.
+        precision = _component_precision(model, "text_encoder")
         keys = [
             CacheKey(
                 model_id=model.model_id, component_id="text_encoder", weights_version=model.weights_version,
-                precision=str(precision), input_hash=content_hash([text, max_len]),
+                precision=precision, input_hash=content_hash([text, max_len]),
             ).digest()
             for text in texts
         ]

@@ -24,6 +24,7 @@ from fv_kernel.api import (
     DiffusionParams,
     Engine,
     FeatureCache,
+    InstanceOptions,
     ModelInstance,
     PrecisionPolicy,
     Request,
@@ -169,3 +170,15 @@ def test_negative_control_a_key_without_the_field_serves_stale_embeddings(field:
     monkeypatch.setattr(fv_wan.loops, "CacheKey", lambda **fields: _KeyWithout(**fields, dropped=field))
     with pytest.raises(AssertionError, match=f"text-encoder {field} was served the cached embeddings"):
         _run_changed_after_original(field)
+
+
+def test_an_encoder_following_the_card_precision_is_keyed_by_the_instance_precision() -> None:
+    """A text encoder with ``precision_policy.dtype == "card"`` runs in the instance's precision:
+    an fp32 and a bf16 instance sharing one cache must not share its entries."""
+    card = _card(text_encoder_dtype="card")
+    shared = FeatureCache()
+    _engine(build_instance(card, InstanceOptions(precision="fp32")), shared).generate(_request("fp32")).raise_for_status()
+    bf16 = build_instance(card, InstanceOptions(precision="bf16"))
+    calls = _counting(bf16)
+    _engine(bf16, shared).generate(_request("bf16")).raise_for_status()
+    assert _rows(calls) == 2, "a bf16 instance was served the fp32 instance's embeddings"
