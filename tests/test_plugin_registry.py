@@ -346,3 +346,43 @@ def test_fv_generate_applies_the_configs_scheduler_and_extensions(
     config.write_text("plugins: {autoload: false, enable: [fv-toy]}\nextensions: {nope: {}}\n")
     refused = runner.invoke(app, args)
     assert refused.exit_code == 2 and "error: extensions.nope: no enabled plugin provides it; available: nanwatch" in refused.output
+
+
+# --------------------------------------------------------------------------- the conformance kit
+
+
+def test_the_card_kit_checks_a_card_naming_its_plugins_sampler_and_loop(plugin_site: Path) -> None:
+    """A third-party card may bind its plugin's sampler and name a registered loop: the kit builds
+    instances with the deployment's registry, so its checks run on such a card."""
+    from fv_kernel.testing import CardConformance, InterleaveConformance
+
+    card = with_denoise_sampler(SamplerBinding(name="euler-shift3"), model_id="toy-shift3")
+    hello = host_with(plugin_site, "fv-hello")
+
+    class Kit:
+        card_ids = ("toy-shift3",)
+        steps = 2
+
+        def load_card(self, model_id: str) -> ModelCard:
+            return card
+
+        def registry(self) -> Any:
+            return hello.registry()
+
+    class Cards(Kit, CardConformance):
+        pass
+
+    class Gate(Kit, InterleaveConformance):
+        pass
+
+    Cards().test_loops_implement_the_contract()
+    Cards().test_loop_state_roundtrip_is_bit_identical()
+    Gate().test_interleaved_equals_each_alone()
+
+    class WithoutThePlugin(Cards):
+        def registry(self) -> Any:
+            return kernel_registry()
+
+    # Negative control: built with the kernel's built-ins only, the same card cannot run.
+    with pytest.raises(UnknownContributionError, match="euler-shift3"):
+        WithoutThePlugin().test_loop_state_roundtrip_is_bit_identical()

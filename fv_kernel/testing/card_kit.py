@@ -19,14 +19,14 @@ adds its own requests, and ``steps`` shortens them (``docs/conformance.md``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import pytest
 import torch
 
 from fv_kernel.card.catalog import CardCatalog
 from fv_kernel.card.instance import InstanceOptions, ModelInstance, build_instance, import_object
-from fv_kernel.card.spec import ModelCard
+from fv_kernel.card.spec import LoopSpec, ModelCard
 from fv_kernel.card.validate import resolve_request, select_denoise_loop
 from fv_kernel.errors import RecipeMismatch
 from fv_kernel.loop.contract import Loop, LoopState
@@ -37,6 +37,10 @@ from fv_kernel.runtime.engine import Engine, GenerationResult, SchedulerConfig, 
 from fv_kernel.testing.batching import StepRecorder
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.runtime.local import run_local
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.plugins.host import PluginHost
+    from fv_kernel.plugins.registry import DeployRegistry
 
 __all__ = [
     "CardConformance",
@@ -222,13 +226,31 @@ class _CardKitBase:
     #: the interleave gate varies steps around it (``steps`` and ``steps + 1``).
     steps: ClassVar[int | None] = None
 
-    def load_card(self, model_id: str) -> ModelCard:
+    def plugin_host(self) -> "PluginHost":
+        """The host the kit finds cards and names through: the installed plugins, as ``fv`` sees them."""
         from fv_kernel.plugins.host import PluginHost
 
-        return CardCatalog(PluginHost()).get(model_id)
+        host = self.__dict__.get("_fv_kit_host")
+        if host is None:
+            host = self.__dict__["_fv_kit_host"] = PluginHost()
+        return host
+
+    def registry(self) -> DeployRegistry:
+        """The deploy-scope registry instances are built with, so a card may name its plugin's
+        registered samplers and loops (override to check against another deployment)."""
+        return self.plugin_host().registry()
+
+    def load_card(self, model_id: str) -> ModelCard:
+        return CardCatalog(self.plugin_host()).get(model_id)
 
     def build(self, card: ModelCard) -> ModelInstance:
-        return build_instance(card, InstanceOptions())
+        return build_instance(card, InstanceOptions(registry=self.registry()))
+
+    def loop_class(self, spec: LoopSpec) -> type[Loop]:
+        """A loop spec's class: its ``"module:Class"`` import string, or a loop registered by name."""
+        if ":" in spec.implementation:
+            return import_object(spec.implementation)  # type: ignore[no-any-return]
+        return self.registry().loop(spec.implementation)
 
     def requests_for(
         self, card: ModelCard, *, seeds: Sequence[int] = (0,), prefix: str = "", vary_size: bool = False
@@ -275,7 +297,7 @@ class CardConformance(_CardKitBase):
         for model_id in self._all_ids():
             card = self.load_card(model_id)
             for loop_id, spec in card.loops.items():
-                cls = import_object(spec.implementation)
+                cls = self.loop_class(spec)
                 assert isinstance(cls, type) and issubclass(cls, Loop), f"{model_id}.{loop_id}: {spec.implementation} is not a Loop"
                 assert cls.kind == spec.kind, f"{model_id}.{loop_id}: class kind {cls.kind!r} != spec kind {spec.kind!r}"
                 assert issubclass(cls.state_type, LoopState), f"{model_id}.{loop_id}: state_type is not a LoopState"
