@@ -35,6 +35,18 @@ class Contribution:
         return f"{self.plugin}/{self.name}"
 
 
+def find_contribution(found: Mapping[str, Contribution], kind: str, name: str, *, scope: str = "") -> Contribution:
+    """``name`` as a namespaced id (``"<plugin>/<name>"``) or a unique short name; otherwise
+    :class:`UnknownContributionError` listing what is available (``scope`` says where we looked)."""
+    if name in found:
+        return found[name]
+    by_short = [c for c in found.values() if c.name == name]
+    if len(by_short) == 1:
+        return by_short[0]
+    available = ", ".join(sorted(found)) or "<none>"
+    raise UnknownContributionError(f"no {kind} contribution {name!r}{scope}; available: {available}")
+
+
 class PluginHooks:
     """Typed calls into the plugins registered with one :class:`pluggy.PluginManager`.
 
@@ -136,14 +148,7 @@ class PluginHooks:
 
     def get(self, kind: str, name: str) -> Contribution:
         """Look up by namespaced id (``"fv-wan/wan-tiny"``) or unique short name (``"wan-tiny"``)."""
-        found = self.contributions(kind)
-        if name in found:
-            return found[name]
-        by_short = [c for c in found.values() if c.name == name]
-        if len(by_short) == 1:
-            return by_short[0]
-        available = ", ".join(sorted(found)) or "<none>"
-        raise UnknownContributionError(f"no {kind} contribution {name!r}; available: {available}")
+        return find_contribution(self.contributions(kind), kind, name)
 
     def model_cards(self) -> dict[str, Contribution]:
         return self.contributions("model_cards")

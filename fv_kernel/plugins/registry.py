@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 from .config import KERNEL_DISTRIBUTION
 from .drivers import DriverRegistry
-from .errors import UnknownContributionError
-from .hooks import Contribution
+from .hooks import Contribution, find_contribution
 from .kinds import kind_spec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,13 +103,7 @@ def _by_id(contributions: Iterable[Contribution]) -> Mapping[str, Contribution]:
 
 
 def _lookup(found: Mapping[str, Contribution], kind: str, name: str) -> Contribution:
-    if name in found:
-        return found[name]
-    by_short = [c for c in found.values() if c.name == name]
-    if len(by_short) == 1:
-        return by_short[0]
-    available = ", ".join(sorted(found)) or "<none>"
-    raise UnknownContributionError(f"no {kind} contribution {name!r} is enabled in this deployment; available: {available}")
+    return find_contribution(found, kind, name, scope=" is enabled in this deployment")
 
 
 @functools.cache

@@ -148,15 +148,8 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
     def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> ARDecodeState:
         tokenizer = self._bound_tokenizer()
         purpose = str(ctx.upstream.get("ar_purpose", "chat"))
-        text = request.text("prompt") or ""
-        if purpose == "upsample":
-            messages = [{"role": "system", "content": UPSAMPLE_SYSTEM_PROMPT}, {"role": "user", "content": text}]
-            params = upsample_params(request, model)
-        else:
-            system = request.text("system")
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            params = request.ar or ARParams()
-        prompt_ids = tokenizer.chat_ids(messages)
+        # The same prompt the estimate priced, so the blocks allocated below are the blocks reserved.
+        prompt_ids, params = _ar_prompt(request, model, purpose)
         pool = model.text_kv_pool  # type: ignore[attr-defined]
         total = len(prompt_ids) + params.max_tokens
         if total > pool.config.max_tokens_per_sequence:
