@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fv_kernel.cache.paged_kv import KVBlockTable, PagedKVConfig, PagedKVPool
+from fv_kernel.cache.paged_kv import PagedKVConfig, PagedKVPool
 from fv_kernel.card.instance import InstanceOptions, ModelInstance, build_instance
-from fv_kernel.card.spec import ModelCard
 from fv_kernel.config import DeployConfig, DeployConfigError, load_deploy_config
 from fv_kernel.errors import CapacityError
 from fv_kernel.extend.observers import Observer, StepRecord

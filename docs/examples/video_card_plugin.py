@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn

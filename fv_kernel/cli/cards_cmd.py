@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-import yaml
 from pydantic import ValidationError
 
 from fv_kernel.card.catalog import CardCatalog

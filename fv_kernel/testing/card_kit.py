@@ -349,8 +349,6 @@ class CardConformance(_CardKitBase):
             bad = Request(model=card.model_id, task=task, inputs=(TextPart(text="x"),) + (
                 (ImagePart(image=torch.rand(3, 16, 16)),) if task is TaskType.IMAGE_TO_VIDEO else ()),
                 diffusion=DiffusionParams(sampler=other, steps=50))
-            from fv_kernel.card.validate import resolve_request
-
             with pytest.raises(RecipeMismatch) as info:
                 resolve_request(card, bad)
             assert card.recipe.method in str(info.value)

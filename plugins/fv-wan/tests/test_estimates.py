@@ -30,7 +30,7 @@ from fv_kernel.testing import StepRecorder, assert_estimate_covers_execution
 from fv_wan import footprint
 from fv_wan.cards import wan_cards
 from fv_wan.models.transformer import WanTransformerConfig
-from fv_wan.models.vae import CausalCache, WanVAE, WanVAEConfig
+from fv_wan.models.vae import WanVAE, WanVAEConfig
 
 CARDS = {card.model_id: card for card in wan_cards()}
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from fv_kernel.api import (
     DiffusionParams,
