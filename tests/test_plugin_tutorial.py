@@ -26,11 +26,18 @@ def tutorial_files(markdown: str) -> dict[str, str]:
     return {path: body for path, body in _LABELLED.findall(markdown)}
 
 
+def _source_file(path: Path, fixture: Path) -> bool:
+    """A file of the plugin's source, not what importing or installing it leaves behind."""
+    parts = path.relative_to(fixture).parts
+    built = any(part == "__pycache__" or part == "build" or part.endswith(".egg-info") for part in parts)
+    return path.is_file() and path.name != "__init__.py" and not built and path.suffix != ".pyc"
+
+
 def differences(markdown: str, fixture: Path) -> list[str]:
     shown = tutorial_files(markdown)
     problems = [f"{path}: the tutorial's text differs from {fixture.name}/{path}"
                 for path, body in shown.items() if not (fixture / path).is_file() or (fixture / path).read_text() != body]
-    on_disk = {str(p.relative_to(fixture)) for p in fixture.rglob("*") if p.is_file() and p.name != "__init__.py"}
+    on_disk = {str(p.relative_to(fixture)) for p in fixture.rglob("*") if _source_file(p, fixture)}
     problems += [f"{path}: in the fixture but not shown in the tutorial" for path in sorted(on_disk - set(shown))]
     return problems
 
@@ -42,6 +49,16 @@ def test_the_tutorial_shows_the_fixture_file_for_file() -> None:
         "tests/test_conformance.py",
     }
     assert differences(text, HELLO) == []
+
+
+def test_import_leftovers_are_not_part_of_the_comparison(tmp_path: Path) -> None:
+    copy = tmp_path / "fv-hello"
+    shutil.copytree(HELLO, copy)
+    (copy / "fv_hello" / "__pycache__").mkdir(exist_ok=True)
+    (copy / "fv_hello" / "__pycache__" / "attention.cpython-311.pyc").write_bytes(b"\0")
+    (copy / "fv_hello" / "extra.py").write_text("")
+    # A stray compiled file is ignored; a real source file the tutorial does not show is not.
+    assert differences(TUTORIAL.read_text(encoding="utf-8"), copy) == ["fv_hello/extra.py: in the fixture but not shown in the tutorial"]
 
 
 def test_the_comparison_catches_a_drifted_tutorial() -> None:
