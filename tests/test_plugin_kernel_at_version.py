@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,38 @@ def test_current_version_uses_the_tree_and_older_ones_the_tag(tool, tmp_path: Pa
     assert 'version = "0.1.0"' in (exported / "pyproject.toml").read_text()
     with pytest.raises(tool.KernelVersionError, match="tag 'fv-kernel-v0.0.9'"):
         tool.kernel_source(Version("0.0.9"), tmp_path / "c", repo=repo)
+
+
+def _repo_with_tag(tmp_path: Path, tagged: str, current: str) -> Path:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    (repo / "pyproject.toml").write_text(f'[project]\nname = "fv-kernel"\nversion = "{tagged}"\n')
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "old"], check=True)
+    subprocess.run([*git, "tag", f"fv-kernel-v{tagged}"], check=True)
+    (repo / "pyproject.toml").write_text(f'[project]\nname = "fv-kernel"\nversion = "{current}"\n')
+    return repo
+
+
+FAILING = [sys.executable, "-c", "raise SystemExit(3)"]
+
+
+def test_kmin_runs_nothing_when_the_minimum_is_the_current_kernel(tool, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    repo = _repo_with_tag(tmp_path, "0.1.0", "0.2.0")
+    plugin = plugin_dir(tmp_path, "fv-kernel>=0.2,<0.3")
+    assert tool.run_against_minimum(plugin, [], FAILING, repo=repo) == 0
+    assert "is the current kernel" in capsys.readouterr().out
+
+
+def test_kmin_installs_the_older_kernel_and_runs_the_command(tool, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    repo = _repo_with_tag(tmp_path, "0.1.0", "0.2.0")
+    (tmp_path / "p").mkdir()
+    plugin = plugin_dir(tmp_path / "p", "fv-kernel>=0.1,<0.3")  # ">=0.1" finds the tag fv-kernel-v0.1.0
+    installed: list[tuple[str, ...]] = []
+    monkeypatch.setattr(tool, "_install_kernel", lambda source: installed.append(("kernel", (source / "pyproject.toml").read_text())))
+    monkeypatch.setattr(tool, "_pip_install", lambda *targets: installed.append(targets))
+    assert tool.run_against_minimum(plugin, ["deps/fv-wan[test]"], FAILING, repo=repo) == 3  # the command's exit code
+    assert installed[0][0] == "kernel" and 'version = "0.1.0"' in installed[0][1]
+    assert installed[1:] == [("-e", "deps/fv-wan[test]"), ("-e", f"{plugin}[test]")]
