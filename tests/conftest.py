@@ -69,3 +69,15 @@ def plugin_site(fixture_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     _forget_fixture_modules()
     yield fixture_site
     _forget_fixture_modules()
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads; on a shared machine they only spin. Results
+    depend on the thread count, so a resume test's fresh processes copy this one's (the kit does)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

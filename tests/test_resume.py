@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +17,6 @@ from fv_kernel.card.instance import build_instance
 from fv_kernel.errors import FvError
 from fv_kernel.loop.contract import LoopState
 from fv_kernel.loop.state import StateFormatError, StateNotSerializable, TensorState
-from fv_kernel.program.base import Program
 from fv_kernel.program.resume import (
     CheckpointIncompatible,
     ProgramCheckpoint,
@@ -30,6 +29,7 @@ from fv_kernel.runtime.engine import Engine, SchedulerConfig
 from fv_kernel.runtime.local import run_local
 from fv_kernel.testing.card_kit import assert_artifacts_identical
 from fv_kernel.testing.toy import DenoiseState, ToyDenoiseLoop, toy_card
+from resume_programs import DrivesItsLoopsItself
 
 T2V = Request(request_id="resume-t2v", model="toy-dit", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="a fox"),),
               diffusion=DiffusionParams(seed=3, steps=5))
@@ -38,14 +38,8 @@ OMNI = Request(request_id="resume-omni", model="toy-omni", task=TaskType.TEXT_TO
                diffusion=DiffusionParams(seed=2, steps=3))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads; on a shared machine they only spin (results
-    depend on the thread count, so every process of a test, fresh ones included, uses the same)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# One intra-op thread in this process and in the fresh ones it starts (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _state_with(value: Any) -> LoopState:
@@ -221,28 +215,10 @@ def test_unusable_checkpoints_fail_typed_before_running() -> None:
         ProgramCheckpoint.from_bytes(b"garbage")
 
 
-class _NotResumable(Program):
-    """A custom program that drives its loops itself, so nothing records them."""
-
-    def loop_ids(self, request: Request) -> list[str]:
-        return ["text_encode", "denoise", "decode"]
-
-    async def run(self, model: Any, ctx: Any) -> list[Any]:
-        from fv_kernel.loop.driver import drive
-
-        upstream: dict[str, Any] = {}
-        artifacts: list[Any] = []
-        for loop_id in self.loop_ids(ctx.request):
-            result = await drive(model.loop(loop_id), model, ctx.child(upstream))
-            upstream.update(result.outputs)
-            artifacts.extend(result.artifacts)
-        return artifacts
-
-
 def test_a_program_that_is_not_resumable_refuses_a_started_checkpoint_but_runs_an_unstarted_one() -> None:
     instance = build_instance(toy_card("toy-dit"))
     request = T2V.with_updates(request_id="custom")
-    program = _NotResumable(instance.card)
+    program = DrivesItsLoopsItself(instance.card)
     fresh = ProgramCheckpoint.for_request(program, instance, request)
     assert not fresh.started
     ProgramRun(program, instance, request, resume_from=fresh)  # nothing ran: it may start over

@@ -3,7 +3,7 @@ in-process save/restore but fail the fresh-process check; unserializable state f
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,14 +18,8 @@ from fv_kernel.testing.card_kit import assert_artifacts_identical, roundtrip_sta
 from fv_kernel.testing.toy import DenoiseState, ToyDenoiseLoop, toy_card
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads; on a shared machine they only spin (results
-    depend on the thread count, so every process of a test, fresh ones included, uses the same)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# One intra-op thread in this process and in the fresh ones it starts (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 class RngOnLoopDenoise(ToyDenoiseLoop):

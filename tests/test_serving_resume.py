@@ -9,7 +9,6 @@ wan-tiny through the real ``fv serve`` command (plugins/fv-wan/tests/test_servin
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -26,11 +25,10 @@ httpx = pytest.importorskip("httpx")
 import torch  # noqa: E402
 
 import fv_kernel.serving.jobs as jobs_module  # noqa: E402
-from fv_kernel.card.instance import ModelInstance, build_instance  # noqa: E402
+from fv_kernel.card.instance import build_instance  # noqa: E402
 from fv_kernel.card.spec import ModelCard, ProgramSpec  # noqa: E402
 from fv_kernel.config import DeployConfig, ServerConfig  # noqa: E402
 from fv_kernel.loop.state import StateFormatError  # noqa: E402
-from fv_kernel.program.base import Program  # noqa: E402
 from fv_kernel.program.resume import ProgramCheckpoint  # noqa: E402
 from fv_kernel.request.request import Request  # noqa: E402
 from fv_kernel.request.types import TaskType  # noqa: E402
@@ -38,16 +36,11 @@ from fv_kernel.runtime.engine import Engine, SchedulerConfig  # noqa: E402
 from fv_kernel.runtime.local import run_local  # noqa: E402
 from fv_kernel.serving import JobStore, ServerThread, create_app  # noqa: E402
 from fv_kernel.serving.store import CheckpointStore, JobRecord  # noqa: E402
+from fv_kernel.testing import job_progress, wait_for_job  # noqa: E402
 from fv_kernel.testing.toy import toy_card  # noqa: E402
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads; on a shared machine they only spin (results
-    depend on the thread count, so every process of a test, fresh ones included, uses the same)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# One intra-op thread in this process and in the fresh ones it starts (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # Many cheap steps: the denoise loop lasts long enough to be caught (and killed) in the middle.
@@ -75,25 +68,6 @@ def serve(output_dir: Path, card: ModelCard | None = None, *, every: int = 1) ->
     return ServerThread(create_app(engine, config)).start()
 
 
-def wait_for(client: "httpx.Client", job_id: str, statuses: set[str], timeout_s: float = 300.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/videos/{job_id}").json()
-        if job["status"] in statuses:
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} never reached {statuses}: {job}")
-
-
-def progress_of(client: "httpx.Client", job_id: str) -> list[tuple[str, int]]:
-    """The (loop, step) of every progress event this server published for the job."""
-    steps = []
-    with client.stream("GET", f"/v1/videos/{job_id}/events") as response:
-        for line in response.iter_lines():
-            if line.startswith("data: ") and '"loop_id"' in line:
-                data = json.loads(line[6:])
-                steps.append((data["loop_id"], data["step"]))
-    return steps
 
 
 def wait_mid_denoise(checkpoints: CheckpointStore, job_id: str, *, at_least: int, timeout_s: float = 300.0) -> ProgramCheckpoint:
@@ -172,13 +146,13 @@ def test_kill_9_mid_denoise_then_restart_resumes_the_job_bit_identically(tmp_pat
     try:
         with httpx.Client(base_url=server.url, timeout=60.0) as client:
             for job_id in (job["id"], queued["id"]):
-                assert wait_for(client, job_id, {"completed", "failed"})["status"] == "completed"
+                assert wait_for_job(client, job_id, {"completed", "failed"})["status"] == "completed"
             # It continued from the checkpoint (a restart from scratch would be identical too, but slower).
-            ran = progress_of(client, job["id"])
+            ran = job_progress(client, job["id"])
             assert ran[0] == ("denoise", denoise.step + 1) and ("text_encode", 1) not in ran, ran[:3]
             resumed_mp4 = client.get(f"/v1/videos/{job['id']}/content").content
             again = client.post("/v1/videos", json=LONG_JOB).json()  # the same request, never interrupted
-            assert wait_for(client, again["id"], {"completed", "failed"})["status"] == "completed"
+            assert wait_for_job(client, again["id"], {"completed", "failed"})["status"] == "completed"
             assert client.get(f"/v1/videos/{again['id']}/content").content == resumed_mp4
     finally:
         server.stop()
@@ -203,8 +177,8 @@ def test_a_graceful_stop_suspends_running_jobs_and_the_next_server_finishes_them
     server = serve(out, every=10)
     try:
         with httpx.Client(base_url=server.url, timeout=60.0) as client:
-            assert wait_for(client, job["id"], {"completed", "failed", "cancelled"})["status"] == "completed"
-            assert progress_of(client, job["id"])[0] == (last.running[0].loop_id, last.running[0].step + 1)
+            assert wait_for_job(client, job["id"], {"completed", "failed", "cancelled"})["status"] == "completed"
+            assert job_progress(client, job["id"])[0] == (last.running[0].loop_id, last.running[0].step + 1)
     finally:
         server.stop()
     assert torch.equal(kept.frames[job["id"]], reference_frames(last.request))
@@ -215,9 +189,9 @@ def test_a_client_cancel_is_final_even_across_a_restart(tmp_path: Path) -> None:
     server = serve(out)
     with httpx.Client(base_url=server.url, timeout=60.0) as client:
         job = client.post("/v1/videos", json={**LONG_JOB, "steps": 5000}).json()
-        wait_for(client, job["id"], {"in_progress"})
+        wait_for_job(client, job["id"], {"in_progress"})
         client.post(f"/v1/videos/{job['id']}/cancel")
-        assert wait_for(client, job["id"], {"cancelled", "completed"})["status"] == "cancelled"
+        assert wait_for_job(client, job["id"], {"cancelled", "completed"})["status"] == "cancelled"
     server.stop()
     assert CheckpointStore(out / "checkpoints").job_ids() == []
     server = serve(out)
@@ -231,27 +205,9 @@ def test_a_client_cancel_is_final_even_across_a_restart(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- cannot resume
 
 
-class DrivesItsLoopsItself(Program):
-    """A custom program that does not declare ``resumable``: its started jobs cannot continue."""
-
-    def loop_ids(self, request: Request) -> list[str]:
-        return ["text_encode", "denoise", "decode"]
-
-    async def run(self, model: ModelInstance, ctx: Any) -> list[Any]:
-        from fv_kernel.loop.driver import drive
-
-        upstream: dict[str, Any] = {}
-        artifacts: list[Any] = []
-        for loop_id in self.loop_ids(ctx.request):
-            result = await drive(model.loop(loop_id), model, ctx.child(upstream))
-            upstream.update(result.outputs)
-            artifacts.extend(result.artifacts)
-        return artifacts
-
-
 def _not_resumable_card() -> ModelCard:
     card = toy_card("toy-dit")
-    spec = ProgramSpec(implementation=f"{__name__}:DrivesItsLoopsItself", returns=frozenset({"video"}))
+    spec = ProgramSpec(implementation="resume_programs:DrivesItsLoopsItself", returns=frozenset({"video"}))
     return card.model_copy(update={"programs": {**card.programs, TaskType.TEXT_TO_VIDEO: spec}})
 
 
@@ -313,8 +269,8 @@ def test_jobs_that_cannot_resume_fail_with_the_reason_and_none_is_lost(tmp_path:
             assert "its checkpoint is unreadable" in failed(2)
             assert "it has no checkpoint" in failed(3)
             assert "cannot resume" in failed(5) and "DrivesItsLoopsItself" in failed(5)
-            assert wait_for(client, _job_id(6), {"completed", "failed"})["status"] == "completed"
-            job4 = wait_for(client, _job_id(4), {"completed", "failed"})
+            assert wait_for_job(client, _job_id(6), {"completed", "failed"})["status"] == "completed"
+            job4 = wait_for_job(client, _job_id(4), {"completed", "failed"})
             assert job4["status"] == "completed", "a queued job that never started runs on the weights now served"
     finally:
         server.stop()

@@ -8,6 +8,7 @@ sessions. Each kit lives in its own module and is re-exported here:
 - :mod:`.batching`: staggered arrivals and the check that mid-trajectory requests batch;
 - :mod:`.admission`: the check that a loop's estimate prices the steps it runs;
 - :mod:`.resume_kit`: :class:`ResumeConformance`, every loop checkpointed and resumed in a fresh process;
+- :mod:`.serving`: following an ``fv serve`` job over HTTP (status, progress events);
 - :mod:`.toy`: tiny pure-torch cards used as fixtures and examples.
 
 PYTEST_DONT_REWRITE: this package is usually imported by the test module that
@@ -24,5 +25,7 @@ from .plugin_kit import *  # noqa: F401,F403
 from .plugin_kit import __all__ as _plugin_kit_all
 from .resume_kit import *  # noqa: F401,F403
 from .resume_kit import __all__ as _resume_kit_all
+from .serving import *  # noqa: F401,F403
+from .serving import __all__ as _serving_all
 
-__all__ = [*_plugin_kit_all, *_card_kit_all, *_batching_all, *_resume_kit_all, *_admission_all]
+__all__ = [*_plugin_kit_all, *_card_kit_all, *_batching_all, *_resume_kit_all, *_admission_all, *_serving_all]

@@ -149,15 +149,8 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
         tokenizer = self._bound_tokenizer()
         purpose = str(ctx.upstream.get("ar_purpose", "chat"))
         # The same prompt the estimate priced, so the blocks allocated below are the blocks reserved.
-        prompt_ids, params = _ar_prompt(request, model, purpose)
+        prompt_ids, params, total = _ar_sequence(request, model, purpose)
         pool = model.text_kv_pool  # type: ignore[attr-defined]
-        total = len(prompt_ids) + params.max_tokens
-        if total > pool.config.max_tokens_per_sequence:
-            raise InvalidRequest(
-                "max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"reasoner's {pool.config.max_tokens_per_sequence}-token context",
-                allowed=f"<= {pool.config.max_tokens_per_sequence - len(prompt_ids)}",
-            )
         # Whole-life reservation, the same number the admission controller priced (estimate()).
         table = pool.allocate(request.request_id, tokens=total)
         stops = {tokenizer.eos_token_id, tokenizer.token_id("<|endoftext|>"), *params.stop_token_ids}
@@ -263,15 +256,8 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
         """The prompt's exact token count (the instance's tokenizer, as init() builds it) plus ``max_tokens``:
         that many blocks of the text-KV pool, one prefill step and a token step per further token."""
         purpose = "chat" if request.task is TaskType.TEXT_GENERATION else "upsample"
-        prompt_ids, params = _ar_prompt(request, model, purpose)
+        prompt_ids, params, total = _ar_sequence(request, model, purpose)
         pool = model.text_kv_pool  # type: ignore[attr-defined]
-        total = len(prompt_ids) + params.max_tokens
-        if total > pool.config.max_tokens_per_sequence:
-            raise InvalidRequest(
-                "max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"reasoner's {pool.config.max_tokens_per_sequence}-token context",
-                allowed=f"<= {pool.config.max_tokens_per_sequence - len(prompt_ids)}",
-            )
         config = Cosmos3Config(**model.card.components["transformer"].config)
         e = footprint.element_bytes(model.precision)
         # A token step gathers the sequence's K/V out of the pool into one padded tensor per layer.
@@ -287,8 +273,10 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
         )
 
 
-def _ar_prompt(request: Request, model: ModelInstance, purpose: str) -> tuple[list[int], ARParams]:
-    """The reasoner's prompt ids and sampling parameters for ``purpose`` (what the decode loop's init builds)."""
+def _ar_sequence(request: Request, model: ModelInstance, purpose: str) -> tuple[list[int], ARParams, int]:
+    """The reasoner's prompt ids, sampling parameters and whole-sequence token count for ``purpose``:
+    what the decode loop's init allocates and its estimate reserves. Refuses a sequence longer
+    than the reasoner's context, naming ``max_tokens``."""
     text = request.text("prompt") or ""
     if purpose == "upsample":
         messages = [{"role": "system", "content": UPSAMPLE_SYSTEM_PROMPT}, {"role": "user", "content": text}]
@@ -297,7 +285,16 @@ def _ar_prompt(request: Request, model: ModelInstance, purpose: str) -> tuple[li
         system = request.text("system")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         params = request.ar or ARParams()
-    return model.component("tokenizer").chat_ids(messages), params
+    prompt_ids = model.component("tokenizer").chat_ids(messages)
+    total = len(prompt_ids) + params.max_tokens
+    context = model.text_kv_pool.config.max_tokens_per_sequence  # type: ignore[attr-defined]
+    if total > context:
+        raise InvalidRequest(
+            "max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"reasoner's {context}-token context",
+            allowed=f"<= {context - len(prompt_ids)}",
+        )
+    return prompt_ids, params, total
 
 
 def _token_activation_bytes(config: Cosmos3Config, element: int) -> int:

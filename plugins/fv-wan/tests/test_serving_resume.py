@@ -9,7 +9,6 @@ a lossy encode. A job whose card is no longer served after the restart fails wit
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -17,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ pytest.importorskip("av")
 httpx = pytest.importorskip("httpx")
 
 from fv_kernel.api import CardCatalog, ProgramCheckpoint, build_instance, run_local  # noqa: E402
+from fv_kernel.testing import job_progress, wait_for_job  # noqa: E402
 from fv_kernel.plugins.host import PluginHost  # noqa: E402
 
 # The real CLI, plus one hook: the final frames are kept next to the MP4 for a bit-exact comparison.
@@ -91,25 +91,6 @@ def fv_serve(data_dir: Path, *cards: str, every: int = 1) -> Iterator[tuple[subp
                 process.wait(30)
 
 
-def wait_for(client: "httpx.Client", job_id: str, statuses: set[str], timeout_s: float = 600.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/videos/{job_id}").json()
-        if job["status"] in statuses:
-            return job
-        time.sleep(0.1)
-    raise AssertionError(f"job {job_id} never reached {statuses}: {job}")
-
-
-def progress_of(client: "httpx.Client", job_id: str) -> list[tuple[str, int]]:
-    """The (loop, step) of every progress event this server published for the job."""
-    steps = []
-    with client.stream("GET", f"/v1/videos/{job_id}/events") as response:
-        for line in response.iter_lines():
-            if line.startswith("data: ") and '"loop_id"' in line:
-                data = json.loads(line[6:])
-                steps.append((data["loop_id"], data["step"]))
-    return steps
 
 
 @pytest.fixture(autouse=True)
@@ -141,13 +122,13 @@ def test_fv_serve_killed_mid_denoise_resumes_bit_identically_after_restart(tmp_p
     assert not (tmp_path / "out" / job["id"] / "video.mp4").exists()
 
     with fv_serve(tmp_path, "wan-tiny") as (_, client):
-        assert wait_for(client, job["id"], {"completed", "failed"})["status"] == "completed"
+        assert wait_for_job(client, job["id"], {"completed", "failed"})["status"] == "completed"
         # It continued from the checkpoint: the first step this server ran is the next denoise step.
-        ran = progress_of(client, job["id"])
+        ran = job_progress(client, job["id"])
         assert ran[0] == ("denoise", denoise.step + 1) and ("text_encode", 1) not in ran, ran[:3]
         resumed_mp4 = client.get(f"/v1/videos/{job['id']}/content").content
         again = client.post("/v1/videos", json=JOB).json()  # the same request, never interrupted
-        assert wait_for(client, again["id"], {"completed", "failed"})["status"] == "completed"
+        assert wait_for_job(client, again["id"], {"completed", "failed"})["status"] == "completed"
         assert client.get(f"/v1/videos/{again['id']}/content").content == resumed_mp4
     resumed = torch.load(tmp_path / "out" / job["id"] / "frames.pt", weights_only=True)
     uninterrupted = torch.load(tmp_path / "out" / again["id"] / "frames.pt", weights_only=True)
@@ -162,7 +143,7 @@ def test_fv_serve_killed_mid_denoise_resumes_bit_identically_after_restart(tmp_p
 def test_a_job_whose_card_is_no_longer_served_fails_with_the_reason(tmp_path: Path) -> None:
     with fv_serve(tmp_path, "wan-tiny") as (process, client):
         job = client.post("/v1/videos", json={**JOB, "steps": 50}).json()
-        wait_for(client, job["id"], {"in_progress"})
+        wait_for_job(client, job["id"], {"in_progress"})
         process.send_signal(signal.SIGKILL)
         process.wait(30)
     with fv_serve(tmp_path, "fastwan-tiny") as (_, client):

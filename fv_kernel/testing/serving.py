@@ -1,0 +1,35 @@
+"""Following a video job of ``fv serve`` from a test, over its HTTP API (needs the serve extra)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import httpx
+
+__all__ = ["wait_for_job", "job_progress"]
+
+
+def wait_for_job(client: "httpx.Client", job_id: str, statuses: set[str], timeout_s: float = 600.0) -> dict[str, Any]:
+    """Poll ``GET /v1/videos/{job_id}`` until its status is one of ``statuses``; the job's JSON."""
+    deadline = time.monotonic() + timeout_s
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/videos/{job_id}").json()
+        if job["status"] in statuses:
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} never reached {statuses}: {job}")
+
+
+def job_progress(client: "httpx.Client", job_id: str) -> list[tuple[str, int]]:
+    """The (loop, step) of every progress event the server published for the job (its SSE stream)."""
+    steps = []
+    with client.stream("GET", f"/v1/videos/{job_id}/events") as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"loop_id"' in line:
+                data = json.loads(line[6:])
+                steps.append((data["loop_id"], data["step"]))
+    return steps
