@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,6 +34,7 @@ from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.config import DeployConfig, DeployConfigError, ServerConfig  # noqa: E402
 from fv_kernel.runtime.engine import Engine, SchedulerConfig  # noqa: E402
 from fv_kernel.serving import JobStore, ServerThread, create_app  # noqa: E402
+from fv_kernel.testing import wait_for_job  # noqa: E402
 
 SERVED_CARD = "toy-dit"
 API_KEY = "s3cret-key"
@@ -133,16 +133,6 @@ def sse_events(client: "httpx.Client", job_id: str) -> list[tuple[int, str, dict
     return events
 
 
-def wait_status(client: "httpx.Client", job_id: str, statuses: set[str], timeout_s: float = 30.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/videos/{job_id}").json()
-        if job["status"] in statuses:
-            return job
-        time.sleep(0.02)
-    raise AssertionError(f"job {job_id} never reached {statuses}: {job}")
-
-
 def png_bytes(width: int = 8, height: int = 8) -> bytes:
     from PIL import Image
 
@@ -228,7 +218,7 @@ def test_seconds_become_a_valid_frame_count(served: Served) -> None:
     with served.client() as client:
         job = client.post("/v1/videos", json={"prompt": "x", "seconds": 1, "fps": caps.defaults.fps, "steps": 1}).json()
         assert caps.frame_rule.accepts(job["frames"]) and job["frames"] >= caps.defaults.fps
-        assert wait_status(client, job["id"], {"completed", "failed"})["status"] == "completed"
+        assert wait_for_job(client, job["id"], {"completed", "failed"})["status"] == "completed"
 
 
 def test_multipart_create_reads_the_image(served: Served) -> None:
@@ -245,7 +235,7 @@ def test_multipart_create_reads_the_image(served: Served) -> None:
             assert response.status_code == 400 and response.json()["error"]["param"] == "task"
         plain = client.post("/v1/videos", data={"prompt": "x", "steps": "1", "extensions": '{"toy-cache": {"threshold": 0.5}}'})
         assert plain.status_code == 200, plain.text
-        assert wait_status(client, plain.json()["id"], {"completed", "failed"})["status"] == "completed"
+        assert wait_for_job(client, plain.json()["id"], {"completed", "failed"})["status"] == "completed"
 
 
 # --------------------------------------------------------------------------- cancellation
@@ -272,7 +262,7 @@ def test_cancel_mid_run_releases_reservations(served: Served) -> None:
         assert client.get(f"/v1/videos/{slow['id']}/content").status_code == 404
         # Idempotent cancel of a cancelled job; the bystander is unaffected.
         assert client.post(f"/v1/videos/{slow['id']}/cancel").json()["status"] == "cancelled"
-        assert wait_status(client, other["id"], {"completed", "failed", "cancelled"})["status"] == "completed"
+        assert wait_for_job(client, other["id"], {"completed", "failed", "cancelled"})["status"] == "completed"
         assert client.post(f"/v1/videos/{other['id']}/cancel").status_code == 409
     assert served.engine.admission.reservations == {}
     assert served.engine.admission.memory_in_use() == 0
@@ -354,7 +344,7 @@ def test_bad_input_table(card_id: str, tmp_path: Path) -> None:
                 if got != (status, error_type, param) or set(body["error"]) != {"type", "message", "param"}:
                     failures.append(f"{name}: expected {(status, error_type, param)}, got {got}: {body}")
             assert not failures, "\n".join(failures)
-            assert wait_status(client, bystander["id"], {"completed", "failed", "cancelled"})["status"] == "completed"
+            assert wait_for_job(client, bystander["id"], {"completed", "failed", "cancelled"})["status"] == "completed"
             assert client.post("/v1/videos", json={"prompt": "after", "steps": 1}).status_code == 200
             listed = client.get("/v1/videos", params={"limit": 1}).json()
             assert len(listed["data"]) == 1 and listed["has_more"] is True
@@ -454,10 +444,10 @@ def test_restart_lists_completed_jobs_and_resumes_interrupted_ones(card_id: str,
         port = int(process.stdout.readline())
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
             done = client.post("/v1/videos", json={"prompt": "kept", "seed": 5}).json()
-            assert wait_status(client, done["id"], {"completed", "failed"})["status"] == "completed"
+            assert wait_for_job(client, done["id"], {"completed", "failed"})["status"] == "completed"
             video = client.get(f"/v1/videos/{done['id']}/content").content
             running = client.post("/v1/videos", json={"prompt": "interrupted", "steps": 10_000}).json()
-            wait_status(client, running["id"], {"in_progress"})
+            wait_for_job(client, running["id"], {"in_progress"})
             queued = client.post("/v1/videos", json={"prompt": "never started", "steps": 1}).json()
             assert client.get(f"/v1/videos/{queued['id']}").json()["status"] == "queued"
     finally:
@@ -471,7 +461,7 @@ def test_restart_lists_completed_jobs_and_resumes_interrupted_ones(card_id: str,
             assert listed[done["id"]]["status"] == "completed"
             assert client.get(f"/v1/videos/{done['id']}/content").content == video
             # Both unfinished jobs resumed (tests/test_serving_resume.py checks their output bit for bit).
-            assert wait_status(client, queued["id"], {"completed", "failed"})["status"] == "completed"
+            assert wait_for_job(client, queued["id"], {"completed", "failed"})["status"] == "completed"
             assert client.get(f"/v1/videos/{running['id']}").json()["status"] == "in_progress"
             assert client.post(f"/v1/videos/{running['id']}/cancel").json()["status"] in ("in_progress", "cancelled")
             replay = sse_events(client, done["id"])
@@ -499,7 +489,7 @@ def test_api_key_guards_everything_but_health(card_id: str, tmp_path: Path) -> N
                 assert anonymous.get("/v1/models", headers={"Authorization": header}).status_code == 401, header
             assert authed.get("/v1/models").status_code == 200
             job = authed.post("/v1/videos", json={"prompt": "x", "steps": 1}).json()
-            assert wait_status(authed, job["id"], {"completed"})["status"] == "completed"
+            assert wait_for_job(authed, job["id"], {"completed"})["status"] == "completed"
             assert authed.get(f"/v1/videos/{job['id']}/content").status_code == 200
             assert anonymous.get(f"/v1/videos/{job['id']}/content").status_code == 401
     finally:

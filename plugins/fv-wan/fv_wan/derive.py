@@ -119,6 +119,24 @@ def _unsupported(file: Path, field: str, value: Any, *, why: str = "", allowed: 
     return WanCheckpointError(file, f"{field}={_show(value)} is not supported{reason}", field=field, allowed=allowed)
 
 
+def _parse_config(file: Path, raw: dict[str, Any], schema: Any, diffusers_class: str) -> Any:
+    """``raw`` (a diffusers config.json, ``_``-keys dropped) through fv's config ``schema``; an unknown
+    or invalid field is a :class:`WanCheckpointError` naming it."""
+    fields = {k: v for k, v in raw.items() if not k.startswith("_")}
+    unknown = sorted(set(fields) - set(schema.model_fields))
+    if unknown:
+        raise _unsupported(file, unknown[0], fields[unknown[0]], why=f"not a {diffusers_class} field",
+                           allowed=sorted(schema.model_fields))
+    try:
+        return schema.from_diffusers_config(fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        if field:
+            raise _unsupported(file, field, fields.get(field.split(".")[0]), why=err["msg"]) from None
+        raise WanCheckpointError(file, err["msg"]) from None
+
+
 def _read_json(file: Path) -> dict[str, Any]:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
@@ -236,19 +254,7 @@ def _transformer(root: Path, name: str) -> tuple[WanTransformerConfig, bool, dic
         missing = [k for k in ("num_layers", "ffn_dim", "in_dim", "out_dim") if k not in raw]
         if missing:
             raise WanCheckpointError(file, f"the original Wan layout needs field {missing[0]!r}; it is missing", field=missing[0])
-    fields = {k: v for k, v in transformer_config_from_disk(raw).items() if not k.startswith("_")}
-    unknown = sorted(set(fields) - set(WanTransformerConfig.model_fields))
-    if unknown:
-        raise _unsupported(file, unknown[0], fields[unknown[0]], why="not a WanTransformer3DModel field",
-                           allowed=sorted(WanTransformerConfig.model_fields))
-    try:
-        config = WanTransformerConfig.from_diffusers_config(fields)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        if field:
-            raise _unsupported(file, field, fields.get(field.split(".")[0]), why=err["msg"]) from None
-        raise WanCheckpointError(file, err["msg"]) from None
+    config = _parse_config(file, transformer_config_from_disk(raw), WanTransformerConfig, "WanTransformer3DModel")
     if config.patch_size[0] != 1 or config.patch_size[1] != config.patch_size[2]:
         raise _unsupported(file, "patch_size", list(config.patch_size), why="fv-wan patches 1 frame and square tiles",
                            allowed="[1, p, p]")
@@ -261,18 +267,7 @@ def _transformer(root: Path, name: str) -> tuple[WanTransformerConfig, bool, dic
 def _vae(root: Path) -> tuple[WanVAEConfig, dict[str, Any]]:
     file = root / "vae" / "config.json"
     raw = _read_json(file)
-    fields = {k: v for k, v in raw.items() if not k.startswith("_")}
-    unknown = sorted(set(fields) - set(WanVAEConfig.model_fields))
-    if unknown:
-        raise _unsupported(file, unknown[0], fields[unknown[0]], why="not an AutoencoderKLWan field", allowed=sorted(WanVAEConfig.model_fields))
-    try:
-        return WanVAEConfig.from_diffusers_config(fields), raw
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        if field:
-            raise _unsupported(file, field, fields.get(field.split(".")[0]), why=err["msg"]) from None
-        raise WanCheckpointError(file, err["msg"]) from None
+    return _parse_config(file, raw, WanVAEConfig, "AutoencoderKLWan"), raw
 
 
 # Scheduler fields: (diffusers 0.42's default, what fv's sampler reproduces). ``_MAPPED`` fields become the
