@@ -5,8 +5,14 @@ The interleave gate's negative controls (buggy toy cards it must fail) are in
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import pytest
+
 from fv_kernel.card.spec import ModelCard
-from fv_kernel.testing import CardConformance, InterleaveConformance
+from fv_kernel.request.request import ARParams, Request
+from fv_kernel.request.types import TaskType
+from fv_kernel.testing import CardConformance, InterleaveConformance, ResumeConformance
 from fv_kernel.testing.toy import toy_card
 
 
@@ -26,26 +32,9 @@ class TestToyInterleaveGate(_ToyCards, InterleaveConformance):
 
 
 # --------------------------------------------------------------------------- resume (issue 12)
-from typing import Iterator, Sequence  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from fv_kernel.request.request import ARParams, Request  # noqa: E402
-from fv_kernel.request.types import TaskType  # noqa: E402
-from fv_kernel.testing import ResumeConformance  # noqa: E402
-
-
+@pytest.mark.usefixtures("one_intra_op_thread")
 class TestToyResume(_ToyCards, ResumeConformance):
     """Every loop of every toy card, checkpointed mid-loop, resumes in a fresh process bit-identically."""
-
-    @pytest.fixture(autouse=True)
-    def _one_intra_op_thread(self) -> Iterator[None]:
-        # Tiny models gain nothing from intra-op threads; the fresh process copies this count.
-        previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-        yield
-        torch.set_num_threads(previous)
 
     def requests_for(self, card: ModelCard, *, seeds: Sequence[int] = (0,), prefix: str = "") -> list[Request]:
         requests = super().requests_for(card, seeds=seeds, prefix=prefix)
