@@ -325,7 +325,7 @@ def test_build_check_resolves_registered_loops(fv_host: PluginHost, register_plu
 def test_fv_generate_applies_the_configs_scheduler_and_extensions(
     plugin_site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fv_kernel.cli.generate_cmd as generate_cmd
+    import fv_kernel.runtime.deploy as deploy
 
     engines: list[Engine] = []
 
@@ -334,7 +334,7 @@ def test_fv_generate_applies_the_configs_scheduler_and_extensions(
             super().__init__(*args, **kwargs)
             engines.append(self)
 
-    monkeypatch.setattr(generate_cmd, "Engine", RecordingEngine)
+    monkeypatch.setattr(deploy, "Engine", RecordingEngine)  # fv generate builds its engine through deploy.engine_for
     config = tmp_path / "deploy.yaml"
     out = tmp_path / "out.pt"
     args = ["generate", "-m", "toy-dit", "-p", "x", "-o", str(out), "-q", "--config", str(config)]

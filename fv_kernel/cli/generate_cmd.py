@@ -21,12 +21,11 @@ from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
 from fv_kernel.config import CardDeployment
 from fv_kernel.errors import FvError, InvalidRequest
 from fv_kernel.io.media import MediaError, write_artifact
-from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.plugins import PluginError
 from fv_kernel.request.artifacts import AudioArtifact, TextArtifact, VideoArtifact
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
 from fv_kernel.request.types import PRECISIONS, TaskType
-from fv_kernel.runtime.deploy import available_extensions, deployment_options
+from fv_kernel.runtime.deploy import deployment_options, engine_for
 from fv_kernel.runtime.engine import Engine, GenerationResult
 
 __all__ = ["generate"]
@@ -171,8 +170,7 @@ def generate(
         if override_recipe:
             deployment = deployment.model_copy(update={"override_recipe": True})
         options = deployment_options(deployment, host.registry(), source=resolved.source)
-        extensions = ExtensionSet.build(deploy.extensions, available_extensions(host))
-        engine = Engine(deploy.scheduler, limits=deploy.limits, hooks=host.hooks, extensions=extensions)
+        engine = engine_for(deploy, host)
         # every input error surfaces before weights load
         resolve_request(
             card, request, deploy.limits, allow_recipe_mismatch=options.allow_recipe_mismatch,

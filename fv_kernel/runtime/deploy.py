@@ -10,7 +10,7 @@ from fv_kernel.plugins.registry import DeployRegistry
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.runtime.engine import Engine
 
-__all__ = ["build_engine", "available_extensions", "deployment_options"]
+__all__ = ["build_engine", "engine_for", "available_extensions", "deployment_options"]
 
 
 def available_extensions(host: PluginHost) -> dict[str, type]:
@@ -37,14 +37,19 @@ def deployment_options(deployment: CardDeployment, registry: DeployRegistry, *, 
     )
 
 
+def engine_for(config: DeployConfig, host: PluginHost) -> Engine:
+    """An engine with the config's scheduler, limits and extensions and the host's hooks; no instances yet."""
+    extensions = ExtensionSet.build(config.extensions, available_extensions(host))
+    return Engine(config.scheduler, limits=config.limits, hooks=host.hooks, extensions=extensions)
+
+
 def build_engine(config: DeployConfig, host: PluginHost | None = None) -> Engine:
     """Start the plugin host the config selects, then make every configured card resident."""
     if host is None:
         host = PluginHost(config.plugins)
     host.start()
     catalog = CardCatalog(host)
-    extensions = ExtensionSet.build(config.extensions, available_extensions(host))
-    engine = Engine(config.scheduler, limits=config.limits, hooks=host.hooks, extensions=extensions)
+    engine = engine_for(config, host)
     for deployment in config.cards:
         resolved = catalog.resolve(deployment.model)
         options = deployment_options(deployment, host.registry(), source=resolved.source)
