@@ -78,6 +78,20 @@ def test_recipe_mismatch_for_a_50_step_unipc_request_on_a_distilled_card() -> No
     assert resolved.diffusion.steps == 3
 
 
+def test_a_fixed_loop_bound_by_its_namespaced_sampler_name_accepts_that_sampler_by_either_name() -> None:
+    card = distilled_card()
+    loops = dict(card.loops)
+    loops["dmd3"] = loops["dmd3"].model_copy(
+        update={"sampler": loops["dmd3"].sampler.model_copy(update={"name": "fv-kernel/dmd"})}
+    )
+    card = card.model_copy(update={"loops": loops})
+    for name in ("dmd", "fv-kernel/dmd"):
+        assert resolve_request(card, t2v("toy-dmd", sampler=name, steps=3)).diffusion.sampler == name
+    with pytest.raises(RecipeMismatch) as info:
+        resolve_request(card, t2v("toy-dmd", sampler="euler"))
+    assert info.value.param == "sampler"
+
+
 def test_recipe_mismatch_on_precision() -> None:
     card = distilled_card()
     request = t2v("toy-dmd").with_updates(precision="bf16")

@@ -54,7 +54,7 @@ def allowed_samplers(card: ModelCard, registered: Iterable[str] = ()) -> list[st
     assumed_id = card.recipe.assumes_loop
     if assumed_id is not None and assumed_id in loops:
         binding = loops[assumed_id].sampler
-        return [binding.name] if binding is not None else []
+        return [_short_name(binding.name)] if binding is not None else []
     bound = {_short_name(s.sampler.name) for s in loops.values() if s.sampler is not None}
     return sorted(bound | ({_short_name(name) for name in registered} if loops else set()))
 
