@@ -149,9 +149,6 @@ class AdmissionController:
             raise ValueError(f"block pool {key!r} is already registered")
         self._pools[key] = capacity_blocks
 
-    def unregister_pool(self, key: str) -> None:
-        self._pools.pop(key, None)
-
     @property
     def pools(self) -> dict[str, int]:
         return dict(self._pools)
