@@ -68,8 +68,6 @@ def serve(output_dir: Path, card: ModelCard | None = None, *, every: int = 1) ->
     return ServerThread(create_app(engine, config)).start()
 
 
-
-
 def wait_mid_denoise(checkpoints: CheckpointStore, job_id: str, *, at_least: int, timeout_s: float = 300.0) -> ProgramCheckpoint:
     """Poll the job's checkpoint file until it shows the denoise loop past ``at_least`` steps."""
     deadline = time.monotonic() + timeout_s

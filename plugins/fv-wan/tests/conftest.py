@@ -18,7 +18,6 @@ from PIL import Image
 torch.set_num_threads(1)
 
 
-
 @pytest.fixture(scope="session")
 def wan_card() -> Callable[..., Any]:
     """``wan_card(model_id, **denoise_config)``: a fv-wan card, its denoise loop config overridden."""

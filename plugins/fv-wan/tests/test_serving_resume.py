@@ -91,16 +91,6 @@ def fv_serve(data_dir: Path, *cards: str, every: int = 1) -> Iterator[tuple[subp
                 process.wait(30)
 
 
-
-
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def test_fv_serve_killed_mid_denoise_resumes_bit_identically_after_restart(tmp_path: Path) -> None:
     checkpoints = tmp_path / "out" / "checkpoints"
     with fv_serve(tmp_path, "wan-tiny") as (process, client):
