@@ -82,11 +82,7 @@ def scan_entry_points(search_path: Sequence[str] | None = None) -> EntryPointSca
         if not name or canonicalize_name(name) in seen:
             continue
         seen.add(canonicalize_name(name))
-        for ep in dist.entry_points:
-            if ep.group == PLUGINS_GROUP:
-                plugins.append(DiscoveredPlugin(distribution=name, version=dist.version, entry_point=ep))
-            elif ep.group.startswith(DRIVER_GROUP_PREFIX):
-                drivers.setdefault(ep.group, []).append(ep)
+        _sort_entry_points(dist, plugins, drivers)
     plugins.sort(key=lambda p: canonicalize_name(p.distribution))
     return EntryPointScan(plugins=tuple(plugins), drivers={g: tuple(eps) for g, eps in drivers.items()})
 
@@ -99,12 +95,19 @@ def scan_kernel_distribution() -> EntryPointScan:
         return EntryPointScan((), {})
     plugins: list[DiscoveredPlugin] = []
     drivers: dict[str, list[EntryPoint]] = {}
+    _sort_entry_points(dist, plugins, drivers)
+    return EntryPointScan(plugins=tuple(plugins), drivers={g: tuple(eps) for g, eps in drivers.items()})
+
+
+def _sort_entry_points(
+    dist: importlib.metadata.Distribution, plugins: list[DiscoveredPlugin], drivers: dict[str, list[EntryPoint]]
+) -> None:
+    """Append one distribution's ``fv.plugins`` entry points to ``plugins`` and its driver entry points to ``drivers`` by group."""
     for ep in dist.entry_points:
         if ep.group == PLUGINS_GROUP:
             plugins.append(DiscoveredPlugin(distribution=dist.metadata["Name"], version=dist.version, entry_point=ep))
         elif ep.group.startswith(DRIVER_GROUP_PREFIX):
             drivers.setdefault(ep.group, []).append(ep)
-    return EntryPointScan(plugins=tuple(plugins), drivers={g: tuple(eps) for g, eps in drivers.items()})
 
 
 @dataclass
