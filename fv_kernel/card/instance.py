@@ -191,10 +191,7 @@ class ModelInstance:
         Loops hold no per-request state; what they bind is this instance's.
         """
         if loop_id not in self._loops:
-            spec = self.card.loops.get(loop_id)
-            if spec is None:
-                raise InvalidRequest("loop", f"card {self.model_id!r} has no loop {loop_id!r}", allowed=sorted(self.card.loops))
-            loop = self.loop_class(loop_id)(spec)
+            loop = self.loop_class(loop_id)(self.card.loops[loop_id])  # loop_class refuses an unknown loop_id
             loop.bind(self)
             self._loops[loop_id] = loop
         return self._loops[loop_id]
