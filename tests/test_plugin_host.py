@@ -45,6 +45,22 @@ def test_discovery_reads_metadata_only(plugin_site: Path) -> None:
     assert not any(name.split(".")[0] in FIXTURE_PACKAGES for name in sys.modules)
 
 
+def test_kernel_builtins_are_read_once_per_scan(plugin_site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fv_kernel.plugins.host as host_module
+
+    reads: list[int] = []
+    real = host_module.scan_kernel_distribution
+    monkeypatch.setattr(host_module, "scan_kernel_distribution", lambda: reads.append(1) or real())
+    host = make_host(plugin_site)  # the site holds no fv-kernel, so its built-ins come from the kernel's own metadata
+    host.start()
+    for _ in range(3):
+        host.drivers("attention_backends")
+    assert len(reads) == 1
+    host.refresh()  # forgets the merged scan with the scan
+    host.drivers("attention_backends")
+    assert len(reads) == 2
+
+
 def test_autoloaded_broken_plugins_warn_once_and_are_skipped(plugin_site: Path) -> None:
     host = make_host(plugin_site)
     with warnings.catch_warnings(record=True) as caught:

@@ -161,6 +161,7 @@ class PluginHost:
         self._kinds = kinds
         self._kernel_builtins = kernel_builtins
         self._scan: EntryPointScan | None = None
+        self._loadable_scan: EntryPointScan | None = None
         self._records: dict[str, PluginRecord] = {}
         self._registry: "DeployRegistry | None" = None
         self._started = False
@@ -179,6 +180,7 @@ class PluginHost:
         """Forget the scan so the next use re-reads metadata (for tests and installers)."""
         importlib.invalidate_caches()
         self._scan = None
+        self._loadable_scan = None
 
     def discovered(self) -> list[DiscoveredPlugin]:
         return list(self.scan().plugins)
@@ -187,9 +189,14 @@ class PluginHost:
         """The scan plus the kernel's built-ins when the scan did not see them; the kernel comes first.
 
         Loading the kernel first, then plugins by name, makes every outcome deterministic,
-        including which of two plugins contributing one name is refused.
+        including which of two plugins contributing one name is refused. Cached beside the
+        scan (every :meth:`drivers` call reads it) and forgotten with it by :meth:`refresh`.
         """
-        scan = self.scan()
+        if self._loadable_scan is None:
+            self._loadable_scan = self._merge_kernel_builtins(self.scan())
+        return self._loadable_scan
+
+    def _merge_kernel_builtins(self, scan: EntryPointScan) -> EntryPointScan:
         kernel = canonicalize_name(KERNEL_DISTRIBUTION)
         plugins = list(scan.plugins)
         drivers = {group: list(eps) for group, eps in scan.drivers.items()}
