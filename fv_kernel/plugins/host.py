@@ -399,11 +399,6 @@ class PluginHost:
     def enabled_names(self) -> list[str]:
         return [r.name for r in self.records() if r.status is PluginStatus.ENABLED]
 
-    def failures(self) -> list[PluginRecord]:
-        """The plugins that failed (status ``error``), explicit ones first."""
-        failed = [r for r in self.records() if r.status is PluginStatus.ERROR]
-        return sorted(failed, key=lambda r: not r.explicit)
-
     def drivers(self, kind: str) -> DriverRegistry:
         """The named drivers of ``kind`` contributed by enabled plugins (starts the host if needed)."""
         spec = kind_spec(kind, self._kinds)
