@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fv_kernel.card.spec import LoopSpec, ModelCard
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
+from fv_kernel.loop.samplers import _short_name, registered_samplers
 from fv_kernel.request.request import DiffusionParams, Request
 from fv_kernel.request.types import TaskType
 
@@ -41,10 +42,6 @@ def describe_loop(spec: LoopSpec) -> str:
         return f"loop {spec.loop_id!r}"
     steps = f"{spec.sampler.fixed_steps} steps" if spec.sampler.fixed_steps else "any step count"
     return f"loop {spec.loop_id!r} (sampler {spec.sampler.name!r}, {steps})"
-
-
-def _short_name(sampler: str) -> str:
-    return sampler.rsplit("/", 1)[-1]  # "fv-hello/euler-shift3" and "euler-shift3" name one sampler
 
 
 def allowed_samplers(card: ModelCard, registered: Iterable[str] = ()) -> list[str]:
@@ -104,8 +101,6 @@ def _check_sampler(card: ModelCard, request: Request, samplers: Iterable[str] | 
     if asked is None or not card.denoise_loops():
         return
     if samplers is None:
-        from fv_kernel.loop.samplers import registered_samplers
-
         samplers = registered_samplers()
     allowed = allowed_samplers(card, samplers)
     if _short_name(asked) not in allowed:

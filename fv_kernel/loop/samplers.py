@@ -536,7 +536,7 @@ def sampler_class(name: str) -> type[Sampler]:
 
 
 def _short_name(name: str) -> str:
-    return name.rsplit("/", 1)[-1]
+    return name.rsplit("/", 1)[-1]  # "fv-hello/euler-shift3" and "euler-shift3" name one sampler
 
 
 def bound_sampler(binding: "SamplerBinding", *, requested: str | None = None, shift: float | None = None) -> Sampler:
