@@ -33,7 +33,7 @@ from pydantic import Field
 from fv_kernel.errors import FvError, InvalidRequest
 from fv_kernel.loop.contract import LoopResult, LoopState
 from fv_kernel.loop.driver import drive
-from fv_kernel.loop.state import StateFormatError, StateNotSerializable, TensorState, _to_plain
+from fv_kernel.loop.state import StateFormatError, StateNotSerializable, TensorState, _qualified, _to_plain
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import Request
 
@@ -67,10 +67,6 @@ class ProgramNotResumable(FvError):
     """The card's program for this task does not declare ``resumable``: a started request cannot continue."""
 
     error_type = "not_resumable"
-
-
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 class FinishedLoop(TensorState):
