@@ -132,10 +132,7 @@ class ProgramCheckpoint(TensorState):
     @classmethod
     def for_request(cls, program: "Program", model: "ModelInstance", request: Request) -> "ProgramCheckpoint":
         """The checkpoint of ``request`` before its first step (it records what to run)."""
-        return cls(
-            request=request, model_id=model.model_id, weights_version=model.weights_version,
-            program=_qualified(type(program)),
-        )
+        return ProgramRun(program, model, request).checkpoint()
 
     def _payload(self) -> dict[str, Any]:
         try:
