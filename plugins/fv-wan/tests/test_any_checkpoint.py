@@ -16,11 +16,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanImageToVideoPipeline
-from PIL import Image
 from typer.testing import CliRunner
 
 from fv_kernel.api import CheckpointNotFound, ModelCard, TaskType, build_instance, check_card_builds
@@ -77,15 +75,6 @@ def _assert_equal_within_tolerance(card: ModelCard, fv: torch.Tensor, reference:
     diff = (fv - reference).abs().max().item()
     assert diff <= _tolerance(card), f"max abs diff {diff:.3g} > {_tolerance(card):.1g}"
     return diff
-
-
-def _condition_image(height: int, width: int, path: Path) -> Image.Image:
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = np.stack([xx / width, yy / height, (xx + yy) / (width + height)], axis=-1) * 200
-    pixels = np.clip(base + np.random.default_rng(3).integers(0, 56, (height, width, 3)), 0, 255).astype(np.uint8)
-    image = Image.fromarray(pixels, mode="RGB")
-    image.save(path)
-    return image
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -246,38 +235,41 @@ def test_two_expert_checkpoint_equals_wan_pipeline(experts_dir: Path, tmp_path: 
     _assert_equal_within_tolerance(card, fv, reference)
 
 
-def test_image_to_video_checkpoint_equals_wan_i2v_pipeline(i2v_dir: Path, tmp_path: Path) -> None:
+def test_image_to_video_checkpoint_equals_wan_i2v_pipeline(i2v_dir: Path, tmp_path: Path, condition_image: Any) -> None:
     card = derive_card(i2v_dir)
     assert card.capabilities.tasks == {I2V} and card.components["image_encoder"].config == {"hidden_size": 20}
     assert card.parity.reference == "diffusers==0.42.1:WanImageToVideoPipeline"
     d = card.capabilities.defaults
-    image = _condition_image(d.height, d.width, tmp_path / "cond.png")
+    image, _ = condition_image(d.height, d.width, 3)
+    image.save(tmp_path / "cond.png")
     fv = _fv_video(i2v_dir, tmp_path, "--image", str(tmp_path / "cond.png"))
     pipe = reference_pipeline(i2v_dir)
     assert type(pipe).__name__ == "WanImageToVideoPipeline" and pipe.image_processor is not None
     _assert_equal_within_tolerance(card, fv, _reference(pipe, card, image=image))
 
 
-def test_image_to_video_experts_without_clip_equal_wan_i2v_pipeline(i2v_experts_dir: Path, tmp_path: Path) -> None:
+def test_image_to_video_experts_without_clip_equal_wan_i2v_pipeline(i2v_experts_dir: Path, tmp_path: Path, condition_image: Any) -> None:
     card = derive_card(i2v_experts_dir)
     assert card.capabilities.tasks == {I2V} and "image_encoder" not in card.components
     assert card.loops["denoise"].config == {"boundary_ratio": 0.9, "i2v_mode": "concat"}
     d = card.capabilities.defaults
-    image = _condition_image(d.height, d.width, tmp_path / "cond.png")
+    image, _ = condition_image(d.height, d.width, 3)
+    image.save(tmp_path / "cond.png")
     fv = _fv_video(i2v_experts_dir, tmp_path, "--image", str(tmp_path / "cond.png"))
     pipe = reference_pipeline(i2v_experts_dir)
     assert pipe.image_encoder is None and pipe.transformer_2 is not None
     _assert_equal_within_tolerance(card, fv, _reference(pipe, card, image=image))
 
 
-def test_ti2v_checkpoint_runs_image_to_video_as_the_expand_timesteps_pipeline(ti2v_dir: Path, tmp_path: Path) -> None:
+def test_ti2v_checkpoint_runs_image_to_video_as_the_expand_timesteps_pipeline(ti2v_dir: Path, tmp_path: Path, condition_image: Any) -> None:
     card = derive_card(ti2v_dir)
     # A WanPipeline with expand_timesteps is a TI2V checkpoint: WanImageToVideoPipeline(expand_timesteps=True)
     # runs image-to-video from the same folder, so the card offers it too.
     assert card.capabilities.tasks == {T2V, T2I, I2V} and card.loops["denoise"].config == {"expand_timesteps": True, "i2v_mode": "first_frame"}
     d = card.capabilities.defaults
     assert (d.height, d.width) == (128, 192)  # the Wan 2.2 VAE's 16x times the patch 2
-    image = _condition_image(d.height, d.width, tmp_path / "cond.png")
+    image, _ = condition_image(d.height, d.width, 3)
+    image.save(tmp_path / "cond.png")
     fv = _fv_video(ti2v_dir, tmp_path, "--image", str(tmp_path / "cond.png"))
     loaded = reference_pipeline(ti2v_dir)
     pipe = WanImageToVideoPipeline(**loaded.components, expand_timesteps=True)
