@@ -20,22 +20,24 @@ from fv_kernel.plugins.check import PluginChecker
 plugins_app = typer.Typer(help="Inspect and validate fv plugins.", no_args_is_help=True)
 
 
-def _registered(host: PluginHost, record: PluginRecord) -> dict[str, list[str]]:
-    """What an enabled plugin actually registered (its hooks ran at start) and its named drivers."""
-    if record.status is not PluginStatus.ENABLED:
-        return {}
-    out: dict[str, list[str]] = {}
+def _registered_by_plugin(host: PluginHost) -> dict[str, dict[str, list[str]]]:
+    """What each plugin actually registered (its hooks ran at start) and its named drivers: plugin name -> kind -> ids.
+
+    Each kind's drivers and contributions are read once for all plugins; driver ids are
+    ``"<distribution>/<name>"``, so the part before the first ``/`` names the plugin.
+    """
+    out: dict[str, dict[str, list[str]]] = {}
     for kind, spec in KINDS.items():
         if spec.hook is None:
-            ids = [i for i in host.drivers(kind).ids() if i.startswith(f"{record.name}/")]
+            owned = [(i.partition("/")[0], i) for i in host.drivers(kind).ids()]
         else:
-            ids = [c.id for c in host.hooks.contributions(kind).values() if c.plugin == record.name]
-        if ids:
-            out[kind] = ids
+            owned = [(c.plugin, c.id) for c in host.hooks.contributions(kind).values()]
+        for plugin, contribution_id in owned:
+            out.setdefault(plugin, {}).setdefault(kind, []).append(contribution_id)
     return out
 
 
-def _record_json(host: PluginHost, record: PluginRecord) -> dict[str, object]:
+def _record_json(record: PluginRecord, registered: dict[str, dict[str, list[str]]]) -> dict[str, object]:
     return {
         "name": record.name,
         "version": record.version,
@@ -44,7 +46,7 @@ def _record_json(host: PluginHost, record: PluginRecord) -> dict[str, object]:
         "entry_point": record.entry_point,
         "kernel_api": record.manifest.kernel_api if record.manifest else None,
         "contributions": record.contributions,
-        "registered": _registered(host, record),
+        "registered": registered.get(record.name, {}) if record.status is PluginStatus.ENABLED else {},
     }
 
 
@@ -62,7 +64,8 @@ def list_plugins(
     host = start_host(load_config(config))
     records = host.records()
     if as_json:
-        typer.echo(json.dumps([_record_json(host, r) for r in records], indent=2))
+        registered = _registered_by_plugin(host)
+        typer.echo(json.dumps([_record_json(r, registered) for r in records], indent=2))
         return
     if not records:
         typer.echo("no fv plugins found (entry-point group 'fv.plugins')")
