@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pydantic import BaseModel, ValidationError
 
+from fv_kernel.card.instance import import_object
 from fv_kernel.card.spec import ComponentSpec, ModelCard
 from fv_kernel.errors import FvError
 
@@ -51,13 +52,6 @@ class InvalidCard(FvError):
         self.card_id = card_id
 
 
-def _import_object(reference: str) -> Any:
-    # The runtime's resolver, imported on use: importing this module costs no torch import.
-    from fv_kernel.card.instance import import_object as runtime_import
-
-    return runtime_import(reference)
-
-
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -90,7 +84,7 @@ def parse_component_config(spec: ComponentSpec, default: Callable[[dict[str, Any
     where = f"components.{spec.component_id}"
     if spec.config_schema is not None:
         try:
-            parser = _import_object(spec.config_schema)
+            parser = import_object(spec.config_schema)
         except (ImportError, AttributeError) as exc:
             raise InvalidCard([BuildProblem(f"{where}.config_schema", f"{spec.config_schema!r} does not import: {exc}")]) from None
     elif default is not None:
@@ -108,7 +102,7 @@ def parse_component_config(spec: ComponentSpec, default: Callable[[dict[str, Any
 def _resolve(reference: str, field: str, *, want: str) -> tuple[Any, BuildProblem | None]:
     """Import ``reference``; ``want`` is "callable" or "class"."""
     try:
-        obj = _import_object(reference)
+        obj = import_object(reference)
     except (ImportError, AttributeError) as exc:
         return None, BuildProblem(field, f"{reference!r} does not import: {type(exc).__name__}: {exc}")
     if want == "class" and not inspect.isclass(obj):
