@@ -15,8 +15,8 @@ nothing), so the continued decode is bit-identical to an uninterrupted one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import MappingProxyType
-
 from typing import Any
 
 import torch
@@ -313,6 +313,73 @@ _TASK_MODE = MappingProxyType({
     TaskType.TEXT_TO_VIDEO_AUDIO: "t2v_sound", TaskType.ACTION_POLICY: "action_policy",
     TaskType.FORWARD_DYNAMICS: "forward_dynamics", TaskType.INVERSE_DYNAMICS: "inverse_dynamics",
 })
+_ACTION_MODES = ("action_policy", "forward_dynamics", "inverse_dynamics")
+
+
+def _denoise_mode(request: Request) -> Mode:
+    mode = _TASK_MODE.get(request.task)
+    if mode is None:
+        raise InvalidRequest("task", f"{request.task.value!r} has no denoise mode", allowed=sorted(m.value for m in _TASK_MODE))
+    return mode
+
+
+def _sound_latent_frames(frames: int, fps: float, config: Cosmos3AudioDecoderConfig) -> int:
+    """Sound latent frames for ``frames`` video frames at ``fps``: the clip's samples over the decoder's hop, rounded up."""
+    return -(-int(frames / fps * config.sampling_rate) // config.hop)
+
+
+@dataclass(frozen=True)
+class _DenoiseGeometry:
+    """What one request's denoise generates: the one derivation ``init`` allocates and every estimate prices."""
+
+    mode: Mode
+    #: Pixel frames: the request's, or derived from the action (forward dynamics) or video (inverse dynamics) part.
+    frames: int
+    #: Action steps generated alongside the video (the action modes), else 0.
+    action_len: int
+    latent_t: int
+    latent_h: int
+    latent_w: int
+    #: Sound latent frames (``t2v_sound``), else 0.
+    sound: int
+
+
+def _denoise_geometry(request: Request, model: ModelInstance) -> _DenoiseGeometry:
+    """The request's denoise geometry from the card's transformer, VAE and sound decoder configs."""
+    d = request.diffusion
+    assert d.height and d.width and d.frames and d.fps
+    mode = _denoise_mode(request)
+    config = Cosmos3Config(**model.card.components["transformer"].config)
+    spatial = WanVAEConfig(**model.card.components["vae"].config).spatial_compression
+    frames, action_len = d.frames, 0
+    if mode == "forward_dynamics":
+        action_len = int(request.part("action").actions.shape[0])
+        frames = action_len + 1
+    elif mode == "inverse_dynamics":
+        frames = int(request.part("video").frames.shape[0])
+        action_len = frames - 1
+    elif mode == "action_policy":
+        action_len = frames - 1
+    sound = 0
+    if mode == "t2v_sound":
+        sound = _sound_latent_frames(frames, d.fps, Cosmos3AudioDecoderConfig(**model.card.components["sound_decoder"].config))
+    return _DenoiseGeometry(
+        mode=mode, frames=frames, action_len=action_len, latent_t=(frames - 1) // config.vae_temporal_compression + 1,
+        latent_h=d.height // spatial, latent_w=d.width // spatial, sound=sound,
+    )
+
+
+def _branch_prompt_ids(request: Request, model: ModelInstance, geometry: _DenoiseGeometry, branches: list[str],
+                       prompt: str) -> dict[str, list[int]]:
+    """The generator's prompt ids per guidance branch: ``prompt`` for ``cond``, the negative prompt for ``uncond``."""
+    d = request.diffusion
+    assert d.height and d.width and d.fps
+    tokenizer = model.component("tokenizer")
+    spec = PromptSpec(num_frames=geometry.frames, height=d.height, width=d.width, fps=d.fps)
+    ids = {"cond": build_generation_prompt(prompt, tokenizer, spec)}
+    if "uncond" in branches:
+        ids["uncond"] = build_generation_prompt(request.text("negative_prompt") or "", tokenizer, spec, negative=True)
+    return ids
 
 
 class DenoiseState(LoopState):
@@ -366,47 +433,43 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
     def _policy() -> StandardCFG:
         return StandardCFG(active_when="not_one")  # Cosmos 3 skips the uncond pass only at exactly 1.0
 
+    def _branches(self, request: Request) -> tuple[float, list[str]]:
+        """The request's guidance scale and the guidance branches it runs."""
+        guidance = float(request.diffusion.guidance or 0.0)
+        return guidance, list(self._policy().branches(guidance))
+
+    def _total_steps(self, request: Request) -> int:
+        """Sampler steps: the binding's fixed count, else the request's."""
+        binding = self.spec.sampler
+        assert binding is not None and request.diffusion.steps is not None
+        return binding.fixed_steps or request.diffusion.steps
+
     def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> DenoiseState:
         d = request.diffusion
         assert d.height and d.width and d.frames and d.steps is not None and d.fps
-        mode = _TASK_MODE.get(request.task)
-        if mode is None:
-            raise InvalidRequest("task", f"{request.task.value!r} has no denoise mode", allowed=sorted(m.value for m in _TASK_MODE))
+        mode = _denoise_mode(request)
         config: Cosmos3Config = Cosmos3Config(**model.card.components["transformer"].config)
-        tokenizer = model.component("tokenizer")
-        vae_cfg = model.card.components["vae"].config
-        s_comp = 2 ** (len(vae_cfg["dim_mult"]) - 1) * (vae_cfg.get("patch_size") or 1)
         t_comp = config.vae_temporal_compression
         params = request.plugin_params.get(PLUGIN_ID, {})
-
-        frames, height, width = d.frames, d.height, d.width
-        action_len = 0
+        if mode in _ACTION_MODES and not config.action_gen:
+            raise InvalidRequest("task", f"card {model.model_id!r} was not trained with actions")
+        geometry = _denoise_geometry(request, model)
+        frames, height, width, action_len = geometry.frames, d.height, d.width, geometry.action_len
         actions: torch.Tensor | None = None
         condition_pixels: torch.Tensor | None = None
         video_clean: list[int] = []
         action_clean: list[int] = []
         raw_action_dim: int | None = None
-        if mode in ("action_policy", "forward_dynamics", "inverse_dynamics"):
-            if not config.action_gen:
-                raise InvalidRequest("task", f"card {model.model_id!r} was not trained with actions")
-            part = request.part("action")
+        if mode in _ACTION_MODES:
             if mode == "forward_dynamics":
+                part = request.part("action")
                 actions = _unpadded(config, part.actions)
                 raw_action_dim = int(part.actions.shape[1])
-                action_len = actions.shape[0]
-                frames = action_len + 1
                 action_clean = list(range(action_len))
-            elif mode == "inverse_dynamics":
-                video_part = request.part("video")
-                frames = int(video_part.frames.shape[0])
-                action_len = frames - 1
-            else:
-                action_len = frames - 1
             if (frames - 1) % t_comp:
                 raise InvalidRequest("frames", f"action modes need 1 + {t_comp}k frames, got {frames}", allowed=f"{t_comp}k+1")
             raw_action_dim = raw_action_dim or int(params.get("raw_action_dim", config.action_dim or 0)) or None
-        latent_t = (frames - 1) // t_comp + 1
-        shape = (1, config.latent_channel, latent_t, height // s_comp, width // s_comp)
+        shape = (1, config.latent_channel, geometry.latent_t, geometry.latent_h, geometry.latent_w)
 
         if mode in ("i2v", "action_policy", "forward_dynamics"):
             image = request.part("image").image.float()
@@ -419,17 +482,14 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
             if tuple(clip.shape[-2:]) != (height, width):
                 clip = torch.nn.functional.interpolate(clip, size=(height, width), mode="bilinear", align_corners=False)
             condition_pixels = (clip * 2 - 1).permute(1, 0, 2, 3)[None].contiguous()
-            video_clean = list(range(latent_t))
+            video_clean = list(range(geometry.latent_t))
 
         # Noise in the reference pipeline's order: video, then sound, then action, from one generator.
         generator = torch.Generator().manual_seed(d.seed)
         video = torch.randn(shape, generator=generator, dtype=torch.float32)
         sound = None
         if mode == "t2v_sound":
-            sc = model.card.components["sound_decoder"].config
-            hop = sc.get("hop_size") or int(torch.tensor(sc["dec_strides"]).prod())
-            samples = int(frames / d.fps * sc["sampling_rate"])
-            sound = torch.randn((config.sound_dim or 0, -(-samples // hop)), generator=generator, dtype=torch.float32)
+            sound = torch.randn((config.sound_dim or 0, geometry.sound), generator=generator, dtype=torch.float32)
         action = None
         if action_len:
             action = torch.randn((action_len, config.action_dim or 0), generator=generator, dtype=torch.float32)
@@ -443,18 +503,14 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
             action_domain = int(part.domain) if part is not None else int(params.get("action_domain", 0))
 
         prompt = ctx.upstream.get("upsampled_prompt") or request.text("prompt") or ""
-        spec = PromptSpec(num_frames=frames, height=height, width=width, fps=d.fps)
-        guidance = float(d.guidance or 0.0)
-        branches = list(self._policy().branches(guidance))
-        prompt_ids = {"cond": build_generation_prompt(prompt, tokenizer, spec)}
-        if "uncond" in branches:
-            prompt_ids["uncond"] = build_generation_prompt(request.text("negative_prompt") or "", tokenizer, spec, negative=True)
+        guidance, branches = self._branches(request)
+        prompt_ids = _branch_prompt_ids(request, model, geometry, branches, prompt)
 
         binding = self.spec.sampler
         assert binding is not None
         # Resolved through the deployment's registry: a request may name a plugin's sampler.
         sampler = bound_sampler(binding, requested=d.sampler, shift=d.shift)
-        steps = binding.fixed_steps or d.steps
+        steps = self._total_steps(request)
         return DenoiseState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id, mode=mode,
             branches=branches, prompt_ids=prompt_ids, condition_pixels=condition_pixels, video=video,
@@ -574,49 +630,23 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
         not known yet: its length is bounded by the template plus the upsampling budget."""
         d = request.diffusion
         assert d.height and d.width and d.frames and d.steps is not None and d.fps
-        mode = _TASK_MODE.get(request.task)
-        if mode is None:
-            raise InvalidRequest("task", f"{request.task.value!r} has no denoise mode", allowed=sorted(m.value for m in _TASK_MODE))
+        geometry = _denoise_geometry(request, model)
+        mode, frames, height, width = geometry.mode, geometry.frames, d.height, d.width
+        latent_t, lat_h, lat_w = geometry.latent_t, geometry.latent_h, geometry.latent_w
+        sound, action_len = geometry.sound, geometry.action_len
         config = Cosmos3Config(**model.card.components["transformer"].config)
         vae = WanVAEConfig(**model.card.components["vae"].config)
-        tokenizer = model.component("tokenizer")
-        frames, height, width = d.frames, d.height, d.width
-        action_len = 0
-        if mode == "forward_dynamics":
-            action_len = int(request.part("action").actions.shape[0])
-            frames = action_len + 1
-        elif mode == "inverse_dynamics":
-            frames = int(request.part("video").frames.shape[0])
-            action_len = frames - 1
-        elif mode == "action_policy":
-            action_len = frames - 1
-        s_comp = vae.spatial_compression
-        latent_t = (frames - 1) // config.vae_temporal_compression + 1
-        lat_h, lat_w = height // s_comp, width // s_comp
-        sound = 0
-        if mode == "t2v_sound":
-            sc = Cosmos3AudioDecoderConfig(**model.card.components["sound_decoder"].config)
-            sound = -(-int(frames / d.fps * sc.sampling_rate) // sc.hop)
-
-        spec = PromptSpec(num_frames=frames, height=height, width=width, fps=d.fps)
-        guidance = float(d.guidance or 0.0)
-        branches = list(self._policy().branches(guidance))
+        _, branches = self._branches(request)
+        prompt = "" if request.prompt_upsampling else request.text("prompt") or ""
+        lengths = {branch: len(ids) for branch, ids in _branch_prompt_ids(request, model, geometry, branches, prompt).items()}
         if request.prompt_upsampling:
-            budget = upsample_params(request, model).max_tokens
-            lengths = {"cond": len(build_generation_prompt("", tokenizer, spec)) + budget}
-        else:
-            lengths = {"cond": len(build_generation_prompt(request.text("prompt") or "", tokenizer, spec))}
-        if "uncond" in branches:
-            lengths["uncond"] = len(build_generation_prompt(request.text("negative_prompt") or "", tokenizer, spec,
-                                                            negative=True))
-        binding = self.spec.sampler
-        assert binding is not None
-        steps = binding.fixed_steps or d.steps
+            lengths["cond"] += upsample_params(request, model).max_tokens
+        steps = self._total_steps(request)
         e = footprint.element_bytes(model.precision)
 
         plans: list[StepEstimate] = []
         peaks: list[int] = []
-        if mode in ("i2v", "action_policy", "forward_dynamics", "inverse_dynamics"):
+        if mode == "i2v" or mode in _ACTION_MODES:
             plans.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.ENCODER_CHUNK,
                                       shape_sig=ShapeSignature.of(frames=frames, height=height, width=width)))
             peaks.append(3 * frames * height * width * (4 + e)
@@ -697,11 +727,8 @@ class VideoDecodeLoop(Loop[VideoDecodeState]):
         d = request.diffusion
         assert d.height and d.width and d.frames
         vae = WanVAEConfig(**model.card.components["vae"].config)
-        frames = d.frames if request.task is not TaskType.INVERSE_DYNAMICS else int(request.part("video").frames.shape[0])
-        if request.task is TaskType.FORWARD_DYNAMICS:
-            frames = int(request.part("action").actions.shape[0]) + 1
-        latent_t = (frames - 1) // vae.temporal_compression + 1
-        h, w = d.height // vae.spatial_compression, d.width // vae.spatial_compression
+        geometry = _denoise_geometry(request, model)  # the latents the denoise loop hands over
+        latent_t, h, w = geometry.latent_t, geometry.latent_h, geometry.latent_w
         e = footprint.element_bytes(model.precision)
         step = footprint.vae_decode_step(vae, h, w, element=e)
         video = 3 * (1 + vae.temporal_compression * (latent_t - 1)) * d.height * d.width
@@ -760,7 +787,7 @@ class SoundDecodeLoop(Loop[SoundDecodeState]):
         d = request.diffusion
         assert d.frames and d.fps
         config = Cosmos3AudioDecoderConfig(**model.card.components["sound_decoder"].config)
-        length = -(-int(d.frames / d.fps * config.sampling_rate) // config.hop)
+        length = _sound_latent_frames(d.frames, d.fps, config)
         e = footprint.element_bytes(model.precision)
         mults = (1, *config.dec_c_mults)
         peak, n = 5 * config.dec_dim * mults[-1] * length, len(config.dec_strides)
@@ -768,7 +795,6 @@ class SoundDecodeLoop(Loop[SoundDecodeState]):
             length *= stride
             peak = max(peak, 5 * config.dec_dim * mults[n - i - 1] * length)
         return ResourceRequest(
-            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind.AUDIO_CHUNK,
-                                shape_sig=ShapeSignature.of(frames=-(-int(d.frames / d.fps * config.sampling_rate) // config.hop))),),
+            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind.AUDIO_CHUNK, shape_sig=ShapeSignature.of(frames=_sound_latent_frames(d.frames, d.fps, config))),),
             resident_bytes=4 * config.dec_out_channels * length, peak_bytes=e * peak,
         )
