@@ -199,10 +199,14 @@ class JobManager:
             raise _CannotResume(f"{exc.error_type}: {exc.message}") from None
         if checkpoint.started:
             log.info("job %s resumes at %s", record.id, checkpoint.position())
-        program_spec = instance.card.programs.get(checkpoint.request.task)
+        # Queued again in this process's engine; its stream starts over (progress continues from the checkpoint).
+        self._track(record, handle, instance, checkpoint.request.task)
+
+    def _track(self, record: JobRecord, handle: RequestHandle, instance: ModelInstance, task: TaskType) -> None:
+        """Follow a submitted job in this process: its live state, its ``video.queued`` event and its follower task."""
+        program_spec = instance.card.programs.get(task)
         live = _LiveJob(record=record, handle=handle, loop_total=len(program_spec.loops) if program_spec else 0)
         self._live[record.id] = live
-        # Queued again in this process's engine; its stream starts over (progress continues from the checkpoint).
         live.publish("video.queued", self.view(record).model_dump(mode="json"))
         live.task = asyncio.create_task(self._follow(live), name=f"fv-serve-{record.id}")
 
@@ -391,11 +395,7 @@ class JobManager:
             handle.cancel("the job store refused the job")
             self.checkpoints.delete(job_id)
             raise
-        program_spec = instance.card.programs.get(task)
-        live = _LiveJob(record=record, handle=handle, loop_total=len(program_spec.loops) if program_spec else 0)
-        self._live[job_id] = live
-        live.publish("video.queued", self.view(record).model_dump(mode="json"))
-        live.task = asyncio.create_task(self._follow(live), name=f"fv-serve-{job_id}")
+        self._track(record, handle, instance, task)
         return self.view(record)
 
     async def _follow(self, live: _LiveJob) -> None:
