@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fv_kernel.card.spec import ModelCard
+from fv_kernel.card.spec import LoopSpec, ModelCard
 from fv_kernel.compute.compile import ComputeOptions
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.plugins.registry import DeployRegistry, kernel_registry
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.loop.contract import Loop
     from fv_kernel.program.base import Program
 
-__all__ = ["StepOp", "InstanceOptions", "ModelInstance", "import_object", "build_instance"]
+__all__ = ["StepOp", "InstanceOptions", "ModelInstance", "import_object", "loop_class_for", "build_instance"]
 
 TensorDict = dict[str, torch.Tensor]
 log = logging.getLogger("fv.card")
@@ -41,6 +41,15 @@ def import_object(reference: str) -> Any:
     for part in attr_path.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def loop_class_for(spec: LoopSpec, registry: DeployRegistry) -> type["Loop"]:
+    """The class of a loop spec: ``implementation`` is a ``"module:Class"`` import string, or the
+    name of a loop an enabled plugin registered (``"<plugin>/<name>"`` or a unique short name),
+    resolved through ``registry``."""
+    if ":" in spec.implementation:
+        return import_object(spec.implementation)  # type: ignore[no-any-return]
+    return registry.loop(spec.implementation)
 
 
 @dataclass(frozen=True)
@@ -197,15 +206,11 @@ class ModelInstance:
         return self._loops[loop_id]
 
     def loop_class(self, loop_id: str) -> type["Loop"]:
-        """The class of the card's loop ``loop_id``: ``implementation`` is a ``"module:Class"``
-        import string, or the name of a loop an enabled plugin registered (``"<plugin>/<name>"``
-        or a unique short name), resolved through :attr:`registry`."""
+        """The class of the card's loop ``loop_id`` (:func:`loop_class_for`, names resolved through :attr:`registry`)."""
         spec = self.card.loops.get(loop_id)
         if spec is None:
             raise InvalidRequest("loop", f"card {self.model_id!r} has no loop {loop_id!r}", allowed=sorted(self.card.loops))
-        if ":" in spec.implementation:
-            return import_object(spec.implementation)  # type: ignore[no-any-return]
-        return self.registry.loop(spec.implementation)
+        return loop_class_for(spec, self.registry)
 
     def program(self, task: TaskType) -> "Program":
         from fv_kernel.program.base import program_for

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from fv_kernel.card.catalog import CardCatalog
-from fv_kernel.card.instance import InstanceOptions, ModelInstance, build_instance, import_object
+from fv_kernel.card.instance import InstanceOptions, ModelInstance, build_instance, loop_class_for
 from fv_kernel.card.spec import LoopSpec, ModelCard
 from fv_kernel.card.validate import resolve_request, select_denoise_loop
 from fv_kernel.errors import RecipeMismatch
@@ -248,9 +248,7 @@ class _CardKitBase:
 
     def loop_class(self, spec: LoopSpec) -> type[Loop]:
         """A loop spec's class: its ``"module:Class"`` import string, or a loop registered by name."""
-        if ":" in spec.implementation:
-            return import_object(spec.implementation)  # type: ignore[no-any-return]
-        return self.registry().loop(spec.implementation)
+        return loop_class_for(spec, self.registry())
 
     def requests_for(
         self, card: ModelCard, *, seeds: Sequence[int] = (0,), prefix: str = "", vary_size: bool = False
