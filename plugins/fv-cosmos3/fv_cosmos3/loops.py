@@ -787,14 +787,15 @@ class SoundDecodeLoop(Loop[SoundDecodeState]):
         d = request.diffusion
         assert d.frames and d.fps
         config = Cosmos3AudioDecoderConfig(**model.card.components["sound_decoder"].config)
-        length = _sound_latent_frames(d.frames, d.fps, config)
+        latent_frames = _sound_latent_frames(d.frames, d.fps, config)  # what the denoise loop's init draws
         e = footprint.element_bytes(model.precision)
         mults = (1, *config.dec_c_mults)
+        length = latent_frames
         peak, n = 5 * config.dec_dim * mults[-1] * length, len(config.dec_strides)
         for i, stride in enumerate(reversed(config.dec_strides)):
             length *= stride
             peak = max(peak, 5 * config.dec_dim * mults[n - i - 1] * length)
         return ResourceRequest(
-            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind.AUDIO_CHUNK, shape_sig=ShapeSignature.of(frames=_sound_latent_frames(d.frames, d.fps, config))),),
+            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind.AUDIO_CHUNK, shape_sig=ShapeSignature.of(frames=latent_frames)),),
             resident_bytes=4 * config.dec_out_channels * length, peak_bytes=e * peak,
         )
