@@ -35,7 +35,7 @@ from fv_kernel.serving.schemas import (
     VideoJob,
     VideoList,
 )
-from fv_kernel.serving.store import CheckpointStore, JobStore
+from fv_kernel.serving.store import JobStore
 
 __all__ = ["create_app"]
 
@@ -135,7 +135,6 @@ def create_app(
         engine, store, output_dir,
         enabled_extensions=config.extensions, extension_schemas=extension_schemas or {},
         max_image_pixels=max_pixels, rejections=rejections,
-        checkpoints=CheckpointStore(output_dir / "checkpoints"),
         checkpoint_every_steps=config.server.checkpoint_every_steps,
     )
     heartbeat_s = config.server.sse_heartbeat_s

@@ -31,6 +31,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from fv_kernel.card.instance import ModelInstance
+from fv_kernel.config import ServerConfig
 from fv_kernel.errors import FvError
 from fv_kernel.loop.state import StateFormatError
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun
@@ -56,6 +57,9 @@ from fv_kernel.serving.store import CheckpointStore, JobRecord, JobStore
 __all__ = ["JobManager", "StreamEvent"]
 
 log = logging.getLogger("fv.serving")
+
+#: The deploy config's default (``server.checkpoint_every_steps``), so the two cannot drift apart.
+_DEFAULT_CHECKPOINT_EVERY_STEPS: int = ServerConfig.model_fields["checkpoint_every_steps"].default
 
 #: How many finished jobs keep their full event history in memory for late SSE subscribers.
 _FINISHED_HISTORY = 256
@@ -128,7 +132,7 @@ class JobManager:
         max_image_pixels: int,
         rejections: Counter[str],
         checkpoints: CheckpointStore | None = None,
-        checkpoint_every_steps: int = 5,
+        checkpoint_every_steps: int = _DEFAULT_CHECKPOINT_EVERY_STEPS,
     ) -> None:
         self.engine = engine
         self.store = store
