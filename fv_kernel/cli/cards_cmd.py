@@ -90,9 +90,9 @@ def show_card(
 ) -> None:
     """The full card as JSON; the samplers ``fv generate --sampler`` accepts for it follow on stderr."""
     try:
-        host = start_host(load_config(config))
-        card = CardCatalog(host).get(model_id)
-        samplers = allowed_samplers(card, host.registry().sampler_names())
+        catalog = _catalog(config)
+        card = catalog.get(model_id)
+        samplers = allowed_samplers(card, catalog.host.registry().sampler_names())
     except (FvError, PluginError) as exc:
         _fail(str(exc))
         return
