@@ -305,8 +305,11 @@ class Engine:
         self.admission = AdmissionController(self.config.budgets)
         #: Total memory of each device an instance lives on (sized once, for "auto" budgets).
         self._device_total: dict[str, int] = {}
-        #: Per instance: the loaded component ids and the bytes they (and its pools) keep.
-        self._resident_cache: dict[str, tuple[frozenset[str], int]] = {}
+        #: Per instance id: how many components were loaded when it was measured, and the bytes
+        #: they (and its pools) keep. Components are only ever added, so the count marks a change.
+        self._resident_cache: dict[str, tuple[int, int]] = {}
+        #: Per instance id: its device's key (``device_key``), computed once in :meth:`add_instance`.
+        self._device_of: dict[str, str] = {}
         self.batcher = BatchScheduler(self.config.batch)
         self.metrics = EngineMetrics()
         #: The plugin host's typed hook façade, for lifecycle broadcasts (None: no plugins).
@@ -338,6 +341,7 @@ class Engine:
             self.admission.register_pool(self._pool_key(instance, name), pool.capacity_blocks)
         self._instances[instance.model_id] = instance
         self._by_instance_id[instance.instance_id] = instance
+        self._device_of[instance.instance_id] = device
 
     @property
     def instances(self) -> dict[str, ModelInstance]:
@@ -528,22 +532,31 @@ class Engine:
             pool_blocks[self._pool_key(instance, name)] = blocks
         return Reservation(
             request.request_id, need.resident_bytes, need.peak_bytes, need.cache_blocks, seconds,
-            pool_blocks=pool_blocks, device=device_key(instance.device),
+            pool_blocks=pool_blocks, device=self._device_of[instance.instance_id],
         )
 
     def _size_memory(self) -> None:
-        """Size each device's ``"auto"`` memory budget: total x (1 - headroom) - what resident instances keep."""
+        """Size each device's ``"auto"`` memory budget: total x (1 - headroom) - what resident instances keep.
+
+        Runs on every scheduler pass with a queue, so it re-sizes only when an instance is new
+        or has loaded components since it was last measured (weights load lazily).
+        """
         budgets = self.config.budgets
         if budgets.memory_bytes != "auto":
             return
-        resident: dict[str, int] = {}
+        changed = False
         for instance in self._instances.values():
-            loaded = frozenset(dict(instance.components))
+            loaded = len(instance.components)
             cached = self._resident_cache.get(instance.instance_id)
-            if cached is None or cached[0] != loaded:  # weights load lazily: re-measure when components change
-                cached = self._resident_cache[instance.instance_id] = (loaded, instance_resident_bytes(instance))
-            device = device_key(instance.device)
-            resident[device] = resident.get(device, 0) + cached[1]
+            if cached is None or cached[0] != loaded:
+                self._resident_cache[instance.instance_id] = (loaded, instance_resident_bytes(instance))
+                changed = True
+        if not changed:
+            return
+        resident: dict[str, int] = {}
+        for instance_id, (_, kept_bytes) in self._resident_cache.items():
+            device = self._device_of[instance_id]
+            resident[device] = resident.get(device, 0) + kept_bytes
         for device, total in self._device_total.items():
             usable = int(total * (1.0 - budgets.memory_headroom))
             kept = resident.get(device, 0)
