@@ -40,6 +40,7 @@ from fv_kernel.api import (
     SamplerBinding,
     StepCostSpec,
     TaskType,
+    bound_sampler,
     builtin_samplers,
 )
 from fv_wan.cards import COST_1_3B, _card, wan_cards
@@ -529,8 +530,8 @@ def _sampler(card: ModelCard) -> Any:
     loop = _denoise(card)
     if loop is None or loop.sampler is None or loop.sampler.fixed_steps is not None:
         return None
-    config = {**loop.sampler.config, "shift": card.capabilities.defaults.shift if card.capabilities.defaults else None}
-    return builtin_samplers()[loop.sampler.name](**{k: v for k, v in config.items() if v is not None})
+    # What the loop runs for a request at the card's default shift.
+    return bound_sampler(loop.sampler, shift=card.capabilities.defaults.shift if card.capabilities.defaults else None)
 
 
 def _transformer_config(card: ModelCard, component_id: str) -> WanTransformerConfig | None:
