@@ -177,12 +177,12 @@ def test_release_size_defaults_are_wan_pipelines(t2v_dir: Path, tmp_path: Path) 
     assert card.precision.default == "bf16"
 
 
-def test_built_in_architecture_resolves_to_the_built_in_card(t2v_dir: Path, tmp_path: Path) -> None:
+def test_built_in_architecture_resolves_to_the_built_in_card(t2v_dir: Path, tmp_path: Path, wan_card: Any) -> None:
     """A directory that runs exactly wan-tiny's computation is wan-tiny; any difference that changes the
     output (here the scheduler's flow_shift) gives a derived card instead."""
     root = tmp_path / "wan-tiny-configs"
     shutil.copytree(t2v_dir, root)
-    wan_tiny = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+    wan_tiny = wan_card("wan-tiny")
     (root / "transformer" / "config.json").write_text(json.dumps(wan_tiny.components["transformer"].config))
     (root / "vae" / "config.json").write_text(json.dumps(TINY_VAE21.to_diffusers_config()))
     text_file = root / "text_encoder" / "config.json"

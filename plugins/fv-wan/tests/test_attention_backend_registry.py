@@ -7,6 +7,7 @@ refused naming why, even when it is installed.
 from __future__ import annotations
 
 from importlib.metadata import EntryPoint
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,6 @@ from fv_kernel.compute.attention import SDPAAttention
 from fv_kernel.plugins.drivers import DriverRegistry
 from fv_kernel.plugins.errors import UnknownDriverError
 from fv_kernel.plugins.registry import DeployRegistry, kernel_registry
-from fv_wan.cards import wan_cards
 
 CALLS: list[tuple[int, ...]] = []
 
@@ -44,8 +44,8 @@ def forward(instance) -> torch.Tensor:  # noqa: ANN001
         return instance.op("dit_forward:transformer").fn(inputs, {})["v"]
 
 
-def test_wan_runs_the_backend_its_deploy_registry_names() -> None:
-    card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+def test_wan_runs_the_backend_its_deploy_registry_names(wan_card: Any) -> None:
+    card = wan_card("wan-tiny")
     CALLS.clear()
     tuned = build_instance(card, InstanceOptions(attention_backend="counting", registry=registry_with_counting()))
     tuned.component("transformer")
@@ -56,8 +56,8 @@ def test_wan_runs_the_backend_its_deploy_registry_names() -> None:
     torch.testing.assert_close(got, forward(default), rtol=1e-5, atol=1e-5)
 
 
-def test_wan_refuses_a_backend_its_deployment_does_not_enable() -> None:
-    card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+def test_wan_refuses_a_backend_its_deployment_does_not_enable(wan_card: Any) -> None:
+    card = wan_card("wan-tiny")
     left_out = kernel_registry().replace(attention_backends=DriverRegistry(
         "attention_backends", [], ignored={"counting": "its distribution 'fv-counting' is not an enabled fv plugin"}))
     instance = build_instance(card, InstanceOptions(attention_backend="counting", registry=left_out))
@@ -69,7 +69,7 @@ def test_wan_refuses_a_backend_its_deployment_does_not_enable() -> None:
         bare.component("transformer")
 
 
-def test_wan_runs_a_plugin_sampler_the_request_names() -> None:
+def test_wan_runs_a_plugin_sampler_the_request_names(wan_card: Any) -> None:
     """docs/plugins.md: `fv generate --model wan-tiny --sampler euler-shift3` runs the default denoise loop with it."""
     import types
 
@@ -89,7 +89,7 @@ def test_wan_runs_a_plugin_sampler_the_request_names() -> None:
     host = PluginHost(discover=False, environ={})
     host.start()
     host.register(plugin, name="fv-hello")
-    card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+    card = wan_card("wan-tiny")
     instance = build_instance(card, InstanceOptions(registry=host.registry()))
 
     def frames(**diffusion: object) -> torch.Tensor:

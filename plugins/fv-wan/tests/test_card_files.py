@@ -92,9 +92,9 @@ def test_validate_and_generate_name_a_field_that_does_not_build(case: str, edit:
     assert line.startswith(f"error: model: card file '{path}' is invalid: ") and expected in line and "Traceback" not in result.output
 
 
-def test_loaders_parse_through_the_cards_config_schema() -> None:
+def test_loaders_parse_through_the_cards_config_schema(wan_card: Any) -> None:
     """The loader reads ``config_schema``: without the build check, the bad config fails at load, naming the same field."""
-    card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+    card = wan_card("wan-tiny")
     data = card.model_dump()
     data["components"]["transformer"]["config"]["num_layers"] = "two"
     with pytest.raises(InvalidCard) as info:

@@ -7,15 +7,16 @@ each request's video equals its run alone.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fv_kernel.api import DiffusionParams, Engine, Request, SchedulerConfig, TaskType, TextPart, build_instance
 from fv_kernel.testing import StepRecorder, assert_artifacts_identical, run_staggered, unbatched_co_resident
-from fv_wan.cards import wan_cards
 
 STEPS = 6
 
 
-def test_wan_tiny_staggered_arrivals_batch_at_mixed_steps() -> None:
-    card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+def test_wan_tiny_staggered_arrivals_batch_at_mixed_steps(wan_card: Any) -> None:
+    card = wan_card("wan-tiny")
     instance = build_instance(card)
     requests = [
         Request(request_id=f"w{i}", model="wan-tiny", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text=f"a fox, take {i}"),),

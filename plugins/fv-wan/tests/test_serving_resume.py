@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -25,9 +25,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("av")
 httpx = pytest.importorskip("httpx")
 
-from fv_kernel.api import CardCatalog, ProgramCheckpoint, build_instance, run_local  # noqa: E402
+from fv_kernel.api import ProgramCheckpoint, build_instance, run_local  # noqa: E402
 from fv_kernel.testing import job_progress, wait_for_job  # noqa: E402
-from fv_kernel.plugins.host import PluginHost  # noqa: E402
 
 # The real CLI, plus one hook: the final frames are kept next to the MP4 for a bit-exact comparison.
 _FV_SERVE = """
@@ -91,7 +90,7 @@ def fv_serve(data_dir: Path, *cards: str, every: int = 1) -> Iterator[tuple[subp
                 process.wait(30)
 
 
-def test_fv_serve_killed_mid_denoise_resumes_bit_identically_after_restart(tmp_path: Path) -> None:
+def test_fv_serve_killed_mid_denoise_resumes_bit_identically_after_restart(tmp_path: Path, wan_card: Any) -> None:
     checkpoints = tmp_path / "out" / "checkpoints"
     with fv_serve(tmp_path, "wan-tiny") as (process, client):
         job = client.post("/v1/videos", json=JOB).json()
@@ -124,7 +123,7 @@ def test_fv_serve_killed_mid_denoise_resumes_bit_identically_after_restart(tmp_p
     uninterrupted = torch.load(tmp_path / "out" / again["id"] / "frames.pt", weights_only=True)
     assert torch.equal(resumed, uninterrupted)
     # And the same request run in this process, start to finish.
-    instance = build_instance(CardCatalog(PluginHost()).get("wan-tiny"))
+    instance = build_instance(wan_card("wan-tiny"))
     direct = next(a for a in run_local(left.request, instance) if a.kind == "video").frames
     assert torch.equal(resumed, direct)
     assert not path.exists(), "a finished job's checkpoint is deleted"
