@@ -14,18 +14,17 @@ from typing import Any, Optional
 import typer
 from pydantic import ValidationError
 
-from fv_kernel.card.catalog import CardCatalog
 from fv_kernel.card.instance import build_instance
 from fv_kernel.card.validate import resolve_request
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
-from fv_kernel.config import CardDeployment
 from fv_kernel.errors import FvError, InvalidRequest
 from fv_kernel.io.media import MediaError, write_artifact
 from fv_kernel.plugins import PluginError
 from fv_kernel.request.artifacts import AudioArtifact, TextArtifact, VideoArtifact
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
 from fv_kernel.request.types import PRECISIONS, TaskType
-from fv_kernel.runtime.deploy import deployment_options, engine_for
+from fv_kernel.runtime.deploy import engine_for
+from fv_kernel.runtime.model_resolution import resolve_model
 from fv_kernel.runtime.engine import Engine, GenerationResult
 
 __all__ = ["generate"]
@@ -160,16 +159,10 @@ def generate(
     deploy = load_config(config)
     host = start_host(deploy)
     try:
-        resolved = CardCatalog(host).resolve(model)
-        card = resolved.card
-        request = request.with_updates(model=card.model_id)
         # The config's entry for this card (if any) gives the instance options; flags win.
-        deployment = next((c for c in deploy.cards if c.model in (model, card.model_id)), None) or CardDeployment(model=model)
-        overrides: dict[str, Any] = {"device": device, "precision": precision}
-        deployment = deployment.model_copy(update={k: v for k, v in overrides.items() if v is not None})
-        if override_recipe:
-            deployment = deployment.model_copy(update={"override_recipe": True})
-        options = deployment_options(deployment, host.registry(), source=resolved.source)
+        choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe)
+        card, options = choice.card, choice.options
+        request = request.with_updates(model=card.model_id)
         engine = engine_for(deploy, host)
         # every input error surfaces before weights load
         resolve_request(
