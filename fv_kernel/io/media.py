@@ -7,6 +7,7 @@ clear :class:`MediaError`, not an ImportError from deep inside a request.
 from __future__ import annotations
 
 import io
+import tempfile
 import wave
 from pathlib import Path
 
@@ -14,11 +15,42 @@ import torch
 
 from fv_kernel.errors import FvError
 
-__all__ = ["MediaError", "frames_to_uint8", "write_mp4", "encode_png", "write_png_frames", "write_tensor", "write_wav", "write_artifact"]
+__all__ = [
+    "MediaError", "check_output_path", "frames_to_uint8", "write_mp4", "write_gif", "encode_png", "write_png_frames",
+    "write_tensor", "write_wav", "write_artifact",
+]
 
 
 class MediaError(FvError):
     error_type = "media"
+
+
+def check_output_path(path: str | Path, suffixes: tuple[str, ...], *, param: str = "output") -> Path:
+    """``path`` if a file with one of ``suffixes`` can be written there, else a :class:`MediaError` naming ``param``.
+
+    Cheap and done before any compute: the suffix, an existing directory in the way, an
+    ancestor that is a file, and a real write probe in the nearest existing directory
+    (permissions, read-only mounts and pseudo file systems such as /proc all fail it).
+    """
+    path = Path(path).expanduser()
+    suffix = path.suffix.lower()
+    if suffix not in suffixes:
+        raise MediaError(
+            f"{param}: unsupported suffix {suffix or '(none)'!r} in {str(path)!r}; allowed: {', '.join(suffixes)}", param=param
+        )
+    if path.is_dir():
+        raise MediaError(f"{param}: {str(path)!r} is a directory", param=param)
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise MediaError(f"{param}: cannot write {str(path)!r}: {str(ancestor)!r} is not a directory", param=param)
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as exc:
+        raise MediaError(f"{param}: cannot create files in {str(ancestor)!r}: {exc.strerror or exc}", param=param) from None
+    return path
 
 
 def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:
@@ -54,6 +86,19 @@ def write_mp4(frames: torch.Tensor, fps: float, path: str | Path, *, crf: int = 
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+    return path
+
+
+def write_gif(frames: torch.Tensor, fps: float, path: str | Path) -> Path:
+    """An animated GIF (Pillow) that loops forever; GIF frame durations are whole milliseconds."""
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise MediaError(f"writing GIF needs Pillow (pip install 'fv-kernel[media]'): {exc}") from None
+    images = [Image.fromarray(frame) for frame in frames_to_uint8(frames).numpy()]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images[0].save(path, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
     return path
 
 
@@ -104,7 +149,7 @@ def write_wav(samples: torch.Tensor, sample_rate: int, path: str | Path) -> Path
 
 
 def write_artifact(artifact: object, path: str | Path) -> Path:
-    """Write a video artifact by the path's suffix: .mp4, .pt, .png (first frame) or a folder for PNG frames."""
+    """Write a video artifact by the path's suffix: .mp4, .gif, .pt, .png (first frame) or a folder for PNG frames."""
     from fv_kernel.request.artifacts import AudioArtifact, VideoArtifact
 
     path = Path(path)
@@ -115,6 +160,8 @@ def write_artifact(artifact: object, path: str | Path) -> Path:
     suffix = path.suffix.lower()
     if suffix == ".mp4":
         return write_mp4(artifact.frames, artifact.fps, path)
+    if suffix == ".gif":
+        return write_gif(artifact.frames, artifact.fps, path)
     if suffix == ".pt":
         return write_tensor(artifact.frames, path)
     if suffix == ".png":
@@ -125,6 +172,6 @@ def write_artifact(artifact: object, path: str | Path) -> Path:
         write_png_frames(artifact.frames, path)
         return path
     raise MediaError(
-        f"unsupported output suffix {suffix!r}; allowed: .mp4, .pt, .png, or a folder name without suffix for PNG frames",
+        f"unsupported output suffix {suffix!r}; allowed: .mp4, .gif, .pt, .png, or a folder name without suffix for PNG frames",
         param="output",
     )
