@@ -18,7 +18,7 @@ from fv_kernel.card.instance import build_instance
 from fv_kernel.card.validate import resolve_request
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
 from fv_kernel.errors import FvError, InvalidRequest
-from fv_kernel.io.media import MediaError, write_artifact
+from fv_kernel.io.media import MediaError, read_image, write_artifact
 from fv_kernel.plugins import PluginError
 from fv_kernel.request.artifacts import AudioArtifact, TextArtifact, VideoArtifact
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
@@ -35,25 +35,6 @@ _OUTPUT_SUFFIXES = (".mp4", ".pt", ".png")
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
-
-
-def load_image(path: Path) -> Any:
-    """An image file as a float (3, H, W) tensor in [0, 1], or a typed error naming ``image``."""
-    try:
-        from PIL import Image, UnidentifiedImageError
-    except ImportError:
-        raise InvalidRequest("image", "reading images needs Pillow (pip install 'fv-kernel[media]')") from None
-    import numpy as np
-    import torch
-
-    try:
-        with Image.open(path) as img:
-            rgb = np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0
-    except FileNotFoundError:
-        raise InvalidRequest("image", f"{path} does not exist") from None
-    except (UnidentifiedImageError, OSError) as exc:
-        raise InvalidRequest("image", f"{path} is not a readable image ({type(exc).__name__})", allowed="PNG, JPEG, WebP, ...") from None
-    return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
 
 
 def _validation_line(exc: ValidationError) -> str:
@@ -138,7 +119,7 @@ def generate(
         if negative_prompt:
             inputs.append(TextPart(text=negative_prompt, role="negative_prompt"))
         if image is not None:
-            inputs.append(ImagePart(image=load_image(image)))
+            inputs.append(ImagePart(image=read_image(image)))
         request = Request(
             model=model, task=chosen_task, inputs=tuple(inputs), precision=precision,  # type: ignore[arg-type]
             prompt_upsampling=upsample_prompt,

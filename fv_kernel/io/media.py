@@ -13,16 +13,34 @@ from pathlib import Path
 
 import torch
 
-from fv_kernel.errors import FvError
+from fv_kernel.errors import FvError, InvalidRequest
 
 __all__ = [
-    "MediaError", "check_output_path", "frames_to_uint8", "write_mp4", "write_gif", "encode_png", "write_png_frames",
+    "MediaError", "read_image", "check_output_path", "frames_to_uint8", "write_mp4", "write_gif", "encode_png", "write_png_frames",
     "write_tensor", "write_wav", "write_artifact",
 ]
 
 
 class MediaError(FvError):
     error_type = "media"
+
+
+def read_image(path: str | Path) -> torch.Tensor:
+    """An image file as a float (3, H, W) tensor in [0, 1], or a typed error naming ``image``."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise InvalidRequest("image", "reading images needs Pillow (pip install 'fv-kernel[media]')") from None
+    import numpy as np
+
+    try:
+        with Image.open(path) as img:
+            rgb = np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0
+    except FileNotFoundError:
+        raise InvalidRequest("image", f"{path} does not exist") from None
+    except (UnidentifiedImageError, OSError) as exc:
+        raise InvalidRequest("image", f"{path} is not a readable image ({type(exc).__name__})", allowed="PNG, JPEG, WebP, ...") from None
+    return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
 
 
 def check_output_path(path: str | Path, suffixes: tuple[str, ...], *, param: str = "output") -> Path:
