@@ -36,6 +36,7 @@ from fv_kernel.card.spec import (
     RecipeSpec,
     SamplerBinding,
     StepCostSpec,
+    TokenGridRule,
 )
 from fv_kernel.card.validate import RequestLimits, resolve_for_instance, resolve_request, select_denoise_loop
 from fv_kernel.errors import (

@@ -39,6 +39,7 @@ __all__ = [
     "ParallelismContract",
     "PrecisionContract",
     "FrameRule",
+    "TokenGridRule",
     "GenerationDefaults",
     "CapabilityMatrix",
     "ModelCard",
@@ -101,11 +102,23 @@ class ComponentSpec(_Spec):
     precision_policy: PrecisionPolicy = PrecisionPolicy()
     #: Parity tests that cover this component (test node ids).
     parity_tests: tuple[str, ...] = ()
+    #: How many weight elements (parameters and buffers) the built component holds: a count, or a
+    #: ``"module:function"`` taking this ComponentSpec and returning the count (e.g. the module built
+    #: on the meta device). The pre-flight (``fv_kernel.card.preflight``) charges them at the
+    #: component's dtype before anything is built. None: unknown (not counted); 0: no weights.
+    parameters: int | str | None = None
 
     @field_validator("builder")
     @classmethod
     def _check_builder(cls, value: str) -> str:
         return ImportString(value)
+
+    @field_validator("parameters")
+    @classmethod
+    def _check_parameters(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"parameters must be >= 0, got {value}")
+        return ImportString(value) if isinstance(value, str) else value
 
     @field_validator("config_schema")
     @classmethod
@@ -358,6 +371,41 @@ class FrameRule(_Spec):
         return f"{self.modulus}k+{self.remainder} (e.g. {self.remainder + self.modulus}, {self.remainder + 4 * self.modulus})"
 
 
+class TokenGridRule(_Spec):
+    """The model's positional table bounds its token grid (Wan: a RoPE table of
+    ``rope_max_seq_len`` positions per axis): at most ``max_per_axis`` tokens along time,
+    height and width.
+
+    A request of ``frames x height x width`` makes a grid of
+    ``(((frames - 1) // frames_per_latent + 1) // latent_frames_per_token,
+    height // pixels_per_token, width // pixels_per_token)``.
+    """
+
+    max_per_axis: int = Field(gt=0)
+    #: The VAE's temporal compression (Wan: 4, so 4k+1 frames are k+1 latent frames).
+    frames_per_latent: int = Field(default=1, ge=1)
+    #: The transformer's temporal patch size.
+    latent_frames_per_token: int = Field(default=1, ge=1)
+    #: The VAE's spatial compression times the transformer's spatial patch size.
+    pixels_per_token: int = Field(ge=1)
+
+    def grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """The (time, height, width) token grid of a request."""
+        latent_frames = (frames - 1) // self.frames_per_latent + 1
+        return (latent_frames // self.latent_frames_per_token, height // self.pixels_per_token,
+                width // self.pixels_per_token)
+
+    @property
+    def max_frames(self) -> int:
+        """The most frames whose time axis fits the table."""
+        return (self.max_per_axis * self.latent_frames_per_token - 1) * self.frames_per_latent + 1
+
+    @property
+    def max_side(self) -> int:
+        """The largest height (or width) that is a whole number of tokens and fits the table."""
+        return self.max_per_axis * self.pixels_per_token
+
+
 class GenerationDefaults(_Spec):
     height: int = Field(gt=0)
     width: int = Field(gt=0)
@@ -379,8 +427,35 @@ class CapabilityMatrix(_Spec):
     frame_rule: FrameRule = FrameRule()
     max_frames: int | None = None
     max_pixels: int | None = None
+    #: The most denoise steps a request may ask for (the sampler's schedule length, or what
+    #: the card's owner will let one request run); None: no card bound.
+    max_steps: int | None = Field(default=None, gt=0)
+    #: The frame rates the card's output may be labelled with, inclusive; None: no bound.
+    min_fps: float | None = Field(default=None, gt=0)
+    max_fps: float | None = Field(default=None, gt=0)
+    #: The token grid the model can position (None: unbounded).
+    token_grid: TokenGridRule | None = None
     #: Whether the card's loops use classifier-free guidance at all.
     uses_guidance: bool = True
+
+    @model_validator(mode="after")
+    def _defaults_within_bounds(self) -> "CapabilityMatrix":
+        if self.min_fps is not None and self.max_fps is not None and self.min_fps > self.max_fps:
+            raise ValueError(f"min_fps {self.min_fps:g} is above max_fps {self.max_fps:g}")
+        d = self.defaults
+        if d is None:
+            return self
+        if self.max_steps is not None and d.steps > self.max_steps:
+            raise ValueError(f"defaults.steps {d.steps} is above max_steps {self.max_steps}")
+        if (self.min_fps is not None and d.fps < self.min_fps) or (self.max_fps is not None and d.fps > self.max_fps):
+            raise ValueError(f"defaults.fps {d.fps:g} is outside [min_fps, max_fps] = [{self.min_fps}, {self.max_fps}]")
+        if self.token_grid is not None and max(self.token_grid.grid(d.frames, d.height, d.width)) > self.token_grid.max_per_axis:
+            raise ValueError(
+                f"defaults ({d.frames} frames, {d.width}x{d.height}) make a token grid of "
+                f"{self.token_grid.grid(d.frames, d.height, d.width)}, beyond token_grid.max_per_axis "
+                f"{self.token_grid.max_per_axis}"
+            )
+        return self
 
 
 class ModelCard(_Spec):

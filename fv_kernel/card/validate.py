@@ -15,13 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from fv_kernel.card.spec import LoopSpec, ModelCard
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.loop.samplers import _short_name, registered_samplers
-from fv_kernel.request.request import DiffusionParams, Request
+from fv_kernel.request.request import _REQUIRED_PARTS, DiffusionParams, Request
 from fv_kernel.request.types import TaskType
 
 if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.card.instance import ModelInstance
 
-__all__ = ["RequestLimits", "resolve_request", "resolve_for_instance", "select_denoise_loop", "describe_loop", "allowed_samplers"]
+__all__ = [
+    "RequestLimits", "resolve_request", "resolve_for_instance", "select_denoise_loop", "describe_loop", "allowed_samplers",
+    "reasoner_loops",
+]
 
 _DIFFUSION_TASKS = frozenset(TaskType) - {TaskType.TEXT_GENERATION}
 
@@ -126,6 +129,48 @@ def _check_precision(card: ModelCard, request: Request, allow_recipe_mismatch: b
         )
 
 
+def reasoner_loops(card: ModelCard) -> list[str]:
+    """The card's autoregressive decode loops: what rewrites a prompt (``prompt_upsampling``)."""
+    return sorted(loop_id for loop_id, spec in card.loops.items() if spec.kind == "ar_decode")
+
+
+def _check_text(card: ModelCard, request: Request) -> None:
+    if "text" in _REQUIRED_PARTS[request.task] and not (request.text("prompt") or "").strip():
+        raise InvalidRequest("prompt", f"task {request.task.value!r} needs a prompt; it is empty", allowed="non-blank text")
+    if request.prompt_upsampling and not reasoner_loops(card):
+        raise InvalidRequest(
+            "prompt_upsampling",
+            f"card {card.model_id!r} has no reasoner (an ar_decode loop) to rewrite the prompt",
+            allowed="omit it, or a card with an ar_decode loop",
+        )
+
+
+def _check_shape(card: ModelCard, filled: DiffusionParams) -> None:
+    """The card's declared bounds on steps, fps and the token grid."""
+    caps = card.capabilities
+    if caps.max_steps is not None and filled.steps is not None and filled.steps > caps.max_steps:
+        raise InvalidRequest("steps", f"{filled.steps} exceeds the maximum of card {card.model_id!r}", allowed=f"1..{caps.max_steps}")
+    if filled.fps is not None and (
+        (caps.min_fps is not None and filled.fps < caps.min_fps) or (caps.max_fps is not None and filled.fps > caps.max_fps)
+    ):
+        low = f"{caps.min_fps:g}" if caps.min_fps is not None else "0 (exclusive)"
+        high = f"{caps.max_fps:g}" if caps.max_fps is not None else "any"
+        raise InvalidRequest("fps", f"{filled.fps:g} is outside the frame-rate range of card {card.model_id!r}", allowed=f"{low}..{high}")
+    rule = caps.token_grid
+    if rule is None or filled.frames is None or filled.height is None or filled.width is None:
+        return
+    grid = rule.grid(filled.frames, filled.height, filled.width)
+    for axis, (field, tokens) in enumerate(zip(("frames", "height", "width"), grid)):
+        if tokens > rule.max_per_axis:
+            limit = rule.max_frames if axis == 0 else rule.max_side
+            raise InvalidRequest(
+                field,
+                f"{filled.frames} frames at {filled.width}x{filled.height} make a token grid of {grid} on "
+                f"{card.model_id!r}, beyond its positional table of {rule.max_per_axis} per axis",
+                allowed=f"{field} <= {limit}",
+            )
+
+
 def _check_modalities(card: ModelCard, request: Request) -> None:
     asked = request.output.modalities
     returns = card.artifact_kinds(request.task)
@@ -166,6 +211,7 @@ def resolve_request(
         raise InvalidRequest(
             "task", f"card {card.model_id!r} cannot run {request.task.value!r}", allowed=sorted(t.value for t in caps.tasks)
         )
+    _check_text(card, request)
     _check_precision(card, request, allow_recipe_mismatch)
     _check_modalities(card, request)
     if request.task is TaskType.TEXT_GENERATION:
@@ -185,6 +231,7 @@ def resolve_request(
     _check_sampler(card, request, samplers)
     defaults = caps.defaults
     if defaults is None:
+        _check_shape(card, d)
         return request
     frames = 1 if request.task is TaskType.TEXT_TO_IMAGE and d.frames is None else (d.frames or defaults.frames)
     filled = DiffusionParams(
@@ -215,6 +262,7 @@ def resolve_request(
     for cap, where in ((caps.max_pixels, "the card's"), (limits.max_pixels, "this deployment's")):
         if cap is not None and pixels > cap:
             raise InvalidRequest("size", f"{filled.width}x{filled.height} exceeds {where} maximum of {cap} pixels", allowed=f"width*height <= {cap}")
+    _check_shape(card, filled)
     if limits.max_steps is not None and filled.steps is not None and filled.steps > limits.max_steps:
         raise InvalidRequest("steps", f"{filled.steps} exceeds this deployment's limit", allowed=f"<= {limits.max_steps}")
     return request.with_updates(diffusion=filled)

@@ -34,6 +34,8 @@ __all__ = ["CARD_IDS", "cosmos3_card", "cosmos3_cards", "tiny_vae_config"]
 CARD_IDS = ("cosmos3-tiny", "cosmos3-nano", "cosmos3-super")
 _PKG = "fv_cosmos3"
 _PROGRAM = f"{_PKG}.program:Cosmos3Program"
+#: Weight elements of a component, counted on the meta device when the pre-flight asks (not at card build).
+_COUNT = f"{_PKG}.footprint:parameter_count"
 
 T = TaskType
 _VIDEO_TASKS = frozenset({T.TEXT_TO_VIDEO, T.TEXT_TO_IMAGE, T.IMAGE_TO_VIDEO, T.TEXT_TO_VIDEO_AUDIO})
@@ -75,8 +77,10 @@ def cosmos3_card(model_id: str) -> ModelCard:
         vae = WanVAEConfig.wan22()
         sound = Cosmos3AudioDecoderConfig()
         tokenizer = {"kind": "hf", "max_sequence_tokens": 8192, "upsample_max_tokens": 512}
-        # The reference T2V recipe: 35 UniPC steps, guidance 6, shift 10, 1280x720, 189 frames at 24 fps.
-        defaults = GenerationDefaults(height=720, width=1280, frames=189, fps=24.0, steps=35, guidance=6.0, shift=10.0)
+        # The reference T2V recipe: 35 UniPC steps, guidance 6, shift 10, 189 frames at 24 fps, at 1280x720. 720 is
+        # not a multiple of this card's spatial_multiple (16x VAE x patch 2 = 32), so the default height is the
+        # nearest multiple below it, 704 (as Wan 2.2 TI2V-5B's 1280x704); a request may still ask for 736.
+        defaults = GenerationDefaults(height=704, width=1280, frames=189, fps=24.0, steps=35, guidance=6.0, shift=10.0)
         budget = 8 * 2**30
 
     def seed(n: int) -> int | None:
@@ -85,16 +89,17 @@ def cosmos3_card(model_id: str) -> ModelCard:
     components = {
         "transformer": ComponentSpec(
             component_id="transformer", kind="transformer", builder=f"{_PKG}.models.mot:Cosmos3MoT", config=_dump(mot),
-            precision_policy=PrecisionPolicy(keep_fp32_modules=("time_embedder",)),
+            precision_policy=PrecisionPolicy(keep_fp32_modules=("time_embedder",)), parameters=_COUNT,
             parity_tests=("tests/test_parity_reasoner.py", "tests/test_parity_generator.py", "tests/test_c1_text.py",
                           "tests/test_c1_video.py"),
         ),
         "tokenizer": ComponentSpec(component_id="tokenizer", kind="tokenizer", builder=f"{_PKG}.models.tokenizer:ByteTokenizer",
-                                   config=tokenizer),
-        "vae": ComponentSpec(component_id="vae", kind="vae", builder="fv_wan.models.vae:WanVAE", config=_dump(vae)),
+                                   config=tokenizer, parameters=0),
+        "vae": ComponentSpec(component_id="vae", kind="vae", builder="fv_wan.models.vae:WanVAE", config=_dump(vae),
+                             parameters=_COUNT),
         "sound_decoder": ComponentSpec(
             component_id="sound_decoder", kind="audio_decoder", builder=f"{_PKG}.models.audio_vae:Cosmos3AudioDecoder",
-            config=_dump(sound), parity_tests=("tests/test_parity_audio.py",),
+            config=_dump(sound), parity_tests=("tests/test_parity_audio.py",), parameters=_COUNT,
         ),
     }
     checkpoint = CheckpointManifest(
@@ -159,6 +164,8 @@ def cosmos3_card(model_id: str) -> ModelCard:
             tasks=_ALL_TASKS, defaults=defaults,
             spatial_multiple=vae.spatial_compression * mot.latent_patch_size,
             frame_rule=FrameRule(modulus=vae.temporal_compression, remainder=1),
+            # The schedule has 1000 training timesteps; fps labels the video and times its sound.
+            max_steps=1000, min_fps=1.0, max_fps=120.0,
         ),
         recipe=RecipeSpec(method="base"),
         parity=ParitySpec(

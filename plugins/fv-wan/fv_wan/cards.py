@@ -28,6 +28,7 @@ from fv_kernel.api import (
     SamplerBinding,
     StepCostSpec,
     TaskType,
+    TokenGridRule,
 )
 from fv_wan.models.transformer import WanTransformerConfig
 from fv_wan.models.vae import WanVAEConfig
@@ -166,6 +167,12 @@ def _components(
     return components, checkpoint
 
 
+#: Bounds every Wan card declares: steps up to the schedule's 1000 training timesteps, and
+#: the frame rates an MP4 of it may be labelled with.
+WAN_MAX_STEPS = 1000
+WAN_FPS_RANGE = (1.0, 120.0)
+
+
 def _card(
     model_id: str, *, summary: str, transformer: WanTransformerConfig, vae: WanVAEConfig, tasks: frozenset[TaskType],
     defaults: GenerationDefaults, source: str | None, recipe: RecipeSpec | None = None, cost: StepCostSpec = COST_1_3B,
@@ -214,6 +221,13 @@ def _card(
             tasks=tasks, defaults=defaults, spatial_multiple=spatial,
             frame_rule=FrameRule(modulus=vae.temporal_compression, remainder=1), max_frames=max_frames,
             uses_guidance=uses_guidance,
+            # The schedule has 1000 training timesteps; fps only labels the written video.
+            max_steps=WAN_MAX_STEPS, min_fps=WAN_FPS_RANGE[0], max_fps=WAN_FPS_RANGE[1],
+            # The RoPE table holds rope_max_seq_len positions per axis of the token grid.
+            token_grid=TokenGridRule(
+                max_per_axis=transformer.rope_max_seq_len, frames_per_latent=vae.temporal_compression,
+                latent_frames_per_token=transformer.patch_size[0], pixels_per_token=spatial,
+            ),
         ),
         recipe=recipe or RecipeSpec(method="base", data_contract="Wan-AI release"),
         parity=parity,
