@@ -15,6 +15,7 @@ from fv_kernel.card.buildcheck import BuildProblem, InvalidCard, check_card_buil
 from fv_kernel.card.catalog import CardCatalog, ResolvedModel
 from fv_kernel.card.checkpoint import apply_key_map, dtype_for_key, load_into, read_safetensors, resolve_source
 from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp, build_instance, import_object
+from fv_kernel.card.preflight import InsufficientMemory, PreflightReport, preflight
 from fv_kernel.card.spec import (
     CacheContract,
     CapabilityMatrix,

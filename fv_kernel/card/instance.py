@@ -161,14 +161,23 @@ class ModelInstance:
         needed = [c for c in self.card.checkpoint.components_for(task) if c not in self.components]
         if not needed:
             return
+        self._preflight(needed)
         with self._lock:
             for component_id in needed:
                 if component_id not in self.components:
                     self.components[component_id] = self.component_loader(component_id)
             self._ops = self.ops_builder(self)
 
+    def _preflight(self, component_ids: Sequence[str]) -> None:
+        """Before loading: the components' checkpoint source is there and their weights fit
+        (``fv_kernel.card.preflight``); a one-line typed error otherwise, nothing allocated."""
+        from fv_kernel.card.preflight import preflight
+
+        preflight(self.card, self.options, component_ids=component_ids)
+
     def component(self, component_id: str) -> Any:
         if component_id not in self.components:
+            self._preflight([component_id])
             with self._lock:
                 if component_id not in self.components:
                     self.components[component_id] = self.component_loader(component_id)

@@ -15,6 +15,7 @@ import typer
 from pydantic import ValidationError
 
 from fv_kernel.card.instance import build_instance
+from fv_kernel.card.preflight import preflight
 from fv_kernel.card.validate import resolve_request
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
 from fv_kernel.errors import FvError, InvalidRequest
@@ -150,6 +151,8 @@ def generate(
             card, request, deploy.limits, allow_recipe_mismatch=options.allow_recipe_mismatch,
             samplers=host.registry().sampler_names(),
         )
+        # the checkpoint source is there and the weights fit, before anything is built
+        preflight(card, options, (request.task,))
         instance = build_instance(card, options)
         if instance.recipe_overrides:
             typer.echo(

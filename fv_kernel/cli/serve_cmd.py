@@ -17,7 +17,7 @@ from fv_kernel.cli.deploy_options import ConfigOption
 if TYPE_CHECKING:  # the config imports the engine (torch); the CLI root must stay light
     from fv_kernel.config import DeployConfig
 
-__all__ = ["serve", "resolve_serve_config"]
+__all__ = ["serve", "resolve_serve_config", "preflight_cards"]
 
 
 def resolve_serve_config(
@@ -50,6 +50,21 @@ def resolve_serve_config(
         return config
     # Re-validate, so a bad override is reported exactly like a bad config key.
     return DeployConfig.model_validate({**config.model_dump(), **updates})
+
+
+def preflight_cards(deploy: "DeployConfig", plugin_host: Any) -> None:
+    """Before any card is built: every configured card's checkpoint source is there and all their
+    weights fit their devices together (``fv_kernel.card.preflight``); one typed error otherwise."""
+    from fv_kernel.card.catalog import CardCatalog
+    from fv_kernel.card.preflight import preflight_deployment
+    from fv_kernel.runtime.deploy import deployment_options
+
+    catalog = CardCatalog(plugin_host)
+    plans = []
+    for deployment in deploy.cards:
+        resolved = catalog.resolve(deployment.model)
+        plans.append((resolved.card, deployment_options(deployment, plugin_host.registry(), source=resolved.source)))
+    preflight_deployment(plans)
 
 
 def serve(
@@ -88,6 +103,7 @@ def serve(
                 raise typer.Exit(2)
             deploy = deploy.model_copy(update={"cards": [{"model": default}]})
             deploy = DeployConfig.model_validate(deploy.model_dump())
+        preflight_cards(deploy, plugin_host)
         engine = build_engine(deploy, host=plugin_host)
     except (FvError, PluginError) as exc:
         fail(str(exc))

@@ -19,7 +19,7 @@ from fv_kernel.errors import CapacityError
 if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.card.instance import ModelInstance
 
-__all__ = ["device_key", "device_total_bytes", "module_bytes", "instance_resident_bytes"]
+__all__ = ["device_key", "device_total_bytes", "device_available_bytes", "module_bytes", "instance_resident_bytes"]
 
 
 def device_key(device: torch.device | str) -> str:
@@ -55,6 +55,36 @@ def device_total_bytes(device: torch.device | str) -> int:
         "(bytes, e.g. '40GiB') or 'unlimited' in the deploy config",
         param="memory_bytes",
     )
+
+
+def _meminfo_available_bytes() -> int | None:
+    """Linux's ``MemAvailable`` (what can be allocated without swapping), or None where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def device_available_bytes(device: torch.device | str) -> int:
+    """Memory that can still be allocated on ``device`` now: the GPU's free memory for CUDA, the
+    machine's available RAM for CPU (``MemAvailable``; the total where the OS does not report it).
+
+    Raises :class:`CapacityError` where fv cannot read it (as :func:`device_total_bytes`).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free, _total = torch.cuda.mem_get_info(index)
+        return int(free)
+    if device.type == "cpu":
+        available = _meminfo_available_bytes()
+        if available is not None:
+            return available
+    return device_total_bytes(device)
 
 
 def module_bytes(module: Any, device: torch.device | str | None = None) -> int:

@@ -23,6 +23,7 @@ from torch import nn
 
 from fv_kernel.api import (
     torch_dtype,
+    CheckpointKeyError,
     CheckpointNotFound,
     InstanceOptions,
     ModelCard,
@@ -36,6 +37,7 @@ from fv_kernel.api import (
 )
 from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT, TextKV, from_unified_state_dict
 from fv_cosmos3.models.audio_vae import Cosmos3AudioDecoder, Cosmos3AudioDecoderConfig
+from fv_cosmos3.models.layers import MRoPE
 from fv_cosmos3.models.tokenizer import ByteTokenizer, HFChatTokenizer
 from fv_wan.models.vae import WanVAE, WanVAEConfig
 
@@ -107,24 +109,28 @@ def _load_component(card: ModelCard, options: InstanceOptions, component_id: str
             raise CheckpointNotFound(f"card {card.model_id!r} needs a checkpoint source (--model PATH)", param="model")
         folder = resolve_source(source, subfolder=ckpt.subfolder if ckpt else "", local_files_only=options.local_files_only)
         return HFChatTokenizer(AutoTokenizer.from_pretrained(str(folder)))
-    module: nn.Module
-    if component_id == "transformer":
-        module = Cosmos3MoT(Cosmos3Config(**spec.config))
-    elif component_id == "vae":
-        module = WanVAE(WanVAEConfig(**spec.config))
-    elif component_id == "sound_decoder":
-        module = Cosmos3AudioDecoder(Cosmos3AudioDecoderConfig(**spec.config))
-    else:
+    builders = {
+        "transformer": lambda: Cosmos3MoT(Cosmos3Config(**spec.config)),
+        "vae": lambda: WanVAE(WanVAEConfig(**spec.config)),
+        "sound_decoder": lambda: Cosmos3AudioDecoder(Cosmos3AudioDecoderConfig(**spec.config)),
+    }
+    if component_id not in builders:
         raise KeyError(f"card {card.model_id!r} has no loadable component {component_id!r}")
     if ckpt is not None and ckpt.random_init_seed is not None:
-        seeded_init(module, ckpt.random_init_seed)
+        # Seeded random weights exist only for embedded cards (cosmos3-tiny); a real-size card never gets here.
+        module = seeded_init(builders[component_id](), ckpt.random_init_seed)
         return module.to(device=options.device, dtype=dtype).eval().requires_grad_(False)
     source = options.source or card.checkpoint.source
     if source is None:
         raise CheckpointNotFound(
             f"card {card.model_id!r} has no default checkpoint source; pass a local checkpoint directory", param="model"
         )
+    # The source first, then the module on the meta device: its weights are allocated once, by
+    # load_into, in their final dtype (building it on the CPU first would allocate a full
+    # random-initialised copy: ~21 GB for Nano before a single checkpoint byte is read).
     folder = resolve_source(source, subfolder=ckpt.subfolder if ckpt else "", local_files_only=options.local_files_only)
+    with torch.device("meta"):
+        module = builders[component_id]()
     state = read_safetensors(folder)
     if component_id == "transformer":
         # Accepts the diffusers layout and the unified/transformers reasoner names (declared key maps).
@@ -133,6 +139,13 @@ def _load_component(card: ModelCard, options: InstanceOptions, component_id: str
         state = {k: v for k, v in state.items() if k.startswith("decoder.")}
     keep = spec.precision_policy.keep_fp32_modules
     load_into(module, state, component=component_id, dtype=dtype, keep_fp32=keep, device=options.device)
+    if isinstance(module, Cosmos3MoT):
+        # The RoPE tables are non-persistent buffers (in no checkpoint): computed again, in fp32, on the device.
+        config = Cosmos3Config(**spec.config)
+        module.rotary_emb = MRoPE(config.head_dim, config.rope_theta, config.rope_axes_dim).to(options.device)
+    left_on_meta = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if left_on_meta:
+        raise CheckpointKeyError(component_id, left_on_meta, [])
     return module.eval().requires_grad_(False)
 
 

@@ -69,6 +69,8 @@ TRANSFORMER_SCHEMA = "fv_wan.models.transformer:WanTransformerConfig.from_diffus
 VAE_SCHEMA = "fv_wan.models.vae:WanVAEConfig.from_diffusers_config"
 TEXT_ENCODER_SCHEMA = "fv_wan.component_configs:WanTextEncoderConfig"
 IMAGE_ENCODER_SCHEMA = "fv_wan.component_configs:WanImageEncoderConfig"
+#: ``ComponentSpec.parameters`` of every component: its weight elements, counted on the meta device.
+PARAMETER_COUNT = "fv_wan.footprint:parameter_count"
 
 TINY_CARD_IDS = ("wan-tiny", "wan-tiny-i2v", "wan-tiny-ti2v", "wan-tiny-a14b", "fastwan-tiny")
 
@@ -164,6 +166,8 @@ def _components(
                                                     config_schema=IMAGE_ENCODER_SCHEMA, precision_policy=PrecisionPolicy(dtype="fp32"))
         checkpoint["image_encoder"] = ComponentCheckpoint(subfolder="image_encoder", required_for=frozenset({I2V}),
                                                           random_init_seed=5 if tiny else None)
+    # Every component's weight count, for the kernel's pre-flight memory check (counted when it asks).
+    components = {k: c.model_copy(update={"parameters": PARAMETER_COUNT}) for k, c in components.items()}
     return components, checkpoint
 
 

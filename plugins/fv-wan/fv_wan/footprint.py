@@ -32,7 +32,12 @@ real dimensions, mirroring what fv-wan's modules allocate:
   config: per row the attention scores, position bias and softmax (heads x L x L) and
   the gated FFN.
 
-Each figure is multiplied by :data:`ALLOWANCE` for what is not modelled (allocator
+* **Weights** (:func:`parameter_count`): each component's weight elements, the module
+  built on the meta device as ``fv_wan.instance`` loads it (one half of the VAE; the
+  released UMT5-XXL / CLIP ViT-H/14 encoders for real cards). Cards declare it as
+  ``ComponentSpec.parameters``; the kernel's pre-flight refuses weights that do not fit.
+
+Each activation figure is multiplied by :data:`ALLOWANCE` for what is not modelled (allocator
 rounding, library workspaces, small temporaries). ``bench/bench_footprint.py``
 measures the same calls on a GPU; ``docs/architecture.md`` ("Admission") has the
 numbers.
@@ -41,9 +46,16 @@ numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
-from fv_wan.models.transformer import WanTransformerConfig
-from fv_wan.models.vae import WanVAEConfig
+from fv_wan.models.transformer import WanTransformer, WanTransformerConfig
+from fv_wan.models.vae import WanVAE, WanVAEConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from fv_kernel.api import ComponentSpec
 
 __all__ = [
     "ALLOWANCE",
@@ -54,6 +66,7 @@ __all__ = [
     "vae_encode_peak_bytes",
     "text_encoder_peak_bytes",
     "image_encoder_peak_bytes",
+    "parameter_count",
 ]
 
 #: Margin on every modelled peak for what the model leaves out (allocator rounding, cuBLAS /
@@ -223,3 +236,62 @@ def image_encoder_peak_bytes(hidden: int, tokens: int) -> int:
     """CLIP vision tower (fp32) over one image's ``tokens`` patches: hidden states, q/k/v, the 4x MLP, scores."""
     heads = max(hidden // 80, 1)
     return int(ALLOWANCE * _FP32 * (tokens * 12 * hidden + 3 * heads * tokens * tokens))
+
+
+# --------------------------------------------------------------------------- weights
+
+#: The released encoders a real card loads with ``from_pretrained`` (its card config does not carry them):
+#: UMT5-XXL's encoder (``google/umt5-xxl``, as Wan's text_encoder/config.json) and the CLIP ViT-H/14
+#: vision tower of Wan 2.1 I2V (image_encoder/config.json).
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                relative_attention_num_buckets=32, feed_forward_proj="gated-gelu")
+CLIP_VIT_H14 = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                    image_size=224, patch_size=14, projection_dim=1024, hidden_act="gelu")
+
+
+def _elements(module: "torch.nn.Module") -> int:
+    return sum(t.numel() for t in module.parameters()) + sum(t.numel() for t in module.buffers())
+
+
+@lru_cache(maxsize=64)
+def _meta_count(kind: str, component_id: str, config_json: str) -> int:
+    import torch
+
+    from fv_kernel.api import ComponentSpec, parse_component_config
+
+    spec = ComponentSpec.model_validate_json(config_json)
+    with torch.device("meta"):
+        if kind == "dit":
+            return _elements(WanTransformer(parse_component_config(spec, WanTransformerConfig.from_diffusers_config)))
+        if kind == "vae":
+            vae = WanVAE(parse_component_config(spec, WanVAEConfig.from_diffusers_config))
+            # fv_wan.instance.load_vae keeps one half: the encoder (+ quant_conv) or the decoder (+ post_quant_conv).
+            dropped = ("decoder", "post_quant_conv") if component_id == "vae_encoder" else ("encoder", "quant_conv")
+            return _elements(vae) - sum(_elements(getattr(vae, name)) for name in dropped)
+        if kind == "text_encoder":
+            from transformers import UMT5Config, UMT5EncoderModel
+
+            from fv_wan.component_configs import WanTextEncoderConfig
+            from fv_wan.models.encoders import WanTextEncoder
+
+            text = parse_component_config(spec, WanTextEncoderConfig.model_validate)
+            if text.tiny is not None:
+                return _elements(WanTextEncoder.tiny(0, **text.tiny.model_dump()))
+            return _elements(UMT5EncoderModel(UMT5Config(**UMT5_XXL)))
+        if kind == "image_encoder":
+            from transformers import CLIPVisionConfig, CLIPVisionModel
+
+            from fv_wan.component_configs import WanImageEncoderConfig
+            from fv_wan.models.encoders import WanImageEncoder
+
+            image = parse_component_config(spec, WanImageEncoderConfig.model_validate)
+            if image.tiny is not None:
+                return _elements(WanImageEncoder.tiny(0, **image.tiny.model_dump()))
+            return _elements(CLIPVisionModel(CLIPVisionConfig(**CLIP_VIT_H14)))
+    raise KeyError(f"fv-wan counts no weights of component kind {kind!r}")
+
+
+def parameter_count(spec: "ComponentSpec") -> int:
+    """Weight elements (parameters and buffers) of a Wan component as ``fv_wan.instance`` loads it,
+    counted on the meta device (nothing allocated); the card's ``ComponentSpec.parameters``."""
+    return _meta_count(spec.kind, spec.component_id, spec.model_dump_json())
