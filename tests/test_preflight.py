@@ -94,7 +94,16 @@ def test_weights_that_do_not_fit_are_refused_before_any_component_is_built(
     assert "\n" not in message
     assert "needs 23.4 KiB for its weights" in message and "only 9.8 KiB is available" in message
     assert "lm 3.9 KiB fp32" in message and "on cpu" in message
+    assert message.endswith("use a device with more memory, a smaller card")  # toy cards support fp32 only
     assert builds == []  # refused before the loader ran
+
+
+def test_the_refusal_names_smaller_precisions_the_card_supports(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_memory(monkeypatch, 10_000)
+    card = counted_card()
+    card = card.model_copy(update={"precision": card.precision.model_copy(update={"supported": frozenset({"fp32", "bf16", "fp16"})})})
+    with pytest.raises(InsufficientMemory, match=r"a smaller card, or --precision bf16 / fp16$"):
+        preflight(card, InstanceOptions(), (T2V,))
 
 
 def test_lazy_loading_is_checked_too(monkeypatch: pytest.MonkeyPatch, builds: list[str]) -> None:

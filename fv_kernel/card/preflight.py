@@ -79,10 +79,11 @@ class InsufficientMemory(CapacityError):
         assert report.available_bytes is not None
         parts = ", ".join(f"{c.component_id} {format_bytes(c.bytes)} {c.precision}" for c in report.components if c.elements)
         others = f" on top of {format_bytes(reserved)} for the deployment's other cards" if reserved else ""
+        smaller = f", or --precision {' / '.join(report.smaller_precisions)}" if report.smaller_precisions else ""
         message = (
             f"card {report.model_id!r} needs {format_bytes(report.weights_bytes)} for its weights ({parts}){others} "
             f"on {report.device}, but only {format_bytes(report.available_bytes)} is available; "
-            "use a device with more memory, a smaller card, or a smaller --precision if the card supports one"
+            f"use a device with more memory, a smaller card{smaller}"
         )
         super().__init__(message, param="model")
         self.report = report
@@ -115,6 +116,8 @@ class PreflightReport:
     source: str | None
     #: What the device could still allocate; None where fv cannot read it (not checked).
     available_bytes: int | None
+    #: Precisions the card supports whose elements are smaller than the one asked for (named in the refusal).
+    smaller_precisions: tuple[str, ...] = ()
 
     @property
     def weights_bytes(self) -> int:
@@ -274,7 +277,8 @@ def check_memory(report: PreflightReport, *, reserved: int = 0) -> None:
 
 
 def _report(card: ModelCard, options: "InstanceOptions", component_ids: Sequence[str], source: str | None) -> PreflightReport:
-    counted, uncounted = weights_needed(card, component_ids, _precision(card, options))
+    precision = _precision(card, options)
+    counted, uncounted = weights_needed(card, component_ids, precision)
     try:
         available: int | None = device_available_bytes(options.device)
     except (CapacityError, RuntimeError, ValueError):  # a device fv cannot size: not checked
@@ -285,6 +289,10 @@ def _report(card: ModelCard, options: "InstanceOptions", component_ids: Sequence
         model_id=card.model_id, device=_device_name(options.device), components=tuple(counted),
         uncounted=tuple(c for c in uncounted if c in from_files and manifest.layout != "embedded"),
         source=source, available_bytes=available,
+        # (none when the recipe fixes the precision: another one would be a recipe mismatch)
+        smaller_precisions=() if card.recipe.assumes_precision is not None else tuple(
+            p for p in card.precisions if ELEMENT_BYTES[p] < ELEMENT_BYTES[precision]
+        ),
     )
 
 
