@@ -2,7 +2,8 @@
 
 The kernel holds the loop driver, the scheduler, the cache and the parity harness.
 Model families, interceptors, transports and integrations are plugins; plugins
-import from :mod:`fv_kernel.api` only.
+import from :mod:`fv_kernel.api` only. Users start with :func:`fv_kernel.load`
+(``import fv_kernel as fv; fv.load("wan-tiny").generate("a red fox").save("fox.mp4")``).
 """
 
 __version__ = "0.2.0"
@@ -11,4 +12,22 @@ __version__ = "0.2.0"
 #: (``kernel_api``); a plugin outside the range is refused at load.
 API_VERSION = "2.0"
 
-__all__ = ["API_VERSION", "__version__"]
+#: The Python façade (``fv_kernel.facade``), imported on first use: ``import fv_kernel`` stays
+#: light (no torch), so ``fv --help`` and plugin discovery do not pay for the runtime.
+_LAZY = {name: "fv_kernel.facade" for name in ("load", "VideoGenerator", "Video", "Finished", "GenerateOptions")}
+
+__all__ = ["API_VERSION", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    raise AttributeError(f"module 'fv_kernel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -108,7 +108,8 @@ def write_mp4(frames: torch.Tensor, fps: float, path: str | Path, *, crf: int = 
 
 
 def write_gif(frames: torch.Tensor, fps: float, path: str | Path) -> Path:
-    """An animated GIF (Pillow) that loops forever; GIF frame durations are whole milliseconds."""
+    """An animated GIF (Pillow) that loops forever. GIF stores frame durations in hundredths of a
+    second, so the rate is the nearest one that format can hold (8 fps plays at 120 ms a frame)."""
     try:
         from PIL import Image
     except ImportError as exc:
@@ -116,7 +117,7 @@ def write_gif(frames: torch.Tensor, fps: float, path: str | Path) -> Path:
     images = [Image.fromarray(frame) for frame in frames_to_uint8(frames).numpy()]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    images[0].save(path, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
+    images[0].save(path, format="GIF", save_all=True, append_images=images[1:], duration=max(1, round(100 / fps)) * 10, loop=0)
     return path
 
 

@@ -1,0 +1,478 @@
+"""The Python API a user reaches for first: one object, one call.
+
+    import fv_kernel as fv
+    gen = fv.load("wan-tiny")                  # what `fv generate --model` takes
+    video = gen.generate("a red fox", seed=7)
+    video.save("fox.mp4")
+
+A thin façade over the :class:`~fv_kernel.runtime.engine.Engine`: :func:`load` resolves the
+model exactly as ``fv generate`` does (:func:`~fv_kernel.runtime.model_resolution.resolve_model`,
+the deploy config's scheduler, limits and extensions through
+:func:`~fv_kernel.runtime.deploy.engine_for`), keeps one resident instance, and every call
+validates its keyword options through the kernel's request resolution (a typed
+:class:`~fv_kernel.errors.InvalidRequest` naming the option) before any compute. A list of
+prompts is submitted at once, so the one scheduler interleaves and batches their steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal, Sequence, TypedDict, Union, overload
+
+import torch
+from pydantic import ValidationError
+
+from fv_kernel.card.instance import ModelInstance, build_instance
+from fv_kernel.card.spec import ModelCard
+from fv_kernel.config import DeployConfig, load_deploy_config
+from fv_kernel.errors import InvalidRequest
+from fv_kernel.io.media import check_output_path, read_image, write_artifact
+from fv_kernel.plugins.host import PluginHost
+from fv_kernel.request.artifacts import Artifact, Provenance, VideoArtifact
+from fv_kernel.request.events import Event
+from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, OutputSpec, Request, TextPart
+from fv_kernel.request.types import TaskType
+from fv_kernel.runtime.deploy import engine_for
+from fv_kernel.runtime.engine import Engine, GenerationResult
+from fv_kernel.runtime.model_resolution import resolve_model
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["Finished", "GenerateOptions", "StreamEvent", "Video", "VideoGenerator", "load"]
+
+#: What :meth:`Video.save` writes, by suffix: H.264 MP4, an animated GIF, the first frame as
+#: PNG, or the raw float32 frames (F, 3, H, W) in [0, 1] via ``torch.save``.
+SAVE_SUFFIXES = (".mp4", ".gif", ".png", ".pt")
+
+
+class GenerateOptions(TypedDict, total=False):
+    """The keyword options of :meth:`VideoGenerator.generate` (and ``agenerate``/``stream``).
+
+    They mirror ``fv generate``'s flags; ``None`` (or leaving one out) means the card's
+    default. Any other keyword is an :class:`InvalidRequest` naming it.
+    """
+
+    negative_prompt: str | None
+    #: A file path, a float (3, H, W) tensor in [0, 1], or a PIL image; selects image-to-video.
+    image: Any
+    #: Declare the task; default: ``image_to_video`` with ``image``, else ``text_to_video``.
+    task: TaskType | str | None
+    height: int | None
+    width: int | None
+    frames: int | None
+    fps: float | None
+    steps: int | None
+    guidance: float | None
+    guidance_2: float | None
+    shift: float | None
+    sampler: str | None
+    seed: int
+    #: Must be the precision the generator was loaded in (``fv.load(precision=...)``).
+    precision: str | None
+    #: Rewrite the prompt with the card's reasoner first (cards that have one).
+    upsample_prompt: bool
+    #: Token budget of the prompt rewrite (the card's default if omitted).
+    max_tokens: int | None
+
+
+_OPTION_NAMES = frozenset(GenerateOptions.__annotations__)
+#: Request fields whose option has another name.
+_OPTION_FOR_FIELD = {"prompt_upsampling": "upsample_prompt"}
+
+
+@dataclass(frozen=True, repr=False)
+class Video:
+    """A generated video: ``frames`` (F, 3, H, W) float32 in [0, 1], ``fps`` and ``provenance``.
+
+    ``artifacts`` is everything the request returned (the video among them; an audio track
+    or the rewritten prompt where the card makes them).
+    """
+
+    artifact: VideoArtifact
+    artifacts: tuple[Artifact, ...]
+
+    @property
+    def frames(self) -> torch.Tensor:
+        return self.artifact.frames
+
+    @property
+    def fps(self) -> float:
+        return self.artifact.fps
+
+    @property
+    def provenance(self) -> Provenance:
+        return self.artifact.provenance
+
+    @property
+    def request_id(self) -> str:
+        return self.artifact.provenance.request_id
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the video by ``path``'s suffix: ``.mp4``, ``.gif``, ``.png`` (first frame) or ``.pt``.
+
+        The suffix and the destination are checked before anything is encoded (a typed
+        :class:`~fv_kernel.io.media.MediaError` naming ``path``); missing parent
+        directories are created. Returns the path written.
+        """
+        target = check_output_path(path, SAVE_SUFFIXES, param="path")
+        return write_artifact(self.artifact, target)
+
+    def __repr__(self) -> str:
+        f, _, h, w = self.frames.shape
+        return f"Video({f} frames, {w}x{h}, {self.fps:g} fps, request {self.request_id!r})"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of :meth:`VideoGenerator.stream`: the request completed with ``video``."""
+
+    request_id: str
+    video: Video
+    type: Literal["finished"] = "finished"
+
+
+#: What :meth:`VideoGenerator.stream` yields: the engine's typed events in order (queued,
+#: started, progress, preview ``media.chunk``s, ``artifact.ready``, ``request.completed``),
+#: then one :class:`Finished`.
+StreamEvent = Union[Event, Finished]
+
+
+def load(
+    model: str | None = None,
+    *,
+    config: str | os.PathLike[str] | DeployConfig | None = None,
+    device: str | None = None,
+    precision: str | None = None,
+    override_recipe: bool = False,
+    host: PluginHost | None = None,
+) -> "VideoGenerator":
+    """A generator for ``model``, its weights loaded: what ``fv generate --model`` takes.
+
+    ``model``: a card id (``fv cards list``), a card file (.json/.yaml), a local checkpoint
+    directory or a hub id; ``None``: the default card of the enabled plugins (as
+    ``fv generate`` without ``--model``). ``config``: a deploy config (path or
+    :class:`~fv_kernel.config.DeployConfig`), as ``--config``: its plugins, scheduler, limits
+    and extensions apply, and its ``cards`` entry for the model gives the instance options;
+    ``device``, ``precision`` and ``override_recipe`` win over it. ``host``: a plugin host to
+    use instead of the one the config selects. Every problem is a typed error naming its
+    field, raised before weights load where it can be.
+    """
+    deploy = config if isinstance(config, DeployConfig) else (DeployConfig() if config is None else load_deploy_config(config))
+    if host is None:
+        host = PluginHost(deploy.plugins)
+    host.start()
+    choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe)
+    engine = engine_for(deploy, host)
+    # Load the weights the plain call needs now, so a bad checkpoint fails here, not mid-request.
+    tasks = choice.card.capabilities.tasks
+    preload = next((t for t in (TaskType.TEXT_TO_VIDEO, TaskType.IMAGE_TO_VIDEO) if t in tasks), None)
+    options = choice.options.model_copy(update={"preload_tasks": (preload,) if preload else ()})
+    instance = build_instance(choice.card, options)
+    engine.add_instance(instance)
+    return VideoGenerator(engine, instance, host)
+
+
+class VideoGenerator:
+    """One resident card behind one Engine; made by :func:`load`.
+
+    ``generate`` blocks, ``agenerate`` is its coroutine, ``stream`` yields typed events.
+    Concurrent calls (a list of prompts, or several ``agenerate`` on one event loop) share
+    the engine's scheduler, which batches their steps. :attr:`engine` is the lower-level
+    API (observers, metrics, raw :class:`~fv_kernel.request.request.Request` s).
+    """
+
+    def __init__(self, engine: Engine, instance: ModelInstance, host: PluginHost) -> None:
+        self.engine = engine
+        self.instance = instance
+        self.host = host
+        #: Calls in flight on the engine's loop; the engine runs while there are any.
+        self._active = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def card(self) -> ModelCard:
+        return self.instance.card
+
+    @property
+    def model_id(self) -> str:
+        return self.instance.model_id
+
+    def __repr__(self) -> str:
+        return f"VideoGenerator({self.model_id!r} on {self.instance.device}, {self.instance.precision})"
+
+    # -- requests -------------------------------------------------------------------
+    def request(self, prompt: str, *, previews: bool = False, **options: Unpack[GenerateOptions]) -> Request:
+        """The validated :class:`Request` a call with these arguments runs (card defaults filled in).
+
+        Raises :class:`InvalidRequest` naming the option for anything the card or the
+        deployment does not accept; nothing is computed.
+        """
+        return self._validate(self._build(prompt, options, previews))
+
+    def _build(self, prompt: Any, options: dict[str, Any], previews: bool) -> Request:
+        unknown = sorted(set(options) - _OPTION_NAMES)
+        if unknown:
+            raise InvalidRequest(unknown[0], "is not an option of generate", allowed=sorted(_OPTION_NAMES))
+        if not isinstance(prompt, str):
+            raise InvalidRequest("prompt", f"expected text (or a list of texts), got {type(prompt).__name__}")
+        image = options.get("image")
+        task = _task(options.get("task")) or (TaskType.IMAGE_TO_VIDEO if image is not None else TaskType.TEXT_TO_VIDEO)
+        tasks = self.card.capabilities.tasks
+        if task not in tasks:  # before the request's own input rules, which would ask for the wrong thing
+            raise InvalidRequest("task", f"card {self.model_id!r} cannot run {task.value!r}", allowed=sorted(t.value for t in tasks))
+        seed = options.get("seed", 0)
+        inputs: list[Any] = [TextPart(text=prompt)]
+        negative = options.get("negative_prompt")
+        if negative is not None:
+            inputs.append(_typed("negative_prompt", lambda: TextPart(text=negative, role="negative_prompt")))
+        if image is not None:
+            inputs.append(_typed("image", lambda: ImagePart(image=_image_tensor(image))))
+        diffusion_fields = ("height", "width", "frames", "fps", "steps", "guidance", "guidance_2", "shift", "sampler")
+        diffusion = _typed("diffusion", lambda: DiffusionParams(
+            seed=seed, **{name: options[name] for name in diffusion_fields if options.get(name) is not None}
+        ))
+        upsample = options.get("upsample_prompt", False)
+        max_tokens = options.get("max_tokens")
+        ar = None
+        if upsample and max_tokens is not None:
+            ar = _typed("ar", lambda: ARParams(max_tokens=max_tokens, seed=seed))
+        request = _typed("request", lambda: Request(
+            model=self.model_id, task=task, inputs=tuple(inputs), diffusion=diffusion, ar=ar,
+            precision=options.get("precision"), prompt_upsampling=upsample,
+            output=OutputSpec(stream_previews=previews),
+        ))
+        returns = self.card.artifact_kinds(request.task)
+        if returns is not None and "video" not in returns:
+            makers = sorted(t.value for t in self.card.capabilities.tasks if "video" in (self.card.artifact_kinds(t) or ()))
+            raise InvalidRequest("task", f"task {request.task.value!r} of {self.model_id!r} makes no video", allowed=makers)
+        return request
+
+    def _requests(self, prompt: str | Sequence[str], options: dict[str, Any], previews: bool = False) -> list[Request]:
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else [prompt]
+        if not prompts:
+            raise InvalidRequest("prompt", "the list of prompts is empty", allowed="one text, or a non-empty list of texts")
+        strays = [(i, p) for i, p in enumerate(prompts) if not isinstance(p, str)]
+        if strays and not isinstance(prompt, str) and isinstance(prompt, (list, tuple)):
+            index, stray = strays[0]
+            raise InvalidRequest("prompt", f"item {index} of the list is a {type(stray).__name__}, expected text")
+        # Every request is validated before any is submitted: one bad prompt starts nothing.
+        return [self._validate(self._build(p, options, previews)) for p in prompts]
+
+    def _validate(self, request: Request) -> Request:
+        """The kernel's request resolution; its errors name the option, not the Request field."""
+        try:
+            return self.engine.validate(request)
+        except InvalidRequest as exc:
+            option = _OPTION_FOR_FIELD.get(exc.param or "")
+            if option is None:
+                raise
+            raise InvalidRequest(option, exc.message.removeprefix(f"{exc.param}: ")) from None
+
+    # -- running --------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _running(self) -> AsyncIterator[Engine]:
+        loop = asyncio.get_running_loop()
+        if self._active and self._loop is not loop:
+            raise RuntimeError("this generator is busy on another event loop; use one loop (or one thread) per generator")
+        if not self._active:
+            await self.engine.start()
+            self._loop = loop
+        self._active += 1
+        try:
+            yield self.engine
+        finally:
+            self._active -= 1
+            if not self._active:
+                await self.engine.stop()
+                self._loop = None
+
+    async def _run(self, requests: list[Request]) -> list[GenerationResult]:
+        async with self._running() as engine:
+            handles = []
+            try:
+                for request in requests:
+                    handles.append(engine.submit(request))
+                return list(await asyncio.gather(*(h.result() for h in handles)))
+            except BaseException:  # a refused submit, or the caller cancelled: stop what was started
+                for handle in handles:
+                    handle.cancel("the caller stopped waiting")
+                raise
+
+    @overload
+    def generate(self, prompt: str, **options: Unpack[GenerateOptions]) -> Video: ...
+    @overload
+    def generate(self, prompt: Sequence[str], **options: Unpack[GenerateOptions]) -> list[Video]: ...
+
+    def generate(self, prompt: str | Sequence[str], **options: Unpack[GenerateOptions]) -> Video | list[Video]:
+        """Generate one video per prompt; a list runs concurrently and comes back in order.
+
+        Every prompt of a list runs with the same options and seed, and its video is
+        bit-identical to generating that prompt alone. Bad options raise
+        :class:`InvalidRequest` naming the option before anything runs; a request that
+        fails while running raises :class:`~fv_kernel.errors.StepFailed`.
+
+        A single prompt runs inside the enabled plugins' ``fv_wrap_generate`` wrappers, as
+        ``fv generate`` does. Called inside a running event loop (a notebook), the work
+        runs on a private thread's loop; prefer :meth:`agenerate` there.
+        """
+        requests = self._requests(prompt, dict(options))
+        if isinstance(prompt, str):
+            (request,) = requests
+            result = self.host.hooks.wrap_generate(request, lambda req: _blocking(self._run([req]))[0])
+            return _video(result)
+        return [_video(r) for r in _blocking(self._run(requests))]
+
+    @overload
+    async def agenerate(self, prompt: str, **options: Unpack[GenerateOptions]) -> Video: ...
+    @overload
+    async def agenerate(self, prompt: Sequence[str], **options: Unpack[GenerateOptions]) -> list[Video]: ...
+
+    async def agenerate(self, prompt: str | Sequence[str], **options: Unpack[GenerateOptions]) -> Video | list[Video]:
+        """:meth:`generate` as a coroutine, on the caller's event loop.
+
+        Concurrent ``agenerate`` calls on one loop share the engine and batch like a list.
+        Cancelling the awaiting task cancels its requests at the next step boundary.
+        """
+        requests = self._requests(prompt, dict(options))
+        videos = [_video(r) for r in await self._run(requests)]
+        return videos[0] if isinstance(prompt, str) else videos
+
+    async def astream(self, prompt: str, *, previews: bool = True, **options: Unpack[GenerateOptions]) -> AsyncIterator[StreamEvent]:
+        """:meth:`stream` as an async iterator on the caller's event loop.
+
+        Close it early (``contextlib.aclosing``, or ``break`` then ``aclose()``) and the
+        request is cancelled at its next step boundary.
+        """
+        if not isinstance(prompt, str):
+            raise InvalidRequest("prompt", f"stream takes one prompt, got {type(prompt).__name__}; use generate for a list")
+        (request,) = self._requests(prompt, dict(options), previews)
+        async with self._running() as engine:
+            handle = engine.submit(request)
+            try:
+                async for event in handle.events():
+                    yield event
+                result = await handle.result()
+            finally:
+                handle.cancel("the stream was closed")  # a no-op once the request has ended
+        yield Finished(request_id=request.request_id, video=_video(result))
+
+    def stream(self, prompt: str, *, previews: bool = True, **options: Unpack[GenerateOptions]) -> Iterator[StreamEvent]:
+        """Run one prompt, yielding its typed events as they happen; the last is :class:`Finished`.
+
+        Progress events come per step of each loop; with ``previews`` the card's preview
+        frames come as ``media.chunk`` events. Options are validated before the first event
+        (a typed :class:`InvalidRequest`). A failed request raises after its
+        ``request.failed`` event. Stop iterating (``break``) and the request is cancelled
+        at its next step boundary.
+        """
+        if not isinstance(prompt, str):
+            raise InvalidRequest("prompt", f"stream takes one prompt, got {type(prompt).__name__}; use generate for a list")
+        self._requests(prompt, dict(options), previews)  # typed errors here, in the caller's thread
+        return self._stream_on_thread(prompt, previews, dict(options))
+
+    def _stream_on_thread(self, prompt: str, previews: bool, options: dict[str, Any]) -> Iterator[StreamEvent]:
+        events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        stop = threading.Event()
+
+        async def pump() -> None:
+            stream = self.astream(prompt, previews=previews, **options)
+            try:
+                async for event in stream:
+                    if stop.is_set():
+                        break
+                    events.put(("event", event))
+            finally:
+                await stream.aclose()
+
+        def work() -> None:
+            try:
+                asyncio.run(pump())
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer's thread
+                events.put(("error", exc))
+            else:
+                events.put(("end", None))
+
+        worker = threading.Thread(target=work, name="fv-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                kind, item = events.get()
+                if kind == "event":
+                    yield item
+                elif kind == "error":
+                    raise item
+                else:
+                    return
+        finally:
+            stop.set()  # the pump cancels the request at its next event, then the engine stops
+            worker.join()
+
+
+def _typed(field: str, build: Any) -> Any:
+    """``build()``, with a pydantic error turned into an InvalidRequest naming the option."""
+    try:
+        return build()
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        loc = [str(p) for p in error["loc"] if p not in ("diffusion", "ar")]
+        name = _OPTION_FOR_FIELD.get(loc[0], loc[0]) if loc and field in ("diffusion", "ar", "request") else field
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if "needs input part(s) ['image']" in message:
+            name, message = "image", message.split(";")[0] + " (pass image=)"
+        raise InvalidRequest(name, message) from None
+
+
+def _task(task: Any) -> TaskType | None:
+    if task is None or isinstance(task, TaskType):
+        return task
+    try:
+        return TaskType(task)
+    except ValueError:
+        raise InvalidRequest("task", f"{task!r} is not a task", allowed=[t.value for t in TaskType]) from None
+
+
+def _image_tensor(image: Any) -> torch.Tensor:
+    """``image`` as a float (3, H, W) tensor in [0, 1]: from a file path, a tensor or a PIL image."""
+    if isinstance(image, (str, os.PathLike)):
+        return read_image(image)
+    if isinstance(image, torch.Tensor):
+        return image
+    try:
+        from PIL import Image
+    except ImportError:  # without Pillow nothing can be a PIL image
+        Image = None  # type: ignore[assignment]
+    if Image is not None and isinstance(image, Image.Image):
+        import numpy as np
+
+        rgb = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+        return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+    raise InvalidRequest(
+        "image", f"got {type(image).__name__}", allowed="a file path, a float (3, H, W) tensor in [0, 1], or a PIL image"
+    )
+
+
+def _video(result: GenerationResult) -> Video:
+    result.raise_for_status()
+    video = next((a for a in result.artifacts if isinstance(a, VideoArtifact)), None)
+    if video is None:  # a card that does not declare what its program returns, and made no video
+        kinds = sorted({a.kind for a in result.artifacts}) or "nothing"
+        raise InvalidRequest("task", f"request {result.request_id} made no video (it returned {kinds})")
+    return Video(artifact=video, artifacts=tuple(result.artifacts))
+
+
+def _blocking(coroutine: Any) -> Any:
+    """Run ``coroutine`` to completion from synchronous code, inside a running event loop or not."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fv-generate") as pool:
+        return pool.submit(asyncio.run, coroutine).result()
