@@ -61,6 +61,12 @@ class ServerConfig(BaseModel):
     #: every this many steps, so a restarted server resumes it from there; 0: never (an
     #: interrupted job then restarts from its first step).
     checkpoint_every_steps: int = Field(default=5, ge=0)
+    #: Bytes of finished jobs' event streams kept in memory for late SSE subscribers (their
+    #: encoded JSON); beyond it the oldest are served from the database. 0: always from disk.
+    finished_history_bytes: int = Field(default=16 * 2**20, ge=0)
+    #: Seconds a graceful stop (SIGTERM/SIGINT) waits for running steps to reach a step
+    #: boundary and for open connections to close, before it cancels what is left.
+    shutdown_timeout_s: float = Field(default=10.0, gt=0)
 
 
 class DeployConfig(BaseModel):

@@ -93,7 +93,13 @@ def serve(
     from fv_kernel.errors import FvError
     from fv_kernel.plugins import PluginError
     from fv_kernel.runtime.deploy import build_engine
+    from fv_kernel.serving.store import DataDirInUse, DataDirLock
 
+    # Before any model loads: a second server on this data dir would rewrite the first's live jobs.
+    try:
+        data_dir_lock = DataDirLock(deploy.output_dir).acquire()
+    except DataDirInUse as exc:
+        fail(str(exc), code=1)
     plugin_host = start_host(deploy)
     try:
         if not deploy.cards:
@@ -107,10 +113,13 @@ def serve(
         engine = build_engine(deploy, host=plugin_host)
     except (FvError, PluginError) as exc:
         fail(str(exc))
-    app = create_app(engine, deploy)
+    app = create_app(engine, deploy, data_dir_lock=data_dir_lock)
     typer.echo(
         f"fv serve: {', '.join(sorted(engine.instances))} on http://{deploy.server.host}:{deploy.server.port}"
         + (" (API key required)" if deploy.api_key else ""),
         err=True,
     )
-    serve_forever(app, host=deploy.server.host, port=deploy.server.port, log_level=log_level)
+    serve_forever(
+        app, host=deploy.server.host, port=deploy.server.port, log_level=log_level,
+        shutdown_timeout_s=deploy.server.shutdown_timeout_s,
+    )

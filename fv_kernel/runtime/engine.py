@@ -95,6 +95,10 @@ class SchedulerConfig(BaseModel):
     #: Finished requests whose records (events, artifacts) the engine keeps for late
     #: subscribers; older ones are forgotten so a long-running server does not grow.
     keep_finished: int = Field(default=1024, ge=0)
+    #: At most this many bytes of tensors (input images, frames, previews, latents) held by
+    #: the finished records kept; the oldest are forgotten first. A caller that holds a
+    #: request's handle keeps its result either way; ``Engine.forget`` drops one at once.
+    keep_finished_bytes: int = Field(default=256 * 2**20, ge=0)
 
 
 @dataclass
@@ -144,6 +148,31 @@ class _Record:
     @property
     def finished(self) -> bool:
         return self.done.done()
+
+
+def held_tensor_bytes(*objects: Any) -> int:
+    """Bytes of the distinct tensor storages reachable from ``objects`` (models, lists, dicts)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack = list(objects)
+    visited: set[int] = set()
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(obj, BaseModel):
+            if id(obj) not in visited:
+                visited.add(id(obj))
+                stack.extend(obj.__dict__.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+    return total
 
 
 class RequestHandle:
@@ -322,7 +351,9 @@ class Engine:
         self._queue = RequestQueue(self.config.max_queue)
         self._pending = PendingUnits()
         self._running: dict[str, _Record] = {}
-        self._finished: deque[str] = deque()
+        #: Finished requests still recorded, oldest first, with the tensor bytes each holds.
+        self._finished: dict[str, int] = {}
+        self._finished_bytes = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._scheduler_task: asyncio.Task[None] | None = None
@@ -479,6 +510,7 @@ class Engine:
             record.emit("request.cancelled", reason=reason)
             record.done.set_result(GenerationResult(request_id, "cancelled"))
             self.metrics.cancelled += 1
+            self._retire(request_id)
             return True
         # Steps planned with CancelScope.NONE stay queued and run; the driver stops after them.
         for unit in self._pending.drop_request(request_id, abandonable_only=True):
@@ -582,6 +614,7 @@ class Engine:
             except Exception as exc:  # a request that can never run, or a broken estimate
                 self._queue.remove(record)
                 self._finish_failed(record, exc)
+                self._retire(request.request_id)
                 continue
             if blocked is not None:
                 self._count_rejection(f"admission_{blocked}")
@@ -632,17 +665,41 @@ class Engine:
                 except Exception:  # noqa: BLE001 - a plugin's listener must not fail the request
                     log.exception("fv_request_finished hook failed")
             self._running.pop(request.request_id, None)
-            self._forget_old(request.request_id)
+            self._retire(request.request_id)
             for unit in self._pending.drop_request(request.request_id):
                 if not unit.future.done():
                     unit.future.cancel()
             self.admission.release(request.request_id)
             self._kick()
 
-    def _forget_old(self, request_id: str) -> None:
-        self._finished.append(request_id)
-        while len(self._finished) > self.config.keep_finished:
-            self._records.pop(self._finished.popleft(), None)
+    def _retire(self, request_id: str) -> None:
+        """Note a finished request; forget the oldest finished ones beyond ``keep_finished`` records
+        or ``keep_finished_bytes`` of tensors."""
+        record = self._records.get(request_id)
+        if record is None or request_id in self._finished:
+            return
+        held = held_tensor_bytes(record.request, record.events)
+        self._finished[request_id] = held
+        self._finished_bytes += held
+        config = self.config
+        while self._finished and (
+            len(self._finished) > config.keep_finished or self._finished_bytes > config.keep_finished_bytes
+        ):
+            self.forget(next(iter(self._finished)))
+
+    def forget(self, request_id: str) -> bool:
+        """Drop a finished request's record now: its events, artifacts and input tensors (a caller
+        holding its handle keeps the result). Returns False if it is unknown or still running."""
+        record = self._records.get(request_id)
+        if record is None or not record.finished:
+            return False
+        del self._records[request_id]
+        self._finished_bytes -= self._finished.pop(request_id, 0)
+        return True
+
+    def retained(self) -> tuple[int, int]:
+        """Finished requests the engine still records, and the tensor bytes they hold."""
+        return len(self._finished), self._finished_bytes
 
     def _finish_failed(self, record: _Record, exc: BaseException) -> None:
         if isinstance(exc, FvError):

@@ -21,7 +21,7 @@ from fv_kernel import __version__
 from fv_kernel.config import DeployConfig
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.serving.errors import ApiError, error_body, from_validation_errors
-from fv_kernel.serving.jobs import JobManager, StreamEvent
+from fv_kernel.serving.jobs import ClientDisconnected, JobManager, StreamEvent
 from fv_kernel.serving.media import decode_base64_image, decode_image
 from fv_kernel.serving.metrics import CONTENT_TYPE, render_metrics
 from fv_kernel.serving.middleware import AuthMiddleware, BodyLimitMiddleware, BodyTooLarge
@@ -35,7 +35,7 @@ from fv_kernel.serving.schemas import (
     VideoJob,
     VideoList,
 )
-from fv_kernel.serving.store import JobStore
+from fv_kernel.serving.store import DataDirLock, JobStore
 
 __all__ = ["create_app"]
 
@@ -50,6 +50,8 @@ def _encode_sse(item: StreamEvent | None) -> bytes:
     if item is None:
         return b": keep-alive\n\n"
     data = json.dumps(item.data, separators=(",", ":"))
+    if item.seq < 0:  # a notice outside the job's stream (server.shutdown): no id, so Last-Event-ID stays put
+        return f"event: {item.event}\ndata: {data}\n\n".encode()
     return f"id: {item.seq}\nevent: {item.event}\ndata: {data}\n\n".encode()
 
 
@@ -116,8 +118,13 @@ def create_app(
     config: DeployConfig,
     *,
     extension_schemas: Mapping[str, type[BaseModel]] | None = None,
+    data_dir_lock: DataDirLock | None = None,
 ) -> FastAPI:
     """The video API over ``engine``. The app's lifespan starts and stops the engine.
+
+    The app holds the exclusive lock of its data dir (``config.output_dir``) until its lifespan
+    ends: ``data_dir_lock`` when the caller took it already (``fv serve`` does, before it loads
+    any model), else it takes it here and raises :class:`DataDirInUse` naming the holder's pid.
 
     ``extension_schemas`` maps an extension the deploy config enables to the pydantic
     model of its per-request parameters; by default each enabled interceptor's
@@ -127,7 +134,14 @@ def create_app(
         extension_schemas = {pid: i.request_model for pid, i in engine.extensions.interceptors.items()}
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    store = JobStore(config.server.db_path or output_dir / "jobs.sqlite3")
+    if data_dir_lock is None:
+        # One server per data dir: a second one would resume (and rewrite) the first's live jobs.
+        data_dir_lock = DataDirLock(output_dir).acquire()
+    try:
+        store = JobStore(config.server.db_path or output_dir / "jobs.sqlite3")
+    except BaseException:
+        data_dir_lock.release()
+        raise
     rejections: Counter[str] = Counter()
     limits = config.limits
     max_pixels = min(_MAX_IMAGE_PIXELS, 16 * limits.max_pixels) if limits.max_pixels else _MAX_IMAGE_PIXELS
@@ -136,22 +150,27 @@ def create_app(
         enabled_extensions=config.extensions, extension_schemas=extension_schemas or {},
         max_image_pixels=max_pixels, rejections=rejections,
         checkpoint_every_steps=config.server.checkpoint_every_steps,
+        finished_history_bytes=config.server.finished_history_bytes,
     )
     heartbeat_s = config.server.sse_heartbeat_s
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await manager.start()
         try:
+            await manager.start()
             yield
         finally:
             await manager.stop()
             store.close()
+            data_dir_lock.release()
 
     app = FastAPI(title="fv video API", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.manager = manager
     app.state.store = store
     app.state.engine = engine
+    #: Called by the server (fv_kernel.serving.server) when a graceful stop begins, before it waits
+    #: for connections: ends attached event streams with server.shutdown and suspends running jobs.
+    app.state.drain = manager.drain
 
     # -- errors: always {"error": {...}}, a 4xx for anything the caller did -------------------
     @app.exception_handler(ApiError)
@@ -251,7 +270,12 @@ def create_app(
             body = _validate(ImageGenerate, _parse_json_object(await request.body()))
         except ApiError as exc:
             raise manager.reject(exc) from None
-        return await manager.generate_images(body)
+        try:
+            # A client that hangs up cancels its images at the next step boundary.
+            return await manager.generate_images(body, disconnected=request.is_disconnected)
+        except ClientDisconnected as exc:
+            rejections["client_disconnected"] += 1
+            return JSONResponse(error_body("client_disconnected", str(exc)), status_code=499)
 
     # -- service ------------------------------------------------------------------------
     @app.get("/v1/models", response_model=ModelList)

@@ -5,6 +5,11 @@ task per job consumes the engine's typed events, writes the job's state to SQLit
 and its artifacts to ``<output_dir>/<job id>/``, and republishes the events for any
 number of SSE subscribers. A client that disconnects loses nothing.
 
+A finished job lives on disk, not in memory: when it ends, its row and its whole event
+stream are written to SQLite in one transaction and the engine forgets its tensors; only
+the encoded streams of the most recent finished jobs stay in memory, up to
+``server.finished_history_bytes``. A DELETE frees the job everywhere.
+
 A job also survives the server: its request is saved as a program checkpoint when the
 job is created, and the checkpoint is rewritten every ``checkpoint_every_steps`` steps
 while it runs. A server started on the same data dir resumes every job the previous
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import math
 import secrets
@@ -25,7 +31,7 @@ import uuid
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import torch
 from pydantic import BaseModel, ValidationError
@@ -54,32 +60,43 @@ from fv_kernel.serving.schemas import (
 )
 from fv_kernel.serving.store import CheckpointStore, JobRecord, JobStore
 
-__all__ = ["JobManager", "StreamEvent"]
+__all__ = ["JobManager", "StreamEvent", "ClientDisconnected", "SHUTDOWN_EVENT"]
 
 log = logging.getLogger("fv.serving")
 
-#: The deploy config's default (``server.checkpoint_every_steps``), so the two cannot drift apart.
+#: The deploy config's defaults (``server.*``), so the two cannot drift apart.
 _DEFAULT_CHECKPOINT_EVERY_STEPS: int = ServerConfig.model_fields["checkpoint_every_steps"].default
+_DEFAULT_FINISHED_HISTORY_BYTES: int = ServerConfig.model_fields["finished_history_bytes"].default
 
-#: How many finished jobs keep their full event history in memory for late SSE subscribers.
-_FINISHED_HISTORY = 256
+#: How often a synchronous images call checks whether its client is still connected.
+_DISCONNECT_POLL_S = 0.1
+
+#: The event a subscriber gets when the server stops while its job is unfinished. It has no
+#: ``id:`` (it is not part of the job's stream); the job resumes when a server restarts.
+SHUTDOWN_EVENT = "server.shutdown"
 
 
 @dataclass(frozen=True)
 class StreamEvent:
     """One server-sent event of a job's stream."""
 
+    #: The event's position in the job's stream; -1 for a notice outside it (``server.shutdown``).
     seq: int
     event: str
     data: dict[str, Any]
 
 
+class ClientDisconnected(Exception):
+    """The client of a synchronous call went away; its requests were cancelled."""
+
+
 @dataclass
 class _LiveJob:
-    """A job this process is running: its engine handle, its event history and subscribers."""
+    """A job this process runs or recently finished: its engine handle (while it runs), its event
+    history and subscribers."""
 
     record: JobRecord
-    handle: RequestHandle
+    handle: RequestHandle | None
     loop_total: int
     events: list[StreamEvent] = field(default_factory=list)
     subscribers: list[asyncio.Queue[StreamEvent | None]] = field(default_factory=list)
@@ -88,6 +105,8 @@ class _LiveJob:
     task: asyncio.Task[None] | None = None
     #: A client asked to cancel or delete it (a cancellation by a server shutdown is not final).
     cancelled_by_client: bool = False
+    #: Bytes of the encoded history once the job finished (what it costs to keep it in memory).
+    history_bytes: int = 0
 
     def publish(self, event: str, data: dict[str, Any]) -> None:
         item = StreamEvent(len(self.events), event, data)
@@ -98,6 +117,20 @@ class _LiveJob:
     def close(self) -> None:
         self.done.set()
         for queue in self.subscribers:
+            queue.put_nowait(None)
+
+    def shutdown_notice(self) -> StreamEvent:
+        return StreamEvent(-1, SHUTDOWN_EVENT, {
+            "id": self.record.id, "status": self.record.status, "progress": self.record.progress,
+            "message": "the server is shutting down; this job resumes when a server starts again on its data dir: "
+                       "reconnect then (GET /v1/videos/{id} or its events)",
+        })
+
+    def end_streams_for_shutdown(self) -> None:
+        """Send every subscriber the shutdown notice and end their streams (the job itself goes on)."""
+        notice = self.shutdown_notice()
+        for queue in self.subscribers:
+            queue.put_nowait(notice)
             queue.put_nowait(None)
 
     def update_progress(self, loop_id: str, step: int, total: int | None) -> int:
@@ -133,6 +166,7 @@ class JobManager:
         rejections: Counter[str],
         checkpoints: CheckpointStore | None = None,
         checkpoint_every_steps: int = _DEFAULT_CHECKPOINT_EVERY_STEPS,
+        finished_history_bytes: int = _DEFAULT_FINISHED_HISTORY_BYTES,
     ) -> None:
         self.engine = engine
         self.store = store
@@ -143,6 +177,9 @@ class JobManager:
         #: The latest ProgramRun of each running job that checkpoints (for a last checkpoint at shutdown).
         self._runs: dict[str, ProgramRun] = {}
         self._stopping = False
+        self._stopped = False
+        #: Finished jobs' histories kept in memory (encoded bytes) before late subscribers read them from disk.
+        self.finished_history_bytes = finished_history_bytes
         self.enabled_extensions = dict(enabled_extensions)
         self.extension_schemas = dict(extension_schemas)
         self.max_image_pixels = max_image_pixels
@@ -233,9 +270,21 @@ class JobManager:
 
         return on_step
 
+    async def drain(self) -> None:
+        """The start of a graceful stop: end every attached event stream of an unfinished job with a
+        ``server.shutdown`` notice at once, then :meth:`stop` (which sync image calls then see)."""
+        self._stopping = True
+        for live in self._live.values():
+            if not live.done.is_set():
+                live.end_streams_for_shutdown()
+        await self.stop()
+
     async def stop(self) -> None:
         """Stop the engine and suspend what runs: unfinished jobs keep their rows and get a last
-        checkpoint, so the next server on this data dir resumes them."""
+        checkpoint, so the next server on this data dir resumes them. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         self._stopping = True
         await self.engine.stop()
         tasks = [job.task for job in self._live.values() if job.task is not None and not job.task.done()]
@@ -350,6 +399,8 @@ class JobManager:
             raise self.reject(from_fv_error(exc)) from None
 
     def _submit(self, request: Request, *, on_step: Callable[[ProgramRun], None] | None = None) -> RequestHandle:
+        if self._stopping:
+            raise self.reject(ApiError(503, "shutting_down", "the server is shutting down; retry against the restarted server"))
         try:
             return self.engine.submit(request, on_step=on_step)
         except FvError as exc:
@@ -433,7 +484,9 @@ class JobManager:
                     self._finish(live, "failed", error=event.error.model_dump())
                 elif kind == "request.cancelled":
                     if self._stopping and not live.cancelled_by_client:
-                        return  # suspended by the shutdown, not cancelled: the next server resumes it
+                        # Suspended by the shutdown, not cancelled: the next server resumes it.
+                        live.end_streams_for_shutdown()
+                        return
                     self._finish(live, "cancelled", error={"type": "cancelled", "message": event.reason, "param": None})
         except Exception as exc:  # noqa: BLE001 - a broken follower must still leave the job terminal
             log.exception("following job %s failed", record.id)
@@ -469,15 +522,39 @@ class JobManager:
         record.status, record.completed_at, record.error = status, time.time(), error
         if status == "completed":
             record.progress = 100
-        self.store.finish(record.id, status, at=record.completed_at, progress=record.progress, error=error, variants=record.variants)
+        live.publish(f"video.{status}", self.view(record).model_dump(mode="json"))
+        encoded = [(e.seq, e.event, json.dumps(e.data, separators=(",", ":"))) for e in live.events]
+        live.history_bytes = sum(len(text) for _, _, text in encoded)
+        # The row and the whole stream in one transaction: the job now lives on disk.
+        self.store.finish(
+            record.id, status, at=record.completed_at, progress=record.progress, error=error, variants=record.variants,
+            events=encoded,
+        )
         self.checkpoints.delete(record.id)  # a finished job never resumes
         self._runs.pop(record.id, None)
-        live.publish(f"video.{status}", self.view(record).model_dump(mode="json"))
+        # The engine's record holds the request's tensors (input image, frames, previews): persisted, so drop them.
+        self.engine.forget(record.id)
+        live.handle = None
 
     def _retire_finished(self) -> None:
-        finished = [job_id for job_id, job in self._live.items() if job.done.is_set() and not job.subscribers]
-        for job_id in finished[: max(0, len(finished) - _FINISHED_HISTORY)]:
-            del self._live[job_id]
+        """Keep the newest finished histories in memory up to ``finished_history_bytes``; the rest replay from disk.
+
+        A job with subscribers still attached stays until they leave.
+        """
+        budget = self.finished_history_bytes
+        for job_id, job in reversed(list(self._live.items())):
+            if not job.done.is_set() or job.subscribers:
+                continue
+            if job.history_bytes <= budget:
+                budget -= job.history_bytes
+            else:
+                del self._live[job_id]
+                budget = 0
+
+    def retained(self) -> tuple[int, int]:
+        """Finished jobs whose history is held in memory, and its encoded bytes."""
+        held = [job for job in self._live.values() if job.done.is_set()]
+        return len(held), sum(job.history_bytes for job in held)
 
     # -- reads --------------------------------------------------------------------------
     @staticmethod
@@ -546,9 +623,11 @@ class JobManager:
             live.cancelled_by_client = True
             self.engine.cancel(job_id, "deleted by client")
             await live.done.wait()
-        self.store.delete(record.id)
+        self.store.delete(record.id)  # its row and its stored events
         self.checkpoints.delete(record.id)
         self._live.pop(record.id, None)
+        self._runs.pop(record.id, None)
+        self.engine.forget(record.id)
         # The folder name is the validated, server-generated id.
         shutil.rmtree(self.output_dir / record.id, ignore_errors=True)
 
@@ -558,7 +637,12 @@ class JobManager:
         record = self.record(job_id)
         live = self._live.get(job_id)
         if live is None:
-            for item in self._replay_stored(record):
+            stored = self.store.events(job_id, after=after)
+            if stored or record.terminal and self.store.events(job_id, after=-1):
+                for seq, name, data in stored:
+                    yield StreamEvent(seq, name, data)
+                return
+            for item in self._replay_stored(record):  # finished by a server that stored no stream
                 if item.seq > after:
                     yield item
             return
@@ -572,6 +656,9 @@ class JobManager:
                     yield item
             if closed:
                 return
+            if self._stopping:
+                yield live.shutdown_notice()
+                return
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), timeout=heartbeat_s)
@@ -580,13 +667,16 @@ class JobManager:
                     continue
                 if item is None:
                     return
-                if item.seq >= len(history) and item.seq > after:
+                if item.seq < 0 or item.seq >= len(history) and item.seq > after:
                     yield item
         finally:
             live.subscribers.remove(queue)
+            if live.done.is_set():
+                self._retire_finished()
 
     def _replay_stored(self, record: JobRecord) -> list[StreamEvent]:
-        """A job from an earlier process: its final state as the tail of a stream."""
+        """A job with no stored stream (finished by an older server, or failed at a restart): its final
+        state as the tail of a stream."""
         events: list[StreamEvent] = []
         if record.status == "completed" and record.variants:
             events.append(StreamEvent(0, "video.artifact", {
@@ -600,7 +690,16 @@ class JobManager:
         return events
 
     # -- images -----------------------------------------------------------------------------
-    async def generate_images(self, body: ImageGenerate) -> ImagesResponse:
+    async def generate_images(
+        self,
+        body: ImageGenerate,
+        *,
+        disconnected: Callable[[], Awaitable[bool]] | None = None,
+        poll_s: float = _DISCONNECT_POLL_S,
+    ) -> ImagesResponse:
+        """Generate ``body.n`` images and wait for them. ``disconnected()`` is polled every ``poll_s``
+        while they run: once it says the client is gone, they are cancelled at their next step
+        boundary (releasing their reservations) and :class:`ClientDisconnected` is raised."""
         seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
         requests = [
             self._build_request(body, request_id=f"image_{uuid.uuid4().hex}", task=TaskType.TEXT_TO_IMAGE, seed=seed + i)[1]
@@ -614,20 +713,37 @@ class JobManager:
             for handle in handles:
                 handle.cancel("a sibling image of the same call was refused")
             raise
-        results = await asyncio.gather(*(h.result() for h in handles))
-        data = []
-        for result in results:
-            if result.status != "completed":
-                error = result.error
-                if result.status == "cancelled":
-                    raise ApiError(503, "cancelled", "the server stopped before the image was generated")
-                raise ApiError(500, error.type if error else "internal_error", error.message if error else "generation failed")
-            video = result.artifact("video")
-            if not isinstance(video, VideoArtifact):
-                raise ApiError(500, "no_artifact", "the program produced no image")
-            png = await asyncio.to_thread(_encode_first_frame, video)
-            data.append(ImageData(b64_json=base64.b64encode(png).decode()))
-        return ImagesResponse(created=int(time.time()), data=data)
+        try:
+            gathered = asyncio.gather(*(h.result() for h in handles))
+            while True:
+                done, _ = await asyncio.wait({gathered}, timeout=poll_s if disconnected is not None else None)
+                if done:
+                    break
+                if disconnected is not None and await disconnected():
+                    for handle in handles:
+                        handle.cancel("the client disconnected")
+                    await gathered  # each stops at its next step boundary; the engine releases its reservation
+                    raise ClientDisconnected(f"{len(handles)} image request(s) cancelled: the client disconnected")
+            results = gathered.result()
+            data = []
+            for result in results:
+                if result.status != "completed":
+                    error = result.error
+                    if result.status == "cancelled":
+                        raise ApiError(503, "cancelled", "the server stopped before the image was generated")
+                    raise ApiError(500, error.type if error else "internal_error", error.message if error else "generation failed")
+                video = result.artifact("video")
+                if not isinstance(video, VideoArtifact):
+                    raise ApiError(500, "no_artifact", "the program produced no image")
+                png = await asyncio.to_thread(_encode_first_frame, video)
+                data.append(ImageData(b64_json=base64.b64encode(png).decode()))
+            return ImagesResponse(created=int(time.time()), data=data)
+        finally:
+            for handle in handles:
+                if handle.status in ("queued", "in_progress"):  # the call itself was cancelled: stop its work too
+                    handle.cancel("the call ended")
+                # The response carries the images: the engine keeps no tensors of them.
+                self.engine.forget(handle.request_id)
 
 
 def _encode_first_frame(video: VideoArtifact) -> bytes:

@@ -1,14 +1,17 @@
-"""Job metadata in SQLite (stdlib ``sqlite3``) and each unfinished job's program checkpoint on disk.
+"""Job metadata and event histories in SQLite (stdlib ``sqlite3``), each unfinished job's
+program checkpoint on disk, and the lock that gives one server a data dir.
 
 Rows are the source of truth for every job the server ever accepted: a restarted
 server lists completed jobs and serves their content from the output directory. A job
 that was queued or running when the previous process died still has its row (status
 ``queued`` / ``in_progress``) and its checkpoint file (:class:`CheckpointStore`), from
-which the restarted server resumes it.
+which the restarted server resumes it. A finished job's whole SSE stream is stored with
+it (table ``events``), so a late subscriber replays it from disk, not from memory.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sqlite3
@@ -20,7 +23,7 @@ from typing import Any, Iterator
 from fv_kernel.program.resume import ProgramCheckpoint
 from fv_kernel.serving.schemas import JOB_ID_PATTERN, TERMINAL_STATUSES
 
-__all__ = ["JobRecord", "JobStore", "CheckpointStore"]
+__all__ = ["JobRecord", "JobStore", "CheckpointStore", "DataDirLock", "DataDirInUse", "StoredEvent"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -37,7 +40,17 @@ CREATE TABLE IF NOT EXISTS jobs (
     variants TEXT NOT NULL DEFAULT '[]'
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
+CREATE TABLE IF NOT EXISTS events (
+    job_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    event TEXT NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq)
+) WITHOUT ROWID;
 """
+
+#: One stored event of a job's stream: (seq, event name, JSON data).
+StoredEvent = tuple[int, str, dict[str, Any]]
 
 _COLUMNS = "id, model, status, progress, created_at, started_at, completed_at, params, error, variants"
 
@@ -116,16 +129,41 @@ class JobStore:
         progress: int,
         error: dict[str, Any] | None = None,
         variants: list[str] | None = None,
+        events: list[tuple[int, str, str]] | None = None,
     ) -> None:
+        """Mark the job terminal; with ``events`` (seq, name, JSON text), store its whole stream in the same transaction."""
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"finish() takes a terminal status; allowed: {sorted(TERMINAL_STATUSES)}")
-        self._execute(
-            "UPDATE jobs SET status=?, completed_at=?, progress=?, error=?, variants=? WHERE id=?",
-            (status, at, progress, json.dumps(error) if error else None, json.dumps(variants or []), job_id),
-        )
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute(
+                    "UPDATE jobs SET status=?, completed_at=?, progress=?, error=?, variants=? WHERE id=?",
+                    (status, at, progress, json.dumps(error) if error else None, json.dumps(variants or []), job_id),
+                )
+                if events is not None:
+                    self._db.execute("DELETE FROM events WHERE job_id=?", (job_id,))
+                    self._db.executemany(
+                        "INSERT INTO events (job_id, seq, event, data) VALUES (?, ?, ?, ?)",
+                        [(job_id, seq, name, data) for seq, name, data in events],
+                    )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def delete(self, job_id: str) -> bool:
-        return self._execute("DELETE FROM jobs WHERE id=?", (job_id,)).rowcount > 0
+        """Delete the job's row and its stored events."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute("DELETE FROM events WHERE job_id=?", (job_id,))
+                deleted = self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,)).rowcount > 0
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        return deleted
 
     # -- reads ----------------------------------------------------------------------
     def unfinished(self) -> list[JobRecord]:
@@ -163,6 +201,15 @@ class JobStore:
     def ids(self) -> Iterator[str]:
         for (job_id,) in self._fetch("SELECT id FROM jobs ORDER BY seq"):
             yield job_id
+
+    def events(self, job_id: str, *, after: int = -1) -> list[StoredEvent]:
+        """The job's stored events with seq > ``after``, in order (empty when none were stored)."""
+        rows = self._fetch("SELECT seq, event, data FROM events WHERE job_id=? AND seq>? ORDER BY seq", (job_id, after))
+        return [(int(seq), name, json.loads(data)) for seq, name, data in rows]
+
+    def event_count(self) -> int:
+        """Stored events of all jobs (a DELETE removes a job's)."""
+        return int(self._fetch("SELECT COUNT(*) FROM events")[0][0])
 
 
 class CheckpointStore:
@@ -203,3 +250,70 @@ class CheckpointStore:
     def job_ids(self) -> list[str]:
         """Jobs that have a checkpoint file."""
         return sorted(p.stem for p in self.folder.glob("*.pt") if JOB_ID_PATTERN.match(p.stem))
+
+
+class DataDirInUse(Exception):
+    """Another live process holds the data dir's lock."""
+
+    def __init__(self, folder: Path, holder: str) -> None:
+        super().__init__(
+            f"the data dir {folder} is in use by another fv serve (pid {holder}); stop that server or choose "
+            "another output_dir"
+        )
+        self.folder = folder
+        self.holder = holder
+
+
+class DataDirLock:
+    """An exclusive lock on a server's data dir: ``<folder>/.fv-serve.lock``, held while the server runs.
+
+    ``fcntl.flock`` locks belong to the open file: the kernel drops them when the holding
+    process exits however it exits (``kill -9`` included), so a stale lock file never
+    blocks a new server. The file holds the holder's pid, for the refusal message.
+    """
+
+    FILE_NAME = ".fv-serve.lock"
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder).resolve()
+        self.path = self.folder / self.FILE_NAME
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> "DataDirLock":
+        """Take the lock or raise :class:`DataDirInUse` naming the holder's pid (never waits)."""
+        if self._fd is not None:
+            return self
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DataDirInUse(self.folder, holder) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        os.close(fd)  # closing the file drops the flock; the file stays (its content is only informative)
+
+    def __enter__(self) -> "DataDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()

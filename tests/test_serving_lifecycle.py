@@ -1,0 +1,265 @@
+"""`fv serve` under disconnects, restarts and load: real uvicorn servers, real sockets, real signals.
+
+- a synchronous ``/v1/images/generations`` call whose client hangs up is cancelled at a step
+  boundary and releases its reservations;
+- SIGTERM ends attached SSE streams with ``server.shutdown`` and the process exits promptly;
+- one server per data dir (an exclusive ``flock``), released by ``kill -9``;
+- finished jobs live on disk: the engine and the job manager keep no tensors of them, a
+  DELETE frees everything, and a late subscriber replays the whole stream from disk.
+
+Each guarantee has a negative control: the same scenario with the mechanism switched off
+fails the assertion that guards it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from fv_kernel.card.instance import ModelInstance, build_instance  # noqa: E402
+from fv_kernel.config import DeployConfig  # noqa: E402
+from fv_kernel.runtime.engine import Engine, RequestHandle, SchedulerConfig, held_tensor_bytes, run_concurrently  # noqa: E402
+from fv_kernel.serving import JobStore, ServerThread, create_app  # noqa: E402
+from fv_kernel.serving.jobs import SHUTDOWN_EVENT, JobManager  # noqa: E402
+from fv_kernel.serving.store import DataDirInUse, DataDirLock  # noqa: E402
+from fv_kernel.testing import wait_for_job  # noqa: E402
+from fv_kernel.testing.toy import toy_card  # noqa: E402
+
+CARD = "toy-dit"
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+FINISHED = {"completed", "failed", "cancelled"}
+
+
+def slowed(instance: ModelInstance, seconds: float) -> ModelInstance:
+    """Every step of ``instance`` takes at least ``seconds`` (so "within a few steps" is measurable on any machine)."""
+    original = instance.op
+
+    def op(name: str) -> Any:
+        step = original(name)
+        inner = step.fn
+
+        def fn(inputs: Any, params: Any) -> Any:
+            time.sleep(seconds)
+            return inner(inputs, params)
+
+        return replace(step, fn=fn)
+
+    instance.op = op  # type: ignore[method-assign]
+    return instance
+
+
+@contextlib.contextmanager
+def serving(output_dir: Path, *instances: ModelInstance, **server: Any) -> Iterator[tuple[ServerThread, Engine, Any]]:
+    config = DeployConfig(output_dir=output_dir, server=server)
+    engine = Engine(SchedulerConfig(), limits=config.limits)
+    for instance in instances or (build_instance(toy_card(CARD)),):
+        engine.add_instance(instance)
+    app = create_app(engine, config)
+    server_thread = ServerThread(app).start()
+    try:
+        yield server_thread, engine, app
+    finally:
+        server_thread.stop()
+
+
+def read_sse(response: Any) -> Iterator[dict[str, Any]]:
+    """Events of an open SSE response as dicts: ``{"id": int | None, "event": str, "data": dict}``."""
+    current: dict[str, Any] = {}
+    for line in response.iter_lines():
+        if line.startswith("id: "):
+            current["id"] = int(line[4:])
+        elif line.startswith("event: "):
+            current["event"] = line[7:]
+        elif line.startswith("data: "):
+            current["data"] = json.loads(line[6:])
+        elif line == "" and current:
+            yield {"id": current.get("id"), "event": current["event"], "data": current["data"]}
+            current = {}
+
+
+def whole_stream(client: "httpx.Client", job_id: str) -> list[dict[str, Any]]:
+    with client.stream("GET", f"/v1/videos/{job_id}/events") as response:
+        assert response.status_code == 200
+        return list(read_sse(response))
+
+
+# --------------------------------------------------------------------------- disconnects
+
+
+def _running_image(engine: Engine, timeout_s: float = 60.0) -> RequestHandle:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for request_id in list(engine._running):
+            if request_id.startswith("image_"):
+                handle = engine.handle(request_id)
+                if handle.progress > 0:
+                    return handle
+        time.sleep(0.01)
+    raise AssertionError("the images call never started stepping")
+
+
+@contextlib.contextmanager
+def disconnect_mid_run(tmp_path: Path) -> Iterator[tuple[ServerThread, Engine, RequestHandle, float, str]]:
+    """A server with a video job queued, and a 5,000-step image over a raw socket whose client hangs up
+    mid-denoise: (server, engine, the image's handle, the hang-up time, the video job's id)."""
+    instance = slowed(build_instance(toy_card(CARD)), 0.05)
+    with serving(tmp_path / "out", instance) as (server, engine, _):
+        with httpx.Client(base_url=server.url, timeout=60.0) as client:
+            bystander = client.post("/v1/videos", json={"prompt": "bystander", "steps": 3}).json()["id"]
+        body = json.dumps({"prompt": "a lighthouse", "steps": 5000}).encode()
+        sock = socket.create_connection((server.host, server.port))
+        sock.sendall(
+            b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        handle = _running_image(engine)
+        sock.close()  # the client goes away mid-run
+        try:
+            yield server, engine, handle, time.time(), bystander
+        finally:
+            handle.cancel("test over")
+
+
+def _wait_finished(handle: RequestHandle, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if handle.status in FINISHED:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_disconnected_images_call_is_cancelled_within_a_few_steps_and_releases_its_reservations(tmp_path: Path) -> None:
+    with disconnect_mid_run(tmp_path) as (server, engine, handle, hung_up_at, bystander):
+        assert _wait_finished(handle, timeout_s=10.0), f"still {handle.status} 10 s after the client hung up"
+        assert handle.status == "cancelled"
+        ran_after = [e for e in handle._record.events if e.type == "progress" and e.ts > hung_up_at]
+        assert len(ran_after) <= 10, f"{len(ran_after)} steps ran after the client hung up"  # 0.1 s polls, 0.05 s steps
+        with pytest.raises(KeyError):
+            engine.handle(handle.request_id)  # forgotten: the engine keeps none of its tensors
+        with httpx.Client(base_url=server.url, timeout=60.0) as client:
+            assert wait_for_job(client, bystander, FINISHED)["status"] == "completed", "the other job is unaffected"
+        assert engine.admission.reservations == {} and engine.admission.memory_in_use() == 0
+
+
+def test_without_disconnect_polling_the_call_keeps_computing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: with the poll switched off, the same hang-up leaves the image running."""
+    original = JobManager.generate_images
+
+    async def deaf(self: JobManager, body: Any, **kwargs: Any) -> Any:
+        return await original(self, body)
+
+    monkeypatch.setattr(JobManager, "generate_images", deaf)
+    with disconnect_mid_run(tmp_path) as (_, engine, handle, _, _):
+        assert not _wait_finished(handle, timeout_s=2.0), "cancelled without the poll: the test above proves nothing"
+        assert handle.request_id in engine.admission.reservations, "its reservation is still held"
+
+
+# --------------------------------------------------------------------------- SIGTERM
+
+
+_SERVER_PROCESS = """
+import socket, sys
+from pathlib import Path
+from fv_kernel.card.instance import build_instance
+from fv_kernel.config import DeployConfig
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.serving import create_app, serve_forever
+from fv_kernel.testing.toy import toy_card
+
+out, mode = Path(sys.argv[1]), sys.argv[2]
+config = DeployConfig(output_dir=out, server={"shutdown_timeout_s": 5})
+engine = Engine(config.scheduler, limits=config.limits)
+engine.add_instance(build_instance(toy_card("toy-dit")))
+app = create_app(engine, config)
+if mode == "no-drain":
+    app.state.drain = None  # negative control: plain uvicorn shutdown
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+print(sock.getsockname()[1], flush=True)
+serve_forever(app, host="127.0.0.1", port=0, log_level="warning", shutdown_timeout_s=5, sockets=[sock])
+"""
+
+
+@contextlib.contextmanager
+def server_process(output_dir: Path, mode: str = "drain") -> Iterator[tuple[subprocess.Popen[str], "httpx.Client"]]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SERVER_PROCESS, str(output_dir), mode], stdout=subprocess.PIPE, env=ENV, text=True,
+    )
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if client.get("/health").status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "the server never answered /health"
+                time.sleep(0.05)
+            yield process, client
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(30)
+
+
+def _sigterm_with_a_stream_attached(tmp_path: Path, mode: str) -> tuple[list[dict[str, Any]], float, int, str]:
+    """Follow a long job's events, SIGTERM the server mid-denoise: the events after the signal, the
+    seconds until the process exited, its exit code, and the job id."""
+    with server_process(tmp_path / "out", mode) as (process, client):
+        job = client.post("/v1/videos", json={"prompt": "long", "steps": 5000}).json()
+        after: list[dict[str, Any]] = []
+        signalled_at = None
+        with client.stream("GET", f"/v1/videos/{job['id']}/events") as response:
+            try:
+                for event in read_sse(response):
+                    if signalled_at is not None:
+                        after.append(event)
+                    elif event["event"] == "video.progress" and event["data"]["loop_id"] == "denoise":
+                        process.send_signal(signal.SIGTERM)
+                        signalled_at = time.monotonic()
+            except httpx.TransportError:  # the server dropped the connection without ending the stream
+                after.append({"id": None, "event": "<connection dropped>", "data": {}})
+        assert signalled_at is not None
+        code = process.wait(60)
+        return after, time.monotonic() - signalled_at, code, job["id"]
+
+
+SHUTDOWN_BOUND_S = 5.0
+
+
+def test_sigterm_ends_attached_streams_with_server_shutdown_and_exits_promptly(tmp_path: Path) -> None:
+    after, exit_s, code, job_id = _sigterm_with_a_stream_attached(tmp_path, "drain")
+    assert after, "the stream ended with no event after the signal"
+    last = after[-1]
+    assert last["event"] == SHUTDOWN_EVENT and last["id"] is None, after[-3:]
+    assert last["data"]["id"] == job_id and last["data"]["status"] == "in_progress" and "resumes" in last["data"]["message"]
+    # uvicorn re-raises the signal once it has shut down: the conventional "terminated by SIGTERM" status.
+    assert code in (0, -signal.SIGTERM) and exit_s < SHUTDOWN_BOUND_S, f"exit {code} after {exit_s:.1f} s"
+    # Suspended, not cancelled: the next server on the data dir resumes it.
+    with contextlib.closing(JobStore(tmp_path / "out" / "jobs.sqlite3")) as store:
+        assert store.get(job_id).status == "in_progress"
+    assert (tmp_path / "out" / "checkpoints" / f"{job_id}.pt").is_file()
+
+
+def test_without_the_drain_streams_get_no_terminal_event(tmp_path: Path) -> None:
+    """Negative control: uvicorn's own shutdown waits out its timeout and cuts the stream with no terminal event."""
+    after, exit_s, _, _ = _sigterm_with_a_stream_attached(tmp_path, "no-drain")
+    assert SHUTDOWN_EVENT not in [e["event"] for e in after]
+    assert exit_s >= SHUTDOWN_BOUND_S, "uvicorn waits for the open stream until shutdown_timeout_s"
