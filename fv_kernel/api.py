@@ -61,6 +61,7 @@ from fv_kernel.extend.hooks import BlockHooks, RequestHooks
 from fv_kernel.extend.interceptors import BlockCall, BlockInterceptor, BlockSequence, Interceptor, StepInterceptor
 from fv_kernel.extend.observers import BlockObserver, NaNWatch, Observer, ParityAligner, Profiler, StepRecord
 from fv_kernel.extend.registry import ExtensionSet, ExtensionSettings, InterceptorRejected
+from fv_kernel.facade import Finished, GenerateOptions, Video, VideoGenerator, load
 from fv_kernel.loop.context import CancelToken, LoopContext
 from fv_kernel.loop.contract import (
     CachePlan,

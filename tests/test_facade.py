@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import fv_kernel as fv
+import fv_kernel.api
 from fv_kernel.api import DiffusionParams, Request, TaskType, TextPart, build_instance, hookimpl, run_local
 from fv_kernel.config import DeployConfig, DeployConfigError
 from fv_kernel.errors import FvError, InvalidRequest, StepFailed
@@ -76,6 +77,7 @@ def test_lazy_names_resolve_and_unknown_ones_are_attribute_errors() -> None:
     from fv_kernel import facade
 
     assert fv.load is facade.load and fv.Video is facade.Video and fv.VideoGenerator is facade.VideoGenerator
+    assert fv.api.load is fv.load and fv.api.Video is fv.Video  # and the public api re-exports them
     assert {"load", "Video", "VideoGenerator", "Finished"} <= set(dir(fv)) and "load" in fv.__all__
     with pytest.raises(AttributeError, match="has no attribute 'nosuch'"):
         fv.nosuch  # noqa: B018
