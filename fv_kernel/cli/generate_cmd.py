@@ -7,6 +7,7 @@ no file written.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +32,8 @@ from fv_kernel.runtime.engine import Engine, GenerationResult
 __all__ = ["generate"]
 
 _OUTPUT_SUFFIXES = (".mp4", ".pt", ".png")
+#: What ``--task text_generation`` writes: the text (.txt) or it with its model, task and token ids (.json); ``-`` prints it.
+_TEXT_OUTPUT_SUFFIXES = (".txt", ".json")
 
 
 def _fail(message: str) -> None:
@@ -72,7 +75,7 @@ class _Progress:
 def generate(
     model: str = typer.Option(..., "--model", "-m", help="Card id (see 'fv cards list'), a card file (.json/.yaml, checked as 'fv cards validate' does), a local checkpoint directory, or a hub id."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="What to generate."),
-    output: Path = typer.Option(..., "--output", "-o", help="Output file: .mp4 (H.264), .pt (float32 tensor (F,3,H,W) in [0,1]), .png (first frame)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Output file: .mp4 (H.264; with --task text_to_video_audio the sound is its AAC track), .pt (float32 tensor (F,3,H,W) in [0,1]), .png (first frame) (.pt/.png: the sound goes to a .wav beside it, named in the output). --task text_generation: .txt (the text), .json (text, token ids, model, task) or - (print it)."),
     negative_prompt: Optional[str] = typer.Option(None, "--negative-prompt", help="What to steer away from (cards with CFG)."),
     image: Optional[Path] = typer.Option(None, "--image", help="Conditioning image for image-to-video."),
     task: Optional[TaskType] = typer.Option(None, "--task", help="Declare the task; default: image_to_video with --image, else text_to_video."),
@@ -97,7 +100,7 @@ def generate(
         None, "--device", help="torch device, e.g. cpu or cuda (default: the config's entry for --model, else cpu)."
     ),
     upsample_prompt: bool = typer.Option(False, "--upsample-prompt", help="Rewrite the prompt with the card's reasoner first (cards that have one)."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Token budget of the prompt rewrite (the card's default if omitted)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Token budget of the prompt rewrite, or of the answer with --task text_generation (the card's default if omitted)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     config: Optional[Path] = ConfigOption,
 ) -> None:
@@ -110,8 +113,9 @@ def generate(
     cards it lists are not loaded.
     """
     suffix = output.suffix.lower()
-    if suffix not in _OUTPUT_SUFFIXES:
-        _fail(f"output: unsupported suffix {suffix or '(none)'!r}; allowed: {', '.join(_OUTPUT_SUFFIXES)}")
+    allowed_suffixes = _TEXT_OUTPUT_SUFFIXES if task is TaskType.TEXT_GENERATION else _OUTPUT_SUFFIXES
+    if suffix not in allowed_suffixes and not (task is TaskType.TEXT_GENERATION and str(output) == "-"):
+        _fail(f"output: unsupported suffix {suffix or '(none)'!r}; allowed: {', '.join(allowed_suffixes)}")
     if precision is not None and precision not in PRECISIONS:
         _fail(f"precision: {precision!r} is not a precision; allowed: {', '.join(PRECISIONS)}")
     try:
@@ -124,7 +128,8 @@ def generate(
         request = Request(
             model=model, task=chosen_task, inputs=tuple(inputs), precision=precision,  # type: ignore[arg-type]
             prompt_upsampling=upsample_prompt,
-            ar=ARParams(max_tokens=max_tokens, seed=seed) if upsample_prompt and max_tokens is not None else None,
+            ar=(ARParams(max_tokens=max_tokens, seed=seed)
+                if (upsample_prompt or chosen_task is TaskType.TEXT_GENERATION) and max_tokens is not None else None),
             diffusion=DiffusionParams(height=height, width=width, frames=frames, steps=steps, guidance=guidance,
                                       shift=shift, sampler=sampler, seed=seed),
         )
@@ -173,22 +178,12 @@ def generate(
         detail = result.error.message if result.error else result.status
         _fail(f"generation {result.status}: {detail}")
         return
-    for artifact in result.artifacts:
-        if isinstance(artifact, TextArtifact):
-            typer.echo(f"{artifact.name}: {artifact.text}")
-    videos = [a for a in result.artifacts if isinstance(a, VideoArtifact)]
-    if not videos:
-        _fail(f"model: card {card.model_id!r} returned no video for task {request.task.value!r}")
-        return
     try:
-        written = write_artifact(videos[0], output)
-        for audio in (a for a in result.artifacts if isinstance(a, AudioArtifact)):
-            write_artifact(audio, output.with_suffix(".wav"))
+        for line in write_result(result.artifacts, output, card.model_id, request.task):
+            typer.echo(line)
     except MediaError as exc:
         _fail(exc.message)
         return
-    video = videos[0]
-    typer.echo(f"wrote {written} ({video.frames.shape[0]} frames, {video.frames.shape[3]}x{video.frames.shape[2]}, {video.fps:g} fps)")
 
 
 def _run(engine: Engine, request: Request, progress: _Progress) -> GenerationResult:
@@ -202,3 +197,54 @@ def _run(engine: Engine, request: Request, progress: _Progress) -> GenerationRes
             return await handle.result()
 
     return asyncio.run(go())
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: every non-printable character (ESC, BEL, newlines,
+    other controls) as its Python escape (``\\x1b``), so model output cannot drive the terminal."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
+def write_result(artifacts: list[Any], output: Path, model_id: str, task: TaskType) -> list[str]:
+    """Write a finished request's artifacts to ``output``; the lines to print (text escaped by :func:`printable`).
+
+    ``text_generation``: the answer to ``.txt`` (as generated), ``.json`` (``text``, ``token_ids``,
+    ``model``, ``task``) or, for ``-``, printed. Other tasks: the video by suffix; its sound (the
+    video+audio task) muxed into an ``.mp4`` as an AAC track, or beside a ``.pt`` / ``.png`` as a
+    ``.wav`` named in the output; a rewritten prompt printed as ``upsampled_prompt: ...``.
+    """
+    texts = [a for a in artifacts if isinstance(a, TextArtifact)]
+    if task is TaskType.TEXT_GENERATION:
+        if not texts:
+            raise MediaError(f"model: card {model_id!r} returned no text for task 'text_generation'", param="model")
+        answer = texts[0]
+        if str(output) == "-":
+            return [printable(answer.text)]
+        payload = answer.text
+        if output.suffix.lower() == ".json":
+            payload = json.dumps(
+                {"model": model_id, "task": task.value, "text": answer.text, "token_ids": list(answer.token_ids)},
+                ensure_ascii=False,
+            ) + "\n"
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(payload, encoding="utf-8")
+        except OSError as exc:
+            raise MediaError(f"output: cannot write {str(output)!r}: {exc.strerror or exc}", param="output") from None
+        return [f"wrote {output} ({len(answer.text)} characters, {len(answer.token_ids)} tokens)"]
+    lines = [f"{a.name}: {printable(a.text)}" for a in texts]
+    videos = [a for a in artifacts if isinstance(a, VideoArtifact)]
+    if not videos:
+        raise MediaError(f"model: card {model_id!r} returned no video for task {task.value!r}", param="model")
+    video = videos[0]
+    audio = next((a for a in artifacts if isinstance(a, AudioArtifact)), None)
+    shape = f"{video.frames.shape[0]} frames, {video.frames.shape[3]}x{video.frames.shape[2]}, {video.fps:g} fps"
+    if audio is not None and output.suffix.lower() == ".mp4":
+        written = write_artifact(video, output, audio=audio)
+        seconds = audio.samples.shape[-1] / audio.sample_rate
+        return [*lines, f"wrote {written} ({shape}; sound: AAC track, {seconds:.2f} s, {audio.samples.shape[0]} channel(s))"]
+    written = write_artifact(video, output)
+    lines.append(f"wrote {written} ({shape})")
+    if audio is not None:
+        sidecar = write_artifact(audio, output.with_suffix(".wav"))
+        lines.append(f"wrote {sidecar} (the sound: {output.suffix} holds no audio; {audio.sample_rate} Hz WAV)")
+    return lines

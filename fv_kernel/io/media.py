@@ -10,6 +10,7 @@ import io
 import tempfile
 import wave
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,13 +79,62 @@ def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:
     return (frames.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()
 
 
-def write_mp4(frames: torch.Tensor, fps: float, path: str | Path, *, crf: int = 18) -> Path:
-    """Encode frames as H.264 MP4. Odd sizes are padded by one pixel (yuv420p needs even sizes)."""
+#: Sample rates AAC encodes; audio at another rate is resampled to :data:`AAC_FALLBACK_RATE` for the MP4.
+AAC_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
+AAC_FALLBACK_RATE = 48000
+
+
+def _audio_frames(samples: torch.Tensor, sample_rate: int) -> tuple[list[Any], int, str]:
+    """(channels, N) float samples in [-1, 1] as AAC-ready PyAV frames (fltp, 1024 samples each, pts in
+    samples at the output rate), the output rate and the channel layout."""
+    import av
+    from fractions import Fraction
+
+    if samples.ndim != 2 or samples.shape[0] not in (1, 2) or samples.shape[1] == 0:
+        raise MediaError(
+            f"audio to mux must be shaped (channels, N) with 1 or 2 channels and N > 0, got {tuple(samples.shape)}",
+            param="audio",
+        )
+    if sample_rate <= 0:
+        raise MediaError(f"audio sample_rate must be > 0, got {sample_rate}", param="audio")
+    layout = "mono" if samples.shape[0] == 1 else "stereo"
+    rate = sample_rate if sample_rate in AAC_SAMPLE_RATES else AAC_FALLBACK_RATE
+    pcm = samples.detach().float().clamp(-1, 1).cpu().contiguous().numpy()
+    source = av.AudioFrame.from_ndarray(pcm, format="fltp", layout=layout)
+    source.sample_rate, source.pts, source.time_base = sample_rate, 0, Fraction(1, sample_rate)
+    resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate, frame_size=1024)
+    frames = [*resampler.resample(source), *resampler.resample(None)]
+    position = 0
+    for frame in frames:  # contiguous timestamps from 0, so the muxer interleaves audio with the video
+        frame.pts, frame.time_base = position, Fraction(1, rate)
+        position += frame.samples
+    return frames, rate, layout
+
+
+def write_mp4(
+    frames: torch.Tensor,
+    fps: float,
+    path: str | Path,
+    *,
+    crf: int = 18,
+    audio: torch.Tensor | None = None,
+    sample_rate: int | None = None,
+) -> Path:
+    """Encode frames as H.264 MP4. Odd sizes are padded by one pixel (yuv420p needs even sizes).
+
+    ``audio`` ((channels, N) float in [-1, 1], 1 or 2 channels, at ``sample_rate``) is muxed in
+    as an AAC track starting with the first frame; a rate AAC cannot hold (e.g. a tiny card's
+    150 Hz) is resampled to 48 kHz, so the track's duration stays ``N / sample_rate``.
+    """
     try:
         import av
     except ImportError as exc:
         raise MediaError(f"writing MP4 needs PyAV (pip install 'fv-kernel[media]'): {exc}") from None
     from fractions import Fraction
+
+    if audio is not None and sample_rate is None:
+        raise MediaError("muxing audio into an MP4 needs its sample_rate", param="audio")
+    sound = _audio_frames(audio, int(sample_rate)) if audio is not None and sample_rate is not None else None
 
     pixels = frames_to_uint8(frames)
     f, h, w, _ = pixels.shape
@@ -99,11 +149,18 @@ def write_mp4(frames: torch.Tensor, fps: float, path: str | Path, *, crf: int = 
         stream.width, stream.height = w + pad_w, h + pad_h
         stream.pix_fmt = "yuv420p"
         stream.options = {"crf": str(crf)}
+        audio_stream = None
+        if sound is not None:  # every stream is added before the first packet is muxed (the header)
+            audio_stream = container.add_stream("aac", rate=sound[1], layout=sound[2])
         for frame in pixels.numpy():
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+        if audio_stream is not None and sound is not None:
+            for audio_frame in sound[0]:
+                container.mux(audio_stream.encode(audio_frame))
+            container.mux(audio_stream.encode(None))
     return path
 
 
@@ -167,8 +224,12 @@ def write_wav(samples: torch.Tensor, sample_rate: int, path: str | Path) -> Path
     return path
 
 
-def write_artifact(artifact: object, path: str | Path) -> Path:
-    """Write a video artifact by the path's suffix: .mp4, .gif, .pt, .png (first frame) or a folder for PNG frames."""
+def write_artifact(artifact: object, path: str | Path, *, audio: object | None = None) -> Path:
+    """Write a video artifact by the path's suffix: .mp4, .gif, .pt, .png (first frame) or a folder for PNG frames.
+
+    ``audio`` (an ``AudioArtifact``) is muxed into an .mp4 as its AAC track; other suffixes
+    cannot hold sound and refuse it (write it with ``write_wav`` instead).
+    """
     from fv_kernel.request.artifacts import AudioArtifact, VideoArtifact
 
     path = Path(path)
@@ -177,6 +238,12 @@ def write_artifact(artifact: object, path: str | Path) -> Path:
     if not isinstance(artifact, VideoArtifact):
         raise MediaError(f"cannot write a {type(artifact).__name__} to {path}", param="output")
     suffix = path.suffix.lower()
+    if audio is not None:
+        if not isinstance(audio, AudioArtifact):
+            raise MediaError(f"audio must be an AudioArtifact, got {type(audio).__name__}", param="audio")
+        if suffix != ".mp4":
+            raise MediaError(f"only .mp4 holds a video's sound; {suffix or 'a folder'} cannot", param="output")
+        return write_mp4(artifact.frames, artifact.fps, path, audio=audio.samples, sample_rate=audio.sample_rate)
     if suffix == ".mp4":
         return write_mp4(artifact.frames, artifact.fps, path)
     if suffix == ".gif":
