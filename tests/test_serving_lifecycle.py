@@ -263,3 +263,170 @@ def test_without_the_drain_streams_get_no_terminal_event(tmp_path: Path) -> None
     after, exit_s, _, _ = _sigterm_with_a_stream_attached(tmp_path, "no-drain")
     assert SHUTDOWN_EVENT not in [e["event"] for e in after]
     assert exit_s >= SHUTDOWN_BOUND_S, "uvicorn waits for the open stream until shutdown_timeout_s"
+
+
+# --------------------------------------------------------------------------- one server per data dir
+
+
+def test_a_second_server_on_the_same_data_dir_refuses_to_start_and_the_first_keeps_its_jobs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = tmp_path / "deploy.yaml"
+    config.write_text(f"output_dir: {out}\nserver:\n  port: 0\n")
+    with server_process(out) as (first, client):
+        job = client.post("/v1/videos", json={"prompt": "the first server's job", "steps": 40}).json()
+        wait_for_job(client, job["id"], {"in_progress"})
+        second = subprocess.run(
+            [sys.executable, "-m", "fv_kernel.cli.app", "serve", "--config", str(config), "--model", CARD],
+            capture_output=True, text=True, env=ENV, timeout=300,
+        )
+        assert second.returncode != 0
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1, second.stderr
+        assert str(out.resolve()) in lines[0] and f"pid {first.pid}" in lines[0], lines[0]
+        assert wait_for_job(client, job["id"], FINISHED)["status"] == "completed", "the first server's job is untouched"
+        interrupted = client.post("/v1/videos", json={"prompt": "interrupted", "steps": 5000}).json()
+        wait_for_job(client, interrupted["id"], {"in_progress"})
+        first.send_signal(signal.SIGKILL)  # no shutdown hook: the lock file stays, the flock dies with the process
+        first.wait(30)
+    assert (out / DataDirLock.FILE_NAME).is_file()
+    with serving(out) as (server, _, app):
+        assert interrupted["id"] in app.state.manager._live, "the new server took the dir over and resumed the job"
+        with httpx.Client(base_url=server.url, timeout=60.0) as client:
+            assert client.get(f"/v1/videos/{job['id']}").json()["status"] == "completed"
+            client.post(f"/v1/videos/{interrupted['id']}/cancel")
+
+
+def test_without_the_lock_a_second_server_takes_over_the_first_servers_live_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Negative control: the lock is what stops a second server from resuming (rewriting) a live job."""
+    out = tmp_path / "out"
+    with serving(out) as (server, _, _):
+        with httpx.Client(base_url=server.url, timeout=60.0) as client:
+            live = client.post("/v1/videos", json={"prompt": "live", "steps": 5000}).json()
+            wait_for_job(client, live["id"], {"in_progress"})
+        with pytest.raises(DataDirInUse, match=rf"{out.resolve()}.*pid {os.getpid()}"):
+            with serving(out):
+                pass
+        monkeypatch.setattr(DataDirLock, "acquire", lambda self: self)
+        with serving(out) as (_, _, second):
+            assert live["id"] in second.state.manager._live, "unlocked, the second server resumed the first's live job"
+            second.state.manager.cancel(live["id"])
+        with httpx.Client(base_url=server.url, timeout=60.0) as client:
+            client.post(f"/v1/videos/{live['id']}/cancel")
+
+
+# --------------------------------------------------------------------------- memory: finished jobs live on disk
+
+
+def assert_holds_no_finished_tensors(engine: Engine, manager: JobManager) -> None:
+    records, tensor_bytes = engine.retained()
+    assert (records, tensor_bytes) == (0, 0), f"the engine keeps {records} finished requests ({tensor_bytes} tensor bytes)"
+    assert not manager._runs, "program runs (latents) of finished jobs are kept"
+    assert all(job.handle is None for job in manager._live.values() if job.done.is_set()), "a finished job keeps its handle"
+
+
+def _run_jobs(client: "httpx.Client", count: int) -> list[str]:
+    ids = [client.post("/v1/videos", json={"prompt": f"job {i}", "steps": 1}).json()["id"] for i in range(count)]
+    for job_id in ids:
+        assert wait_for_job(client, job_id, FINISHED)["status"] == "completed"
+    return ids
+
+
+def test_finished_jobs_live_on_disk_and_delete_frees_everything(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with serving(out, finished_history_bytes=0) as (server, engine, app):
+        manager, store = app.state.manager, app.state.store
+        with httpx.Client(base_url=server.url, timeout=60.0) as client:
+            ids = _run_jobs(client, 4)
+            image = client.post("/v1/images/generations", json={"prompt": "one image", "steps": 1})
+            assert image.status_code == 200
+            assert_holds_no_finished_tensors(engine, manager)
+            assert manager.retained() == (0, 0), "finished_history_bytes=0: no history stays in memory"
+            for job_id in ids:  # ... yet every stream replays whole, from disk
+                names = [e["event"] for e in whole_stream(client, job_id)]
+                assert names[0] == "video.queued" and names[-2:] == ["video.artifact", "video.completed"]
+            assert store.event_count() > 0 and all((out / job_id / "video.mp4").is_file() for job_id in ids)
+            for job_id in ids:
+                assert client.delete(f"/v1/videos/{job_id}").status_code == 200
+        assert store.count() == 0 and store.event_count() == 0, "DELETE leaves rows or events"
+        assert not any((out / job_id).exists() for job_id in ids), "DELETE leaves files"
+        assert not manager._live and not list((out / "checkpoints").iterdir())
+        assert_holds_no_finished_tensors(engine, manager)
+
+
+def test_the_in_memory_history_is_bounded_in_bytes(tmp_path: Path) -> None:
+    bound = 6_000
+    with serving(tmp_path / "out", finished_history_bytes=bound) as (server, _, app):
+        with httpx.Client(base_url=server.url, timeout=60.0) as client:
+            _run_jobs(client, 5)
+        jobs, held = app.state.manager.retained()
+        assert 0 < held <= bound and jobs < 5, (jobs, held)
+
+
+def test_without_forget_the_engine_keeps_every_finished_jobs_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the check above catches an engine that keeps finished requests' tensors (the leak)."""
+    monkeypatch.setattr(Engine, "forget", lambda self, request_id: False)
+    with serving(tmp_path / "out") as (server, engine, app):
+        with httpx.Client(base_url=server.url, timeout=60.0) as client:
+            ids = _run_jobs(client, 2)
+            for job_id in ids:
+                client.delete(f"/v1/videos/{job_id}")
+        assert engine.retained()[0] == 2 and engine.retained()[1] > 0
+        with pytest.raises(AssertionError, match="the engine keeps 2 finished requests"):
+            assert_holds_no_finished_tensors(engine, app.state.manager)
+
+
+def test_the_engine_bounds_finished_records_in_tensor_bytes() -> None:
+    from fv_kernel.request.request import DiffusionParams, Request, TextPart
+    from fv_kernel.request.types import TaskType
+    from fv_kernel.testing.fake_pool import fake_card
+
+    def requests() -> list[Request]:
+        return [
+            Request(request_id=f"r{i}", model="fake-video", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="x"),),
+                    diffusion=DiffusionParams(steps=1, width=64, height=64))
+            for i in range(6)
+        ]
+
+    def engine(keep_bytes: int) -> Engine:
+        e = Engine(SchedulerConfig(device_thread=False, keep_finished_bytes=keep_bytes))
+        e.add_instance(build_instance(fake_card()))
+        return e
+
+    unbounded = engine(2**40)
+    assert all(r.status == "completed" for r in run_concurrently(unbounded, requests()))
+    count, total = unbounded.retained()
+    per_request = held_tensor_bytes(unbounded._records["r0"].request, unbounded._records["r0"].events)
+    assert count == 6 and total == 6 * per_request > 0, "without a byte bound every record stays (up to keep_finished)"
+    bounded = engine(int(2.5 * per_request))
+    results = run_concurrently(bounded, requests())
+    assert all(r.status == "completed" and r.artifacts for r in results), "callers keep their results"
+    assert bounded.retained() == (2, 2 * per_request)
+    assert bounded.forget("r5") and not bounded.forget("r5") and bounded.retained() == (1, per_request)
+
+
+# --------------------------------------------------------------------------- event history
+
+
+def test_a_job_that_ended_300_jobs_ago_replays_its_whole_stream_from_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fv_kernel.testing.fake_pool import fake_card
+
+    instances = (build_instance(toy_card(CARD)), build_instance(fake_card(step_seconds=0.0)))
+    with serving(tmp_path / "out", *instances, finished_history_bytes=64 * 1024) as (server, _, app):
+        with httpx.Client(base_url=server.url, timeout=60.0) as client:
+            first = client.post("/v1/videos", json={"model": CARD, "prompt": "first", "steps": 3}).json()
+            live = whole_stream(client, first["id"])  # followed from the start, live
+            assert [e["event"] for e in live][-1] == "video.completed"
+            later = [client.post("/v1/videos", json={"model": "fake-video", "prompt": f"{i}", "steps": 1}).json()["id"]
+                     for i in range(300)]
+            for job_id in later:
+                wait_for_job(client, job_id, FINISHED)
+            assert first["id"] not in app.state.manager._live, "evicted from memory by the byte bound"
+            assert whole_stream(client, first["id"]) == live, "the whole stream, as a live subscriber saw it"
+            with client.stream("GET", f"/v1/videos/{first['id']}/events", headers={"Last-Event-ID": "2"}) as response:
+                assert [e["id"] for e in read_sse(response)] == [e["id"] for e in live if e["id"] > 2]
+            # Negative control: without the stored stream, a late subscriber gets only the tail.
+            monkeypatch.setattr(JobStore, "events", lambda self, job_id, after=-1: [])
+            tail = whole_stream(client, first["id"])
+            assert tail != live and [e["event"] for e in tail] == ["video.artifact", "video.completed"]
