@@ -229,3 +229,16 @@ def tiny_engine(cards: dict[str, ModelCard]) -> Engine:
 def test_cosmos3_tiny_runs_every_task_at_its_defaults(tiny_engine: Engine, task: TaskType) -> None:
     result = tiny_engine.generate(Request(model="cosmos3-tiny", task=task, inputs=_parts(task)))
     assert result.status == "completed", result.error
+
+
+@pytest.mark.parametrize(
+    ("card_id", "task", "figure"),
+    [("cosmos3-nano", TaskType.TEXT_TO_VIDEO, "29.6 GiB"), ("cosmos3-nano", TaskType.TEXT_TO_VIDEO_AUDIO, "30.5 GiB"),
+     ("cosmos3-super", TaskType.TEXT_TO_VIDEO, "120.6 GiB")],
+)
+def test_the_weights_docs_models_cosmos3_md_quotes(cards: dict[str, ModelCard], card_id: str, task: TaskType, figure: str) -> None:
+    from fv_kernel.card.preflight import weights_needed
+
+    counted, _ = weights_needed(cards[card_id], cards[card_id].checkpoint.components_for(task), "bf16")
+    assert preflight_module.format_bytes(sum(c.bytes for c in counted)) == figure
+    assert figure in (REPO / "docs" / "models" / "cosmos3.md").read_text()
