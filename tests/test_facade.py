@@ -155,6 +155,36 @@ def test_agenerate_cancelled_by_its_caller_cancels_its_request(gen: fv.VideoGene
     assert gen.engine.metrics.cancelled == 1 and gen.engine.metrics.completed == 0
 
 
+def test_a_call_from_another_event_loop_while_one_is_in_flight_is_refused(gen: fv.VideoGenerator) -> None:
+    started, release = threading.Event(), threading.Event()
+
+    async def hold() -> fv.Video:
+        call = asyncio.create_task(gen.agenerate("a red fox", steps=3))
+        while not gen.engine.running_count():
+            await asyncio.sleep(0.001)
+        started.set()
+        await asyncio.get_running_loop().run_in_executor(None, release.wait)
+        return await call
+
+    results: list[fv.Video] = []
+    other = threading.Thread(target=lambda: results.append(asyncio.run(hold())))
+    other.start()
+    started.wait(timeout=60)
+    try:
+        with pytest.raises(RuntimeError, match="busy on another event loop"):
+            gen.generate("a blue bird")
+    finally:
+        release.set()
+        other.join()
+    assert torch.equal(results[0].frames, alone("a red fox", steps=3))  # the call in flight was not disturbed
+
+
+def test_load_loads_the_plain_tasks_weights(gen: fv.VideoGenerator) -> None:
+    needed = gen.card.checkpoint.components_for(TaskType.TEXT_TO_VIDEO)
+    assert needed and set(needed) <= set(gen.instance.components)
+    assert not build_instance(toy_card("toy-dit")).components  # (an instance built without preloading has none)
+
+
 def test_generate_works_inside_a_running_event_loop(gen: fv.VideoGenerator) -> None:
     async def notebook_cell() -> fv.Video:
         return gen.generate("a red fox", seed=7)
@@ -320,6 +350,8 @@ def test_a_single_prompt_runs_inside_the_plugins_generate_wrappers(gen: fv.Video
 
     register_plugin(Timer(), name="fv-timer", host=gen.host)
     video = gen.generate("a red fox")
+    assert wrapped == [f"{video.request_id}:completed"]
+    gen.generate(PROMPTS[:2])  # a list is not one blocking request: the wrappers do not see it
     assert wrapped == [f"{video.request_id}:completed"]
 
 
