@@ -30,6 +30,7 @@ import torch
 from pydantic import ValidationError
 
 from fv_kernel.card.instance import ModelInstance, build_instance
+from fv_kernel.card.preflight import preflight
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.config import DeployConfig, load_deploy_config
 from fv_kernel.errors import InvalidRequest
@@ -175,6 +176,8 @@ def load(
     tasks = choice.card.capabilities.tasks
     preload = next((t for t in (TaskType.TEXT_TO_VIDEO, TaskType.IMAGE_TO_VIDEO) if t in tasks), None)
     options = choice.options.model_copy(update={"preload_tasks": (preload,) if preload else ()})
+    # The checkpoint source is there and the weights fit, before anything is built (as fv generate).
+    preflight(choice.card, options, options.preload_tasks)
     instance = build_instance(choice.card, options)
     engine.add_instance(instance)
     return VideoGenerator(engine, instance, host)

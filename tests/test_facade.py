@@ -338,6 +338,30 @@ def test_load_takes_a_plugins_card_id_and_the_plugins_default(fv_host: PluginHos
     assert info.value.param == "model"
 
 
+@pytest.mark.parametrize("facade_preflight", [True, False])
+def test_load_refuses_weights_that_do_not_fit_before_building_anything(
+    tmp_path: Path, fv_host: PluginHost, monkeypatch: pytest.MonkeyPatch, facade_preflight: bool
+) -> None:
+    import fv_kernel.card.preflight as preflight_module
+    import fv_kernel.facade
+    import fv_kernel.testing.toy as toy
+    from fv_kernel.card.preflight import InsufficientMemory
+    from test_preflight import counted_card  # a toy card whose components declare 24,000 bytes of weights
+
+    path = tmp_path / "counted.json"
+    path.write_text(counted_card().model_dump_json())
+    monkeypatch.setattr(preflight_module, "device_available_bytes", lambda device: 10_000)
+    factory_calls: list[str] = []
+    real_factory = toy.build_toy_instance
+    monkeypatch.setattr(toy, "build_toy_instance", lambda card, options: factory_calls.append(card.model_id) or
+                        real_factory(card, options))
+    if not facade_preflight:  # negative control: without load's own check the card's factory runs first
+        monkeypatch.setattr(fv_kernel.facade, "preflight", lambda *args, **kwargs: None)
+    with pytest.raises(InsufficientMemory, match="needs 23.4 KiB for its weights .* only 9.8 KiB is available"):
+        fv.load(str(path), host=fv_host)
+    assert factory_calls == ([] if facade_preflight else ["toy-dit"])
+
+
 def test_a_single_prompt_runs_inside_the_plugins_generate_wrappers(gen: fv.VideoGenerator, register_plugin: Any) -> None:
     wrapped: list[str] = []
 
