@@ -174,3 +174,42 @@ def test_bad_prompts_and_mismatched_lists_are_typed_errors() -> None:
         score([video], [])
     with pytest.raises(ValueError, match="at least one"):
         score([], [])
+
+
+def test_the_docs_python_example_prints_what_it_says() -> None:
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "models" / "toy-world.md").read_text(encoding="utf-8")
+    (block,) = re.findall(r"<!-- doc-test: python.*?-->\n```python\n(.*?)```", doc, flags=re.S)
+    expected = [line[len("# -> "):] for line in block.splitlines() if line.startswith("# -> ")]
+    assert len(expected) == 3
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, "toy-world.md", "exec"), {})
+    assert out.getvalue().splitlines() == expected
+
+
+def test_the_quality_bench_runs_on_ground_truth(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """bench/bench_toy_quality.py --ground-truth: the judge's ceiling at a card's size, as the docs show."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "bench" / "bench_toy_quality.py"
+    spec = importlib.util.spec_from_file_location("bench_toy_quality", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "gt.json"
+    monkeypatch.setattr("sys.argv", ["bench_toy_quality.py", "--model", "wan-tiny", "--ground-truth", "--n", "6",
+                                     "--json", str(out)])
+    assert bench.main() == 0
+    assert "toy world ground truth: 6 held-out prompts" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["all_correct"] == 1.0 and len(row["clips"]) == 6
+    monkeypatch.setattr("sys.argv", ["bench_toy_quality.py", "--model", "no-such-card", "--ground-truth"])
+    with pytest.raises(SystemExit, match="--model: .*no-such-card"):
+        bench.main()
