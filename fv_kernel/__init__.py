@@ -3,7 +3,7 @@
 The kernel holds the loop driver, the scheduler, the cache and the parity harness.
 Model families, interceptors, transports and integrations are plugins; plugins
 import from :mod:`fv_kernel.api` only. Users start with :func:`fv_kernel.load`
-(``import fv_kernel as fv; fv.load("wan-tiny").generate("a red fox").save("fox.mp4")``).
+(``import fv_kernel as fv; fv.load().generate("a red fox").save("fox.mp4")``).
 """
 
 __version__ = "0.2.0"

@@ -1,7 +1,7 @@
 """The Python API a user reaches for first: one object, one call.
 
     import fv_kernel as fv
-    gen = fv.load("wan-tiny")                  # what `fv generate --model` takes
+    gen = fv.load()                            # the plugins' default card; or what `fv generate --model` takes
     video = gen.generate("a red fox", seed=7)
     video.save("fox.mp4")
 
@@ -158,8 +158,8 @@ def load(
     """A generator for ``model``, its weights loaded: what ``fv generate --model`` takes.
 
     ``model``: a card id (``fv cards list``), a card file (.json/.yaml), a local checkpoint
-    directory or a hub id; ``None``: the default card of the enabled plugins (as
-    ``fv generate`` without ``--model``). ``config``: a deploy config (path or
+    directory or a hub id; ``None``: the default card of the enabled plugins (their
+    ``fv_default_model`` hook, which ``fv serve`` uses too). ``config``: a deploy config (path or
     :class:`~fv_kernel.config.DeployConfig`), as ``--config``: its plugins, scheduler, limits
     and extensions apply, and its ``cards`` entry for the model gives the instance options;
     ``device``, ``precision`` and ``override_recipe`` win over it. ``host``: a plugin host to
@@ -196,9 +196,12 @@ class VideoGenerator:
         self.engine = engine
         self.instance = instance
         self.host = host
-        #: Calls in flight on the engine's loop; the engine runs while there are any.
+        #: Calls in flight on the engine's loop (``_loop``); the engine runs while there are any.
         self._active = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Set while the last call out stops the engine; a call arriving then waits for it.
+        self._stopping: asyncio.Future[None] | None = None
+        self._lock = threading.Lock()  # calls may come from several threads; one loop wins
 
     @property
     def card(self) -> ModelCard:
@@ -263,7 +266,7 @@ class VideoGenerator:
         if not prompts:
             raise InvalidRequest("prompt", "the list of prompts is empty", allowed="one text, or a non-empty list of texts")
         strays = [(i, p) for i, p in enumerate(prompts) if not isinstance(p, str)]
-        if strays and not isinstance(prompt, str) and isinstance(prompt, (list, tuple)):
+        if strays and isinstance(prompt, (list, tuple)):
             index, stray = strays[0]
             raise InvalidRequest("prompt", f"item {index} of the list is a {type(stray).__name__}, expected text")
         # Every request is validated before any is submitted: one bad prompt starts nothing.
@@ -282,20 +285,30 @@ class VideoGenerator:
     # -- running --------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def _running(self) -> AsyncIterator[Engine]:
+        """The engine, running on the caller's loop while any call is in flight on it."""
         loop = asyncio.get_running_loop()
-        if self._active and self._loop is not loop:
-            raise RuntimeError("this generator is busy on another event loop; use one loop (or one thread) per generator")
-        if not self._active:
-            await self.engine.start()
+        with self._lock:
+            if self._loop is not None and self._loop is not loop:
+                raise RuntimeError("this generator is busy on another event loop; use one loop (or one thread) per generator")
             self._loop = loop
-        self._active += 1
+            self._active += 1
         try:
+            while self._stopping is not None:  # the last call out is still stopping the engine: start it afresh after
+                await self._stopping
+            await self.engine.start()  # a no-op while it runs
             yield self.engine
         finally:
             self._active -= 1
             if not self._active:
-                await self.engine.stop()
-                self._loop = None
+                self._stopping = loop.create_future()
+                try:
+                    await self.engine.stop()
+                finally:
+                    self._stopping.set_result(None)
+                    self._stopping = None
+                    with self._lock:
+                        if not self._active:
+                            self._loop = None
 
     async def _run(self, requests: list[Request]) -> list[GenerationResult]:
         async with self._running() as engine:

@@ -179,6 +179,31 @@ def test_a_call_from_another_event_loop_while_one_is_in_flight_is_refused(gen: f
     assert torch.equal(results[0].frames, alone("a red fox", steps=3))  # the call in flight was not disturbed
 
 
+def test_a_call_arriving_while_the_last_one_stops_the_engine_runs(gen: fv.VideoGenerator,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    real_stop = gen.engine.stop
+    stopping, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_stop() -> None:
+        stopping.set()
+        await release.wait()
+        await real_stop()
+
+    monkeypatch.setattr(gen.engine, "stop", slow_stop)
+
+    async def main() -> tuple[fv.Video, fv.Video]:
+        first = asyncio.create_task(gen.agenerate("a red fox", steps=2))
+        await stopping.wait()  # the first call is done and is stopping the engine
+        second = asyncio.create_task(gen.agenerate("a blue bird", steps=2))
+        await asyncio.sleep(0.01)
+        release.set()
+        return await asyncio.wait_for(asyncio.gather(first, second), timeout=60)
+
+    first, second = asyncio.run(main())
+    assert torch.equal(second.frames, alone("a blue bird", steps=2)) and torch.equal(first.frames, alone("a red fox", steps=2))
+    assert gen.engine._scheduler_task is None
+
+
 def test_load_loads_the_plain_tasks_weights(gen: fv.VideoGenerator) -> None:
     needed = gen.card.checkpoint.components_for(TaskType.TEXT_TO_VIDEO)
     assert needed and set(needed) <= set(gen.instance.components)
@@ -464,6 +489,13 @@ def test_the_path_check_would_catch_a_writer_that_fails_late(tmp_path: Path) -> 
         check_output_path(tmp_path / "a-file" / "x.pt", (".pt",))
     assert check_output_path(tmp_path / "new" / "x.PT", (".pt",)) == tmp_path / "new" / "x.PT"
     assert not (tmp_path / "new").exists()  # the check creates nothing
+
+
+def test_request_is_the_validated_request_a_call_runs(gen: fv.VideoGenerator) -> None:
+    request = gen.request("a red fox", seed=3, negative_prompt="blurry")
+    assert (request.diffusion.steps, request.diffusion.height, request.diffusion.seed) == (4, 8, 3)  # defaults filled
+    assert request.text("negative_prompt") == "blurry" and request.task is TaskType.TEXT_TO_VIDEO
+    assert gen.engine.metrics.completed == 0 and gen.engine._scheduler_task is None  # nothing ran
 
 
 def test_errors_are_fv_errors(gen: fv.VideoGenerator) -> None:
