@@ -104,3 +104,261 @@ def test_prompt_upsampling_needs_a_card_with_a_reasoner() -> None:
         resolve_request(dit, t2v(dit).with_updates(prompt_upsampling=True))
     omni = toy_card("toy-omni")
     assert resolve_request(omni, t2v(omni).with_updates(prompt_upsampling=True)).prompt_upsampling
+
+
+# --------------------------------------------------------------------------- fv generate: refused before compute, one line
+
+from typer.testing import CliRunner  # noqa: E402
+
+from fv_kernel.cli import generate_cmd  # noqa: E402
+from fv_kernel.cli.app import LAZY_COMMANDS, app, load_command  # noqa: E402
+
+
+@pytest.fixture
+def no_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if fv generate builds a model (every refusal here must come first)."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a model was built before the input was refused")
+
+    monkeypatch.setattr(generate_cmd, "build_instance", refuse)
+    monkeypatch.setattr(generate_cmd, "preflight", refuse)
+
+
+def card_file(tmp_path: Path, **capabilities: Any) -> str:
+    path = tmp_path / "card.json"
+    path.write_text(card_with(**capabilities).model_dump_json())
+    return str(path)
+
+
+def generate(*args: str) -> Any:
+    return CliRunner().invoke(app, ["generate", *args])
+
+
+def one_error_line(result: Any) -> str:
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def test_bad_output_paths_are_refused_before_the_plugins_even_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_compute: None
+) -> None:
+    monkeypatch.setattr(generate_cmd, "start_host", lambda *a: pytest.fail("started plugins before checking --output"))
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    cases = {
+        str(tmp_path / "x.gif"): "output: unsupported suffix '.gif'",
+        str(a_file / "out.mp4"): "is not a directory",
+        "/proc/fv-out/out.mp4": "output: cannot create files in '/proc'",
+        str(tmp_path): "output: unsupported suffix '(none)'",
+    }
+    if os.geteuid() != 0:  # root writes anywhere: permissions cannot refuse it
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        cases[str(locked / "out.mp4")] = "output: cannot create files in"
+    for output, expected in cases.items():
+        line = one_error_line(generate("--model", "no-such-card", "--prompt", "x", "--output", output))
+        assert expected in line, (output, line)
+
+
+def test_devices_are_checked_before_anything_is_built(tmp_path: Path, no_compute: None) -> None:
+    model = card_file(tmp_path)
+    line = one_error_line(generate("--model", model, "--prompt", "x", "--device", "tpu", "--output", str(tmp_path / "o.pt")))
+    assert line.startswith("error: device: 'tpu' is not a torch device; allowed: cpu, cuda")
+    import torch
+
+    if not torch.cuda.is_available():
+        line = one_error_line(generate("--model", model, "--prompt", "x", "--device", "cuda", "--output", str(tmp_path / "o.pt")))
+        assert line == "error: device: 'cuda': CUDA is not available on this machine; allowed: cpu"
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--steps", "100000"], "error: steps: 100000 exceeds the maximum of card 'toy-dit'; allowed: 1..50"),
+        (["--prompt", "   "], "error: prompt: task 'text_to_video' needs a prompt; it is empty; allowed: non-blank text"),
+        (["--height", "40"], "allowed: height <= 32"),
+        (["--upsample-prompt"], "error: prompt_upsampling: card 'toy-dit' has no reasoner (an ar_decode loop)"),
+    ],
+)
+def test_requests_beyond_the_card_are_one_line_before_compute(
+    tmp_path: Path, no_compute: None, flags: list[str], expected: str
+) -> None:
+    model = card_file(tmp_path, max_steps=50, token_grid={"max_per_axis": 4, "frames_per_latent": 2, "pixels_per_token": 8})
+    args = ["--model", model, "--output", str(tmp_path / "o.pt")]
+    if "--prompt" not in flags:
+        args += ["--prompt", "a red fox"]
+    assert expected in one_error_line(generate(*args, *flags))
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_upsample_refusal_names_the_installed_cards_that_can(fv_host: Any, register_plugin: Any) -> None:
+    class Cards:
+        from fv_kernel.plugins.hookspecs import hookimpl
+
+        @hookimpl
+        def fv_register_model_cards(self, register: Any) -> None:
+            register("toy-dit", toy_card("toy-dit"))
+            register("toy-omni", toy_card("toy-omni"))
+
+    register_plugin(Cards(), name="fv-toys")
+    assert generate_cmd._cards_that_upsample(fv_host) == "; cards with a reasoner: toy-omni (loop upsample)"
+
+
+# --------------------------------------------------------------------------- progress and Ctrl-C
+
+
+class _Terminal:
+    """A stream that says it is a terminal."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _drive(progress: Any) -> None:
+    with progress.loading("toy-dit") as loading:
+        loading.validated("toy-dit")
+    for stage, total in (("text_encode", 1), ("denoise", 4), ("decode", 3)):
+        for step in range(1, total + 1):
+            progress.update(stage, step, total)
+    progress.close()
+
+
+def test_progress_off_a_terminal_is_plain_lines_one_per_stage() -> None:
+    from io import StringIO
+
+    from fv_kernel.cli.progress import StageProgress
+
+    log = StringIO()
+    _drive(StageProgress(True, log))
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue()
+    assert lines[0] == "loading toy-dit..." and re.fullmatch(r"loaded toy-dit in \d\d:\d\d", lines[1])
+    assert [line.split(":")[0].strip() for line in lines[2:]] == ["text_encode", "denoise", "decode"]
+    assert re.fullmatch(r"\s*denoise: 4/4 steps in \d\d:\d\d \(.*step.*\)", lines[3]), lines[3]
+    # Negative control: on a terminal tqdm redraws its lines with carriage returns, which the check above catches.
+    terminal = _Terminal()
+    _drive(StageProgress(True, terminal))
+    assert "\r" in terminal.text and "loading toy-dit" in terminal.text
+    assert re.search(r"denoise: 100%\|.*\| 4/4 \[\d\d:\d\d<\d\d:\d\d, .*step", terminal.text)  # elapsed, ETA, rate
+
+
+def test_generate_writes_a_file_with_plain_progress_lines(tmp_path: Path) -> None:
+    out = tmp_path / "o.pt"
+    result = CliRunner().invoke(app, ["generate", "--model", card_file(tmp_path), "--prompt", "a red fox", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and "\r" not in result.output
+    stages = [line.split(":")[0].strip() for line in result.stderr.splitlines()]
+    assert stages[:2] == ["loading toy-dit...", "loaded toy-dit in 00"] or stages[0] == "loading toy-dit..."
+    assert {"text_encode", "denoise", "decode"} <= set(stages)
+    quiet = CliRunner().invoke(app, ["generate", "--model", card_file(tmp_path), "--prompt", "x", "-q", "--output", str(out)])
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
+@pytest.mark.parametrize("interrupt_after", ["loading toy-dit...", "loaded toy-dit"])
+def test_ctrl_c_exits_130_with_one_line(tmp_path: Path, interrupt_after: str) -> None:
+    """Ctrl-C at start-up (while the model builds) or during generation: exit 130, one line, no traceback."""
+    import signal
+
+    model = card_file(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fv_kernel.cli.app", "generate", "--model", model, "--prompt", "x", "--steps", "100000",
+         "--output", str(tmp_path / "o.pt")],
+        stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith(interrupt_after):
+            proc.send_signal(signal.SIGINT)
+            break
+    _, rest = proc.communicate(timeout=300)
+    stderr = "".join(seen) + rest
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and stderr.rstrip().splitlines()[-1] == "fv: interrupted"
+    assert not (tmp_path / "o.pt").exists()
+
+
+# --------------------------------------------------------------------------- CLI polish
+
+
+def _run_fv(*args: str) -> subprocess.CompletedProcess[str]:
+    script = (
+        "import sys\nfrom fv_kernel.cli.app import main\n"
+        f"sys.argv = ['fv', *{list(args)!r}]\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr)\n"
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+
+
+def test_fv_help_does_not_import_torch() -> None:
+    for args in (["--help"], ["-h"], [], ["version"]):
+        done = _run_fv(*args)
+        assert done.stderr.strip().splitlines()[-1] == "torch not imported", (args, done.stderr)
+    help_text = _run_fv("--help").stdout
+    for name in LAZY_COMMANDS:
+        assert name in help_text
+    # Negative control: running a command does import torch, so the check above can see it.
+    assert _run_fv("cards", "list").stderr.strip().splitlines()[-1] == "torch imported"
+
+
+def test_the_roots_summaries_are_the_commands_own() -> None:
+    for name, lazy in LAZY_COMMANDS.items():
+        command = load_command(name)
+        assert command.help is not None and " ".join(command.help.split("\n\n")[0].split()) == lazy.summary, name
+
+
+def _command_paths() -> list[list[str]]:
+    paths: list[list[str]] = [[]]
+    for name in sorted({*LAZY_COMMANDS, "version"}):
+        command = load_command(name) if name in LAZY_COMMANDS else None
+        paths.append([name])
+        if hasattr(command, "list_commands"):  # a group: its sub-commands too
+            paths.extend([name, sub] for sub in command.list_commands(None))
+    return paths
+
+
+def test_dash_h_works_everywhere() -> None:
+    paths = _command_paths()
+    assert ["cards", "list"] in paths and ["plugins", "check"] in paths and ["generate"] in paths
+    for path in paths:
+        result = CliRunner().invoke(app, [*path, "-h"])
+        assert result.exit_code == 0 and "Usage:" in result.output, (path, result.output)
+
+
+def test_cards_list_fits_80_columns(fv_host: Any, register_plugin: Any) -> None:
+    from fv_kernel.cli.cards_cmd import _table
+
+    every_task = sorted(t.value for t in TaskType)
+    rows = [
+        {"model_id": "a-long-card-id-v2.1-14b", "family": "toy", "recipe": "dmd2 (assumes loop dmd_3step) from "
+         "a-very-long-parent-card-name-that-goes-on-and-on-and-on", "tasks": every_task, "parity": "C1", "plugin": "fv-somewhere"},
+        {"model_id": "toy-dit", "family": "toy", "recipe": "base", "tasks": ["text_to_video"], "parity": "C1", "plugin": "fv-toys"},
+    ]
+    lines = _table(rows, 80)
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    text = " ".join(" ".join(lines).split())
+    assert all(task in text for task in every_task) and "from a-very-long-parent-card-name-that-goes-on-and-on-and-on" in text
+    # and the command itself, at 80 columns
+    result = CliRunner().invoke(app, ["cards", "list"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0 and max(len(line) for line in result.output.splitlines()) <= 80, result.output
+
+
+def test_plugins_check_of_a_missing_plugin_is_one_error_line() -> None:
+    result = CliRunner().invoke(app, ["plugins", "check", "nosuch", "--no-side-effects"])
+    assert result.exit_code == 1
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert result.output.startswith("error: no 'fv.plugins' entry point for distribution 'nosuch'; installed plugins: ")

@@ -69,5 +69,8 @@ def test_check_fails_with_reasons(plugin_site: Path) -> None:
     assert "must be a subclass of fv_kernel.compute.attention:AttentionBackend, got NotABackend" in bad.stdout
     broken = runner.invoke(app, ["plugins", "check", "fv-broken", "--no-side-effects"])
     assert broken.exit_code == 1 and "RuntimeError: fv_broken exploded at import" in broken.stdout
+    # the checks that could not run after the import failed say so in one line each, not the error again
+    assert "  skip register_twice (import check failed)" in broken.stdout
+    assert broken.stdout.count("exploded at import") == 1
     missing = runner.invoke(app, ["plugins", "check", "fv-nowhere", "--no-side-effects"])
-    assert missing.exit_code == 1 and "no 'fv.plugins' entry point for distribution 'fv-nowhere'" in missing.stdout
+    assert missing.exit_code == 1 and "no 'fv.plugins' entry point for distribution 'fv-nowhere'" in missing.stderr

@@ -1,24 +1,120 @@
-"""Root of the ``fv`` CLI. Sub-apps live in their own modules and are added here."""
+"""Root of the ``fv`` CLI. Sub-commands live in their own modules and load when used.
+
+``fv --help`` (and ``fv`` alone, and ``fv version``) imports none of them: they pull in
+torch and the runtime, which take seconds to import, and the root only needs their names
+and one-line summaries (:data:`LAZY_COMMANDS`; a test checks each summary against the
+command's own help). ``-h`` is ``--help`` everywhere. Ctrl-C anywhere exits 130 with one
+line on stderr.
+"""
 
 from __future__ import annotations
 
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from fv_kernel import API_VERSION, __version__
-from fv_kernel.cli.cards_cmd import cards_app
-from fv_kernel.cli.generate_cmd import generate
-from fv_kernel.cli.plugins_cmd import plugins_app
-from fv_kernel.cli.serve_cmd import serve
+
+__all__ = ["app", "main", "LAZY_COMMANDS", "HELP_OPTION_NAMES", "interrupted"]
+
+HELP_OPTION_NAMES = ["-h", "--help"]
+
+
+@dataclass(frozen=True)
+class LazyCommand:
+    """Where a sub-command is defined, and its one-line summary for ``fv --help``."""
+
+    module: str
+    attribute: str
+    summary: str
+
+
+LAZY_COMMANDS: dict[str, LazyCommand] = {
+    "cards": LazyCommand("fv_kernel.cli.cards_cmd", "cards_app", "List, show and validate model cards."),
+    "generate": LazyCommand(
+        "fv_kernel.cli.generate_cmd", "generate", "Generate a video (or image) with one card and write it to --output."
+    ),
+    "plugins": LazyCommand("fv_kernel.cli.plugins_cmd", "plugins_app", "Inspect and validate fv plugins."),
+    "serve": LazyCommand(
+        "fv_kernel.cli.serve_cmd", "serve",
+        "Serve the OpenAI-style video API (POST /v1/videos, SSE events, /metrics) over the deployment.",
+    ),
+}
+
+
+def interrupted() -> NoReturn:
+    """Ctrl-C: one line on stderr, exit status 130 (128 + SIGINT), no traceback."""
+    typer.echo("fv: interrupted", err=True)
+    raise typer.Exit(130)
+
+
+def load_command(name: str) -> Any:
+    """The command ``name`` as Typer's (vendored) click command, importing its module."""
+    entry = LAZY_COMMANDS[name]
+    target = getattr(importlib.import_module(entry.module), entry.attribute)
+    if isinstance(target, typer.Typer):
+        return typer.main.get_group(target)  # shell completion options belong to the root only
+    single = typer.Typer(add_completion=False)
+    single.command(name)(target)
+    return typer.main.get_command(single)  # one command and no callback: the command itself
+
+
+class _LazyGroup(TyperGroup):
+    """A group whose lazy sub-commands are imported only when invoked (or their own help is asked)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._listing = False
+        self._loaded: dict[str, Any] = {}
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in LAZY_COMMANDS:
+            return super().get_command(ctx, cmd_name)
+        if self._listing:  # the root's help lists names and summaries only
+            return TyperCommand(cmd_name, help=LAZY_COMMANDS[cmd_name].summary)
+        if cmd_name not in self._loaded:
+            from fv_kernel.cli.progress import spinner
+
+            try:
+                with spinner(f"starting fv {cmd_name}"):  # importing torch and the runtime takes seconds
+                    self._loaded[cmd_name] = load_command(cmd_name)
+            except KeyboardInterrupt:
+                interrupted()
+        return self._loaded[cmd_name]
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:  # typer would exit 130 without a word
+            interrupted()
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
 
 app = typer.Typer(
     name="fv",
+    cls=_LazyGroup,
     help="fv: a model-native runtime for video generation.",
     no_args_is_help=True,
+    context_settings={"help_option_names": HELP_OPTION_NAMES},
 )
-app.add_typer(plugins_app, name="plugins")
-app.add_typer(cards_app, name="cards")
-app.command("generate")(generate)
-app.command("serve")(serve)
+
+
+@app.callback()
+def _root() -> None:
+    """fv: a model-native runtime for video generation."""  # a group, although only `version` is registered here
 
 
 @app.command("version")
@@ -29,7 +125,11 @@ def version() -> None:
 
 def main() -> None:
     """Console-script entry point (``fv``)."""
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:  # between the commands' own handlers (argument parsing, start-up)
+        typer.echo("fv: interrupted", err=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

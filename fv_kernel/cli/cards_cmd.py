@@ -6,6 +6,8 @@ Validation never loads weights or touches a GPU: a card is a declarative contrac
 from __future__ import annotations
 
 import json
+import shutil
+import textwrap
 from pathlib import Path
 from typing import Any, Optional
 
@@ -75,12 +77,28 @@ def list_cards(
     if not rows:
         typer.echo("no cards: install a model plugin, e.g. 'pip install fv-wan'")
         return
-    headers = ["model_id", "family", "recipe", "tasks", "parity", "plugin"]
-    table = [[r["model_id"], r["family"], r["recipe"], ",".join(r["tasks"]), r["parity"], r["plugin"]] for r in rows]
+    for line in _table(rows, shutil.get_terminal_size((80, 24)).columns):
+        typer.echo(line)
+
+
+def _table(rows: list[dict[str, Any]], width: int) -> list[str]:
+    """``fv cards list`` within ``width`` columns: the tasks wrap in the last column, and a recipe
+    beyond its method (the loop it assumes, its parents) gets its own indented line. The family
+    is left to ``--json`` and ``fv cards show`` (the plugin column says it for in-repo plugins)."""
+    headers = ["model_id", "recipe", "parity", "plugin"]
+    table = [[r["model_id"], r["recipe"].split(" ")[0], r["parity"], r["plugin"]] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
-    typer.echo("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths)))
-    for row in table:
-        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    indent = sum(widths) + 2 * len(widths)
+    tasks_width = max(width - indent, 20)
+    lines = ["  ".join(h.upper().ljust(w) for h, w in zip(headers, widths)) + "  TASKS"]
+    for row, summary in zip(table, rows):
+        wrapped = textwrap.wrap(", ".join(summary["tasks"]), tasks_width, break_on_hyphens=False) or [""]
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + wrapped[0])
+        lines.extend(" " * indent + more for more in wrapped[1:])
+        if summary["recipe"] != row[1]:
+            lines.extend(textwrap.wrap(f"recipe: {summary['recipe']}", width, initial_indent="    ",
+                                       subsequent_indent="      ", break_on_hyphens=False))
+    return lines
 
 
 @cards_app.command("show")

@@ -19,8 +19,9 @@ from fv_kernel.card.instance import build_instance
 from fv_kernel.card.preflight import preflight
 from fv_kernel.card.validate import resolve_request
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
+from fv_kernel.cli.progress import StageProgress
 from fv_kernel.errors import FvError, InvalidRequest
-from fv_kernel.io.media import MediaError, read_image, write_artifact
+from fv_kernel.io.media import MediaError, check_output_path, read_image, write_artifact
 from fv_kernel.plugins import PluginError
 from fv_kernel.request.artifacts import AudioArtifact, TextArtifact, VideoArtifact
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
@@ -45,31 +46,6 @@ def _validation_line(exc: ValidationError) -> str:
     err = exc.errors()[0]
     field = ".".join(str(p) for p in err["loc"] if p not in ("diffusion", "ar")) or "request"
     return f"{field}: {err['msg']}"
-
-
-class _Progress:
-    """A one-line progress bar per loop on stderr."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.current: str | None = None
-
-    def update(self, loop_id: str, step: int, total: int | None) -> None:
-        if not self.enabled:
-            return
-        if self.current is not None and self.current != loop_id:
-            sys.stderr.write("\n")
-        self.current = loop_id
-        if total:
-            filled = int(30 * step / total)
-            sys.stderr.write(f"\r{loop_id:>12} [{'#' * filled}{'.' * (30 - filled)}] {step}/{total}")
-        else:
-            sys.stderr.write(f"\r{loop_id:>12} {step}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.current is not None:
-            sys.stderr.write("\n")
 
 
 def generate(
@@ -112,10 +88,11 @@ def generate(
     attention_backend, compute, local_files_only, override_recipe; flags win). Other
     cards it lists are not loaded.
     """
-    suffix = output.suffix.lower()
-    allowed_suffixes = _TEXT_OUTPUT_SUFFIXES if task is TaskType.TEXT_GENERATION else _OUTPUT_SUFFIXES
-    if suffix not in allowed_suffixes and not (task is TaskType.TEXT_GENERATION and str(output) == "-"):
-        _fail(f"output: unsupported suffix {suffix or '(none)'!r}; allowed: {', '.join(allowed_suffixes)}")
+    try:  # before any compute: the suffix, and that a file can be created there
+        if not (task is TaskType.TEXT_GENERATION and str(output) == "-"):
+            check_output_path(output, _TEXT_OUTPUT_SUFFIXES if task is TaskType.TEXT_GENERATION else _OUTPUT_SUFFIXES)
+    except MediaError as exc:
+        _fail(exc.message)
     if precision is not None and precision not in PRECISIONS:
         _fail(f"precision: {precision!r} is not a precision; allowed: {', '.join(PRECISIONS)}")
     try:
@@ -143,37 +120,50 @@ def generate(
         _fail(exc.message)
         return
 
-    deploy = load_config(config)
-    host = start_host(deploy)
+    progress = StageProgress(not quiet)
     try:
-        # The config's entry for this card (if any) gives the instance options; flags win.
-        choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe)
-        card, options = choice.card, choice.options
-        request = request.with_updates(model=card.model_id)
-        engine = engine_for(deploy, host)
-        # every input error surfaces before weights load
-        resolve_request(
-            card, request, deploy.limits, allow_recipe_mismatch=options.allow_recipe_mismatch,
-            samplers=host.registry().sampler_names(),
-        )
-        # the checkpoint source is there and the weights fit, before anything is built
-        preflight(card, options, (request.task,))
-        instance = build_instance(card, options)
+        with progress.loading(model) as loading:
+            deploy = load_config(config)
+            host = start_host(deploy)
+            # The config's entry for this card (if any) gives the instance options; flags win.
+            choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe)
+            card, options = choice.card, choice.options
+            request = request.with_updates(model=card.model_id)
+            engine = engine_for(deploy, host)
+            # every input error surfaces before weights load
+            try:
+                resolve_request(
+                    card, request, deploy.limits, allow_recipe_mismatch=options.allow_recipe_mismatch,
+                    samplers=host.registry().sampler_names(),
+                )
+            except InvalidRequest as exc:
+                if exc.param == "prompt_upsampling":
+                    _fail(f"{exc.message}{_cards_that_upsample(host)}")
+                raise
+            # the checkpoint source is there and the weights fit, before anything is built
+            preflight(card, options, (request.task,))
+            loading.validated(card.model_id)
+            instance = build_instance(card, options)
+            instance.load_for_task(request.task)  # weights load here, so a bad checkpoint is one typed line
+            engine.add_instance(instance)
         if instance.recipe_overrides:
             typer.echo(
                 f"warning: running {card.model_id!r} outside its recipe ({card.recipe.method!r} assumes precision "
                 f"{card.recipe.assumes_precision!r}; running in {instance.precision!r}) because of --override-recipe",
                 err=True,
             )
-        instance.load_for_task(request.task)  # weights load here, so a bad checkpoint is one typed line
-        engine.add_instance(instance)
-        result = host.hooks.wrap_generate(request, lambda req: _run(engine, req, _Progress(not quiet)))
+        result = host.hooks.wrap_generate(request, lambda req: _run(engine, req, progress))
     except FvError as exc:
         _fail(exc.message)
         return
     except PluginError as exc:
         _fail(str(exc))
         return
+    except KeyboardInterrupt:  # start-up or generation: close the progress line, then one line, exit 130
+        progress.close()
+        from fv_kernel.cli.app import interrupted
+
+        interrupted()
     if result.status != "completed":
         detail = result.error.message if result.error else result.status
         _fail(f"generation {result.status}: {detail}")
@@ -186,7 +176,20 @@ def generate(
         return
 
 
-def _run(engine: Engine, request: Request, progress: _Progress) -> GenerationResult:
+def _cards_that_upsample(host: Any) -> str:
+    """``"; cards with a reasoner: ..."`` over the installed cards (empty when none has one)."""
+    from fv_kernel.card.catalog import CardCatalog
+    from fv_kernel.card.validate import reasoner_loops
+
+    able = []
+    for model_id, entry in sorted(CardCatalog(host).entries().items()):
+        loops = reasoner_loops(entry.card)
+        if loops:
+            able.append(f"{model_id} (loop {', '.join(loops)})")
+    return f"; cards with a reasoner: {', '.join(able)}" if able else ""
+
+
+def _run(engine: Engine, request: Request, progress: StageProgress) -> GenerationResult:
     async def go() -> GenerationResult:
         async with engine.running():
             handle = engine.submit(request)
@@ -197,6 +200,7 @@ def _run(engine: Engine, request: Request, progress: _Progress) -> GenerationRes
             return await handle.result()
 
     return asyncio.run(go())
+
 
 def printable(text: str) -> str:
     """``text`` safe to print on a terminal: every non-printable character (ESC, BEL, newlines,

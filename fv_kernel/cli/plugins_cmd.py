@@ -16,6 +16,10 @@ import typer
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
 from fv_kernel.plugins import KINDS, PluginHost, PluginRecord, PluginStatus
 from fv_kernel.plugins.check import PluginChecker
+from fv_kernel.plugins.host import scan_entry_points
+
+#: How the checker reports a check that did not run because a prerequisite failed.
+_SKIPPED = "skipped: "
 
 plugins_app = typer.Typer(help="Inspect and validate fv plugins.", no_args_is_help=True)
 
@@ -85,12 +89,25 @@ def check_plugin(
 ) -> None:
     """Validate one plugin: entry point, manifest, kernel API, import, contributions. Exits 1 on any problem."""
     report = PluginChecker(distribution).run_all(side_effects=side_effects)
+    if report.version is None and report.results.get("entry_point"):
+        # No such plugin: every other check would be skipped for this one reason.
+        installed = sorted({p.distribution for p in scan_entry_points().plugins})
+        typer.echo(
+            f"error: {report.results['entry_point'][0]}; installed plugins: {', '.join(installed) or 'none'}", err=True
+        )
+        raise typer.Exit(1)
     typer.echo(f"{report.distribution} {report.version or '?'}")
+    failed = 0
     for name, problems in report.results.items():
+        if failed and problems and all(p.startswith(_SKIPPED) for p in problems):
+            # could not run because an earlier check failed: that failure is already listed
+            typer.echo(f"  skip {name} ({problems[0][len(_SKIPPED):].split(':')[0]})")
+            continue
+        failed += len(problems)
         typer.echo(f"  {'ok  ' if not problems else 'FAIL'} {name}")
         for problem in problems:
             typer.echo(f"         - {problem}")
     if not report.ok:
-        typer.echo(f"{report.distribution}: {len(report.problems())} problem(s)", err=True)
+        typer.echo(f"{report.distribution}: {failed} problem(s)", err=True)
         raise typer.Exit(1)
     typer.echo(f"{report.distribution}: all checks passed")
