@@ -53,6 +53,15 @@ class ServerConfig(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)
     #: Larger request bodies are refused with 413 before they are parsed.
     max_body_bytes: int = Field(default=32 * 2**20, gt=0)
+    #: JSON (a body, or a multipart ``extensions`` field) nested deeper is refused with 400
+    #: before it is parsed. At most 500: Python's JSON parser recurses once per level.
+    max_json_depth: int = Field(default=32, ge=2, le=500)
+    #: A JSON number token longer than this many characters is refused with 400 before parsing
+    #: (a 64-bit seed has 19 digits; Python refuses to convert ints of more than 4300).
+    max_json_number_chars: int = Field(default=64, ge=24, le=4300)
+    #: An input image whose header declares more pixels (width x height) is refused with 413
+    #: before a pixel is decoded (a 4096x4096 RGB image decodes to 200 MiB as float32).
+    max_image_pixels: int = Field(default=4096 * 4096, gt=0)
     #: SQLite file of job metadata; None: ``<output_dir>/jobs.sqlite3``.
     db_path: Path | None = None
     #: Seconds between SSE keep-alive comments on an idle event stream.

@@ -231,8 +231,8 @@ def test_multipart_create_reads_the_image(served: Served) -> None:
         if "image_to_video" in served.card.capabilities.tasks:
             assert response.status_code == 200, response.text
             assert response.json()["task"] == "image_to_video"
-        else:  # the image decoded; the card cannot animate it
-            assert response.status_code == 400 and response.json()["error"]["param"] == "task"
+        else:  # the card cannot animate it: refused before the image is decoded, naming it
+            assert response.status_code == 400 and response.json()["error"]["param"] == "input_reference"
         plain = client.post("/v1/videos", data={"prompt": "x", "steps": "1", "extensions": '{"toy-cache": {"threshold": 0.5}}'})
         assert plain.status_code == 200, plain.text
         assert wait_for_job(client, plain.json()["id"], {"completed", "failed"})["status"] == "completed"
@@ -280,6 +280,9 @@ def bad_input_cases(card: Any) -> list[tuple[str, str, str, dict[str, Any], int,
     m = caps.spatial_multiple
     bad_frames = d.frames + 1 if caps.frame_rule.modulus > 1 else None
     unknown_id = "video_" + "0" * 32
+    # A card without image-to-video refuses any image before reading it (tests/test_serving_hardening.py
+    # checks undecodable images on a card that takes them).
+    image_error = "invalid_image" if "image_to_video" in caps.tasks else "invalid_request"
     cases = [
         ("malformed json", "POST", "/v1/videos", {"content": b'{"prompt": ', "headers": {"content-type": "application/json"}}, 400, "invalid_json", None),
         ("json not an object", "POST", "/v1/videos", {"json": ["prompt"]}, 400, "invalid_json", None),
@@ -296,9 +299,9 @@ def bad_input_cases(card: Any) -> list[tuple[str, str, str, dict[str, Any], int,
         ("pixels over limit", "POST", "/v1/videos", {"json": {"prompt": "x", "size": f"{2 * d.width}x{2 * d.height}"}}, 400, "invalid_request", "size"),
         ("oversized body", "POST", "/v1/videos", {"json": {"prompt": "x" * 70_000}}, 413, "body_too_large", None),
         ("oversized chunked body", "POST", "/v1/videos", {"content": iter([b'{"prompt": "', b"x" * 70_000, b'"}']), "headers": {"content-type": "application/json"}}, 413, "body_too_large", None),
-        ("image not base64", "POST", "/v1/videos", {"json": {"prompt": "x", "input_reference": "%%%"}}, 400, "invalid_image", "input_reference"),
-        ("image not an image", "POST", "/v1/videos", {"json": {"prompt": "x", "input_reference": base64.b64encode(b"hello, not a png").decode()}}, 400, "invalid_image", "input_reference"),
-        ("multipart file not an image", "POST", "/v1/videos", {"data": {"prompt": "x"}, "files": {"input_reference": ("a.png", b"GIF89? no", "image/png")}}, 400, "invalid_image", "input_reference"),
+        ("image not base64", "POST", "/v1/videos", {"json": {"prompt": "x", "input_reference": "%%%"}}, 400, image_error, "input_reference"),
+        ("image not an image", "POST", "/v1/videos", {"json": {"prompt": "x", "input_reference": base64.b64encode(b"hello, not a png").decode()}}, 400, image_error, "input_reference"),
+        ("multipart file not an image", "POST", "/v1/videos", {"data": {"prompt": "x"}, "files": {"input_reference": ("a.png", b"GIF89? no", "image/png")}}, 400, image_error, "input_reference"),
         ("multipart unknown field", "POST", "/v1/videos", {"data": {"prompt": "x", "colour": "red"}}, 400, "unknown_field", "colour"),
         ("multipart unknown file", "POST", "/v1/videos", {"data": {"prompt": "x"}, "files": {"mask": ("m.png", png_bytes(), "image/png")}}, 400, "unknown_field", "mask"),
         ("unsupported content type", "POST", "/v1/videos", {"content": b"prompt=x", "headers": {"content-type": "text/plain"}}, 415, "unsupported_media_type", None),
@@ -341,7 +344,7 @@ def test_bad_input_table(card_id: str, tmp_path: Path) -> None:
                 response = client.request(method, path, **kwargs)
                 body = response.json()
                 got = (response.status_code, body.get("error", {}).get("type"), body.get("error", {}).get("param"))
-                if got != (status, error_type, param) or set(body["error"]) != {"type", "message", "param"}:
+                if got != (status, error_type, param) or set(body["error"]) != {"type", "message", "param", "code"} or body["error"]["code"] != error_type:
                     failures.append(f"{name}: expected {(status, error_type, param)}, got {got}: {body}")
             assert not failures, "\n".join(failures)
             assert wait_for_job(client, bystander["id"], {"completed", "failed", "cancelled"})["status"] == "completed"

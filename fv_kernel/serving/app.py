@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import Counter
@@ -12,19 +13,23 @@ from typing import Any, AsyncIterator, Literal, Mapping
 import torch
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from fv_kernel import __version__
 from fv_kernel.config import DeployConfig
 from fv_kernel.runtime.engine import Engine
+from fv_kernel.request.types import TaskType
+from fv_kernel.serving import media
 from fv_kernel.serving.errors import ApiError, error_body, from_validation_errors
 from fv_kernel.serving.jobs import ClientDisconnected, JobManager, StreamEvent
-from fv_kernel.serving.media import decode_base64_image, decode_image
-from fv_kernel.serving.metrics import CONTENT_TYPE, render_metrics
+from fv_kernel.serving.limits import JsonLimits, parse_json_object
+from fv_kernel.serving.metrics import RequestMetricsMiddleware, ServingMetrics
 from fv_kernel.serving.middleware import AuthMiddleware, BodyLimitMiddleware, BodyTooLarge
+from fv_kernel.serving.openapi import error_responses, install_openapi, request_body
 from fv_kernel.serving.schemas import (
     DeletedVideo,
     ImageGenerate,
@@ -41,8 +46,6 @@ __all__ = ["create_app"]
 
 #: Paths that never need the API key (liveness probes).
 OPEN_PATHS = frozenset({"/health"})
-#: The largest input image decoded, in pixels (before any model-side resize).
-_MAX_IMAGE_PIXELS = 8192 * 8192
 _MAX_FORM_FIELDS = 64
 
 
@@ -55,16 +58,6 @@ def _encode_sse(item: StreamEvent | None) -> bytes:
     return f"id: {item.seq}\nevent: {item.event}\ndata: {data}\n\n".encode()
 
 
-def _parse_json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "invalid_json", f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "invalid_json", "the request body must be a JSON object")
-    return data
-
-
 def _validate(schema: type[BaseModel], data: Mapping[str, Any]) -> Any:
     try:
         return schema.model_validate(dict(data))
@@ -72,9 +65,22 @@ def _validate(schema: type[BaseModel], data: Mapping[str, Any]) -> Any:
         raise from_validation_errors(exc.errors()) from None
 
 
-async def _read_video_create(request: Request, *, max_pixels: int) -> tuple[VideoCreate, torch.Tensor | None]:
-    """``POST /v1/videos`` as JSON (base64 image) or multipart (image file); either way one schema."""
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+def _content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+async def _read_json_object(request: Request, limits: JsonLimits) -> dict[str, Any]:
+    """The body as a JSON object: its depth and numbers bounded before parsing, off the event loop."""
+    return await asyncio.to_thread(parse_json_object, await request.body(), limits)
+
+
+async def _read_video_create(request: Request, limits: JsonLimits) -> tuple[VideoCreate, bytes | str | None]:
+    """``POST /v1/videos`` as JSON (base64 image) or multipart (image file); either way one schema.
+
+    Returns the body and its image still encoded (a file part's bytes, or base64 text):
+    the caller checks the task before anything is decoded.
+    """
+    content_type = _content_type(request)
     if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
         try:
             form = await request.form(max_files=1, max_fields=_MAX_FORM_FIELDS)
@@ -94,23 +100,53 @@ async def _read_video_create(request: Request, *, max_pixels: int) -> tuple[Vide
             else:
                 fields[key] = value
         if "extensions" in fields:
-            try:
-                fields["extensions"] = json.loads(fields["extensions"])
-            except json.JSONDecodeError:
-                raise ApiError(400, "invalid_json", "extensions: not a JSON object", param="extensions") from None
+            fields["extensions"] = await asyncio.to_thread(parse_json_object, fields["extensions"], limits, param="extensions")
         body = _validate(VideoCreate, fields)
         if image_bytes is not None:
-            return body, decode_image(image_bytes, param="input_reference", max_pixels=max_pixels)
+            return body, image_bytes
     elif content_type in ("application/json", ""):
-        body = _validate(VideoCreate, _parse_json_object(await request.body()))
+        body = _validate(VideoCreate, await _read_json_object(request, limits))
     else:
         raise ApiError(
             415, "unsupported_media_type",
             f"content type {content_type!r}; allowed: application/json, multipart/form-data, application/x-www-form-urlencoded",
         )
-    if body.input_reference is not None:
-        return body, decode_base64_image(body.input_reference, param="input_reference", max_pixels=max_pixels)
-    return body, None
+    return body, body.input_reference
+
+
+def _load_image(encoded: bytes | str, *, max_pixels: int) -> torch.Tensor:
+    """Base64 text or file bytes as pixels; the size its header declares is checked before any decoding.
+
+    Runs on a worker thread: decoding a large image takes long enough to stall every client.
+    """
+    param = "input_reference"
+    data = media.decode_base64(encoded, param=param) if isinstance(encoded, str) else encoded
+    media.probe_image(data, param=param, max_pixels=max_pixels)
+    return media.decode_pixels(data, param=param)
+
+
+def _check_image_task(manager: JobManager, body: VideoCreate) -> None:
+    """An image asks for image-to-video: refuse it (400) if the card cannot run that, before decoding the image."""
+    instance = manager._instance(body.model)
+    tasks = instance.card.capabilities.tasks
+    if TaskType.IMAGE_TO_VIDEO not in tasks:
+        allowed = ", ".join(sorted(t.value for t in tasks))
+        raise ApiError(
+            400, "invalid_request",
+            f"input_reference: card {instance.model_id!r} cannot run 'image_to_video' (its tasks: {allowed}); "
+            "omit the image, or name a card that takes one",
+            param="input_reference",
+        )
+
+
+def _allowed_methods(app: FastAPI, scope: Any) -> list[str]:
+    """Every method some route accepts on this path (a 405's ``Allow`` header)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def create_app(
@@ -143,8 +179,8 @@ def create_app(
         data_dir_lock.release()
         raise
     rejections: Counter[str] = Counter()
-    limits = config.limits
-    max_pixels = min(_MAX_IMAGE_PIXELS, 16 * limits.max_pixels) if limits.max_pixels else _MAX_IMAGE_PIXELS
+    json_limits = JsonLimits.from_server(config.server)
+    max_pixels = config.server.max_image_pixels
     manager = JobManager(
         engine, store, output_dir,
         enabled_extensions=config.extensions, extension_schemas=extension_schemas or {},
@@ -165,6 +201,10 @@ def create_app(
             data_dir_lock.release()
 
     app = FastAPI(title="fv video API", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_openapi(app)
+    metrics_registry = ServingMetrics(engine, rejections, store.counts_by_status)
+    app.state.metrics = metrics_registry
+    auth = config.api_key is not None
     app.state.manager = manager
     app.state.store = store
     app.state.engine = engine
@@ -191,22 +231,36 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(error_body(kind, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+        headers = dict(exc.headers or {})
+        message = str(exc.detail)
+        if exc.status_code == 405:
+            # Starlette names only the first route matching the path; a path can have several (GET and POST /v1/videos).
+            allowed = _allowed_methods(app, request.scope)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"method {request.method} is not allowed on {request.url.path}; allowed: {', '.join(allowed)}"
+        return JSONResponse(error_body(kind, message), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body("internal_error", f"{type(exc).__name__}: {exc}"), status_code=500)
 
     # -- videos -------------------------------------------------------------------------
-    @app.post("/v1/videos", response_model=VideoJob)
+    @app.post(
+        "/v1/videos", response_model=VideoJob, openapi_extra=request_body(VideoCreate, form=True),
+        responses=error_responses(400, 404, 413, 415, 429, auth=auth),
+    )
     async def create_video(request: Request) -> VideoJob:
         try:
-            body, image = await _read_video_create(request, max_pixels=max_pixels)
+            body, encoded_image = await _read_video_create(request, json_limits)
+            image = None
+            if encoded_image is not None:
+                _check_image_task(manager, body)  # before a byte of the image is decoded
+                image = await asyncio.to_thread(_load_image, encoded_image, max_pixels=max_pixels)
         except ApiError as exc:
             raise manager.reject(exc) from None
         return manager.create_video(body, image)
 
-    @app.get("/v1/videos", response_model=VideoList)
+    @app.get("/v1/videos", response_model=VideoList, responses=error_responses(400, 404, auth=auth))
     async def list_videos(
         limit: int = Query(default=20, ge=1, le=100),
         after: str | None = Query(default=None),
@@ -223,25 +277,41 @@ def create_app(
             data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None, has_more=has_more,
         )
 
-    @app.get("/v1/videos/{video_id}", response_model=VideoJob)
+    @app.get("/v1/videos/{video_id}", response_model=VideoJob, responses=error_responses(400, 404, auth=auth))
     async def get_video(video_id: str) -> VideoJob:
         return manager.view(manager.record(video_id))
 
-    @app.get("/v1/videos/{video_id}/content")
+    @app.get(
+        "/v1/videos/{video_id}/content", response_class=FileResponse,
+        responses={
+            200: {"description": "The MP4 (variant=video) or the first frame as PNG (variant=thumbnail)", "content": {
+                "video/mp4": {"schema": {"type": "string", "format": "binary"}},
+                "image/png": {"schema": {"type": "string", "format": "binary"}},
+            }},
+            **error_responses(400, 404, 409, auth=auth),
+        },
+    )
     async def video_content(video_id: str, variant: str = Query(default="video")) -> FileResponse:
         path, media_type = manager.content_path(video_id, variant)
         return FileResponse(path, media_type=media_type)
 
-    @app.post("/v1/videos/{video_id}/cancel", response_model=VideoJob)
+    @app.post("/v1/videos/{video_id}/cancel", response_model=VideoJob, responses=error_responses(400, 404, 409, auth=auth))
     async def cancel_video(video_id: str) -> VideoJob:
         return manager.cancel(video_id)
 
-    @app.delete("/v1/videos/{video_id}", response_model=DeletedVideo)
+    @app.delete("/v1/videos/{video_id}", response_model=DeletedVideo, responses=error_responses(400, 404, auth=auth))
     async def delete_video(video_id: str) -> DeletedVideo:
         await manager.delete(video_id)
         return DeletedVideo(id=video_id)
 
-    @app.get("/v1/videos/{video_id}/events")
+    @app.get(
+        "/v1/videos/{video_id}/events", response_class=StreamingResponse,
+        responses={
+            200: {"description": "The job's server-sent events (see docs/serving.md)",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **error_responses(400, 404, auth=auth),
+        },
+    )
     async def video_events(video_id: str, request: Request) -> StreamingResponse:
         manager.record(video_id)  # 400/404 before the stream starts
         after = -1
@@ -261,13 +331,16 @@ def create_app(
         )
 
     # -- images -------------------------------------------------------------------------
-    @app.post("/v1/images/generations", response_model=ImagesResponse)
+    @app.post(
+        "/v1/images/generations", response_model=ImagesResponse, openapi_extra=request_body(ImageGenerate, form=False),
+        responses=error_responses(400, 404, 413, 415, 429, 499, 500, 503, auth=auth),
+    )
     async def generate_images(request: Request) -> ImagesResponse:
-        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        content_type = _content_type(request)
         try:
             if content_type not in ("application/json", ""):
                 raise ApiError(415, "unsupported_media_type", f"content type {content_type!r}; allowed: application/json")
-            body = _validate(ImageGenerate, _parse_json_object(await request.body()))
+            body = _validate(ImageGenerate, await _read_json_object(request, json_limits))
         except ApiError as exc:
             raise manager.reject(exc) from None
         try:
@@ -278,7 +351,7 @@ def create_app(
             return JSONResponse(error_body("client_disconnected", str(exc)), status_code=499)
 
     # -- service ------------------------------------------------------------------------
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(auth=auth))
     async def list_models() -> ModelList:
         now = int(time.time())
         data = []
@@ -297,11 +370,21 @@ def create_app(
             "running": engine.running_count(),
         }
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(render_metrics(engine, rejections, store.counts_by_status()), media_type=CONTENT_TYPE)
+    @app.get(
+        "/metrics", response_class=PlainTextResponse,
+        responses={
+            200: {"description": "Prometheus text exposition (OpenMetrics when the Accept header asks for it)",
+                  "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **error_responses(auth=auth),
+        },
+    )
+    async def metrics(request: Request) -> Response:
+        body, content_type = metrics_registry.render(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
-    # Outermost first: auth before anything reads the body.
+    # Each add_middleware wraps the previous: auth runs before anything reads the body, and the
+    # latency histogram (outermost) sees every answer, refusals included.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes, rejections=rejections)
     app.add_middleware(AuthMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS, rejections=rejections)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics_registry)
     return app

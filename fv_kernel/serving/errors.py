@@ -1,4 +1,10 @@
-"""Structured API errors: every refusal is ``{"error": {"type", "message", "param"}}`` with a 4xx status."""
+"""Structured API errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
+status for anything the caller did.
+
+``type`` names the error precisely (``unknown_field``, ``queue_full``, ...); ``code`` carries
+the same identifier, because OpenAI clients expose ``code`` (``openai.APIStatusError.code``)
+as the machine-readable reason while OpenAI's own ``type`` is only a category.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ class ApiError(Exception):
 
 
 def error_body(error_type: str, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"type": error_type, "message": message, "param": param}}
+    return {"error": {"message": message, "type": error_type, "param": param, "code": error_type}}
 
 
 def from_fv_error(exc: FvError) -> ApiError:

@@ -14,7 +14,7 @@ from fv_kernel.io.media import encode_png, write_mp4
 from fv_kernel.request.artifacts import VideoArtifact
 from fv_kernel.serving.errors import ApiError
 
-__all__ = ["decode_base64_image", "decode_image", "preview_png", "write_job_files", "VARIANTS"]
+__all__ = ["decode_base64", "probe_image", "decode_pixels", "decode_image", "preview_png", "write_job_files", "VARIANTS"]
 
 #: Content a job can have: variant -> (file name inside the job's folder, media type).
 #: File names are constants; the folder is the server-generated job id.
@@ -26,45 +26,61 @@ VARIANTS: dict[str, tuple[str, str]] = {
 _PREVIEW_MAX_SIDE = 256
 
 
-def decode_base64_image(text: str, *, param: str, max_pixels: int) -> torch.Tensor:
-    """A base64 image (optionally a ``data:image/...;base64,`` URL) as a (3, H, W) float tensor in [0, 1]."""
+def decode_base64(text: str, *, param: str) -> bytes:
+    """The bytes of a base64 image (optionally a ``data:image/...;base64,`` URL)."""
     payload = text.strip()
     if payload.startswith("data:"):
         header, sep, payload = payload.partition(",")
         if not sep or ";base64" not in header:
             raise ApiError(400, "invalid_image", f"{param}: a data URL must be base64-encoded", param=param)
     try:
-        data = base64.b64decode(payload, validate=True)
+        return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, "invalid_image", f"{param}: not valid base64", param=param) from None
-    return decode_image(data, param=param, max_pixels=max_pixels)
 
 
-def decode_image(data: bytes, *, param: str, max_pixels: int) -> torch.Tensor:
-    """Encoded image bytes (PNG, JPEG, WebP, ...) as a (3, H, W) float tensor in [0, 1]."""
-    try:
-        from PIL import Image, UnidentifiedImageError
-    except ImportError as exc:  # pragma: no cover - pillow is part of the serve extra
-        raise ApiError(400, "invalid_image", f"{param}: this server cannot decode images ({exc})", param=param) from None
+def probe_image(data: bytes, *, param: str, max_pixels: int) -> tuple[int, int]:
+    """The (width, height) an encoded image declares in its header; refuses one over ``max_pixels`` (413).
+
+    ``Image.open`` reads only the header, so a small file declaring a huge canvas (a
+    decompression bomb) is refused before a single pixel is decoded.
+    """
+    from PIL import Image, UnidentifiedImageError
+
     if not data:
         raise ApiError(400, "invalid_image", f"{param}: empty image", param=param)
     try:
         with Image.open(io.BytesIO(data)) as probe:
             width, height = probe.size
-            # Check the declared size before decoding a single pixel (decompression bombs).
-            if width * height > max_pixels:
-                raise ApiError(
-                    400, "invalid_image", f"{param}: {width}x{height} image exceeds {max_pixels} pixels", param=param
-                )
-            probe.verify()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ApiError(400, "invalid_image", f"{param}: not a decodable image ({type(exc).__name__})", param=param) from None
+    if width * height > max_pixels:
+        raise ApiError(
+            413, "image_too_large",
+            f"{param}: the image declares {width}x{height} = {width * height} pixels; allowed: <= {max_pixels}",
+            param=param,
+        )
+    return width, height
+
+
+def decode_pixels(data: bytes, *, param: str) -> torch.Tensor:
+    """Encoded image bytes (PNG, JPEG, WebP, ...) as a (3, H, W) float tensor in [0, 1]. Slow: call off the event loop."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
         with Image.open(io.BytesIO(data)) as image:
             rgb = image.convert("RGB")
+            width, height = rgb.size
             pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(height, width, 3)
-    except ApiError:
-        raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise ApiError(400, "invalid_image", f"{param}: not a decodable image ({type(exc).__name__})", param=param) from None
     return pixels.permute(2, 0, 1).float().div(255.0).contiguous()
+
+
+def decode_image(data: bytes, *, param: str, max_pixels: int) -> torch.Tensor:
+    """:func:`probe_image`, then :func:`decode_pixels`."""
+    probe_image(data, param=param, max_pixels=max_pixels)
+    return decode_pixels(data, param=param)
 
 
 def preview_png(frames: torch.Tensor) -> bytes | None:

@@ -1,86 +1,153 @@
-"""Prometheus text exposition (format 0.0.4) of the engine's and the API's counters."""
+"""``/metrics``: the engine's and the API's figures through ``prometheus-client``.
+
+Each app owns one :class:`ServingMetrics` with its own ``CollectorRegistry`` (two apps in
+one process, as in the tests, never share or double-register a metric). The engine's
+counters are read at scrape time by a custom collector, so the engine stays free of any
+Prometheus dependency; HTTP request latency is a ``Histogram`` observed by
+:class:`RequestMetricsMiddleware`; process metrics (CPU, RSS, open fds, start time) come
+from ``ProcessCollector``. The exposition format follows the scraper's ``Accept`` header
+(Prometheus text or OpenMetrics).
+"""
 
 from __future__ import annotations
 
-import math
+import time
 from collections import Counter
-from typing import Iterable
+from typing import Any, Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from fv_kernel.runtime.engine import Engine
+from fv_kernel.serving.middleware import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["render_metrics", "CONTENT_TYPE"]
+__all__ = ["ServingMetrics", "RequestMetricsMiddleware", "EngineCollector"]
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(**labels: str) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"
+#: Bounds of the HTTP request latency histogram, in seconds (a create returns in ms; a synchronous
+#: image generation may take minutes).
+HTTP_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if isinstance(value, float) else str(value)
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
-class _Writer:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
+class EngineCollector(Collector):
+    """The engine's scheduler, admission and outcome counters, the API's refusals and the job store's counts."""
 
-    def family(self, name: str, kind: str, help_text: str, samples: Iterable[tuple[str, dict[str, str], float]]) -> None:
-        self.lines.append(f"# HELP {name} {help_text}")
-        self.lines.append(f"# TYPE {name} {kind}")
-        for suffix, labels, value in samples:
-            self.lines.append(f"{name}{suffix}{_labels(**labels)} {_number(value)}")
+    def __init__(self, engine: Engine, http_rejections: Counter[str], jobs_by_status: Callable[[], Mapping[str, int]]) -> None:
+        self.engine = engine
+        self.http_rejections = http_rejections
+        self.jobs_by_status = jobs_by_status
 
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+    def collect(self) -> Iterator[Metric]:
+        engine, m, admission = self.engine, self.engine.metrics, self.engine.admission
+        yield GaugeMetricFamily("fv_queue_depth", "Requests accepted and waiting for admission.", value=engine.queue_depth())
+        yield GaugeMetricFamily(
+            "fv_running_loops", "Requests whose loop driver is running (one active loop each).", value=engine.running_count(),
+        )
+        units = CounterMetricFamily("fv_work_units", "WorkUnits executed, by kind.", labels=["kind"])
+        for kind, n in sorted(m.units_by_kind.items()):
+            units.add_metric([kind], n)
+        yield units
+        batches = CounterMetricFamily("fv_batches", "Batches executed, by number of WorkUnits fused.", labels=["size"])
+        for size, n in sorted(m.batches_by_size.items()):
+            batches.add_metric([str(size)], n)
+        yield batches
+        fallbacks = CounterMetricFamily(
+            "fv_fused_fallbacks", "Fused batches that raised and were re-run request by request, by op.", labels=["op"],
+        )
+        for op, n in sorted(m.fused_fallbacks.items()):
+            fallbacks.add_metric([op], n)
+        yield fallbacks
+        # The engine counts cumulatively per bound, as Prometheus buckets are.
+        buckets = [(_le(bound), count) for bound, count in zip(m.step_latency_buckets, m.step_latency_counts)]
+        if buckets[-1][0] != "+Inf":
+            buckets.append(("+Inf", m.step_latency_count))
+        yield HistogramMetricFamily(
+            "fv_step_latency_seconds", "Wall time of one executed batch of WorkUnits.",
+            buckets=buckets, sum_value=m.step_latency_sum,
+        )
+        yield CounterMetricFamily(
+            "fv_gpu_seconds_admitted", "Predicted GPU-seconds reserved by admitted requests.", value=admission.admitted_seconds,
+        )
+        yield CounterMetricFamily(
+            "fv_gpu_seconds_refunded", "Reserved GPU-seconds returned unspent when requests ended.",
+            value=admission.refunded_seconds,
+        )
+        yield GaugeMetricFamily("fv_admission_memory_bytes", "Memory reserved by admitted requests.", value=admission.memory_in_use())
+        yield GaugeMetricFamily(
+            "fv_admission_reservations", "Requests holding an admission reservation.", value=len(admission.reservations),
+        )
+        reasons: Counter[str] = Counter(m.rejections)
+        reasons.update(self.http_rejections)
+        rejections = CounterMetricFamily(
+            "fv_rejections", "Refused requests by reason (queue_full, admission_<resource>, and API error types).",
+            labels=["reason"],
+        )
+        for reason, n in sorted(reasons.items()):
+            rejections.add_metric([reason], n)
+        yield rejections
+        finished = CounterMetricFamily("fv_requests_finished", "Engine requests that ended, by outcome.", labels=["status"])
+        for status, n in (("completed", m.completed), ("failed", m.failed), ("cancelled", m.cancelled)):
+            finished.add_metric([status], n)
+        yield finished
+        jobs = GaugeMetricFamily("fv_jobs", "Video jobs in the job store, by status.", labels=["status"])
+        for status, n in sorted(self.jobs_by_status().items()):
+            jobs.add_metric([status], n)
+        yield jobs
+        yield CounterMetricFamily("fv_scheduler_seconds", "Time spent choosing batches.", value=m.scheduler_seconds)
+        yield CounterMetricFamily("fv_execute_seconds", "Time spent executing batches.", value=m.execute_seconds)
 
 
-def render_metrics(engine: Engine, http_rejections: Counter[str], jobs_by_status: dict[str, int]) -> str:
-    """Everything an operator needs to see whether the server keeps up, in Prometheus text format."""
-    m = engine.metrics
-    admission = engine.admission
-    w = _Writer()
-    w.family("fv_queue_depth", "gauge", "Requests accepted and waiting for admission.", [("", {}, engine.queue_depth())])
-    w.family("fv_running_loops", "gauge", "Requests whose loop driver is running (one active loop each).",
-             [("", {}, engine.running_count())])
-    w.family("fv_work_units_total", "counter", "WorkUnits executed, by kind.",
-             [("", {"kind": kind}, n) for kind, n in sorted(m.units_by_kind.items())])
-    w.family("fv_batches_total", "counter", "Batches executed, by number of WorkUnits fused.",
-             [("", {"size": str(size)}, n) for size, n in sorted(m.batches_by_size.items())])
-    buckets = [("_bucket", {"le": _number(bound) if math.isinf(bound) else repr(bound)}, count)
-               for bound, count in zip(m.step_latency_buckets, m.step_latency_counts)]
-    if not math.isinf(m.step_latency_buckets[-1]):
-        buckets.append(("_bucket", {"le": "+Inf"}, m.step_latency_count))
-    w.family("fv_fused_fallbacks_total", "counter",
-             "Fused batches that raised and were re-run request by request, by op.",
-             [("", {"op": op}, n) for op, n in sorted(m.fused_fallbacks.items())])
-    w.family("fv_step_latency_seconds", "histogram", "Wall time of one executed batch of WorkUnits.",
-             [*buckets, ("_sum", {}, m.step_latency_sum), ("_count", {}, m.step_latency_count)])
-    w.family("fv_gpu_seconds_admitted_total", "counter", "Predicted GPU-seconds reserved by admitted requests.",
-             [("", {}, admission.admitted_seconds)])
-    w.family("fv_gpu_seconds_refunded_total", "counter", "Reserved GPU-seconds returned unspent when requests ended.",
-             [("", {}, admission.refunded_seconds)])
-    w.family("fv_admission_memory_bytes", "gauge", "Memory reserved by admitted requests.",
-             [("", {}, admission.memory_in_use())])
-    w.family("fv_admission_reservations", "gauge", "Requests holding an admission reservation.",
-             [("", {}, len(admission.reservations))])
-    rejections: Counter[str] = Counter(m.rejections)
-    rejections.update(http_rejections)
-    w.family("fv_rejections_total", "counter",
-             "Refused requests by reason (queue_full, admission_<resource>, and API error types).",
-             [("", {"reason": reason}, n) for reason, n in sorted(rejections.items())])
-    w.family("fv_requests_finished_total", "counter", "Engine requests that ended, by outcome.",
-             [("", {"status": s}, n) for s, n in (("completed", m.completed), ("failed", m.failed), ("cancelled", m.cancelled))])
-    w.family("fv_jobs", "gauge", "Video jobs in the job store, by status.",
-             [("", {"status": s}, n) for s, n in sorted(jobs_by_status.items())])
-    w.family("fv_scheduler_seconds_total", "counter", "Time spent choosing batches.", [("", {}, m.scheduler_seconds)])
-    w.family("fv_execute_seconds_total", "counter", "Time spent executing batches.", [("", {}, m.execute_seconds)])
-    return w.text()
+class ServingMetrics:
+    """One app's metrics registry: the engine collector, HTTP latency and process metrics."""
+
+    def __init__(self, engine: Engine, http_rejections: Counter[str], jobs_by_status: Callable[[], Mapping[str, int]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineCollector(engine, http_rejections, jobs_by_status))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self.http_latency = Histogram(
+            "fv_http_request_duration_seconds",
+            "Time from a request's arrival to the end of its response, by method, route template and status.",
+            ["method", "route", "status"], buckets=HTTP_LATENCY_BUCKETS, registry=self.registry,
+        )
+
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition body and its content type, in the format the ``Accept`` header asks for."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+class RequestMetricsMiddleware:
+    """Observe every HTTP request's latency under its route template (``/v1/videos/{video_id}``), never its raw path."""
+
+    def __init__(self, app: ASGIApp, *, metrics: ServingMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route: Any = scope.get("route")
+            # Unmatched paths share one label, so a scanner cannot grow the series without bound.
+            template = getattr(route, "path", None) or "unmatched"
+            self.metrics.http_latency.labels(scope.get("method", ""), template, str(status)).observe(
+                time.perf_counter() - started
+            )

@@ -5,12 +5,14 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "VideoCreate",
     "ImageGenerate",
     "JobError",
+    "ErrorDetail",
+    "ErrorResponse",
     "VideoJob",
     "VideoList",
     "DeletedVideo",
@@ -54,7 +56,9 @@ class _Generation(BaseModel):
     model: str | None = Field(default=None, min_length=1, description="card id; omitted: the only resident card")
     prompt: str = Field(min_length=1, max_length=20_000)
     negative_prompt: str | None = Field(default=None, max_length=20_000)
-    size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 832x480; omitted: the card's default")
+    size: str | None = Field(
+        default=None, pattern=_SIZE.pattern, description="WIDTHxHEIGHT, e.g. 832x480; omitted: the card's default",
+    )
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="omitted: a random seed, reported on the job")
     steps: int | None = Field(default=None, gt=0, le=_MAX_STEPS)
     guidance: float | None = Field(default=None, ge=0, le=100)
@@ -80,9 +84,33 @@ class ImageGenerate(_Generation):
 
 
 class JobError(BaseModel):
+    """Why a job failed or was cancelled; ``code`` repeats ``type`` as OpenAI's video object names it."""
+
     type: str
     message: str
     param: str | None = None
+    code: str | None = None
+
+    @model_validator(mode="after")
+    def _code_is_type(self) -> "JobError":
+        if self.code is None:
+            self.code = self.type
+        return self
+
+
+class ErrorDetail(BaseModel):
+    """One refusal, in OpenAI's error shape (``code`` repeats fv's precise ``type``)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx/5xx answer."""
+
+    error: ErrorDetail
 
 
 class VideoJob(BaseModel):
