@@ -637,7 +637,8 @@ class Engine:
             hooks=self.hooks_for(record.instance, request),
         )
         try:
-            record.instance.load_for_task(request.task)
+            # Off the event loop: a first request's weights can take seconds to load (the instance locks the load).
+            await asyncio.to_thread(record.instance.load_for_task, request.task)
             artifacts = await run_program(program, record.instance, ctx, run=record.program_run)
         except (LoopCancelled, RequestCancelled) as exc:
             partial = exc.partial.artifacts if isinstance(exc, LoopCancelled) and exc.partial else []
