@@ -36,7 +36,7 @@ from fv_kernel.config import DeployConfig, load_deploy_config
 from fv_kernel.errors import InvalidRequest
 from fv_kernel.io.media import check_output_path, read_image, write_artifact
 from fv_kernel.plugins.host import PluginHost
-from fv_kernel.request.artifacts import Artifact, Provenance, VideoArtifact
+from fv_kernel.request.artifacts import Artifact, AudioArtifact, Provenance, VideoArtifact
 from fv_kernel.request.events import Event
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
@@ -94,7 +94,7 @@ class Video:
     """A generated video: ``frames`` (F, 3, H, W) float32 in [0, 1], ``fps`` and ``provenance``.
 
     ``artifacts`` is everything the request returned (the video among them; an audio track
-    or the rewritten prompt where the card makes them).
+    or the rewritten prompt where the card makes them); ``audio`` is the sound track, if any.
     """
 
     artifact: VideoArtifact
@@ -116,15 +116,21 @@ class Video:
     def request_id(self) -> str:
         return self.artifact.provenance.request_id
 
+    @property
+    def audio(self) -> AudioArtifact | None:
+        return next((a for a in self.artifacts if isinstance(a, AudioArtifact)), None)
+
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the video by ``path``'s suffix: ``.mp4``, ``.gif``, ``.png`` (first frame) or ``.pt``.
 
-        The suffix and the destination are checked before anything is encoded (a typed
-        :class:`~fv_kernel.io.media.MediaError` naming ``path``); missing parent
-        directories are created. Returns the path written.
+        An ``.mp4`` carries the sound track (AAC) when the video has one; the other formats
+        hold frames only (the sound stays in :attr:`audio`). The suffix and the destination
+        are checked before anything is encoded (a typed :class:`~fv_kernel.io.media.MediaError`
+        naming ``path``); missing parent directories are created. Returns the path written.
         """
         target = check_output_path(path, SAVE_SUFFIXES, param="path")
-        return write_artifact(self.artifact, target)
+        sound = self.audio if target.suffix.lower() == ".mp4" else None
+        return write_artifact(self.artifact, target, audio=sound)
 
     def __repr__(self) -> str:
         f, _, h, w = self.frames.shape

@@ -455,6 +455,25 @@ def test_save_writes_every_format_by_suffix(gen: fv.VideoGenerator, tmp_path: Pa
         assert sum(1 for _ in container.decode(stream)) == 3 and float(stream.average_rate) == 8.0
 
 
+def test_an_mp4_carries_the_sound_track_and_other_formats_the_frames(tmp_path: Path) -> None:
+    av = pytest.importorskip("av")
+    from fv_kernel.api import AudioArtifact, Provenance, VideoArtifact
+
+    made = Provenance(model_id="toy", loop_id="decode", request_id="r1")
+    frames = torch.rand(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    picture = VideoArtifact(frames=frames, fps=8.0, provenance=made)
+    sound = AudioArtifact(samples=torch.zeros(1, 16_000), sample_rate=16_000, provenance=made)
+    video = fv.Video(artifact=picture, artifacts=(picture, sound))
+    assert video.audio is sound and fv.Video(artifact=picture, artifacts=(picture,)).audio is None
+    with av.open(str(video.save(tmp_path / "with-sound.mp4"))) as container:
+        (track,) = container.streams.audio
+        assert track.codec_context.name == "aac" and float(track.duration * track.time_base) == pytest.approx(1.0, abs=0.05)
+    assert torch.equal(torch.load(video.save(tmp_path / "frames.pt")), frames)  # frames only, no refusal
+    video.save(tmp_path / "frames.gif")
+    with av.open(str(fv.Video(artifact=picture, artifacts=(picture,)).save(tmp_path / "silent.mp4"))) as container:
+        assert not container.streams.audio
+
+
 @pytest.mark.parametrize(
     ("name", "fragment"),
     [
