@@ -160,7 +160,7 @@ def main() -> int:
         wall = time.perf_counter() - start
         scores, judgements = judged(videos, prompts)
         rows.append({"threshold": None, "wall_s": wall, "clips_per_s": len(prompts) / wall, **scores,
-                     "clips": clip_rows(judgements)})
+                     "verdicts": clip_rows(judgements)})
     else:
         thresholds = [0.0] + (list(args.thresholds) if args.cachedit else [])
         extensions = None
@@ -203,7 +203,7 @@ def main() -> int:
                    "speedup": rows[0]["wall_s"] / wall if rows else 1.0,
                    "psnr_db_vs_uncached": sum(psnr(r, v) for r, v in zip(reference, videos)) / len(videos)
                    if threshold > 0 else None,
-                   "clips": clip_rows(judgements)}
+                   "verdicts": clip_rows(judgements)}
             rows.append(row)
 
     source = "toy world ground truth" if args.ground_truth else card.model_id

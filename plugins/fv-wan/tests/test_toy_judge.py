@@ -209,7 +209,7 @@ def test_the_quality_bench_runs_on_ground_truth(tmp_path, monkeypatch: pytest.Mo
     assert bench.main() == 0
     assert "toy world ground truth: 6 held-out prompts" in capsys.readouterr().out
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["all_correct"] == 1.0 and len(row["clips"]) == 6
+    assert row["all_correct"] == 1.0 and row["clips"] == 6 and len(row["verdicts"]) == 6
     monkeypatch.setattr("sys.argv", ["bench_toy_quality.py", "--model", "no-such-card", "--ground-truth"])
     with pytest.raises(SystemExit, match="--model: .*no-such-card"):
         bench.main()
