@@ -105,7 +105,9 @@ class _LiveJob:
     task: asyncio.Task[None] | None = None
     #: A client asked to cancel or delete it (a cancellation by a server shutdown is not final).
     cancelled_by_client: bool = False
-    #: Bytes of the encoded history once the job finished (what it costs to keep it in memory).
+    #: Once the job finished: its history as stored, (seq, event, JSON text), replacing ``events``
+    #: (compact, and what ``history_bytes`` measures), and the bytes of that JSON.
+    stored: list[tuple[int, str, str]] | None = None
     history_bytes: int = 0
 
     def publish(self, event: str, data: dict[str, Any]) -> None:
@@ -535,6 +537,8 @@ class JobManager:
         # The engine's record holds the request's tensors (input image, frames, previews): persisted, so drop them.
         self.engine.forget(record.id)
         live.handle = None
+        # Subscribers attached now have their own snapshot and queue; later ones read ``stored``.
+        live.stored, live.events = encoded, []
 
     def _retire_finished(self) -> None:
         """Keep the newest finished histories in memory up to ``finished_history_bytes``; the rest replay from disk.
@@ -645,6 +649,11 @@ class JobManager:
             for item in self._replay_stored(record):  # finished by a server that stored no stream
                 if item.seq > after:
                     yield item
+            return
+        if live.stored is not None:  # finished: its history, as stored
+            for seq, name, text in live.stored:
+                if seq > after:
+                    yield StreamEvent(seq, name, json.loads(text))
             return
         queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
         history = list(live.events)
