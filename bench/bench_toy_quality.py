@@ -4,6 +4,7 @@
     python bench/bench_toy_quality.py --model wan-tiny --n 20          # random weights: a chance-level figure
     python bench/bench_toy_quality.py --ground-truth                   # the judge on the world's own clips
     python bench/bench_toy_quality.py --cachedit --cache dbcache --thresholds 0.05 0.08 0.12
+    python bench/bench_toy_quality.py --render-throughput 1024 --device cuda   # training-data rate
 
 The prompts are ``fv_wan.toy.grammar.held_out_prompts(n, seed)`` (never seen in training);
 request ``i`` uses diffusion seed ``--seed + i`` at the card's default size, frames and
@@ -21,6 +22,10 @@ clip against its uncached counterpart.
 
 ``--ground-truth`` skips the model: it renders the same prompts with the toy world at the
 card's size and frame count and scores them (the judge's ceiling for that geometry).
+
+``--render-throughput B`` measures the training data rate instead: ``ToyWorld.batch`` of B
+clips at the card's geometry on ``--device`` (after one warm-up batch, ``--batches`` timed),
+reporting clips per second in total and for the CPU part alone (scene sampling and layout).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from fv_kernel.api import (
 from fv_kernel.plugins import PluginHost
 from fv_wan.toy.grammar import held_out_prompts
 from fv_wan.toy.judge import Judgement, judge, summarise
-from fv_wan.toy.world import GENERATOR_VERSION, render
+from fv_wan.toy.world import GENERATOR_VERSION, ToyWorld, layout, render
 
 ACCURACIES = ("colour", "direction", "speed", "shape", "stability", "all_correct")
 
@@ -109,6 +114,44 @@ def psnr(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float("inf") if mse == 0 else 10.0 * torch.log10(torch.tensor(1.0 / mse)).item()
 
 
+def render_throughput(args: argparse.Namespace, frames: int, height: int, width: int, meta: dict[str, Any]) -> int:
+    """Clips per second of ``ToyWorld.batch`` (all of it, and its CPU part alone) at one geometry."""
+    size = args.render_throughput
+    if size < 1 or args.batches < 1:
+        raise SystemExit(f"--render-throughput and --batches must be at least 1, got {size} and {args.batches}")
+    device = torch.device(args.device)
+    world = ToyWorld(frames=frames, height=height, width=width, seed=0)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    world.batch(0, size, device=device)  # warm-up: allocator, kernels
+    sync()
+    start = time.perf_counter()
+    for index in range(1, args.batches + 1):
+        world.batch(index, size, device=device)
+    sync()
+    total = time.perf_counter() - start
+    start = time.perf_counter()
+    for index in range(1, args.batches + 1):
+        scenes, seeds = world.scenes(index, size)
+        for scene, seed in zip(scenes, seeds):
+            layout(scene, height=height, width=width, seed=seed)
+    cpu = time.perf_counter() - start
+    clips = size * args.batches
+    row = {"batch": size, "batches": args.batches, "wall_s": total, "clips_per_s": clips / total,
+           "cpu_part_s": cpu, "cpu_part_clips_per_s": clips / cpu}
+    print(f"ToyWorld.batch({size}) at {frames}x{height}x{width} (FxHxW) on {args.device}, "
+          f"{torch.get_num_threads()} threads, {args.batches} batches\n")
+    print("| batch | clips/s | CPU part (sampling + layout) clips/s |\n|---|---|---|")
+    print(f"| {size} | {row['clips_per_s']:.0f} | {row['cpu_part_clips_per_s']:.0f} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"meta": {**meta, "mode": "render_throughput"}, "rows": [row]}, fh, indent=2)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="wan-toy", help="a text-to-video card id (default: wan-toy)")
@@ -123,6 +166,9 @@ def main() -> int:
     parser.add_argument("--cache", default="dbcache", choices=("dbcache", "fbcache", "taylorseer"))
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.05, 0.08, 0.12, 0.2])
     parser.add_argument("--warmup", type=int, default=None, help="cache max_warmup_steps (default: a quarter of the steps)")
+    parser.add_argument("--render-throughput", type=int, default=None, metavar="B",
+                        help="measure ToyWorld.batch clips/s at batch size B instead of judging a card")
+    parser.add_argument("--batches", type=int, default=5, help="timed batches for --render-throughput (default 5)")
     parser.add_argument("--json", default=None, help="also write the figures (and per-clip verdicts) to this JSON file")
     args = parser.parse_args()
     if args.n < 1:
@@ -149,6 +195,8 @@ def main() -> int:
     }
     rows: list[dict[str, Any]] = []
 
+    if args.render_throughput is not None:
+        return render_throughput(args, defaults.frames, defaults.height, defaults.width, meta)
     if args.ground_truth:
         from fv_wan.toy.grammar import parse_prompt
 

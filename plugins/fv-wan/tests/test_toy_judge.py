@@ -210,6 +210,11 @@ def test_the_quality_bench_runs_on_ground_truth(tmp_path, monkeypatch: pytest.Mo
     assert "toy world ground truth: 6 held-out prompts" in capsys.readouterr().out
     (row,) = json.loads(out.read_text())["rows"]
     assert row["all_correct"] == 1.0 and row["clips"] == 6 and len(row["verdicts"]) == 6
+    monkeypatch.setattr("sys.argv", ["bench_toy_quality.py", "--model", "wan-tiny", "--render-throughput", "4",
+                                     "--batches", "1", "--json", str(out)])
+    assert bench.main() == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 4 and row["clips_per_s"] > 0 and row["cpu_part_clips_per_s"] > 0
     monkeypatch.setattr("sys.argv", ["bench_toy_quality.py", "--model", "no-such-card", "--ground-truth"])
     with pytest.raises(SystemExit, match="--model: .*no-such-card"):
         bench.main()

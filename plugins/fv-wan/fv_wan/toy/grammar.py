@@ -129,6 +129,12 @@ def colour_fits_background(colour: str, background: str) -> bool:
     return _distance(rgb, closest) >= MIN_BACKGROUND_DISTANCE  # type: ignore[arg-type]
 
 
+# Per background, the object colours allowed on it (computed once: sampling reads it per scene).
+COLOURS_ON: dict[str, tuple[str, ...]] = {
+    background: tuple(c for c in COLOURS if colour_fits_background(c, background)) for background in BACKGROUNDS
+}
+
+
 def _check_word(field: str, word: str, allowed: tuple[str, ...]) -> None:
     if word not in allowed:
         raise ToyGrammarError(
@@ -177,8 +183,8 @@ class Scene:
                 allowed=tuple(c for c in COLOURS if c != colours[0]),
             )
         for obj in self.objects:
-            if not colour_fits_background(obj.colour, self.background):
-                allowed = tuple(c for c in COLOURS if colour_fits_background(c, self.background))
+            allowed = COLOURS_ON[self.background]
+            if obj.colour not in allowed:
                 raise ToyGrammarError(
                     f"a {obj.colour} object is too close in colour to the {self.background} background; "
                     f"colours allowed on it: {', '.join(allowed)}",
@@ -272,7 +278,7 @@ def sample_scene(generator: torch.Generator, *, held_out: bool = False) -> Scene
         draws = torch.randint(0, _DRAW_RANGE, (10,), generator=generator).tolist()
         background = BACKGROUNDS[draws[0] % len(BACKGROUNDS)]
         count = 1 + draws[1] % 2
-        colours = [c for c in COLOURS if colour_fits_background(c, background)]
+        colours = list(COLOURS_ON[background])
         objects: list[ToyObject] = []
         for index in range(count):
             base = 2 + 4 * index

@@ -182,27 +182,30 @@ def render_batch(
     # Objects flattened over the batch; a lone object's second slot is absent (shape id -1,
     # which no shape matches, so its coverage stays 0).
     slots = 2
-    shape_ids = torch.full((count, slots), -1, dtype=torch.long)
-    sizes = torch.ones(count, slots)
-    starts = torch.zeros(count, slots, 2)
-    ends = torch.zeros(count, slots, 2)
-    colours = torch.zeros(count, slots, 3)
-    tops = torch.zeros(count, 3)
-    bottoms = torch.zeros(count, 3)
-    for i, (scene, seed) in enumerate(zip(scenes, seeds)):
+    # Built as Python lists and converted once: per-element tensor writes cost more than the render.
+    shape_rows: list[list[int]] = []
+    size_rows: list[list[float]] = []
+    start_rows: list[list[tuple[float, float]]] = []
+    end_rows: list[list[tuple[float, float]]] = []
+    colour_rows: list[list[tuple[float, float, float]]] = []
+    background_rows: list[tuple[tuple[float, float, float], tuple[float, float, float]]] = []
+    for scene, seed in zip(scenes, seeds):
         spec = BACKGROUND_SPECS[scene.background]
-        tops[i] = torch.tensor(spec.top)
-        bottoms[i] = torch.tensor(spec.bottom)
-        for j, (obj, path) in enumerate(zip(scene.objects, layout(scene, height=height, width=width, seed=seed))):
-            shape_ids[i, j] = SHAPES.index(obj.shape)
-            sizes[i, j] = path.size
-            starts[i, j] = torch.tensor(path.start)
-            ends[i, j] = torch.tensor(path.end)
-            colours[i, j] = torch.tensor(COLOUR_RGB[obj.colour])
+        background_rows.append((spec.top, spec.bottom))
+        paths = layout(scene, height=height, width=width, seed=seed)
+        missing = slots - len(paths)
+        shape_rows.append([SHAPES.index(obj.shape) for obj in scene.objects] + [-1] * missing)
+        size_rows.append([path.size for path in paths] + [1.0] * missing)
+        start_rows.append([path.start for path in paths] + [(0.0, 0.0)] * missing)
+        end_rows.append([path.end for path in paths] + [(0.0, 0.0)] * missing)
+        colour_rows.append([COLOUR_RGB[obj.colour] for obj in scene.objects] + [(0.0, 0.0, 0.0)] * missing)
 
-    shape_ids, sizes, starts, ends, colours, tops, bottoms = (
-        t.to(device) for t in (shape_ids, sizes, starts, ends, colours, tops, bottoms)
+    shape_ids = torch.tensor(shape_rows, dtype=torch.long, device=device)
+    sizes, starts, ends, colours, backgrounds = (
+        torch.tensor(rows, dtype=torch.float32, device=device)
+        for rows in (size_rows, start_rows, end_rows, colour_rows, background_rows)
     )
+    tops, bottoms = backgrounds[:, 0], backgrounds[:, 1]
     times = torch.linspace(0.0, 1.0, frames, device=device).view(1, 1, frames, 1)
     centres = starts[:, :, None, :] + (ends - starts)[:, :, None, :] * times  # (N, K, F, 2)
     alpha = _coverage(shape_ids.flatten(), sizes.flatten(), centres.flatten(0, 1), height, width)
