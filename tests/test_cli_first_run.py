@@ -362,3 +362,52 @@ def test_plugins_check_of_a_missing_plugin_is_one_error_line() -> None:
     assert result.exit_code == 1
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert result.output.startswith("error: no 'fv.plugins' entry point for distribution 'nosuch'; installed plugins: ")
+
+
+# --------------------------------------------------------------------------- README, CI and docs
+
+
+def _readme_quickstart(readme: str) -> list[str]:
+    section = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```\n(.*?)```", section, flags=re.S)]
+
+
+def _print_quickstart(readme: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--print-quickstart", str(readme)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_ci_runs_the_readmes_two_quickstart_commands(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = _readme_quickstart(readme)
+    assert len(commands) == 2 and all("\n" not in c for c in commands)
+    install, tests = commands
+    assert "pip install" in install and "fv generate" in install and install.endswith(".mp4")
+    assert tests.split("&&")[-1].split()[0] == "tox"  # CI appends tox options to it
+    done = _print_quickstart(ROOT / "README.md")
+    assert done.returncode == 0 and done.stdout.splitlines() == commands, done.stderr
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "pip install" not in ci and "tox -p" not in ci  # nothing CI runs is written there instead
+    # Negative controls: a Quickstart with a third command, or with one, is refused, not half-run.
+    for blocks in (commands + ["echo extra"], commands[:1]):
+        broken = readme.split("## Quickstart", 1)[0] + "## Quickstart\n\n" + "".join(f"```\n{b}\n```\n\n" for b in blocks)
+        broken += "## Use it\n"
+        path = tmp_path / "README.md"
+        path.write_text(broken, encoding="utf-8")
+        refused = _print_quickstart(path)
+        assert refused.returncode != 0 and "exactly two command blocks" in refused.stderr
+
+
+def test_docs_reference_no_file_outside_the_repository() -> None:
+    paths = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "docs").rglob("*.py"))]
+    offending = [f"{p.relative_to(ROOT)}:{n}" for p in paths
+                 for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if "../shared" in line]
+    assert not offending, offending
+    # Negative control: the check sees such a link.
+    assert "../shared" in "see [the seed](../shared/seeds/000.txt)"
+
+
+def test_docs_examples_name_only_test_files_that_exist() -> None:
+    for example in sorted((ROOT / "docs" / "examples").glob("*.py")):
+        for name in re.findall(r"(?:tests|plugins/[\w-]+/tests)/[\w/]+\.py", example.read_text(encoding="utf-8")):
+            assert (ROOT / name).is_file(), f"{example.name} names {name}, which does not exist"

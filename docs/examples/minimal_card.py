@@ -1,7 +1,7 @@
 """A complete, minimal fv card: one component, one flow-matching denoise loop, one program.
 
 Run it:  python docs/examples/minimal_card.py
-(``tests/test_docs.py`` runs it too, so this file stays true to the code.)
+(``tests/test_docs_and_cli.py`` runs it too, so this file stays true to the code.)
 """
 
 from __future__ import annotations
