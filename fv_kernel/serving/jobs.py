@@ -663,10 +663,10 @@ class JobManager:
             for item in history:
                 if item.seq > after:
                     yield item
-            if closed:
-                return
-            if self._stopping:
+            if self._stopping and not record.terminal:  # suspended (or being suspended) by a stop
                 yield live.shutdown_notice()
+                return
+            if closed:
                 return
             while True:
                 try:
