@@ -300,3 +300,49 @@ def test_serve_start_up_runs_the_preflight_over_every_card(monkeypatch: pytest.M
     with pytest.raises(InsufficientMemory):
         preflight_cards(deploy, host)
     json.loads(path.read_text())  # the card file is untouched
+
+
+# --------------------------------------------------------------------------- checkpoint headers
+
+
+def _save(folder: Path, **shapes: tuple[int, ...]) -> None:
+    from safetensors.torch import save_file
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: torch.zeros(shape) for name, shape in shapes.items()}, str(folder / "model.safetensors"))
+
+
+def test_stored_elements_read_the_headers_only(tmp_path: Path) -> None:
+    from fv_kernel.card.preflight import stored_elements
+
+    _save(tmp_path / "dit", w=(10, 20), b=(20,))
+    assert stored_elements(tmp_path / "dit") == 220
+    assert stored_elements(tmp_path / "empty") is None
+
+
+def test_a_local_checkpoint_is_charged_what_it_stores_when_smaller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A card describing a large release, given a checkpoint folder holding a small model: the folder's
+    count is charged (min), so a small checkpoint is not refused for the release's size."""
+    for name in ("lm", "dit", "decoder"):
+        _save(tmp_path / name, w=(10, 10))  # 100 elements each
+    big = counted_card(elements={"lm": 10**9, "dit": 10**9, "decoder": 50}, layout="diffusers", source=str(tmp_path))
+    fake_memory(monkeypatch, 10_000)
+    report = preflight(big, InstanceOptions(), (T2V,))
+    assert sorted((c.component_id, c.elements) for c in report.components) == [("decoder", 50), ("dit", 100), ("lm", 100)]
+    # negative control: without a stored count (empty folders) the declared release size is charged, and refused
+    empty = tmp_path / "empty"
+    for name in ("lm", "dit", "decoder"):
+        (empty / name).mkdir(parents=True)
+    with pytest.raises(InsufficientMemory):
+        preflight(big.model_copy(update={"checkpoint": big.checkpoint.model_copy(update={"source": str(empty)})}),
+                  InstanceOptions(), (T2V,))
+
+
+def test_an_uncounted_component_is_charged_what_its_folder_stores(tmp_path: Path) -> None:
+    for name in ("lm", "dit", "decoder"):
+        _save(tmp_path / name, w=(10, 10))
+    card = counted_card(elements={"dit": 7}, layout="diffusers", source=str(tmp_path))
+    report = preflight(card, InstanceOptions(), (T2V,))
+    assert sorted((c.component_id, c.elements) for c in report.components) == [("decoder", 100), ("dit", 7), ("lm", 100)]
+    assert report.uncounted == ()

@@ -15,9 +15,14 @@ Two checks, both from the card alone (nothing is built, nothing is downloaded):
   machine's available RAM). Weights that do not fit are one :class:`InsufficientMemory`
   line saying how much is needed and how much is available.
 
-Only weights are counted: activations are admission's business (the loops' estimates),
-block pools are allocated on first use. A component whose ``parameters`` is None is not
-counted (:attr:`PreflightReport.uncounted` names it).
+When the source is a local directory (or a cached hub snapshot), each component is charged
+the smaller of its declared count and the elements its folder's ``*.safetensors`` headers
+store (a loader may keep part of a folder; a checkpoint may hold a smaller model than the
+release the card describes), and a component that declares no count is charged what its
+folder stores. So the figure is a lower bound of what loading allocates: a refusal is
+certain, never a guess. Only weights are counted: activations are admission's business (the
+loops' estimates), block pools are allocated on first use. A component counted neither way
+is not charged (:attr:`PreflightReport.uncounted` names it).
 
 ``build_instance`` (for its preloaded tasks) and ``ModelInstance.load_for_task`` /
 ``component`` run :func:`preflight` before loading a component, so nothing is allocated
@@ -28,6 +33,7 @@ start-up (all of a card's components, summed per device, since any task may arri
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -54,6 +60,7 @@ __all__ = [
     "preflight",
     "preflight_deployment",
     "format_bytes",
+    "stored_elements",
 ]
 
 #: Bytes per weight element of each precision (nvfp4 packs two elements in a byte).
@@ -276,9 +283,58 @@ def check_memory(report: PreflightReport, *, reserved: int = 0) -> None:
         raise InsufficientMemory(report, reserved=reserved)
 
 
+def stored_elements(folder: Path) -> int | None:
+    """Weight elements stored in a folder's ``*.safetensors`` files, from their headers alone (no
+    tensor is read); None when the folder holds none."""
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        try:
+            with open(file, "rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(length))
+        except (OSError, ValueError):
+            return None  # unreadable: loading will name the problem
+        total += sum(math.prod(entry["shape"]) for key, entry in header.items() if key != "__metadata__")
+    return total
+
+
+def _local_root(source: str | None) -> Path | None:
+    if source is None:
+        return None
+    path = Path(os.path.expanduser(source))
+    return path if path.is_dir() else _cached_snapshot(source)
+
+
+def _with_stored_counts(card: ModelCard, counted: list[ComponentWeights], root: Path | None) -> list[ComponentWeights]:
+    """Each component charged the smaller of the card's count and the elements its checkpoint folder
+    stores: a loader may keep part of a folder (one half of a VAE), and a checkpoint given by path
+    may hold a smaller model than the release the card describes (a derived card's encoders)."""
+    if root is None:
+        return counted
+    charged = []
+    for weights in counted:
+        subfolder = card.checkpoint.components[weights.component_id].subfolder
+        stored = stored_elements(root / subfolder) if subfolder else None
+        elements = weights.elements if stored is None else min(weights.elements, stored)
+        charged.append(ComponentWeights(weights.component_id, elements, weights.precision))
+    return charged
+
+
 def _report(card: ModelCard, options: "InstanceOptions", component_ids: Sequence[str], source: str | None) -> PreflightReport:
     precision = _precision(card, options)
     counted, uncounted = weights_needed(card, component_ids, precision)
+    root = _local_root(source)
+    counted = _with_stored_counts(card, counted, root)
+    for component_id in list(uncounted):
+        subfolder = card.checkpoint.components[component_id].subfolder
+        stored = stored_elements(root / subfolder) if root is not None and subfolder else None
+        if stored is not None:
+            spec_dtype = card.components[component_id].precision_policy.dtype
+            counted.append(ComponentWeights(component_id, stored, precision if spec_dtype == "card" else spec_dtype))
+            uncounted.remove(component_id)
     try:
         available: int | None = device_available_bytes(options.device)
     except (CapacityError, RuntimeError, ValueError):  # a device fv cannot size: not checked

@@ -257,14 +257,16 @@ def _elements(module: "torch.nn.Module") -> int:
 def _meta_count(kind: str, component_id: str, config_json: str) -> int:
     import torch
 
-    from fv_kernel.api import ComponentSpec, parse_component_config
+    from fv_kernel.api import ComponentSpec
+
+    from fv_wan.instance import _component_config  # the loaders' parse: the same typed errors (InvalidCard)
 
     spec = ComponentSpec.model_validate_json(config_json)
     with torch.device("meta"):
         if kind == "dit":
-            return _elements(WanTransformer(parse_component_config(spec, WanTransformerConfig.from_diffusers_config)))
+            return _elements(WanTransformer(_component_config(spec, WanTransformerConfig, WanTransformerConfig.from_diffusers_config)))
         if kind == "vae":
-            vae = WanVAE(parse_component_config(spec, WanVAEConfig.from_diffusers_config))
+            vae = WanVAE(_component_config(spec, WanVAEConfig, WanVAEConfig.from_diffusers_config))
             # fv_wan.instance.load_vae keeps one half: the encoder (+ quant_conv) or the decoder (+ post_quant_conv).
             dropped = ("decoder", "post_quant_conv") if component_id == "vae_encoder" else ("encoder", "quant_conv")
             return _elements(vae) - sum(_elements(getattr(vae, name)) for name in dropped)
@@ -274,7 +276,7 @@ def _meta_count(kind: str, component_id: str, config_json: str) -> int:
             from fv_wan.component_configs import WanTextEncoderConfig
             from fv_wan.models.encoders import WanTextEncoder
 
-            text = parse_component_config(spec, WanTextEncoderConfig.model_validate)
+            text = _component_config(spec, WanTextEncoderConfig, WanTextEncoderConfig.model_validate)
             if text.tiny is not None:
                 return _elements(WanTextEncoder.tiny(0, **text.tiny.model_dump()))
             return _elements(UMT5EncoderModel(UMT5Config(**UMT5_XXL)))
@@ -284,7 +286,7 @@ def _meta_count(kind: str, component_id: str, config_json: str) -> int:
             from fv_wan.component_configs import WanImageEncoderConfig
             from fv_wan.models.encoders import WanImageEncoder
 
-            image = parse_component_config(spec, WanImageEncoderConfig.model_validate)
+            image = _component_config(spec, WanImageEncoderConfig, WanImageEncoderConfig.model_validate)
             if image.tiny is not None:
                 return _elements(WanImageEncoder.tiny(0, **image.tiny.model_dump()))
             return _elements(CLIPVisionModel(CLIPVisionConfig(**CLIP_VIT_H14)))
