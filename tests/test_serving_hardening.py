@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from fv_kernel.card.instance import ModelInstance, build_instance  # noqa: E402
-from fv_kernel.card.spec import ModelCard  # noqa: E402
+from fv_kernel.card.spec import ModelCard, TokenGridRule  # noqa: E402
 from fv_kernel.config import DeployConfig, ServerConfig  # noqa: E402
 from fv_kernel.request.types import TaskType  # noqa: E402
 from fv_kernel.runtime.engine import Engine, SchedulerConfig  # noqa: E402
@@ -369,3 +369,67 @@ def test_metrics_use_prometheus_client_with_one_registry_per_app(tmp_path: Path)
         openmetrics = a.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
         assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
         assert openmetrics.text.rstrip().endswith("# EOF")
+
+
+# --------------------------------------------------------------------------- the card's shape rules at submit
+
+
+def bounded_toy_card() -> ModelCard:
+    """toy-dit declaring the bounds real cards declare: steps, a frame-rate range and a token grid that fits its defaults."""
+    card = toy_card("toy-dit")
+    caps = card.capabilities
+    d = caps.defaults
+    assert d is not None
+    side = max(d.width, d.height) // caps.spatial_multiple
+    grid = TokenGridRule(max_per_axis=side, frames_per_latent=caps.frame_rule.modulus, pixels_per_token=caps.spatial_multiple)
+    assert max(grid.grid(d.frames, d.height, d.width)) == side, "the defaults fill the table exactly"
+    return card.model_copy(update={"capabilities": caps.model_copy(update={
+        "max_steps": d.steps + 2, "min_fps": 1.0, "max_fps": 60.0, "token_grid": grid,
+    })})
+
+
+def test_every_shape_rule_of_the_card_is_checked_at_submit(tmp_path: Path) -> None:
+    card = bounded_toy_card()
+    caps = card.capabilities
+    d = caps.defaults
+    m = caps.spatial_multiple
+    wide = f"{d.width + m}x{d.height}"  # on the spatial grid, one token past the positional table
+    with TestClient(make_app(tmp_path, card), raise_server_exceptions=False) as client:
+        for path in ("/v1/videos", "/v1/images/generations"):
+            error = assert_refused(client.post(path, json={"prompt": "x", "size": wide}), 400, "invalid_request", "width")
+            assert "token grid" in error["message"] and f"width <= {d.width}" in error["message"]
+            error = assert_refused(client.post(path, json={"prompt": "x", "steps": caps.max_steps + 1}), 400, "invalid_request", "steps")
+            assert f"1..{caps.max_steps}" in error["message"]
+        for fps in (0.0001, 0.5, 61):
+            error = assert_refused(client.post("/v1/videos", json={"prompt": "x", "fps": fps}), 400, "invalid_request", "fps")
+            assert "1..60" in error["message"]
+        assert_refused(client.post("/v1/videos", json={"prompt": "x", "seconds": 1, "fps": 0.0001}), 400, "invalid_request", "fps")
+        assert client.get("/v1/videos").json()["data"] == [], "nothing refused was queued"
+
+
+def test_without_the_card_check_the_server_would_queue_what_the_model_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Negative control: the server has no rule of its own; resolve_request's shape check is what refuses."""
+    from fv_kernel.card import validate
+
+    monkeypatch.setattr(validate, "_check_shape", lambda card, filled: None)
+    card = bounded_toy_card()
+    d, m = card.capabilities.defaults, card.capabilities.spatial_multiple
+    with TestClient(make_app(tmp_path, card), raise_server_exceptions=False) as client:
+        assert client.post("/v1/videos", json={"prompt": "x", "size": f"{d.width + m}x{d.height}", "steps": 1}).status_code == 200
+        assert client.post("/v1/videos", json={"prompt": "x", "fps": 0.0001, "steps": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("fps", [12.0, 23.976, 1.0])
+def test_the_mp4_plays_at_the_fps_the_job_reports(tmp_path: Path, fps: float) -> None:
+    av = pytest.importorskip("av")
+    with TestClient(make_app(tmp_path, bounded_toy_card())) as client:
+        job = client.post("/v1/videos", json={"prompt": "x", "fps": fps, "steps": 1}).json()
+        done = wait_for_job(client, job["id"], {"completed", "failed"})
+        assert done["status"] == "completed" and done["fps"] == fps
+        content = client.get(f"/v1/videos/{job['id']}/content")
+        with av.open(io.BytesIO(content.content)) as container:
+            stream = container.streams.video[0]
+            assert float(stream.average_rate) == pytest.approx(fps, abs=1e-9)
+            assert stream.frames == done["frames"]
