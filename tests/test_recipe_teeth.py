@@ -152,7 +152,7 @@ def test_request_precision_on_an_overridden_instance() -> None:
 @pytest.fixture
 def cli_card(monkeypatch: pytest.MonkeyPatch) -> dict[str, ModelCard]:
     """``fv generate --model <id>`` resolves to the test's cards instead of the installed plugins'."""
-    from fv_kernel.cli import generate_cmd
+    from fv_kernel.runtime import model_resolution  # where fv generate (and fv.load) resolve --model
 
     cards = {"toy-qat": qat_card(), "toy-2p": two_precision_card()}
 
@@ -163,7 +163,7 @@ def cli_card(monkeypatch: pytest.MonkeyPatch) -> dict[str, ModelCard]:
         def resolve(self, model: str) -> ResolvedModel:
             return ResolvedModel(cards[model], None)
 
-    monkeypatch.setattr(generate_cmd, "CardCatalog", TestCatalog)
+    monkeypatch.setattr(model_resolution, "CardCatalog", TestCatalog)
     return cards
 
 
