@@ -346,17 +346,21 @@ def test_metrics_use_prometheus_client_with_one_registry_per_app(tmp_path: Path)
         job = a.post("/v1/videos", json={"prompt": "x", "steps": 1}).json()
         assert wait_for_job(a, job["id"], {"completed"})["status"] == "completed"
         a.post("/v1/videos", json={"prompt": "x", "bogus": 1})
+        a.get("/no/such/path")
         scrape = a.get("/metrics")
         assert scrape.headers["content-type"].startswith("text/plain; version=")
         families = {f.name: f for f in text_string_to_metric_families(scrape.text)}
         assert families["fv_step_latency_seconds"].type == "histogram"
         assert families["fv_http_request_duration_seconds"].type == "histogram"
         assert families["fv_work_units"].type == "counter" and families["fv_rejections"].type == "counter"
-        assert "process_resident_memory_bytes" in families and "process_cpu_seconds" in families
+        for name in ("process_resident_memory_bytes", "process_cpu_seconds", "process_open_fds", "process_start_time_seconds",
+                     "python_info"):
+            assert name in families, name
         routes = {(s.labels["method"], s.labels["route"], s.labels["status"])
                   for s in families["fv_http_request_duration_seconds"].samples if s.name.endswith("_count")}
         assert ("POST", "/v1/videos", "200") in routes and ("POST", "/v1/videos", "400") in routes
         assert ("GET", "/v1/videos/{video_id}", "200") in routes, "latency is labelled by route template, not raw path"
+        assert ("GET", "unmatched", "404") in routes
         rejected = {s.labels["reason"]: s.value for s in families["fv_rejections"].samples}
         assert rejected.get("unknown_field") == 1
         finished = {s.labels["status"]: s.value for s in families["fv_requests_finished"].samples if s.name.endswith("_total")}
@@ -433,3 +437,11 @@ def test_the_mp4_plays_at_the_fps_the_job_reports(tmp_path: Path, fps: float) ->
             stream = container.streams.video[0]
             assert float(stream.average_rate) == pytest.approx(fps, abs=1e-9)
             assert stream.frames == done["frames"]
+
+
+def test_a_job_error_carries_openai_code_too() -> None:
+    from fv_kernel.serving.schemas import JobError
+
+    assert JobError(type="not_resumable", message="m").model_dump() == {
+        "type": "not_resumable", "message": "m", "param": None, "code": "not_resumable",
+    }
