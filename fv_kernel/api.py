@@ -98,6 +98,7 @@ from fv_kernel.loop.samplers import (
     UniPCState,
     SamplerError,
     add_noise,
+    shift_sigmas,
     bound_sampler,
     builtin_samplers,
     registered_samplers,
@@ -147,6 +148,9 @@ from fv_kernel.request.types import Precision, TaskType, torch_dtype
 from fv_kernel.runtime.cost import CostKey, CostModel
 from fv_kernel.runtime.engine import Engine, GenerationResult, RequestHandle, SchedulerConfig, run_concurrently, run_serially
 from fv_kernel.runtime.local import run_local, run_local_async
+from fv_kernel.training import LossLog, NoOptions, ParityResult, RLMethod, TrainedModel, TrainingRun
+from fv_kernel.training.recipe import RecipeError, TrainingRecipe
+from fv_kernel.training.runner import CARD_FILE, ExportError, read_card_file_beside
 from fv_kernel.transport import TensorMeta, TransferManifest, Transport, TransportError
 from fv_kernel.transport.inproc import InProcessTransport
 

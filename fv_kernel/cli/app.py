@@ -43,6 +43,10 @@ LAZY_COMMANDS: dict[str, LazyCommand] = {
         "fv_kernel.cli.serve_cmd", "serve",
         "Serve the OpenAI-style video API (POST /v1/videos, SSE events, /metrics) over the deployment.",
     ),
+    "train": LazyCommand(
+        "fv_kernel.cli.train_cmd", "train",
+        "Train a card with a registered method and export it as a checkpoint fv (and its reference) load.",
+    ),
 }
 
 

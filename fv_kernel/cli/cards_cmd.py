@@ -168,3 +168,28 @@ def validate_card(
     typer.echo(f"ok: {found.model_id} ({found.family}, recipe {found.recipe.method}; builds{note})")
 
 
+
+
+@cards_app.command("export")
+def export_card(
+    card: str = typer.Argument(..., help="An installed card id, or a card file (.json / .yaml)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Directory to write (empty or an earlier export)."),
+    config: Optional[Path] = ConfigOption,
+) -> None:
+    """Export a card's weights as its family's reference checkpoint directory, kept only if its parity check passes.
+
+    The family plugin writes the directory (for Wan: a diffusers ``WanPipeline`` folder), then
+    runs the card's parity check on it; the card serving it goes beside the weights as
+    ``fv-card.json`` (``fv generate --model DIR/fv-card.json``).
+    """
+    from fv_kernel.training.runner import export_model
+
+    catalog = _catalog(config)
+    try:
+        found = catalog.resolve(card).card
+        exported, parity = export_model(found, {}, output, catalog.host)
+    except (FvError, PluginError) as exc:
+        _fail(exc.message if isinstance(exc, FvError) else str(exc))
+        return
+    typer.echo(f"exported {exported.model_id} to {output}; parity vs {parity.reference}: "
+               f"{parity.metric} {parity.value:.2g} <= {parity.tolerance:.2g}")

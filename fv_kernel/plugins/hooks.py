@@ -216,6 +216,14 @@ class PluginHooks:
             raise PluginError(f"fv_default_model returned {type(result).__name__}, expected a card id string or None")
         return result  # type: ignore[no-any-return]
 
+    def export_checkpoint(self, card: Any, modules: Any, directory: Any) -> Any:
+        """The first plugin's export of ``card`` to ``directory``: the card serving it, or None (no plugin's family)."""
+        return self._pm.hook.fv_export_checkpoint(card=card, modules=modules, directory=directory)
+
+    def check_parity(self, card: Any, directory: Any) -> Any:
+        """The first plugin's parity result for ``card``'s checkpoint at ``directory``, or None."""
+        return self._pm.hook.fv_check_parity(card=card, directory=directory)
+
     # ------------------------------------------------------------------ wrapping
     def wrap_generate(self, request: Any, generate: Callable[[Any], T]) -> T:
         """Run ``generate(request)`` inside every plugin's ``fv_wrap_generate`` wrapper."""

@@ -139,6 +139,27 @@ def fv_default_model() -> str | None:
     """The card id used when a request names no model, or ``None``. The first non-``None`` answer wins."""
 
 
+@hookspec(firstresult=True)
+def fv_export_checkpoint(card: Any, modules: Any, directory: Any) -> Any:
+    """Write ``card``'s weights as a checkpoint directory its family's reference loads.
+
+    ``modules`` maps component ids to modules that replace what the card would load (a
+    trainer's trained components); components not in it load as the card loads them.
+    Return the :class:`fv_kernel.card.ModelCard` that serves ``directory`` (its checkpoint
+    source set to it), or ``None`` when the card is not this plugin's family. Used by
+    ``fv cards export`` and ``fv train``, which check parity before keeping the directory.
+    """
+
+
+@hookspec(firstresult=True)
+def fv_check_parity(card: Any, directory: Any) -> Any:
+    """Run ``card``'s parity check (its ``ParitySpec``) on the checkpoint at ``directory``.
+
+    Return a :class:`fv_kernel.training.ParityResult` (the reference's output compared with
+    fv's within the card's tolerance), or ``None`` when the card is not this plugin's family.
+    """
+
+
 # --------------------------------------------------------------------------- wrapping
 
 
