@@ -15,8 +15,14 @@ from fv_kernel.api import hookimpl
 def fv_register_model_cards(register: Any) -> None:
     from fv_wan.cards import wan_cards
 
+    from fv_wan.toy_card import wan_toy_card, wan_toy_init_card
+
     for card in wan_cards():
         register(card.model_id, card)
+    register("wan-toy-init", wan_toy_init_card())
+    toy = wan_toy_card()
+    if toy is not None:  # the trained weights ship as package data (fv_wan/weights/wan-toy/)
+        register(toy.model_id, toy)
 
 
 @hookimpl
@@ -49,4 +55,25 @@ def fv_resolve_model_source(source: str) -> Any:
 
 @hookimpl
 def fv_default_model() -> str | None:
-    return "wan-tiny"
+    """``wan-toy``: the trained toy-world card whose output a person can judge (``wan-tiny`` is the parity card)."""
+    return "wan-toy"
+
+
+@hookimpl
+def fv_export_checkpoint(card: Any, modules: Any, directory: Any) -> Any:
+    """Wan cards export as diffusers ``WanPipeline`` directories (``fv_wan.export``)."""
+    if card.family != "wan":
+        return None
+    from fv_wan.export import export_checkpoint
+
+    return export_checkpoint(card, modules, Path(directory))
+
+
+@hookimpl
+def fv_check_parity(card: Any, directory: Any) -> Any:
+    """A Wan directory's fv output against ``diffusers.WanPipeline.from_pretrained`` of it."""
+    if card.family != "wan":
+        return None
+    from fv_wan.export import check_parity
+
+    return check_parity(card, Path(directory))

@@ -156,6 +156,12 @@ class RMSNorm(nn.Module):
         # division happen inside the kernels and round once into ``out``; no fp32 copy of x.
         low_precision = x.dtype in (torch.float16, torch.bfloat16)
         norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32 if low_precision else None)
+        if torch.is_grad_enabled() and (x.requires_grad or self.gamma.requires_grad):
+            # Training (fv-rl): ``out=`` kernels record no autograd, so the same math out of place;
+            # ``copy_`` into the conv's buffer is differentiable.
+            gain = (self.gamma * self.scale).reshape(-1, *([1] * (x.dim() - 2)))
+            normed = (x / norm.clamp_min(1e-12)).to(x.dtype) * gain.to(x.dtype)
+            return normed if out is None else out.copy_(normed)
         if out is None:
             out = torch.empty_like(x)
         torch.div(x, norm.clamp_min_(1e-12), out=out)
