@@ -98,6 +98,9 @@ def test_the_messages_docs_python_md_shows(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest) as info:
         gen.generate("a red fox", steps=100000)
     assert info.value.message == "steps: 100000 exceeds the maximum of card 'wan-tiny'; allowed: 1..1000"
+    with pytest.raises(InvalidRequest, match="serves 'wan-tiny' in 'fp32' only") as info:
+        gen.generate("a red fox", precision="bf16")  # a call may name the loaded precision, not change it
+    assert info.value.param == "precision" and gen.generate("a red fox", precision="fp32", steps=1).frames.dtype == torch.float32
     with pytest.raises(InvalidRequest) as info:
         fv.load("wan-tiny", precision="fp16")
     assert info.value.message.startswith("precision: card 'wan-tiny' does not support 'fp16'; ")
