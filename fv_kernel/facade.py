@@ -243,7 +243,7 @@ class VideoGenerator:
         seed = options.get("seed", 0)
         inputs: list[Any] = [TextPart(text=prompt)]
         negative = options.get("negative_prompt")
-        if negative is not None:
+        if negative is not None and negative != "":  # an empty one is none, as `fv generate --negative-prompt ""`
             inputs.append(_typed("negative_prompt", lambda: TextPart(text=negative, role="negative_prompt")))
         if image is not None:
             inputs.append(_typed("image", lambda: ImagePart(image=_image_tensor(image))))

@@ -514,6 +514,7 @@ def test_request_is_the_validated_request_a_call_runs(gen: fv.VideoGenerator) ->
     request = gen.request("a red fox", seed=3, negative_prompt="blurry")
     assert (request.diffusion.steps, request.diffusion.height, request.diffusion.seed) == (4, 8, 3)  # defaults filled
     assert request.text("negative_prompt") == "blurry" and request.task is TaskType.TEXT_TO_VIDEO
+    assert gen.request("a red fox", negative_prompt="").text("negative_prompt") is None  # as the CLI drops ""
     assert gen.engine.metrics.completed == 0 and gen.engine._scheduler_task is None  # nothing ran
 
 
