@@ -211,6 +211,11 @@ def test_an_image_for_a_card_without_image_to_video_is_refused_before_the_header
     response = client.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", png_declaring(8192, 8192), "image/png")})
     error = assert_refused(response, 400, "invalid_request", "input_reference")
     assert "image_to_video" in error["message"] and "toy-dit" in error["message"]
+    unknown = client.post("/v1/videos", data={"prompt": "x", "model": "nope"}, files={"input_reference": ("a.png", b"x", "image/png")})
+    assert_refused(unknown, 404, "unknown_model", "model")
+    metrics = client.get("/metrics").text
+    assert 'fv_rejections_total{reason="invalid_request"} 1.0' in metrics, "each refusal is counted once"
+    assert 'fv_rejections_total{reason="unknown_model"} 1.0' in metrics
 
 
 @pytest.mark.parametrize("as_json", [False, True], ids=["multipart", "json-base64"])

@@ -126,17 +126,20 @@ def _load_image(encoded: bytes | str, *, max_pixels: int) -> torch.Tensor:
 
 
 def _check_image_task(manager: JobManager, body: VideoCreate) -> None:
-    """An image asks for image-to-video: refuse it (400) if the card cannot run that, before decoding the image."""
+    """An image asks for image-to-video: refuse it (400) if the card cannot run that, before decoding the image.
+
+    Refusals are counted once, by the manager (``_instance`` counts its own).
+    """
     instance = manager._instance(body.model)
     tasks = instance.card.capabilities.tasks
     if TaskType.IMAGE_TO_VIDEO not in tasks:
         allowed = ", ".join(sorted(t.value for t in tasks))
-        raise ApiError(
+        raise manager.reject(ApiError(
             400, "invalid_request",
             f"input_reference: card {instance.model_id!r} cannot run 'image_to_video' (its tasks: {allowed}); "
             "omit the image, or name a card that takes one",
             param="input_reference",
-        )
+        ))
 
 
 def _allowed_methods(app: FastAPI, scope: Any) -> list[str]:
@@ -252,12 +255,15 @@ def create_app(
     async def create_video(request: Request) -> VideoJob:
         try:
             body, encoded_image = await _read_video_create(request, json_limits)
-            image = None
-            if encoded_image is not None:
-                _check_image_task(manager, body)  # before a byte of the image is decoded
-                image = await asyncio.to_thread(_load_image, encoded_image, max_pixels=max_pixels)
         except ApiError as exc:
             raise manager.reject(exc) from None
+        image = None
+        if encoded_image is not None:
+            _check_image_task(manager, body)  # before a byte of the image is read
+            try:
+                image = await asyncio.to_thread(_load_image, encoded_image, max_pixels=max_pixels)
+            except ApiError as exc:
+                raise manager.reject(exc) from None
         return manager.create_video(body, image)
 
     @app.get("/v1/videos", response_model=VideoList, responses=error_responses(400, 404, auth=auth))
