@@ -346,3 +346,15 @@ def test_an_uncounted_component_is_charged_what_its_folder_stores(tmp_path: Path
     report = preflight(card, InstanceOptions(), (T2V,))
     assert sorted((c.component_id, c.elements) for c in report.components) == [("decoder", 100), ("dit", 7), ("lm", 100)]
     assert report.uncounted == ()
+
+
+def test_fv_serve_refuses_at_start_up_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, builds: list[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "card.json"
+    path.write_text(counted_card().model_dump_json())
+    fake_memory(monkeypatch, 10_000)
+    result = CliRunner().invoke(app, ["serve", "--model", str(path), "--port", "0"])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "needs 23.4 KiB for its weights" in errors[0] and "only 9.8 KiB is available" in errors[0]
+    assert "Traceback" not in result.output and builds == []
