@@ -67,6 +67,7 @@ TOY_DEFAULTS = GenerationDefaults(height=64, width=64, frames=17, fps=8.0, steps
 
 _PKG = "fv_wan"
 _SPECIALS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2, as T5
+_BUCKETS = 16
 
 
 def weights_dir() -> Path:
@@ -101,7 +102,7 @@ def toy_text_encoder(seed: int) -> Any:
     tokenizer = toy_tokenizer()
     config = UMT5Config(
         vocab_size=len(tokenizer), d_model=TOY_TEXT["d_model"], d_kv=TOY_TEXT["d_kv"], d_ff=TOY_TEXT["d_ff"],
-        num_layers=TOY_TEXT["num_layers"], num_heads=TOY_TEXT["num_heads"], relative_attention_num_buckets=16,
+        num_layers=TOY_TEXT["num_layers"], num_heads=TOY_TEXT["num_heads"], relative_attention_num_buckets=_BUCKETS,
         relative_attention_max_distance=32, dropout_rate=0.0, feed_forward_proj="gated-gelu",
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )  # fmt: skip
@@ -118,6 +119,22 @@ def load_full_vae(card: ModelCard, component_id: str, options: InstanceOptions) 
     return full_vae(card, options, component_id).eval().requires_grad_(False)
 
 
+def _vocabulary_size() -> int:
+    from fv_wan.toy.grammar import VOCABULARY
+
+    return len(VOCABULARY)
+
+
+def umt5_encoder_elements(*, vocab_size: int, d_model: int, num_layers: int, num_heads: int, d_kv: int, d_ff: int,
+                          buckets: int = 16) -> int:
+    """Weights of a gated-GELU ``UMT5EncoderModel`` (per-layer relative bias), by arithmetic: the pre-flight
+    runs in loader threads, where importing transformers' lazy modules concurrently can fail."""
+    inner = num_heads * d_kv
+    attention = 4 * d_model * inner + buckets * num_heads + d_model
+    ffn = 3 * d_model * d_ff + d_model
+    return vocab_size * d_model + num_layers * (attention + ffn) + d_model
+
+
 def toy_parameter_count(spec: ComponentSpec) -> int:
     """``ComponentSpec.parameters`` of the toy cards: the word-level text encoder and the whole ``vae``
     counted here (on the meta device); the other components as every Wan card counts them."""
@@ -130,8 +147,7 @@ def toy_parameter_count(spec: ComponentSpec) -> int:
         return sum(t.numel() for t in module.parameters()) + sum(t.numel() for t in module.buffers())
 
     if spec.component_id == "text_encoder":
-        with torch.device("meta"):
-            return elements(toy_text_encoder(0))
+        return umt5_encoder_elements(vocab_size=3 + _vocabulary_size(), **TOY_TEXT)
     if spec.component_id == "vae":
         with torch.device("meta"):
             return elements(WanVAE(WanVAEConfig.from_diffusers_config(spec.config)))
