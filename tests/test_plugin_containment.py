@@ -198,9 +198,9 @@ def test_serve_keeps_working_beside_a_bad_plugin(plugin_site: Path, tmp_path: Pa
     served: dict[str, Any] = {}
     real_create_app = serving.create_app
 
-    def create_app(engine: Any, deploy: Any) -> Any:
+    def create_app(engine: Any, deploy: Any, **kwargs: Any) -> Any:
         served["engine"] = engine
-        return real_create_app(engine, deploy)
+        return real_create_app(engine, deploy, **kwargs)
 
     monkeypatch.setattr(serving, "create_app", create_app)
     monkeypatch.setattr(serving, "serve_forever", lambda app, **kw: served.update(kw))

@@ -32,7 +32,9 @@ httpx = pytest.importorskip("httpx")
 
 from fv_kernel.card.instance import ModelInstance, build_instance  # noqa: E402
 from fv_kernel.config import DeployConfig  # noqa: E402
-from fv_kernel.runtime.engine import Engine, RequestHandle, SchedulerConfig, held_tensor_bytes, run_concurrently  # noqa: E402
+from fv_kernel.runtime.engine import (  # noqa: E402
+    Engine, RequestHandle, SchedulerConfig, held_tensor_bytes, run_concurrently, run_serially,
+)
 from fv_kernel.serving import JobStore, ServerThread, create_app  # noqa: E402
 from fv_kernel.serving.jobs import SHUTDOWN_EVENT, JobManager  # noqa: E402
 from fv_kernel.serving.store import DataDirInUse, DataDirLock  # noqa: E402
@@ -398,13 +400,17 @@ def test_the_engine_bounds_finished_records_in_tensor_bytes() -> None:
     unbounded = engine(2**40)
     assert all(r.status == "completed" for r in run_concurrently(unbounded, requests()))
     count, total = unbounded.retained()
-    per_request = held_tensor_bytes(unbounded._records["r0"].request, unbounded._records["r0"].events)
-    assert count == 6 and total == 6 * per_request > 0, "without a byte bound every record stays (up to keep_finished)"
-    bounded = engine(int(2.5 * per_request))
-    results = run_concurrently(bounded, requests())
+    held = [held_tensor_bytes(record.request, record.events) for record in unbounded._records.values()]
+    assert count == 6 and total == sum(held) and min(held) > 0, "without a byte bound every record stays"
+    bound = total // 2
+    bounded = engine(bound)
+    results = run_serially(bounded, requests())  # finishing in order r0 ... r5
     assert all(r.status == "completed" and r.artifacts for r in results), "callers keep their results"
-    assert bounded.retained() == (2, 2 * per_request)
-    assert bounded.forget("r5") and not bounded.forget("r5") and bounded.retained() == (1, per_request)
+    count, kept = bounded.retained()
+    assert 0 < count < 6 and 0 < kept <= bound, (count, kept, bound)
+    assert set(bounded._records) == {f"r{i}" for i in range(6 - count, 6)}, "the oldest are forgotten first"
+    newest = held_tensor_bytes(bounded._records["r5"].request, bounded._records["r5"].events)
+    assert bounded.forget("r5") and not bounded.forget("r5") and bounded.retained() == (count - 1, kept - newest)
 
 
 # --------------------------------------------------------------------------- event history
