@@ -33,7 +33,7 @@ httpx = pytest.importorskip("httpx")
 from fv_kernel.card.instance import ModelInstance, build_instance  # noqa: E402
 from fv_kernel.config import DeployConfig  # noqa: E402
 from fv_kernel.runtime.engine import (  # noqa: E402
-    Engine, RequestHandle, SchedulerConfig, held_tensor_bytes, run_concurrently, run_serially,
+    Engine, RequestHandle, SchedulerConfig, held_tensor_bytes, run_serially,
 )
 from fv_kernel.serving import JobStore, ServerThread, create_app  # noqa: E402
 from fv_kernel.serving.jobs import SHUTDOWN_EVENT, JobManager  # noqa: E402
@@ -398,7 +398,7 @@ def test_the_engine_bounds_finished_records_in_tensor_bytes() -> None:
         return e
 
     unbounded = engine(2**40)
-    assert all(r.status == "completed" for r in run_concurrently(unbounded, requests()))
+    assert all(r.status == "completed" for r in run_serially(unbounded, requests()))
     count, total = unbounded.retained()
     held = [held_tensor_bytes(record.request, record.events) for record in unbounded._records.values()]
     assert count == 6 and total == sum(held) and min(held) > 0, "without a byte bound every record stays"
