@@ -111,6 +111,13 @@ class InstanceOptions(BaseModel):
     allow_recipe_mismatch: bool = False
 
 
+#: One component build at a time in the process. The engine loads on worker threads, and loaders
+#: touch process-wide state: a seeded random init re-seeds torch's global RNG (two concurrent ones
+#: would draw from each other's seed), and lazily imported libraries (transformers) are not safe to
+#: import from two threads at once.
+_COMPONENT_BUILDS = threading.RLock()
+
+
 @dataclass
 class ModelInstance:
     """A card made resident. Shared by every request that runs on it; holds no per-request state."""
@@ -162,7 +169,7 @@ class ModelInstance:
         if not needed:
             return
         self._preflight(needed)
-        with self._lock:
+        with self._lock, _COMPONENT_BUILDS:
             for component_id in needed:
                 if component_id not in self.components:
                     self.components[component_id] = self.component_loader(component_id)
@@ -178,7 +185,7 @@ class ModelInstance:
     def component(self, component_id: str) -> Any:
         if component_id not in self.components:
             self._preflight([component_id])
-            with self._lock:
+            with self._lock, _COMPONENT_BUILDS:
                 if component_id not in self.components:
                     self.components[component_id] = self.component_loader(component_id)
                 self._ops = self.ops_builder(self)
