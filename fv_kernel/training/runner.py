@@ -62,6 +62,7 @@ def resolve_method(host: "PluginHost", name: str) -> type[RLMethod]:
     from fv_kernel.plugins.hooks import find_contribution
     from fv_kernel.plugins.errors import PluginError
 
+    host.start()
     found = host.hooks.rl_methods()
     try:
         return find_contribution(found, "rl_methods", name).obj  # type: ignore[return-value]
