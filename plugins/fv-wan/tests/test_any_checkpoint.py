@@ -170,7 +170,8 @@ def test_release_size_defaults_are_wan_pipelines(t2v_dir: Path, tmp_path: Path) 
     shutil.copytree(t2v_dir, root)
     config_file = root / "transformer" / "config.json"
     config = json.loads(config_file.read_text())
-    config_file.write_text(json.dumps({**config, "num_attention_heads": 12, "attention_head_dim": 128}))
+    # As a release has it: 12 x 128 wide, and a RoPE table that covers 480x832 (the tiny one's 32 does not).
+    config_file.write_text(json.dumps({**config, "num_attention_heads": 12, "attention_head_dim": 128, "rope_max_seq_len": 1024}))
     card = derive_card(root)
     d = card.capabilities.defaults
     assert (d.height, d.width, d.frames, d.fps, d.steps, d.guidance) == (480, 832, 81, 16.0, 50, 5.0)
