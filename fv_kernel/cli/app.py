@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -52,8 +53,18 @@ LAZY_COMMANDS: dict[str, LazyCommand] = {
 
 def interrupted() -> NoReturn:
     """Ctrl-C: one line on stderr, exit status 130 (128 + SIGINT), no traceback."""
+    _quiet_teardown()
     typer.echo("fv: interrupted", err=True)
     raise typer.Exit(130)
+
+
+def _quiet_teardown() -> None:
+    # Ctrl-C can land inside an object's constructor (an event loop half made by asyncio.run);
+    # its __del__ then fails at exit and Python prints "Exception ignored ..." with a traceback.
+    # A coroutine Ctrl-C stopped before it was awaited warns likewise. We are exiting on purpose:
+    # say nothing more than the one line.
+    sys.unraisablehook = lambda _unraisable: None
+    warnings.simplefilter("ignore")
 
 
 def load_command(name: str) -> Any:
@@ -132,6 +143,7 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt:  # between the commands' own handlers (argument parsing, start-up)
+        _quiet_teardown()
         typer.echo("fv: interrupted", err=True)
         sys.exit(130)
 
