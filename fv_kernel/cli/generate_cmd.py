@@ -49,7 +49,7 @@ def _validation_line(exc: ValidationError) -> str:
 
 
 def generate(
-    model: str = typer.Option(..., "--model", "-m", help="Card id (see 'fv cards list'), a card file (.json/.yaml, checked as 'fv cards validate' does), a local checkpoint directory, or a hub id."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Card id (see 'fv cards list'), a card file (.json/.yaml, checked as 'fv cards validate' does), a local checkpoint directory, or a hub id (default: the installed plugins' default card)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="What to generate."),
     output: Path = typer.Option(..., "--output", "-o", help="Output file: .mp4 (H.264; with --task text_to_video_audio the sound is its AAC track), .pt (float32 tensor (F,3,H,W) in [0,1]), .png (first frame) (.pt/.png: the sound goes to a .wav beside it, named in the output). --task text_generation: .txt (the text), .json (text, token ids, model, task) or - (print it)."),
     negative_prompt: Optional[str] = typer.Option(None, "--negative-prompt", help="What to steer away from (cards with CFG)."),
@@ -103,7 +103,8 @@ def generate(
         if image is not None:
             inputs.append(ImagePart(image=read_image(image)))
         request = Request(
-            model=model, task=chosen_task, inputs=tuple(inputs), precision=precision,  # type: ignore[arg-type]
+            # No --model: the plugins' default card, whose id replaces this one once resolved below.
+            model=model or "default", task=chosen_task, inputs=tuple(inputs), precision=precision,  # type: ignore[arg-type]
             prompt_upsampling=upsample_prompt,
             ar=(ARParams(max_tokens=max_tokens, seed=seed)
                 if (upsample_prompt or chosen_task is TaskType.TEXT_GENERATION) and max_tokens is not None else None),
@@ -122,7 +123,7 @@ def generate(
 
     progress = StageProgress(not quiet)
     try:
-        with progress.loading(model) as loading:
+        with progress.loading(model or "the default card") as loading:
             deploy = load_config(config)
             host = start_host(deploy)
             # The config's entry for this card (if any) gives the instance options; flags win.

@@ -98,21 +98,21 @@ def test_export_writes_a_directory_fv_derives_the_same_computation_from(tmp_path
 
 
 def test_no_model_named_means_wan_toy() -> None:
-    """``fv.load()`` (and ``fv serve`` without --model: the same hook) takes the default card: wan-toy.
-    (``fv generate`` still requires ``--model``.)"""
+    """``fv.load()`` (and ``fv serve`` and ``fv generate`` without --model: the same hook) takes the default card: wan-toy."""
     import fv_kernel as fv
 
     generator = fv.load()
     assert generator.model_id == TOY_ID and generator.card == wan_toy_card()
 
 
-def test_fv_generate_wan_toy_makes_its_default_clip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model_args", [["--model", TOY_ID], []], ids=["named", "default"])
+def test_fv_generate_wan_toy_makes_its_default_clip(tmp_path: Path, model_args: list[str]) -> None:
     from typer.testing import CliRunner
 
     from fv_kernel.cli.app import app
 
     out = tmp_path / "demo.pt"
-    result = CliRunner().invoke(app, ["generate", "--quiet", "--model", TOY_ID, "--prompt",
+    result = CliRunner().invoke(app, ["generate", "--quiet", *model_args, "--prompt",
                                       "a red circle moves left quickly on a navy background", "--steps", "2", "--output", str(out)])
     assert result.exit_code == 0, result.output
     assert torch.load(out).shape == (17, 3, 64, 64)  # wan-toy's defaults (wan-tiny's are 9 x 64 x 96)
