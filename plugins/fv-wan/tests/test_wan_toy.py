@@ -116,3 +116,20 @@ def test_fv_generate_wan_toy_makes_its_default_clip(tmp_path: Path, model_args: 
                                       "a red circle moves left quickly on a navy background", "--steps", "2", "--output", str(out)])
     assert result.exit_code == 0, result.output
     assert torch.load(out).shape == (17, 3, 64, 64)  # wan-toy's defaults (wan-tiny's are 9 x 64 x 96)
+
+
+@pytest.mark.parametrize("quiet", [True, False], ids=["fv", "negative-control"])
+def test_loading_writes_no_transformers_progress_bar(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, quiet: bool
+) -> None:
+    """fv prints one line per stage; transformers' own "Loading weights" bar (``\\r`` frames even off a
+    terminal) stays off while fv-wan loads the text encoder. Without the guard, the bar is written."""
+    import contextlib
+
+    from fv_wan.models import encoders
+
+    if not quiet:
+        monkeypatch.setattr(encoders, "quiet_transformers_loading", contextlib.nullcontext)
+    encoders.WanTextEncoder.from_pretrained(wan_toy_card().checkpoint.source)
+    err = capfd.readouterr().err
+    assert ("Loading weights" in err) is not quiet, err

@@ -9,7 +9,8 @@ cut each row to its real length and zero-pad back) and
 from __future__ import annotations
 
 import html
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,6 +46,21 @@ def clean_prompt(text: str) -> str:
         text = ftfy.fix_text(text)
     text = html.unescape(html.unescape(text)).strip()
     return _WHITESPACE.sub(" ", text).strip()
+
+
+@contextmanager
+def quiet_transformers_loading() -> Iterator[None]:
+    """transformers' own "Loading weights" bar off while a component loads: fv shows one progress
+    line per stage, and that bar writes ``\r`` frames even when stderr is not a terminal."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 class TextTokenizer(Protocol):
@@ -148,7 +164,8 @@ class WanTextEncoder(nn.Module):
 
         root = _resolve_dir(path_or_repo, (subfolder, tokenizer_subfolder), local_files_only)
         tokenizer = AutoTokenizer.from_pretrained(root / tokenizer_subfolder, local_files_only=True)
-        model = UMT5EncoderModel.from_pretrained(root / subfolder, local_files_only=True)
+        with quiet_transformers_loading():
+            model = UMT5EncoderModel.from_pretrained(root / subfolder, local_files_only=True)
         return cls(model.to(device=device, dtype=dtype).eval(), tokenizer)
 
     @classmethod
@@ -282,7 +299,8 @@ class WanImageEncoder(nn.Module):
         from transformers import CLIPImageProcessor, CLIPVisionModel
 
         root = _resolve_dir(path_or_repo, (subfolder, processor_subfolder), local_files_only)
-        model = CLIPVisionModel.from_pretrained(root / subfolder, local_files_only=True)
+        with quiet_transformers_loading():
+            model = CLIPVisionModel.from_pretrained(root / subfolder, local_files_only=True)
         processor_dir = root / processor_subfolder
         processor = (
             CLIPImageProcessor.from_pretrained(processor_dir, local_files_only=True)
