@@ -320,7 +320,7 @@ class _FakeRun:
 def test_checkpoint_every_steps_sets_how_often_a_running_job_is_written(tmp_path: Path, every: int, written: list[int]) -> None:
     manager = jobs_module.JobManager(
         Engine(SchedulerConfig()), JobStore(tmp_path / "db.sqlite3"), tmp_path, enabled_extensions={}, extension_schemas={},
-        max_image_pixels=1, rejections=__import__("collections").Counter(), checkpoint_every_steps=every,
+        rejections=__import__("collections").Counter(), checkpoint_every_steps=every,
     )
     writes: list[int] = []
     manager.checkpoints.write = lambda job_id, data: writes.append(run.steps)  # type: ignore[method-assign]

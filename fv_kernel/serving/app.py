@@ -187,7 +187,7 @@ def create_app(
     manager = JobManager(
         engine, store, output_dir,
         enabled_extensions=config.extensions, extension_schemas=extension_schemas or {},
-        max_image_pixels=max_pixels, rejections=rejections,
+        rejections=rejections,
         checkpoint_every_steps=config.server.checkpoint_every_steps,
         finished_history_bytes=config.server.finished_history_bytes,
     )

@@ -164,7 +164,6 @@ class JobManager:
         *,
         enabled_extensions: Mapping[str, Mapping[str, Any]],
         extension_schemas: Mapping[str, type[BaseModel]],
-        max_image_pixels: int,
         rejections: Counter[str],
         checkpoints: CheckpointStore | None = None,
         checkpoint_every_steps: int = _DEFAULT_CHECKPOINT_EVERY_STEPS,
@@ -184,7 +183,6 @@ class JobManager:
         self.finished_history_bytes = finished_history_bytes
         self.enabled_extensions = dict(enabled_extensions)
         self.extension_schemas = dict(extension_schemas)
-        self.max_image_pixels = max_image_pixels
         self.rejections = rejections
         self._live: OrderedDict[str, _LiveJob] = OrderedDict()
 
