@@ -772,10 +772,18 @@ class Engine:
         if not live:
             return
         started = time.perf_counter()
-        if self._device is not None:
-            outcomes, device_s = await self._loop.run_in_executor(self._device, self._run_batch, live)
-        else:
-            outcomes, device_s = self._run_batch(live)
+        try:
+            if self._device is not None:
+                outcomes, device_s = await self._loop.run_in_executor(self._device, self._run_batch, live)
+            else:
+                outcomes, device_s = self._run_batch(live)
+        except Exception as exc:  # noqa: BLE001 - the batch could not start (e.g. its op is missing)
+            # It fails its own requests, never the scheduler: an escaped exception here ended the
+            # scheduling task, and every request in the engine then waited forever.
+            error = exc if isinstance(exc, FvError) else StepFailed(
+                f"step {live[0].plan.op!r} of loop {live[0].plan.loop_id!r} could not run: {type(exc).__name__}: {exc}"
+            )
+            outcomes, device_s = [error] * len(live), None
         wall = time.perf_counter() - started
         self.metrics.execute_seconds += wall
         self.batcher.note_executed(live, device_s if device_s is not None else wall)
