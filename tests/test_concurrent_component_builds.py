@@ -28,7 +28,9 @@ def _instance(seed: int, seeded: threading.Event, other_seeded: threading.Event)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             seeded.set()
-            other_seeded.wait(0.5)  # without the lock, the other build seeds in this window
+            # Without the lock the other build seeds in this window (a generous wait: a loaded CI
+            # machine can be slow to start a thread); with it, the first build waits it out alone.
+            other_seeded.wait(5)
             time.sleep(0.05)
             return torch.randn(8)
 
@@ -42,7 +44,7 @@ def _build_two_at_once() -> tuple[torch.Tensor, torch.Tensor]:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(5)
+        thread.join(30)
     return instances[0].components["dit"], instances[1].components["dit"]
 
 

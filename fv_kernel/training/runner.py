@@ -147,12 +147,12 @@ def run_training(
     recipe: TrainingRecipe | Path, output: Path, host: "PluginHost", *, progress: bool = True
 ) -> TrainingOutcome:
     """Train ``recipe``'s card with its method, write curves under ``output``, export to ``output/checkpoint``."""
-    _require_extras()
     if isinstance(recipe, Path):
         recipe = load_recipe(recipe)
     method_cls = resolve_method(host, recipe.method)
     options = parse_options(recipe, method_cls.options_schema)
     card = CardCatalog(host).get(recipe.card)
+    _require_extras()  # after the recipe's own errors, which name its fields
     device = pick_device(recipe.device)
     torch.manual_seed(recipe.seed)
     instance = build_instance(card, InstanceOptions(device=str(device), precision="fp32", registry=host.registry()))
