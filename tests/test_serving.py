@@ -34,7 +34,7 @@ from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.config import DeployConfig, DeployConfigError, ServerConfig  # noqa: E402
 from fv_kernel.runtime.engine import Engine, SchedulerConfig  # noqa: E402
 from fv_kernel.serving import JobStore, ServerThread, create_app  # noqa: E402
-from fv_kernel.testing import wait_for_job  # noqa: E402
+from fv_kernel.testing import read_sse, wait_for_job  # noqa: E402
 
 SERVED_CARD = "toy-dit"
 API_KEY = "s3cret-key"
@@ -115,21 +115,10 @@ def served(card_id: str, tmp_path: Path) -> Iterator[Served]:
 
 def sse_events(client: "httpx.Client", job_id: str) -> list[tuple[int, str, dict[str, Any]]]:
     """Read a job's event stream to its end: (id, event, data) triples."""
-    events = []
     with client.stream("GET", f"/v1/videos/{job_id}/events") as response:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
-        current: dict[str, Any] = {}
-        for line in response.iter_lines():
-            if line.startswith("id: "):
-                current["id"] = int(line[4:])
-            elif line.startswith("event: "):
-                current["event"] = line[7:]
-            elif line.startswith("data: "):
-                current["data"] = json.loads(line[6:])
-            elif line == "" and current:
-                events.append((current["id"], current["event"], current["data"]))
-                current = {}
+        events = [(event["id"], event["event"], event["data"]) for event in read_sse(response)]
     return events
 
 

@@ -38,7 +38,7 @@ from fv_kernel.runtime.engine import (  # noqa: E402
 from fv_kernel.serving import JobStore, ServerThread, create_app  # noqa: E402
 from fv_kernel.serving.jobs import SHUTDOWN_EVENT, JobManager  # noqa: E402
 from fv_kernel.serving.store import DataDirInUse, DataDirLock  # noqa: E402
-from fv_kernel.testing import wait_for_job  # noqa: E402
+from fv_kernel.testing import read_sse, wait_for_job  # noqa: E402
 from fv_kernel.testing.toy import toy_card  # noqa: E402
 
 CARD = "toy-dit"
@@ -77,21 +77,6 @@ def serving(output_dir: Path, *instances: ModelInstance, **server: Any) -> Itera
         yield server_thread, engine, app
     finally:
         server_thread.stop()
-
-
-def read_sse(response: Any) -> Iterator[dict[str, Any]]:
-    """Events of an open SSE response as dicts: ``{"id": int | None, "event": str, "data": dict}``."""
-    current: dict[str, Any] = {}
-    for line in response.iter_lines():
-        if line.startswith("id: "):
-            current["id"] = int(line[4:])
-        elif line.startswith("event: "):
-            current["event"] = line[7:]
-        elif line.startswith("data: "):
-            current["data"] = json.loads(line[6:])
-        elif line == "" and current:
-            yield {"id": current.get("id"), "event": current["event"], "data": current["data"]}
-            current = {}
 
 
 def whole_stream(client: "httpx.Client", job_id: str) -> list[dict[str, Any]]:

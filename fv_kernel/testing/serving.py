@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     import httpx
 
-__all__ = ["wait_for_job", "job_progress"]
+__all__ = ["wait_for_job", "job_progress", "read_sse"]
 
 
 def wait_for_job(client: "httpx.Client", job_id: str, statuses: set[str], timeout_s: float = 600.0) -> dict[str, Any]:
@@ -33,3 +33,19 @@ def job_progress(client: "httpx.Client", job_id: str) -> list[tuple[str, int]]:
                 data = json.loads(line[6:])
                 steps.append((data["loop_id"], data["step"]))
     return steps
+
+
+def read_sse(response: Any) -> Iterator[dict[str, Any]]:
+    """Events of an open SSE response (an httpx streaming response) as dicts:
+    ``{"id": int | None, "event": str, "data": dict}`` (``server.shutdown`` carries no id)."""
+    current: dict[str, Any] = {}
+    for line in response.iter_lines():
+        if line.startswith("id: "):
+            current["id"] = int(line[4:])
+        elif line.startswith("event: "):
+            current["event"] = line[7:]
+        elif line.startswith("data: "):
+            current["data"] = json.loads(line[6:])
+        elif line == "" and current:
+            yield {"id": current.get("id"), "event": current["event"], "data": current["data"]}
+            current = {}
