@@ -158,6 +158,10 @@ class ModelInstance:
         assumed = self.card.recipe.assumes_precision
         return ("precision",) if assumed is not None and self.precision != assumed else ()
 
+    def loaded_for(self, task: TaskType) -> bool:
+        """Whether every component ``task`` needs is already loaded (then ``load_for_task`` only validates)."""
+        return all(c in self.components for c in self.card.checkpoint.components_for(task))
+
     def load_for_task(self, task: TaskType) -> None:
         """Load every component the task needs (and nothing it does not)."""
         if task not in self.card.capabilities.tasks:

@@ -638,7 +638,11 @@ class Engine:
         )
         try:
             # Off the event loop: a first request's weights can take seconds to load (the instance locks the load).
-            await asyncio.to_thread(record.instance.load_for_task, request.task)
+            # Only then: the thread hop would make co-arriving requests start apart and miss each other's batches.
+            if record.instance.loaded_for(request.task):
+                record.instance.load_for_task(request.task)
+            else:
+                await asyncio.to_thread(record.instance.load_for_task, request.task)
             artifacts = await run_program(program, record.instance, ctx, run=record.program_run)
         except (LoopCancelled, RequestCancelled) as exc:
             partial = exc.partial.artifacts if isinstance(exc, LoopCancelled) and exc.partial else []
