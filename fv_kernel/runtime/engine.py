@@ -52,6 +52,7 @@ from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun, run_program
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.events import TERMINAL_EVENT_TYPES, ErrorInfo, Event
 from fv_kernel.request.request import Request
+from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.admission import AdmissionController, Budgets, Reservation
 from fv_kernel.runtime.batching import BatchPolicy, BatchScheduler, WorkUnit
 from fv_kernel.runtime.capacity import device_key, device_total_bytes, instance_resident_bytes
@@ -351,6 +352,8 @@ class Engine:
         self._queue = RequestQueue(self.config.max_queue)
         self._pending = PendingUnits()
         self._running: dict[str, _Record] = {}
+        #: Component loads in flight, one per (instance, task): co-arriving requests share it.
+        self._loads: dict[tuple[str, TaskType], asyncio.Future[None]] = {}
         #: Finished requests still recorded, oldest first, with the tensor bytes each holds.
         self._finished: dict[str, int] = {}
         self._finished_bytes = 0
@@ -637,12 +640,7 @@ class Engine:
             hooks=self.hooks_for(record.instance, request),
         )
         try:
-            # Off the event loop: a first request's weights can take seconds to load (the instance locks the load).
-            # Only then: the thread hop would make co-arriving requests start apart and miss each other's batches.
-            if record.instance.loaded_for(request.task):
-                record.instance.load_for_task(request.task)
-            else:
-                await asyncio.to_thread(record.instance.load_for_task, request.task)
+            await self._load_for(record.instance, request.task)
             artifacts = await run_program(program, record.instance, ctx, run=record.program_run)
         except (LoopCancelled, RequestCancelled) as exc:
             partial = exc.partial.artifacts if isinstance(exc, LoopCancelled) and exc.partial else []
@@ -676,6 +674,23 @@ class Engine:
                     unit.future.cancel()
             self.admission.release(request.request_id)
             self._kick()
+
+    async def _load_for(self, instance: ModelInstance, task: TaskType) -> None:
+        """Load what ``task`` needs off the event loop (weights can take seconds), once.
+
+        Every request that arrives while the load runs awaits the same load and so resumes in the
+        same event-loop pass: co-arriving requests post their first steps together and batch.
+        """
+        if instance.loaded_for(task):
+            instance.load_for_task(task)  # validates the task; loads nothing
+            return
+        key = (instance.instance_id, task)
+        load = self._loads.get(key)
+        if load is None:
+            load = asyncio.ensure_future(asyncio.to_thread(instance.load_for_task, task))
+            self._loads[key] = load
+            load.add_done_callback(lambda _: self._loads.pop(key, None))
+        await asyncio.shield(load)  # a cancelled request must not cancel the others' load
 
     def _retire(self, request_id: str) -> None:
         """Note a finished request; forget the oldest finished ones beyond ``keep_finished`` records
