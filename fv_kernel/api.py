@@ -54,6 +54,7 @@ from fv_kernel.errors import (
     UnknownModel,
 )
 from fv_kernel.compute.attention import AttentionBackend, AttentionShapeError
+from fv_kernel.config import DeployConfig, DeployConfigError, load_deploy_config
 from fv_kernel.compute.attention_backends import attention_callable, load_attention_backend
 from fv_kernel.compute.compile import CompileCache, CompileKey, ComputeOptions, GraphedStep, compile_blocks
 from fv_kernel.compute.fused import select_fused_ops
@@ -61,7 +62,9 @@ from fv_kernel.extend.hooks import BlockHooks, RequestHooks
 from fv_kernel.extend.interceptors import BlockCall, BlockInterceptor, BlockSequence, Interceptor, StepInterceptor
 from fv_kernel.extend.observers import BlockObserver, NaNWatch, Observer, ParityAligner, Profiler, StepRecord
 from fv_kernel.extend.registry import ExtensionSet, ExtensionSettings, InterceptorRejected
+from fv_kernel.io.media import encode_png, write_mp4
 from fv_kernel.facade import Finished, GenerateOptions, Video, VideoGenerator, load
+from fv_kernel.loop.capture import LogProbSampler, capture_slice, deterministic_flags
 from fv_kernel.loop.context import CancelToken, LoopContext
 from fv_kernel.loop.contract import (
     CachePlan,
@@ -125,6 +128,8 @@ from fv_kernel.program.resume import (
 from fv_kernel.request.artifacts import (
     Artifact,
     AudioArtifact,
+    BehaviorRecord,
+    BehaviorSlice,
     LatentArtifact,
     Provenance,
     TensorArtifact,
@@ -146,6 +151,7 @@ from fv_kernel.request.request import (
 )
 from fv_kernel.request.types import Precision, TaskType, torch_dtype
 from fv_kernel.runtime.cost import CostKey, CostModel
+from fv_kernel.runtime.deploy import build_engine
 from fv_kernel.runtime.engine import Engine, GenerationResult, RequestHandle, SchedulerConfig, run_concurrently, run_serially
 from fv_kernel.runtime.local import run_local, run_local_async
 from fv_kernel.training import LossLog, NoOptions, ParityResult, RLMethod, TrainedModel, TrainingRun
@@ -155,3 +161,28 @@ from fv_kernel.transport import TensorMeta, TransferManifest, Transport, Transpo
 from fv_kernel.transport.inproc import InProcessTransport
 
 __all__ = [name for name in dir() if not name.startswith("_") and name != "annotations"]
+
+#: fv serve's request schemas and error mapping (its structured 4xx), for integrations that
+#: serve the same API through another frontend. Imported on first use: importing
+#: fv_kernel.serving imports FastAPI (the ``serve`` extra), which the rest of the API never needs.
+_SERVING_EXPORTS = {
+    "ApiError": "fv_kernel.serving.errors",
+    "error_body": "fv_kernel.serving.errors",
+    "from_fv_error": "fv_kernel.serving.errors",
+    "from_validation_errors": "fv_kernel.serving.errors",
+    "VideoCreate": "fv_kernel.serving.schemas",
+    "ImageGenerate": "fv_kernel.serving.schemas",
+    "parse_size": "fv_kernel.serving.schemas",
+}
+__all__ += list(_SERVING_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    module = _SERVING_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fv_kernel.api' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
