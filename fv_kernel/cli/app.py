@@ -70,7 +70,11 @@ def _quiet_teardown() -> None:
 def load_command(name: str) -> Any:
     """The command ``name`` as Typer's (vendored) click command, importing its module."""
     entry = LAZY_COMMANDS[name]
-    target = getattr(importlib.import_module(entry.module), entry.attribute)
+    return _as_click_command(name, getattr(importlib.import_module(entry.module), entry.attribute))
+
+
+def _as_click_command(name: str, target: Any) -> Any:
+    """A ``typer.Typer`` as its group, a function as one command named ``name``."""
     if isinstance(target, typer.Typer):
         return typer.main.get_group(target)  # shell completion options belong to the root only
     single = typer.Typer(add_completion=False)
@@ -85,11 +89,30 @@ class _LazyGroup(TyperGroup):
         super().__init__(*args, **kwargs)
         self._listing = False
         self._loaded: dict[str, Any] = {}
+        self._plugin_commands: Any = None
+        self._conflicts_said = False
+
+    def plugin_commands(self) -> Any:
+        """Commands the installed plugins declare (``fv_kernel.cli.plugin_commands``), read once, nothing imported."""
+        if self._plugin_commands is None:
+            from fv_kernel.cli.plugin_commands import discover_plugin_commands
+
+            self._plugin_commands = discover_plugin_commands({*LAZY_COMMANDS, *self.commands})
+        return self._plugin_commands
 
     def list_commands(self, ctx: Any) -> list[str]:
-        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+        found = self.plugin_commands()
+        if self._listing and not self._conflicts_said:  # help may list twice; say each refusal once
+            self._conflicts_said = True
+            for conflict in found.conflicts:
+                typer.echo(f"fv: {conflict}", err=True)
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS, *found.commands})
 
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in LAZY_COMMANDS and cmd_name not in self.commands:
+            plugin_command = self.plugin_commands().commands.get(cmd_name)
+            if plugin_command is not None:
+                return self._plugin_command(plugin_command)
         if cmd_name not in LAZY_COMMANDS:
             return super().get_command(ctx, cmd_name)
         if self._listing:  # the root's help lists names and summaries only
@@ -103,6 +126,24 @@ class _LazyGroup(TyperGroup):
             except KeyboardInterrupt:
                 interrupted()
         return self._loaded[cmd_name]
+
+    def _plugin_command(self, command: Any) -> Any:
+        """A plugin's command: its summary while listing, else its target imported (refused in one line)."""
+        if self._listing:
+            return TyperCommand(command.name, help=command.summary)
+        if command.name not in self._loaded:
+            from fv_kernel.cli.plugin_commands import PluginCommandError, load_plugin_command
+            from fv_kernel.cli.progress import spinner
+
+            try:
+                with spinner(f"starting fv {command.name}"):
+                    self._loaded[command.name] = _as_click_command(command.name, load_plugin_command(command))
+            except PluginCommandError as exc:
+                typer.echo(f"fv: {exc}", err=True)
+                raise typer.Exit(2) from None
+            except KeyboardInterrupt:
+                interrupted()
+        return self._loaded[command.name]
 
     def invoke(self, ctx: Any) -> Any:
         try:

@@ -188,6 +188,22 @@ class PluginHooks:
     def step_finished(self, event: Any) -> None:
         self._pm.hook.fv_step_finished(event=event)
 
+    def serving_route_registrars(self) -> list[tuple[str, Callable[..., None]]]:
+        """Each plugin's ``fv_serving_routes`` implementation, with its plugin's name, in registration order.
+
+        Returned rather than broadcast: the server calls them one by one, so one plugin's failure
+        removes its own routes alone (``fv_kernel.serving.plugin_routes``).
+        """
+
+        def call(impl: Any) -> Callable[..., None]:
+            # as pluggy does: an implementation receives only the arguments it names
+            return lambda **kwargs: impl.function(**{name: kwargs[name] for name in impl.argnames})
+
+        return [
+            (self._pm.get_name(impl.plugin) or repr(impl.plugin), call(impl))
+            for impl in self._pm.hook.fv_serving_routes.get_hookimpls()
+        ]
+
     # ------------------------------------------------------------------ single answer
     def resolve_model_source(self, source: str) -> Any:
         """The first plugin's answer for ``source``: a card id, a ``ModelCard`` it derived, or None.

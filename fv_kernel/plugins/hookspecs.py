@@ -118,6 +118,21 @@ def fv_step_finished(event: Any) -> None:
     """A loop step finished. Observer-style: ``event`` is read-only; do not mutate it or the state it references."""
 
 
+@hookspec
+def fv_serving_routes(app: Any, engine: Any, config: Any) -> None:
+    """Mount a plugin's HTTP routes on ``fv serve``'s FastAPI ``app`` (called once, when the app is built).
+
+    ``engine`` is the running :class:`fv_kernel.runtime.Engine`, ``config`` the
+    :class:`fv_kernel.config.DeployConfig`. Add routes with ``app.add_api_route``,
+    ``app.include_router`` or ``app.add_api_websocket_route``; the kernel's auth, body-size
+    limit and metrics middleware wrap them as they wrap the kernel's own. Each plugin's
+    implementation is called on its own: if it raises, or adds a route whose path and method
+    a kernel route (or an earlier plugin) already serves, every route it added is removed, the
+    server starts without them and says so in one warning line (``app.state.plugin_routes``
+    records each plugin's outcome).
+    """
+
+
 # --------------------------------------------------------------------------- single answer (firstresult)
 
 

@@ -9,6 +9,7 @@ directory without executing the package.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,25 @@ class ContributionDecl(BaseModel):
     summary: str = ""
 
 
+class CommandDecl(BaseModel):
+    """One ``fv`` sub-command a plugin adds: ``fv <name>`` runs ``target``.
+
+    ``fv --help`` lists it from the manifest alone; the target (a ``typer.Typer`` or a
+    function) is imported only when the command runs (:mod:`fv_kernel.cli.plugin_commands`).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+    """``"module:attr"``: a ``typer.Typer`` (a group of sub-commands) or a function (one command)."""
+    summary: str = ""
+    """The one line ``fv --help`` shows."""
+
+
+#: A plugin command's name: what follows ``fv`` on the command line.
+COMMAND_NAME_PATTERN = r"^[a-z][a-z0-9-]*$"
+
+
 class PluginManifest(BaseModel):
     """Typed contents of ``fv-plugin.yaml``."""
 
@@ -46,6 +66,8 @@ class PluginManifest(BaseModel):
     """PEP 440 specifier set checked against :data:`fv_kernel.API_VERSION`, e.g. ``">=2.0,<3"``."""
     summary: str = ""
     contributions: dict[str, list[ContributionDecl]] = Field(default_factory=dict)
+    commands: dict[str, CommandDecl] = Field(default_factory=dict)
+    """``fv`` sub-commands by name (``fv <name> ...``); see :class:`CommandDecl`."""
 
     @field_validator("version")
     @classmethod
@@ -75,6 +97,16 @@ class PluginManifest(BaseModel):
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"contributions.{kind} declares {', '.join(dupes)} more than once")
+        return value
+
+    @field_validator("commands")
+    @classmethod
+    def _command_names(cls, value: dict[str, CommandDecl]) -> dict[str, CommandDecl]:
+        for name in value:
+            if not re.match(COMMAND_NAME_PATTERN, name):
+                raise ValueError(
+                    f"command name {name!r} must be lower-case letters, digits and '-', starting with a letter"
+                )
         return value
 
     def contribution_ids(self) -> dict[str, list[str]]:

@@ -30,6 +30,7 @@ from fv_kernel.serving.limits import JsonLimits, parse_json_object
 from fv_kernel.serving.metrics import RequestMetricsMiddleware, ServingMetrics
 from fv_kernel.serving.middleware import AuthMiddleware, BodyLimitMiddleware, BodyTooLarge
 from fv_kernel.serving.openapi import error_responses, install_openapi, request_body
+from fv_kernel.serving.plugin_routes import mount_plugin_routes
 from fv_kernel.serving.schemas import (
     DeletedVideo,
     ImageGenerate,
@@ -387,6 +388,10 @@ def create_app(
     async def metrics(request: Request) -> Response:
         body, content_type = metrics_registry.render(request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
+
+    # Plugins' routes (fv_serving_routes) go in last, so the kernel's routes win any clash;
+    # the middleware below wraps them as it wraps the kernel's.
+    mount_plugin_routes(app, engine, config)
 
     # Each add_middleware wraps the previous: auth runs before anything reads the body, and the
     # latency histogram (outermost) sees every answer, refusals included.
