@@ -153,7 +153,8 @@ from fv_kernel.runtime.engine import Engine, GenerationResult, RequestHandle, Sc
 from fv_kernel.runtime.local import run_local, run_local_async
 from fv_kernel.training import LossLog, NoOptions, ParityResult, RLMethod, TrainedModel, TrainingRun
 from fv_kernel.training.recipe import RecipeError, TrainingRecipe
-from fv_kernel.training.runner import CARD_FILE, ExportError, read_card_file_beside
+from fv_kernel.card.catalog import read_card_file_beside
+from fv_kernel.training.runner import CARD_FILE, ExportError
 from fv_kernel.transport import TensorMeta, TransferManifest, Transport, TransportError
 from fv_kernel.transport.inproc import InProcessTransport
 

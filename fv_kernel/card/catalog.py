@@ -25,10 +25,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.plugins.host import PluginHost
     from fv_kernel.plugins.registry import DeployRegistry
 
-__all__ = ["CardEntry", "CardCatalog", "ResolvedModel", "CARD_FILE_SUFFIXES", "InvalidCardFile", "is_card_file", "read_card_file"]
+__all__ = ["CardEntry", "CardCatalog", "ResolvedModel", "CARD_FILE_SUFFIXES", "InvalidCardFile", "is_card_file", "read_card_file",
+           "EXPORTED_CARD_FILE", "read_card_file_beside"]
 
 #: File suffixes ``--model`` reads as a card file.
 CARD_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+#: The card an export (``fv train``, ``fv cards export``) writes beside the weights it exported.
+EXPORTED_CARD_FILE = "fv-card.json"
 
 
 class InvalidCardFile(InvalidRequest):
@@ -72,6 +75,13 @@ def read_card_file(path: Path, *, registry: "DeployRegistry | None" = None) -> M
     if problems:
         raise InvalidCardFile(path, [str(p) for p in problems])
     return card
+
+
+def read_card_file_beside(directory: Path, *, registry: "DeployRegistry | None" = None) -> ModelCard:
+    """The card an export wrote beside its weights (``fv-card.json``), validated and build-checked,
+    its checkpoint source pointed at ``directory`` wherever the folder now is."""
+    card = read_card_file(directory / EXPORTED_CARD_FILE, registry=registry)
+    return card.model_copy(update={"checkpoint": card.checkpoint.model_copy(update={"source": str(directory)})})
 
 
 def _looks_like_path(model: str) -> bool:
@@ -150,7 +160,8 @@ class CardCatalog:
     def resolve(self, model: str) -> ResolvedModel:
         """The card ``model`` names, and where its weights load from.
 
-        In order: an installed card id; a card file (validated and build-checked); a source a
+        In order: an installed card id; a card file (validated and build-checked); a folder an
+        export wrote (its ``fv-card.json``, build-checked, weights from the folder); a source a
         plugin recognises (it answers with an installed card's id, or a card it derived from the
         checkpoint, which is build-checked too). Otherwise a typed error saying what is wrong:
         no such path, a directory that is not a checkpoint, or an unknown card id.
@@ -160,6 +171,10 @@ class CardCatalog:
             return ResolvedModel(entries[model].card, None)
         if is_card_file(model):
             return ResolvedModel(read_card_file(Path(model).expanduser(), registry=self._host.registry()), None)
+        exported = Path(model).expanduser()
+        if (exported / EXPORTED_CARD_FILE).is_file():  # an export's folder: its own card, not one derived from the weights
+            card = read_card_file_beside(exported, registry=self._host.registry())
+            return ResolvedModel(card, str(exported))
         answer = self._host.hooks.resolve_model_source(model)
         if isinstance(answer, ModelCard):
             if answer.model_id in entries:

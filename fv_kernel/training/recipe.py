@@ -32,7 +32,8 @@ class TrainingRecipe(BaseModel):
 
     #: A registered ``rl_methods`` contribution: its short name or ``"<plugin>/<name>"``.
     method: str = Field(min_length=1)
-    #: The card whose instance is trained: its architecture and starting weights.
+    #: The card whose instance is trained: its architecture and starting weights. A card id, a card
+    #: file, or the checkpoint folder an earlier ``fv train`` exported (training continues from it).
     card: str = Field(min_length=1)
     #: The id of the trained card the export writes (``fv-card.json`` beside the weights).
     output_model_id: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")

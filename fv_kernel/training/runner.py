@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from fv_kernel.card.catalog import CardCatalog
+from fv_kernel.card.catalog import EXPORTED_CARD_FILE, CardCatalog, read_card_file_beside
 from fv_kernel.card.instance import InstanceOptions, build_instance
 from fv_kernel.card.spec import ModelCard, RecipeSpec
 from fv_kernel.errors import FvError, InvalidRequest
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: The trained card, written beside the exported weights.
-CARD_FILE = "fv-card.json"
+CARD_FILE = EXPORTED_CARD_FILE
 _TRAIN_EXTRAS = ("tqdm", "matplotlib")
 
 
@@ -151,11 +151,15 @@ def run_training(
         recipe = load_recipe(recipe)
     method_cls = resolve_method(host, recipe.method)
     options = parse_options(recipe, method_cls.options_schema)
-    card = CardCatalog(host).get(recipe.card)
+    # A card id, a card file or an earlier export's folder (to continue training from its weights).
+    resolved = CardCatalog(host).resolve(recipe.card)
+    card = resolved.card
     _require_extras()  # after the recipe's own errors, which name its fields
     device = pick_device(recipe.device)
     torch.manual_seed(recipe.seed)
-    instance = build_instance(card, InstanceOptions(device=str(device), precision="fp32", registry=host.registry()))
+    instance = build_instance(
+        card, InstanceOptions(device=str(device), precision="fp32", registry=host.registry(), source=resolved.source)
+    )
     output.mkdir(parents=True, exist_ok=True)
     bar = _Progress(progress)
     log = LossLog()
@@ -248,7 +252,3 @@ def export_model(
     return final, parity
 
 
-def read_card_file_beside(directory: Path) -> ModelCard:
-    """The card an export wrote (``fv-card.json``), its checkpoint source pointed at ``directory`` wherever it now is."""
-    card = ModelCard.model_validate_json((directory / CARD_FILE).read_text(encoding="utf-8"))
-    return card.model_copy(update={"checkpoint": card.checkpoint.model_copy(update={"source": str(directory)})})

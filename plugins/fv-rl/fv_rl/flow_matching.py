@@ -47,10 +47,13 @@ from fv_kernel.api import (
     shift_sigmas,
 )
 
-__all__ = ["FlowMatching", "FlowMatchingOptions", "VAEStage", "DiTStage", "flow_target", "sample_sigmas"]
+__all__ = ["FlowMatching", "FlowMatchingOptions", "VAEStage", "DiTStage", "flow_target", "sample_sigmas",
+           "context_length_of", "reconstruction_weight"]
 
 TIMESTEP_SCALE = 1000.0  # the samplers' num_train_timesteps: the DiT sees t = 1000 sigma
-CONTEXT_LENGTH = 512  # WanPipeline's max_sequence_length: rows past a prompt's tokens are zeros
+#: WanPipeline's default max_sequence_length (rows past a prompt's tokens are zeros); a card's
+#: ``text_encode`` loop may declare a shorter one (``max_sequence_length``), which serving uses too.
+CONTEXT_LENGTH = 512
 
 
 class _Options(BaseModel):
@@ -68,6 +71,9 @@ class VAEStage(_Options):
     #: Extra weight of pixels far from their frame's mean colour (the objects: a few percent of the
     #: area, which a plain mean loss lets the VAE blur away): weight = 1 + object_weight * |x - mean|.
     object_weight: float = Field(default=10.0, ge=0)
+    #: Extra weight of frame 0. Wan's causal VAE encodes it alone into its own latent frame, where
+    #: every later latent frame stands for 4 frames: at weight 1 it gets 1/17 of a 17-frame clip's loss.
+    first_frame_weight: float = Field(default=1.0, gt=0)
     warmup: int = Field(default=50, ge=0)
     #: Decode a posterior sample (a VAE proper) or the posterior mean (what serving's encode uses).
     sample_posterior: bool = False
@@ -124,6 +130,21 @@ def sample_sigmas(n: int, stage: DiTStage, shift: float, generator: torch.Genera
     """Logit-normal sigmas in (0, 1), then the flow shift ``s sigma / (1 + (s - 1) sigma)``."""
     u = torch.randn(n, generator=generator, device=device) * stage.logit_std + stage.logit_mean
     return shift_sigmas(torch.sigmoid(u), shift).clamp(1e-4, 1.0)
+
+
+def reconstruction_weight(video: torch.Tensor, stage: VAEStage) -> torch.Tensor:
+    """Per-pixel weight (B, 1, F, H, W) of the VAE's reconstruction loss for clips (B, 3, F, H, W) in [-1, 1]:
+    ``1 + object_weight * |x - frame mean|`` (objects over background), frame 0 times ``first_frame_weight``."""
+    weight = 1 + stage.object_weight * (video - video.mean(dim=(3, 4), keepdim=True)).abs().mean(dim=1, keepdim=True)
+    weight[:, :, :1] *= stage.first_frame_weight
+    return weight
+
+
+def context_length_of(card: Any) -> int:
+    """The prompt context the card's serving loop builds (its ``text_encode`` loop's ``max_sequence_length``):
+    training must see the same zero-padded rows, which Wan's cross-attention attends to, unmasked."""
+    loop = card.loops.get("text_encode")
+    return int(loop.config.get("max_sequence_length", CONTEXT_LENGTH)) if loop is not None else CONTEXT_LENGTH
 
 
 def _embed_with_grad(text_encoder: Any) -> Callable[..., torch.Tensor]:
@@ -247,7 +268,7 @@ class FlowMatching(RLMethod):
                 if stage.sample_posterior:
                     z = mean + torch.randn(mean.shape, generator=generator, device=run.device) * (0.5 * logvar).exp()
                 recon = vae.decode(z).float()
-            weight = 1 + stage.object_weight * (video - video.mean(dim=(3, 4), keepdim=True)).abs().mean(dim=1, keepdim=True)
+            weight = reconstruction_weight(video, stage)
             error = recon - video
             l1 = (error.abs() * weight).mean() / weight.mean()
             l2 = (error.pow(2) * weight).mean() / weight.mean()
@@ -278,7 +299,8 @@ class FlowMatching(RLMethod):
     ) -> tuple[Any, Any]:
         stage, device = o.dit, run.device
         train_text = stage.text_encoder == "train"
-        tokens = text_encoder.tokenizer(prompts, padding="longest", return_tensors="pt")
+        context_length = context_length_of(run.card)
+        tokens = text_encoder.tokenizer(prompts, padding="longest", truncation=True, max_length=context_length, return_tensors="pt")
         ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
         empty = text_encoder.tokenizer([""], padding="max_length", max_length=ids.shape[1], return_tensors="pt")
         empty_ids, empty_mask = empty.input_ids.to(device), empty.attention_mask.to(device)
@@ -314,7 +336,7 @@ class FlowMatching(RLMethod):
             batch_mask = torch.where(drop[:, None], empty_mask, mask[index])
             with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
                 with torch.set_grad_enabled(train_text):
-                    context = embed(text_encoder, batch_ids, batch_mask, CONTEXT_LENGTH, dtype=torch.float32)
+                    context = embed(text_encoder, batch_ids, batch_mask, context_length, dtype=torch.float32)
                 loss = self.loss({
                     "model": forward, "x0": x0, "context": context,
                     "noise": torch.randn(x0.shape, generator=generator, device=device),

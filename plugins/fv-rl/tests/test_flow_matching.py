@@ -121,3 +121,60 @@ def test_tiny_cpu_run_trains_exports_and_checks_parity(tmp_path: Path) -> None:
     assert vae["latents_std"] != [1.0] * 16  # measured on the encoded clips, not the placeholders
     training = json.loads((tmp_path / "training.json").read_text())
     assert training["steps"] == {"vae": 3, "dit": 12}
+
+
+def test_training_continues_from_an_earlier_export(tmp_path: Path) -> None:
+    """A recipe's ``card`` may name the folder an earlier run exported: the next run starts from its
+    weights (not the parent card's), records it as the parent, and with ``vae.steps: 0`` keeps its VAE."""
+    from safetensors.torch import load_file
+
+    first = run_training(RECIPES / "wan-toy-ci.yaml", tmp_path / "first", PluginHost(), progress=False)
+    recipe = load_recipe(RECIPES / "wan-toy-ci.yaml").model_copy(update={"card": str(first.checkpoint), "output_model_id": "wan-toy-ci-2"})
+    options = dict(recipe.options)
+    options["vae"] = {**options["vae"], "steps": 0}
+    options["dit"] = {**options["dit"], "steps": 2, "lr": 1e-12, "ema": 0.0}  # a negligible update: the weights stay the start's
+    second = run_training(recipe.model_copy(update={"options": options}), tmp_path / "second", PluginHost(), progress=False)
+    card = ModelCard.model_validate_json((second.checkpoint / CARD_FILE).read_text())
+    assert card.recipe.parents == ("wan-toy-ci",) and second.parity.passed
+
+    def weights(root: Path, sub: str) -> dict[str, torch.Tensor]:
+        return load_file(root / sub / "diffusion_pytorch_model.safetensors")
+
+    start, after = weights(first.checkpoint, "transformer"), weights(second.checkpoint, "transformer")
+    assert all(torch.allclose(start[k], after[k], atol=1e-6) for k in start)
+    assert weights(first.checkpoint, "vae").keys() == weights(second.checkpoint, "vae").keys()
+    assert all(torch.equal(a, b) for a, b in zip(weights(first.checkpoint, "vae").values(), weights(second.checkpoint, "vae").values()))
+    # Control: the first run did move the transformer away from wan-toy-init's seeded weights.
+    init = run_training(recipe.model_copy(update={"card": "wan-toy-init", "options": options}), tmp_path / "init", PluginHost(), progress=False)
+    moved = weights(init.checkpoint, "transformer")
+    assert any(not torch.allclose(start[k], moved[k], atol=1e-6) for k in start)
+
+
+def test_the_trainer_feeds_the_dit_the_prompt_context_serving_builds() -> None:
+    """Training embeds prompts exactly as the card's ``text_encode`` loop does, at the card's context length
+    (the toy card's 24 rows; a trainer that padded to Wan's 512 would train on rows serving never gives)."""
+    from fv_kernel.api import InstanceOptions, build_instance
+    from fv_wan.toy_card import TOY_CONTEXT_LENGTH, wan_toy_init_card
+
+    card = wan_toy_init_card()
+    assert flow_matching.context_length_of(card) == TOY_CONTEXT_LENGTH == 24
+    text_encoder = build_instance(card, InstanceOptions(device="cpu")).component("text_encoder")
+    prompts = ["a red circle moves left quickly on a navy background", "a blue square moves up slowly on a grey background"]
+    length = flow_matching.context_length_of(card)
+    tokens = text_encoder.tokenizer(prompts, padding="longest", truncation=True, max_length=length, return_tensors="pt")
+    trained = flow_matching._embed_with_grad(text_encoder)(text_encoder, tokens.input_ids, tokens.attention_mask, length)
+    served = text_encoder.encode(prompts, length)
+    assert trained.shape == served.shape == (2, 24, 128)
+    # Serving pads the ids to 24 before the encoder, training to the longest prompt: masked, so equal up to
+    # reduction order.
+    torch.testing.assert_close(trained, served, rtol=0, atol=1e-5)
+
+
+def test_the_vae_loss_weights_frame_zero_and_objects() -> None:
+    video = torch.full((1, 3, 5, 8, 8), -1.0)
+    video[..., 2:4, 2:4] = 1.0  # an object on a plain background, in every frame
+    plain = flow_matching.reconstruction_weight(video, flow_matching.VAEStage(object_weight=10.0))
+    weighted = flow_matching.reconstruction_weight(video, flow_matching.VAEStage(object_weight=10.0, first_frame_weight=4.0))
+    assert plain[0, 0, 1, 2, 2] > plain[0, 0, 1, 0, 0] > 0  # object pixels count more than background
+    torch.testing.assert_close(weighted[:, :, 0], 4 * plain[:, :, 0])
+    torch.testing.assert_close(weighted[:, :, 1:], plain[:, :, 1:])

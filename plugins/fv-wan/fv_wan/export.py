@@ -33,6 +33,7 @@ from fv_kernel.api import (
     resolve_source,
     run_local,
 )
+from fv_wan.loops import text_context_length
 from fv_wan.models.encoders import WanTextEncoder
 from fv_wan.models.transformer import WanTransformer, WanTransformerConfig
 from fv_wan.models.vae import WanVAE, WanVAEConfig
@@ -207,7 +208,8 @@ def check_parity(card: ModelCard, directory: Path, *, prompt: str = PARITY_PROMP
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
         ref = pipe(prompt=prompt, height=d.height, width=d.width, num_frames=d.frames, num_inference_steps=d.steps,
-                   guidance_scale=d.guidance, generator=torch.Generator().manual_seed(seed), output_type="pt").frames[0]
+                   guidance_scale=d.guidance, generator=torch.Generator().manual_seed(seed), output_type="pt",
+                   max_sequence_length=text_context_length(card)).frames[0]
     if ref.shape != fv.shape:
         return ParityResult(reference, tolerance.name, tolerance.metric, float("inf"), tolerance.value,
                             detail=f"shapes differ: fv {tuple(fv.shape)} vs diffusers {tuple(ref.shape)}")

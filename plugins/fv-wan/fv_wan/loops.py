@@ -25,6 +25,7 @@ from fv_kernel.api import (
     LoopContext,
     LoopResult,
     LoopState,
+    ModelCard,
     ModelInstance,
     Provenance,
     Request,
@@ -48,6 +49,7 @@ from fv_wan.models.transformer import TEXT_CONTEXT_LENGTH, WanTransformerConfig
 from fv_wan.models.vae import TilingConfig, WanVAEConfig
 
 __all__ = [
+    "text_context_length",
     "WanTextEncodeState",
     "WanTextEncodeLoop",
     "WanImageEncodeState",
@@ -117,6 +119,12 @@ class WanTextEncodeState(LoopState):
     ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     max_len: int = TEXT_CONTEXT_LENGTH
+
+
+def text_context_length(card: ModelCard) -> int:
+    """Prompt rows the card's ``text_encode`` loop pads to (its ``max_sequence_length``; Wan's 512 by default)."""
+    loop = card.loops.get("text_encode")
+    return int(loop.config.get("max_sequence_length", TEXT_CONTEXT_LENGTH)) if loop is not None else TEXT_CONTEXT_LENGTH
 
 
 class WanTextEncodeLoop(Loop[WanTextEncodeState]):
@@ -409,8 +417,7 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         shape = self._latent_shape(request, model)
         config = _transformer_config(model)
         tokens = shape[2] * (shape[3] // config.patch_size[1]) * (shape[4] // config.patch_size[2])
-        text = int(model.card.loops["text_encode"].config.get("max_sequence_length", TEXT_CONTEXT_LENGTH)) if (
-            "text_encode" in model.card.loops) else TEXT_CONTEXT_LENGTH
+        text = text_context_length(model.card)
         positions = shape[2] * shape[3] * shape[4]
         # the model input in the compute dtype, and the velocity returned in fp32
         io = positions * (config.in_channels * footprint.element_bytes(model.precision) + config.out_channels * 4)

@@ -41,7 +41,7 @@ from fv_wan.models.transformer import WanTransformerConfig
 from fv_wan.models.vae import WanVAEConfig
 
 __all__ = [
-    "TOY_INIT_ID", "TOY_ID", "TOY_TRANSFORMER", "TOY_VAE", "TOY_TEXT", "TOY_DEFAULTS", "TOY_DATA_SEED", "weights_dir",
+    "TOY_INIT_ID", "TOY_ID", "TOY_TRANSFORMER", "TOY_VAE", "TOY_TEXT", "TOY_DEFAULTS", "TOY_CONTEXT_LENGTH", "TOY_DATA_SEED", "weights_dir",
     "toy_tokenizer", "toy_text_encoder", "wan_toy_init_card", "wan_toy_card", "build_toy_instance", "load_full_vae",
     "toy_parameter_count",
 ]
@@ -63,6 +63,10 @@ TOY_VAE = WanVAEConfig(
     base_dim=24, z_dim=16, dim_mult=(1, 2, 2), num_res_blocks=1, temperal_downsample=(True, True),
     scale_factor_spatial=4, latents_mean=(0.0,) * 16, latents_std=(1.0,) * 16,
 )  # fmt: skip
+#: Prompt context of the toy cards' ``text_encode`` loop (the grammar's longest prompt is 18 words + EOS).
+#: Wan pads every prompt to 512 rows that cross-attention attends to unmasked: at ~20 real tokens
+#: the prompt would get a few percent of the attention mass it gets at 24, and its cost is 20x less.
+TOY_CONTEXT_LENGTH = 24
 TOY_DEFAULTS = GenerationDefaults(height=64, width=64, frames=17, fps=8.0, steps=25, guidance=4.5, shift=3.0)
 
 _PKG = "fv_wan"
@@ -198,6 +202,9 @@ def wan_toy_init_card() -> ModelCard:
     components["vae"] = ComponentSpec(parameters=f"{_PKG}.toy_card:toy_parameter_count", component_id="vae", kind="vae", builder=f"{_PKG}.toy_card:load_full_vae",
                                       config=TOY_VAE.to_diffusers_config(), config_schema=VAE_SCHEMA,
                                       precision_policy=PrecisionPolicy(dtype="fp32"))
+    loops = dict(card.loops)
+    text_loop = loops["text_encode"]
+    loops["text_encode"] = text_loop.model_copy(update={"config": {**text_loop.config, "max_sequence_length": TOY_CONTEXT_LENGTH}})
     checkpoint = dict(card.checkpoint.components)
     checkpoint["vae"] = ComponentCheckpoint(subfolder="vae", random_init_seed=2)  # the same seeded VAE as vae_decoder
     parity = card.parity.model_copy(update={
@@ -205,7 +212,7 @@ def wan_toy_init_card() -> ModelCard:
         "tests": (*card.parity.tests, "plugins/fv-wan/tests/test_wan_toy.py"),
     })  # fmt: skip
     data = card.model_copy(update={
-        "components": components, "checkpoint": card.checkpoint.model_copy(update={"components": checkpoint}),
+        "components": components, "loops": loops, "checkpoint": card.checkpoint.model_copy(update={"components": checkpoint}),
         "factory": f"{_PKG}.toy_card:build_toy_instance", "parity": parity,
         "precision": PrecisionContract(default="fp32", supported=frozenset({"fp32", "bf16"})),
         "recipe": RecipeSpec(method="base", data_contract="seeded random initialisation (no training)"),

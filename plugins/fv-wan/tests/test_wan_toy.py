@@ -133,3 +133,23 @@ def test_loading_writes_no_transformers_progress_bar(
     encoders.WanTextEncoder.from_pretrained(wan_toy_card().checkpoint.source)
     err = capfd.readouterr().err
     assert ("Loading weights" in err) is not quiet, err
+
+
+def test_an_exported_folder_resolves_to_the_card_it_carries(tmp_path: Path) -> None:
+    """``--model DIR`` (and a recipe's ``card``) on a folder an export wrote uses its ``fv-card.json``: the
+    trained card with its recipe and defaults, weights from that folder -- not a card derived from the weights."""
+    from fv_kernel.api import CardCatalog
+    from fv_kernel.card.catalog import InvalidCardFile
+
+    copy = tmp_path / "moved"
+    shutil.copytree(weights_dir(), copy)
+    resolved = CardCatalog(PluginHost()).resolve(str(copy))
+    assert resolved.card.model_id == TOY_ID and resolved.card.recipe.method == "flow-matching"
+    assert resolved.source == str(copy) and resolved.card.checkpoint.source == str(copy)
+    # Control: without the card file the same folder is only a WanPipeline checkpoint, and gets a derived card.
+    (copy / CARD_FILE).unlink()
+    derived = CardCatalog(PluginHost()).resolve(str(copy)).card
+    assert derived.model_id != TOY_ID and derived.recipe.method == "base"
+    (copy / CARD_FILE).write_text(json.dumps({**json.loads((weights_dir() / CARD_FILE).read_text()), "family": 7}))
+    with pytest.raises(InvalidCardFile, match="family"):
+        CardCatalog(PluginHost()).resolve(str(copy))
