@@ -1,0 +1,18 @@
+"""fv-comfyui's plugin module, registered under the ``fv.plugins`` entry point.
+
+Kept light: the sampler classes (and torch) are imported only when the host asks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fv_kernel.api import hookimpl
+
+
+@hookimpl
+def fv_register_samplers(register: Any) -> None:
+    from fv_comfyui.samplers import COMFY_SAMPLERS
+
+    for sampler in COMFY_SAMPLERS:
+        register(sampler.name, sampler)
