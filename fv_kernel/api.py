@@ -115,6 +115,17 @@ from fv_kernel.loop.state import (
     generator_from_state,
     new_generator_state,
 )
+from fv_kernel.parallel import (
+    ParallelImplementation,
+    ParallelPlan,
+    ParallelPlanError,
+    ParallelRuntime,
+    RankFailure,
+    SequenceParallelAttention,
+    gather_sequence,
+    ring_attention,
+    shard_sequence,
+)
 from fv_kernel.plugins.hookspecs import hookimpl
 from fv_kernel.program.base import InlineProgram, Program, ProgramCompiler
 from fv_kernel.program.resume import (

@@ -17,6 +17,7 @@ from fv_kernel.card.validate import RequestLimits
 from fv_kernel.compute.compile import ComputeOptions
 from fv_kernel.errors import FvError
 from fv_kernel.extend.registry import ExtensionSettings
+from fv_kernel.parallel.plan import ParallelPlan
 from fv_kernel.plugins.config import PluginsConfig
 from fv_kernel.request.types import Precision
 from fv_kernel.runtime.engine import SchedulerConfig
@@ -92,6 +93,9 @@ class DeployConfig(BaseModel):
     output_dir: Path = Path("fv-output")
     api_key: str | None = None
     server: ServerConfig = ServerConfig()
+    #: The pool's parallel plan (``docs/parallelism.md``); None: one process, one device.
+    #: Checked against every card before any process group or weight exists.
+    parallel: ParallelPlan | None = None
 
     @field_validator("cards", mode="before")
     @classmethod

@@ -319,12 +319,14 @@ def test_a_degree_on_an_axis_no_loop_lists_is_refused() -> None:
         ModelCard.model_validate(data)
 
 
-def test_parallel_degrees_above_one_are_refused_until_parallel_execution_exists() -> None:
+def test_parallel_degrees_above_one_need_an_implementation() -> None:
     data = card_data()
     data["loops"]["denoise"]["valid_parallel_axes"] = ("cfgp", "sp")
     data["parallelism"] = {"max_degree": {"sp": 2}}
-    with pytest.raises(ValidationError, match="parallel execution is not built yet"):
+    with pytest.raises(ValidationError, match="parallelism.implementation is not set"):
         ModelCard.model_validate(data)
+    data["parallelism"] = {"max_degree": {"sp": 2}, "implementation": "some.module:parallel"}
+    assert ModelCard.model_validate(data).parallelism.max_degree == {"sp": 2}
     # Degree 1 (a trivial axis) promises nothing the runtime cannot do.
     data["parallelism"] = {"max_degree": {"sp": 1, "cfgp": 1}}
     assert ModelCard.model_validate(data).parallelism == ParallelismContract(max_degree={"sp": 1, "cfgp": 1})

@@ -326,11 +326,19 @@ PARALLEL_AXES = ("dp", "tp", "sp", "cp", "cfgp", "pp_patch", "vae", "ep", "fsdp"
 class ParallelismContract(_Spec):
     """Which named axes a card supports and up to what degree; validated up front.
 
-    Every card runs on one device today: parallel execution is not built yet, so a card
-    declaring a degree above 1 is refused (``ModelCard`` validation) rather than promised.
+    A deployment's ``ParallelPlan`` is checked against it at deploy time
+    (``fv_kernel.parallel.check_plan_against_card``). A degree above 1 needs an
+    ``implementation``: the family's ``"module:object"`` with ``check_plan(card, plan)``
+    and ``build_ops(instance, runtime)`` (``fv_kernel.parallel.ParallelImplementation``).
     """
 
     max_degree: dict[str, int] = Field(default_factory=dict)
+    implementation: str | None = None
+
+    @field_validator("implementation")
+    @classmethod
+    def _implementation(cls, value: str | None) -> str | None:
+        return None if value is None else ImportString(value)
 
     @field_validator("max_degree")
     @classmethod
@@ -545,10 +553,11 @@ class ModelCard(_Spec):
                     f"parallelism.max_degree[{axis!r}] is {degree} but no loop lists {axis!r} in "
                     f"valid_parallel_axes; allowed: 1, or list the axis on the loops it is valid for"
                 )
-            raise ValueError(
-                f"parallelism.max_degree[{axis!r}] is {degree}: parallel execution is not built yet (every card "
-                f"runs on one device), so degrees above 1 cannot be honoured; allowed: 1"
-            )
+            if self.parallelism.implementation is None:
+                raise ValueError(
+                    f"parallelism.max_degree[{axis!r}] is {degree} but parallelism.implementation is not set: nothing "
+                    f"would run the axis; allowed: 1, or name the family's parallel implementation ('module:object')"
+                )
 
     def artifact_kinds(self, task: TaskType) -> frozenset[str] | None:
         """The artifact kinds the card's program for ``task`` can return (None: undeclared)."""

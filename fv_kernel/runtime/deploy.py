@@ -44,10 +44,25 @@ def engine_for(config: DeployConfig, host: PluginHost) -> Engine:
 
 
 def build_engine(config: DeployConfig, host: PluginHost | None = None) -> Engine:
-    """Start the plugin host the config selects, then make every configured card resident."""
+    """Start the plugin host the config selects, then make every configured card resident.
+
+    With a multi-rank ``parallel:`` plan this is rank 0's side of
+    :func:`fv_kernel.parallel.deploy.deploy_parallel` (the other ranks serve through it).
+    """
     if host is None:
         host = PluginHost(config.plugins)
     host.start()
+    if config.parallel is not None:
+        from fv_kernel.parallel.deploy import check_deploy_plan, deploy_parallel
+        from fv_kernel.parallel.plan import ParallelPlanError
+
+        if config.parallel.world_size > 1:
+            deployed = deploy_parallel(config, host)
+            if deployed.engine is None:
+                raise ParallelPlanError("world_size", f"rank {deployed.runtime.rank} is a worker of the pool: it serves "
+                                        "through deploy_parallel(...).serve(), not build_engine", allowed="rank 0")
+            return deployed.engine
+        check_deploy_plan(config, host)
     catalog = CardCatalog(host)
     engine = engine_for(config, host)
     for deployment in config.cards:

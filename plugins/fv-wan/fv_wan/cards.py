@@ -18,6 +18,7 @@ from fv_kernel.api import (
     GenerationDefaults,
     LoopSpec,
     ModelCard,
+    ParallelismContract,
     ParityLevel,
     ParitySpec,
     ParityTolerance,
@@ -236,6 +237,11 @@ def _card(
         recipe=recipe or RecipeSpec(method="base", data_contract="Wan-AI release"),
         parity=parity,
         precision=precision,
+        # Sequence parallel within one node (Ulysses also needs the degree to divide the heads:
+        # fv_wan.parallel checks it per plan); CFG-parallel only where there is guidance.
+        parallelism=ParallelismContract(
+            max_degree={"sp": 8, "cfgp": 2 if uses_guidance else 1}, implementation=f"{_PKG}.parallel:WAN_PARALLEL",
+        ),
         checkpoint=CheckpointManifest(layout="embedded" if tiny else "diffusers", source=source, components=checkpoint),
         factory=f"{_PKG}.instance:build_wan_instance",
     )

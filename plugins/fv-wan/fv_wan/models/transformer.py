@@ -460,17 +460,21 @@ class WanTransformerBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
     def forward(
-        self, x: torch.Tensor, inputs: WanBlockInputs, attention_fn: AttentionFn, fused_ops: FusedOps = None
+        self, x: torch.Tensor, inputs: WanBlockInputs, attention_fn: AttentionFn, fused_ops: FusedOps = None,
+        self_attention_fn: AttentionFn | None = None,
     ) -> torch.Tensor:
+        """``self_attention_fn`` (default ``attention_fn``) runs only the self-attention: sequence
+        parallel passes its all-to-all attention here while cross-attention stays local."""
         if fused_ops is not None:
-            return self._forward_fused(x, inputs, attention_fn, fused_ops)
+            return self._forward_fused(x, inputs, attention_fn, fused_ops, self_attention_fn)
+        self_attention_fn = self_attention_fn or attention_fn
         # (1, 6, dim) + (B, S, 6, dim) -> six (B, S, dim) modulation tensors, in fp32.
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
             self.scale_shift_table + inputs.timestep_proj.float()
         ).unbind(2)
 
         normed = (_fp32_layer_norm(self.norm1, x) * (1 + scale_sa) + shift_sa).type_as(x)
-        x = (x.float() + self.attn1.self_attention(normed, inputs.rotary, attention_fn) * gate_sa).type_as(x)
+        x = (x.float() + self.attn1.self_attention(normed, inputs.rotary, self_attention_fn) * gate_sa).type_as(x)
 
         if isinstance(self.norm2, nn.LayerNorm):
             normed = _fp32_layer_norm(self.norm2, x).type_as(x)
@@ -481,13 +485,16 @@ class WanTransformerBlock(nn.Module):
         normed = (_fp32_layer_norm(self.norm3, x) * (1 + scale_ff) + shift_ff).type_as(x)
         return (x.float() + self.ffn(normed).float() * gate_ff).type_as(x)
 
-    def _forward_fused(self, x: torch.Tensor, inputs: WanBlockInputs, attention_fn: AttentionFn, ops: FusedOps) -> torch.Tensor:
+    def _forward_fused(
+        self, x: torch.Tensor, inputs: WanBlockInputs, attention_fn: AttentionFn, ops: FusedOps,
+        self_attention_fn: AttentionFn | None = None,
+    ) -> torch.Tensor:
         """The same block with its elementwise glue in fused passes (equal to eager within bf16 rounding)."""
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
             self.scale_shift_table + inputs.timestep_proj.float()
         ).unbind(2)
         normed = ops.modulated_layer_norm(x, scale_sa, shift_sa, self.norm1.eps)
-        attended = self.attn1.self_attention_fused(normed, inputs.rotary, attention_fn, ops)
+        attended = self.attn1.self_attention_fused(normed, inputs.rotary, self_attention_fn or attention_fn, ops)
         if isinstance(self.norm2, nn.LayerNorm):
             x, normed = ops.residual_layer_norm(
                 x, attended, gate_sa, self.norm2.eps, weight=self.norm2.weight, bias=self.norm2.bias

@@ -1,0 +1,38 @@
+"""The engine of a parallel pool's rank 0: the ordinary Engine, with its batches announced.
+
+Scheduling is unchanged (rank 0 alone admits, batches, cancels); what changes is that each
+batch's op calls are broadcast to the workers (:class:`~fv_kernel.parallel.spmd.SpmdLeader`)
+with the batch's units, and requests are also checked against the plan when submitted
+(a shape the sequence split cannot divide is refused before it queues).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fv_kernel.card.instance import import_object
+from fv_kernel.parallel.spmd import SpmdLeader
+from fv_kernel.request.request import Request
+from fv_kernel.runtime.engine import Engine
+
+__all__ = ["SpmdEngine"]
+
+
+class SpmdEngine(Engine):
+    """An :class:`Engine` whose op calls every rank of the pool runs in the same order."""
+
+    def __init__(self, *args: Any, leader: SpmdLeader, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.leader = leader
+
+    def validate(self, request: Request) -> Request:
+        resolved = super().validate(request)
+        card = self._instances[resolved.model].card
+        if card.parallelism.implementation is not None:
+            import_object(card.parallelism.implementation).check_request(card, resolved, self.leader.runtime.plan)
+        return resolved
+
+    def _run_batch(self, batch: list[Any]) -> Any:
+        units = [(u.request_id, u.plan.loop_id, u.plan.step_index) for u in batch]
+        with self.leader.batch(units):
+            return super()._run_batch(batch)
