@@ -64,6 +64,7 @@ from fv_kernel.extend.observers import BlockObserver, NaNWatch, Observer, Parity
 from fv_kernel.extend.registry import ExtensionSet, ExtensionSettings, InterceptorRejected
 from fv_kernel.io.media import encode_png, write_mp4
 from fv_kernel.facade import Finished, GenerateOptions, Video, VideoGenerator, load
+from fv_kernel.loop.capture import LogProbSampler, capture_slice, deterministic_flags
 from fv_kernel.loop.context import CancelToken, LoopContext
 from fv_kernel.loop.contract import (
     CachePlan,
@@ -138,6 +139,8 @@ from fv_kernel.program.resume import (
 from fv_kernel.request.artifacts import (
     Artifact,
     AudioArtifact,
+    BehaviorRecord,
+    BehaviorSlice,
     LatentArtifact,
     Provenance,
     TensorArtifact,

@@ -297,6 +297,10 @@ class Loop(abc.ABC, Generic[S]):
     #: The loop kind (e.g. "diffusion_denoise", "ar_decode"), from the card's LoopSpec.
     kind: ClassVar[str]
     state_type: ClassVar[type[LoopState]]
+    #: Whether the loop honours ``OutputSpec.capture_behavior`` (:meth:`behavior_slice`, a
+    #: ``BehaviorRecord`` from ``finalize``). The driver refuses a capture request on a denoise
+    #: loop that does not, rather than return no record.
+    captures_behavior: ClassVar[bool] = False
 
     def __init__(self, spec: "LoopSpec") -> None:
         self.spec = spec
@@ -341,6 +345,14 @@ class Loop(abc.ABC, Generic[S]):
         kernels here, but may return a state whose next steps rebuild what was lost.
         """
         return state
+
+    def behavior_slice(self, state: S) -> Any:
+        """The captured slice of the step that produced ``state`` (a ``BehaviorSlice``), or None.
+
+        Called by the driver after each ``advance`` of a request with ``capture_behavior``;
+        the driver streams it as a ``behavior.slice`` event.
+        """
+        return None
 
     def progress(self, state: S) -> tuple[int, int | None]:
         """(steps done, total steps or None) for progress events."""

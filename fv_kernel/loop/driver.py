@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from fv_kernel.errors import RequestCancelled
+from fv_kernel.errors import InvalidRequest, RequestCancelled
 from fv_kernel.loop.contract import Done, Loop, LoopResult, LoopState, StepResult, WorkPlan
 from fv_kernel.loop.samplers import use_samplers
 
@@ -65,6 +65,12 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopR
     the loop's ``restore`` hook re-attaches its per-process resources first.
     """
     counters: dict[str, int] = {}
+    capture = ctx.request.output.capture_behavior != "off"
+    if capture and loop.kind == "diffusion_denoise" and not loop.captures_behavior:
+        raise InvalidRequest(
+            "output.capture_behavior", f"loop {loop.loop_id!r} ({type(loop).__name__}) does not capture behaviour",
+            allowed=["off"],
+        )
     while True:
         if ctx.cancel.cancelled:
             raise LoopCancelled(ctx.cancel.reason or "cancelled", loop.partial(state), state)
@@ -85,6 +91,10 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopR
         except RequestCancelled as exc:  # cancelled while the step was queued: report what we have
             raise LoopCancelled(exc.message, loop.partial(state), state) from None
         state = loop.advance(state, result)
+        if capture:
+            captured = loop.behavior_slice(state)
+            if captured is not None:
+                ctx.emit("behavior.slice", loop_id=loop.loop_id, slice=captured)
         _emit_chunks(ctx, plan, result, counters)
         done, total = loop.progress(state)
         ctx.emit("progress", loop_id=loop.loop_id, step=done, total=total)

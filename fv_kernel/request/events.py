@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fv_kernel.request.artifacts import Artifact
+from fv_kernel.request.artifacts import Artifact, BehaviorSlice
 
 __all__ = [
     "ErrorInfo",
@@ -27,6 +27,7 @@ __all__ = [
     "MediaChunk",
     "MediaComplete",
     "ArtifactReady",
+    "BehaviorSliceReady",
     "Event",
     "TERMINAL_EVENT_TYPES",
 ]
@@ -121,6 +122,14 @@ class ArtifactReady(_Event):
     artifact: Artifact
 
 
+class BehaviorSliceReady(_Event):
+    """One captured denoise step (requests with ``output.capture_behavior``), emitted as the step finishes."""
+
+    type: Literal["behavior.slice"] = "behavior.slice"
+    loop_id: str
+    slice: BehaviorSlice
+
+
 Event = Annotated[
     Union[
         RequestQueued,
@@ -133,6 +142,7 @@ Event = Annotated[
         MediaChunk,
         MediaComplete,
         ArtifactReady,
+        BehaviorSliceReady,
     ],
     Field(discriminator="type"),
 ]

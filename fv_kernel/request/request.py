@@ -151,6 +151,13 @@ class OutputSpec(BaseModel):
     #: Emit preview ``media.chunk`` events (e.g. frames as they decode). Off: no preview is
     #: copied or sent. Non-preview chunks (streamed text tokens) are always emitted.
     stream_previews: bool = False
+    #: Behaviour capture for training (design §10): ``"off"``; ``"final"`` -- every denoise step
+    #: emits a ``behavior.slice`` event (timestep, sigmas, guidance, log-prob where the sampler
+    #: defines one) and the loop returns a :class:`~fv_kernel.request.artifacts.BehaviorRecord`
+    #: with the seed, the schedule, the initial noise, the final latents and the conditioning;
+    #: ``"steps"`` -- as ``"final"``, plus every step's input latents, model output and noise.
+    #: Capture only records: the sample is bit-identical to the same request without it.
+    capture_behavior: Literal["off", "final", "steps"] = "off"
 
     @field_validator("modalities")
     @classmethod
@@ -163,7 +170,8 @@ class OutputSpec(BaseModel):
         """The artifacts this spec asks for, in order."""
         if self.modalities is None:
             return list(artifacts)
-        return [a for a in artifacts if a.kind in self.modalities]
+        # A behaviour record exists only because capture_behavior asked for it.
+        return [a for a in artifacts if a.kind in self.modalities or a.kind == "behavior"]
 
 
 _REQUIRED_PARTS: dict[TaskType, tuple[str, ...]] = {

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from fv_kernel.api import (
+    BehaviorRecord,
+    BehaviorSlice,
     CacheKey,
     content_hash,
     CachePlan,
@@ -40,6 +42,8 @@ from fv_kernel.api import (
     WorkPlan,
     builtin_guidance_policies,
     bound_sampler,
+    capture_slice,
+    deterministic_flags,
     sampler_from_state,
     generator_from_state,
 )
@@ -346,6 +350,15 @@ class WanDenoiseState(LoopState):
     precision: str
     #: Transient bytes of one forward of one row (the plan's reserved peak, times its rows).
     row_peak_bytes: int = 0
+    #: Behaviour capture (``OutputSpec.capture_behavior``): the slices so far, and what the record needs.
+    capture: str = "off"
+    behavior: list[BehaviorSlice] = []
+    initial_noise: torch.Tensor | None = None
+    seed: int = 0
+    prompt: str = ""
+    model_id: str = ""
+    weights_version: str = ""
+    attention_backend: str = ""
 
 
 class WanDenoiseLoop(Loop[WanDenoiseState]):
@@ -360,6 +373,7 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
 
     kind = "diffusion_denoise"
     state_type = WanDenoiseState
+    captures_behavior = True
 
     def _sampler(self, shift: float | None, requested: str | None = None) -> Sampler:
         binding = self.spec.sampler
@@ -404,7 +418,20 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
             guidance=float(d.guidance if d.guidance is not None else 1.0), guidance_2=d.guidance_2,
             boundary_timestep=None if boundary is None else float(boundary) * 1000.0, expand_timesteps=expand,
             total_steps=steps, precision=model.precision, row_peak_bytes=self._row_peak_bytes(request, model),
+            **self._capture_fields(request, model, ctx, latents),
         )
+
+    @staticmethod
+    def _capture_fields(request: Request, model: ModelInstance, ctx: LoopContext, latents: torch.Tensor) -> dict[str, Any]:
+        capture = request.output.capture_behavior
+        if capture == "off":
+            return {}
+        return {
+            "capture": capture, "initial_noise": latents.clone(), "seed": request.diffusion.seed,
+            "prompt": ctx.upstream.get("upsampled_prompt") or request.text("prompt") or "",
+            "model_id": model.model_id, "weights_version": model.weights_version,
+            "attention_backend": str(model.options.attention_backend),
+        }
 
     def _expert(self, state: WanDenoiseState, t: torch.Tensor) -> tuple[str, float]:
         return _expert_at(float(t), state.boundary_timestep, state.guidance, state.guidance_2)
@@ -483,13 +510,40 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
             noise = torch.randn(state.latents.shape, generator=generator, dtype=torch.float32)
             rng_state = generator.get_state()
         sampler_state, latents = sampler.step(state.sampler_state, velocity.to(state.latents.device), state.latents, noise=noise)
-        return state.model_copy(update={"latents": latents, "sampler_state": sampler_state, "rng_state": rng_state, "step": state.step + 1})
+        update: dict[str, Any] = {"latents": latents, "sampler_state": sampler_state, "rng_state": rng_state, "step": state.step + 1}
+        if state.capture != "off":
+            captured = capture_slice(
+                state.capture, sampler=sampler, state=state.sampler_state, sample=state.latents,  # type: ignore[arg-type]
+                velocity=velocity.to(state.latents.device), next_sample=latents, noise=noise, expert=self._expert(state, t)[0],
+                guidance=scale, branches=tuple(branches), batch_size=result.batch_size,
+            )
+            update["behavior"] = [*state.behavior, captured]
+        return state.model_copy(update=update)
+
+    def behavior_slice(self, state: WanDenoiseState) -> BehaviorSlice | None:
+        return state.behavior[-1] if state.capture != "off" and state.behavior else None
 
     def finalize(self, state: WanDenoiseState) -> LoopResult:
         latents = state.latents
         if state.expand_timesteps and state.condition is not None and state.first_frame_mask is not None:
             latents = (1 - state.first_frame_mask) * state.condition + state.first_frame_mask * latents
-        return LoopResult(loop_id=self.loop_id, outputs={"latents": latents})
+        artifacts: list[Any] = []
+        if state.capture != "off":
+            assert state.initial_noise is not None
+            artifacts.append(BehaviorRecord(
+                capture=state.capture, seed=state.seed, sampler=state.sampler_state.sampler,  # type: ignore[arg-type]
+                sigmas=state.sampler_state.sigmas, timesteps=state.sampler_state.timesteps,
+                initial_noise=state.initial_noise, final_latents=latents, prompt=state.prompt,
+                prompt_embeds=state.prompt_embeds, negative_embeds=state.negative_embeds,
+                guidance=state.guidance, guidance_policy=self.spec.guidance or "cfg", precision=state.precision,
+                attention_backend=state.attention_backend, weights_version=state.weights_version,
+                deterministic=deterministic_flags(state.behavior), steps=list(state.behavior),
+                provenance=Provenance(
+                    model_id=state.model_id, loop_id=self.loop_id, request_id=state.request_id, node=state.instance_id,
+                    seed=state.seed, weights_version=state.weights_version,
+                ),
+            ))
+        return LoopResult(loop_id=self.loop_id, outputs={"latents": latents}, artifacts=artifacts)
 
     def progress(self, state: WanDenoiseState) -> tuple[int, int | None]:
         return state.step, state.total_steps
