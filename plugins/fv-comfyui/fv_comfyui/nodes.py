@@ -18,7 +18,9 @@ from typing import Any, Callable, Mapping, Sequence
 __all__ = ["InputSpec", "NodeSpec", "NODE_SPECS", "FRONTEND_ONLY", "node_spec", "object_info"]
 
 MAX_RESOLUTION = 16384
-MAX_SEED = 0xFFFFFFFFFFFFFFFF
+#: ComfyUI allows seeds up to 2**64 - 1; fv's requests take seeds below 2**63, so the range says so
+#: (a larger seed is ``value_bigger_than_max``, never silently wrapped).
+MAX_SEED = 2**63 - 1
 
 #: Widget types: literal values of these kinds live in ``widgets_values`` / API literals.
 PRIMITIVE_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")

@@ -1,0 +1,490 @@
+"""A validated ComfyUI API prompt → fv jobs: one request on one card per sampler chain.
+
+Each output node is traced back through the graph; what the nodes mean becomes one fv
+:class:`~fv_kernel.api.Request` (as :class:`ComfyJob`: a card, a prompt and the options
+``fv generate`` / ``fv.load(...).generate`` take), run by the card's own program (its text
+encode, image encode, denoise and decode loops):
+
+- ``UNETLoader`` / ``CLIPLoader`` / ``VAELoader`` / ``CLIPVisionLoader`` /
+  ``CheckpointLoaderSimple``: their file names go through the mapping file
+  (:mod:`fv_comfyui.models`); all the loaders of a chain must resolve to one card, and a
+  ``card:component`` mapping must name the component that loader loads;
+- ``ModelSamplingSD3``: the flow shift (without it, ComfyUI's Wan default, 8.0);
+- ``KSampler`` (``denoise`` 1.0) and ``KSamplerAdvanced``: steps, CFG, seed and the sampler,
+  mapped by :func:`fv_comfyui.samplers.fv_sampler_name`. The two-stage Wan 2.2 A14B chain
+  (stage 1: ``add_noise`` on, steps 0→k, leftover noise returned; stage 2: ``add_noise`` off,
+  steps k→end, the same schedule) is one denoise run on the two-expert card with its expert
+  switch placed at step k (a card derived with ``boundary_ratio`` between the timesteps of
+  steps k-1 and k) and stage 2's CFG as ``guidance_2``;
+- ``EmptyHunyuanLatentVideo``: width, height, length (frames), batch 1;
+- ``CLIPTextEncode``: the prompt and negative prompt;
+- ``WanImageToVideo`` + ``LoadImage`` (+ ``CLIPVisionEncode``): image-to-video;
+- ``VAEDecode``: the card's decode loop; ``SaveAnimatedWEBP`` / ``SaveWEBM`` / ``CreateVideo`` +
+  ``SaveVideo``: the files written.
+
+What does not map is refused before any compute, as a ``custom_validation_failed`` node
+error whose details start with ``fv:`` and say why (``LoraLoaderModelOnly``: fv has no
+adapters yet; ``denoise`` < 1; a batch > 1; a ``weight_dtype`` other than ``default``;
+a sampler chain fv cannot express; loaders resolving to several cards or none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from fv_kernel.api import DiffusionParams, ImagePart, ModelCard, Request, TaskType, TextPart
+from fv_comfyui.models import ModelMap, ModelTarget
+from fv_comfyui.samplers import comfy_sigmas, fv_sampler_name
+
+__all__ = ["CompileError", "SaveTarget", "ComfyJob", "CompileResult", "compile_prompt", "DEFAULT_SHIFT"]
+
+#: ComfyUI's Wan models sample with shift 8.0 when no ModelSamplingSD3 says otherwise.
+DEFAULT_SHIFT = 8.0
+_LOADER_COMPONENTS = {
+    "unet": ("transformer", "transformer_2"),
+    "clip": ("text_encoder",),
+    "vae": ("vae_decoder", "vae_encoder"),
+    "clip_vision": ("image_encoder",),
+}
+
+
+class CompileError(Exception):
+    """A node fv cannot run as the prompt asks; ``details`` says why, ``input_name`` where."""
+
+    def __init__(self, node_id: str, details: str, input_name: str | None = None) -> None:
+        super().__init__(details)
+        self.node_id = node_id
+        self.details = details
+        self.input_name = input_name
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    """One save node: the file format and what it asks of it."""
+
+    node_id: str
+    class_type: str
+    format: str
+    filename_prefix: str
+    fps: float
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ComfyJob:
+    """One fv request: ``fv.load(card).generate(prompt, **options)``, written to ``outputs``."""
+
+    card: ModelCard
+    #: True when the card is the installed one changed for this graph (the A14B expert switch).
+    derived: bool
+    prompt: str
+    options: dict[str, Any]
+    image_name: str | None
+    outputs: list[SaveTarget]
+    #: Node ids of the chain, in execution order (for ``executing`` messages).
+    nodes: list[str]
+    sampler_node: str
+
+    def request(self, image: torch.Tensor | None = None) -> Request:
+        """The fv request this job runs (``image``: the start image, (3, H, W) in [0, 1])."""
+        parts: list[Any] = [TextPart(text=self.prompt)]
+        if self.options.get("negative_prompt"):
+            parts.append(TextPart(text=self.options["negative_prompt"], role="negative_prompt"))
+        if image is not None:
+            parts.append(ImagePart(image=image))
+        fields = ("height", "width", "frames", "steps", "guidance", "guidance_2", "shift", "sampler", "seed")
+        return Request(
+            model=self.card.model_id, task=self.task, inputs=tuple(parts),
+            diffusion=DiffusionParams(**{k: self.options[k] for k in fields if self.options.get(k) is not None}),
+        )
+
+    @property
+    def task(self) -> TaskType:
+        return TaskType.IMAGE_TO_VIDEO if self.image_name is not None else TaskType.TEXT_TO_VIDEO
+
+    def fv_generate_args(self, model: str, image_path: str | None = None) -> list[str]:
+        """The ``fv generate`` arguments (after ``generate``) that run the same request."""
+        args = ["--model", model, "--prompt", self.prompt]
+        names = {"negative_prompt": "--negative-prompt", "height": "--height", "width": "--width", "frames": "--frames",
+                 "steps": "--steps", "guidance": "--guidance", "shift": "--shift", "sampler": "--sampler", "seed": "--seed"}
+        for key, flag in names.items():
+            if self.options.get(key) is not None:
+                args += [flag, str(self.options[key])]
+        if image_path is not None:
+            args += ["--image", image_path]
+        return args
+
+
+@dataclass
+class CompileResult:
+    jobs: list[ComfyJob]
+    node_errors: dict[str, Any]
+
+
+def _node_error(prompt: Mapping[str, Any], error: CompileError, output: str) -> dict[str, Any]:
+    details = f"fv: {error.details}" if error.input_name is None else f"{error.input_name} - fv: {error.details}"
+    return {
+        "errors": [{
+            "type": "custom_validation_failed", "message": "Custom validation failed for node", "details": details,
+            "extra_info": {"input_name": error.input_name} if error.input_name else {},
+        }],
+        "dependent_outputs": [output],
+        "class_type": prompt[error.node_id]["class_type"],
+    }
+
+
+class _Compiler:
+    def __init__(self, prompt: Mapping[str, Any], models: ModelMap, cards: Mapping[str, ModelCard]) -> None:
+        self.prompt = prompt
+        self.models = models
+        self.cards = cards
+        self.visited: list[str] = []
+        #: The CLIPVisionEncode of an image-to-video chain and its crop, when there is one.
+        self.crop: tuple[str, str] | None = None
+
+    # -- graph helpers ----------------------------------------------------------------------
+    def inputs(self, node_id: str) -> dict[str, Any]:
+        return self.prompt[node_id]["inputs"]
+
+    def class_of(self, node_id: str) -> str:
+        return str(self.prompt[node_id]["class_type"])
+
+    def source(self, node_id: str, name: str, allowed: Mapping[str, tuple[int, ...]]) -> tuple[str, int]:
+        """The node and slot feeding ``name``; refused unless it is one of ``allowed`` (class → slots)."""
+        link = self.inputs(node_id).get(name)
+        if not isinstance(link, list):
+            raise CompileError(node_id, f"input {name!r} is not linked", name)
+        src, slot = str(link[0]), int(link[1])
+        kind = self.class_of(src)
+        if kind not in allowed or slot not in allowed[kind]:
+            wanted = ", ".join(f"{k} (output {', '.join(map(str, v))})" for k, v in allowed.items())
+            raise CompileError(node_id, f"{name!r} comes from {kind} #{src}; fv runs it only from {wanted}", name)
+        if src not in self.visited:
+            self.visited.append(src)
+        return src, slot
+
+    # -- pieces -----------------------------------------------------------------------------
+    def loader_targets(self, node_id: str, name_input: str, role: str) -> tuple[str, tuple[ModelTarget, ...]]:
+        file_name = self.inputs(node_id)[name_input]
+        targets = self.models.targets(file_name)
+        if not targets:  # validation lists only mapped names; a direct caller may still pass one
+            raise CompileError(node_id, f"{file_name!r} maps to no card in the comfy models file", name_input)
+        for target in targets:
+            if target.component is not None and target.component not in _LOADER_COMPONENTS[role]:
+                raise CompileError(
+                    node_id, f"{file_name!r} maps to {target}, but a {self.class_of(node_id)} loads a "
+                    f"{' or '.join(_LOADER_COMPONENTS[role])}", name_input,
+                )
+        return file_name, targets
+
+    def model_chain(self, node_id: str, name: str) -> tuple[float, str, tuple[ModelTarget, ...], str]:
+        """(shift, unet loader id, its targets, file name) behind a MODEL input."""
+        src, _ = self.source(node_id, name, {"ModelSamplingSD3": (0,), "UNETLoader": (0,), "CheckpointLoaderSimple": (0,),
+                                             "LoraLoaderModelOnly": (0,)})
+        shift: float | None = None
+        while True:
+            kind = self.class_of(src)
+            if kind == "ModelSamplingSD3":
+                if shift is None:
+                    shift = float(self.inputs(src)["shift"])  # the last one applied wins, as in ComfyUI
+                src, _ = self.source(src, "model", {"ModelSamplingSD3": (0,), "UNETLoader": (0,),
+                                                    "CheckpointLoaderSimple": (0,), "LoraLoaderModelOnly": (0,)})
+                continue
+            if kind == "LoraLoaderModelOnly":
+                raise CompileError(src, "LoRA adapters are not supported by fv yet; remove the LoraLoaderModelOnly node",
+                                   "lora_name")
+            if kind == "UNETLoader":
+                if self.inputs(src)["weight_dtype"] != "default":
+                    raise CompileError(src, "fv runs the card's own precision; weight_dtype must be 'default'", "weight_dtype")
+                file_name, targets = self.loader_targets(src, "unet_name", "unet")
+            else:
+                file_name, targets = self.loader_targets(src, "ckpt_name", "unet")
+            return (DEFAULT_SHIFT if shift is None else shift), src, targets, file_name
+
+    def text(self, node_id: str, name: str, i2v_node: str | None) -> tuple[str, tuple[ModelTarget, ...]]:
+        """The text of a CONDITIONING input, and the targets of its text encoder."""
+        if i2v_node is not None:
+            slot = 0 if name == "positive" else 1
+            src, got = self.source(node_id, name, {"WanImageToVideo": (0, 1)})
+            if src != i2v_node or got != slot:
+                raise CompileError(node_id, f"{name!r} must be output {slot} of the WanImageToVideo #{i2v_node} that "
+                                            "makes the latent", name)
+            node_id = src
+        src, _ = self.source(node_id, name, {"CLIPTextEncode": (0,)})
+        text = str(self.inputs(src)["text"])
+        clip, slot = self.source(src, "clip", {"CLIPLoader": (0,), "CheckpointLoaderSimple": (1,)})
+        if self.class_of(clip) == "CLIPLoader":
+            if self.inputs(clip)["type"] != "wan":
+                raise CompileError(clip, "fv's Wan cards encode text as ComfyUI's 'wan' CLIP type; set type to 'wan'", "type")
+            return text, self.loader_targets(clip, "clip_name", "clip")[1]
+        return text, self.loader_targets(clip, "ckpt_name", "clip")[1]
+
+    def vae(self, node_id: str, name: str) -> tuple[ModelTarget, ...]:
+        src, _ = self.source(node_id, name, {"VAELoader": (0,), "CheckpointLoaderSimple": (2,)})
+        if self.class_of(src) == "VAELoader":
+            return self.loader_targets(src, "vae_name", "vae")[1]
+        return self.loader_targets(src, "ckpt_name", "vae")[1]
+
+    # -- the sampler chain ------------------------------------------------------------------
+    def sampler(self, decode: str) -> dict[str, Any]:
+        src, _ = self.source(decode, "samples", {"KSampler": (0,), "KSamplerAdvanced": (0,)})
+        inputs = self.inputs(src)
+        if self.class_of(src) == "KSampler":
+            if float(inputs["denoise"]) != 1.0:
+                raise CompileError(src, "only denoise 1.0 (generation from noise) is supported", "denoise")
+            return self.stage_plan(src, seed_input="seed", stages=[src])
+        if inputs["add_noise"] == "enable" and int(inputs["start_at_step"]) == 0 and int(inputs["end_at_step"]) >= int(inputs["steps"]):
+            return self.stage_plan(src, seed_input="noise_seed", stages=[src])  # one KSamplerAdvanced doing every step
+        return self.two_stage(src)
+
+    def two_stage(self, low: str) -> dict[str, Any]:
+        li = self.inputs(low)
+        if li["add_noise"] != "disable" or int(li["end_at_step"]) < int(li["steps"]):
+            raise CompileError(low, "a KSamplerAdvanced fv runs either does every step from noise, or is the second stage "
+                                    "of a two-stage chain (add_noise disable, end_at_step >= steps)", "add_noise")
+        high, _ = self.source(low, "latent_image", {"KSamplerAdvanced": (0,)})
+        hi = self.inputs(high)
+        k = int(li["start_at_step"])
+        checks = [
+            (hi["add_noise"] == "enable", "add_noise", "the first stage must add noise (add_noise enable)"),
+            (int(hi["start_at_step"]) == 0, "start_at_step", "the first stage must start at step 0"),
+            (int(hi["end_at_step"]) == k, "end_at_step", f"the first stage must end where the second starts (step {k})"),
+            (hi["return_with_leftover_noise"] == "enable", "return_with_leftover_noise",
+             "the first stage must return its leftover noise"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise CompileError(high, why, name)
+        for name in ("steps", "sampler_name", "scheduler"):
+            if hi[name] != li[name]:
+                raise CompileError(low, f"both stages must use the same {name} ({hi[name]!r} != {li[name]!r})", name)
+        for name in ("positive", "negative"):
+            if hi[name] != li[name]:
+                raise CompileError(low, f"both stages must take the same {name} conditioning", name)
+        if not 0 < k < int(li["steps"]):
+            raise CompileError(low, f"the switch step {k} must be inside 1..{int(li['steps']) - 1}", "start_at_step")
+        plan = self.stage_plan(high, seed_input="noise_seed", stages=[high, low])
+        low_shift, low_unet, low_targets, low_file = self.model_chain(low, "model")
+        plan.update(low_shift=low_shift, low_unet=low_unet, low_targets=low_targets, low_file=low_file, switch_step=k,
+                    guidance_2=float(li["cfg"]))
+        return plan
+
+    def stage_plan(self, node: str, *, seed_input: str, stages: list[str]) -> dict[str, Any]:
+        inputs = self.inputs(node)
+        try:
+            sampler = fv_sampler_name(inputs["sampler_name"], inputs["scheduler"])
+        except ValueError as exc:
+            raise CompileError(node, str(exc), "sampler_name") from None
+        shift, unet, unet_targets, unet_file = self.model_chain(node, "model")
+        latent, _ = self.source(node, "latent_image", {"EmptyHunyuanLatentVideo": (0,), "WanImageToVideo": (2,)})
+        i2v = latent if self.class_of(latent) == "WanImageToVideo" else None
+        positive, clip_targets = self.text(node, "positive", i2v)
+        negative, neg_clip_targets = self.text(node, "negative", i2v)
+        size = self.inputs(latent)
+        if int(size["batch_size"]) != 1:
+            raise CompileError(latent, "fv runs one video per request; batch_size must be 1", "batch_size")
+        return {
+            "sampler_node": stages[-1], "stages": stages, "sampler": sampler, "shift": shift, "unet": unet,
+            "unet_targets": unet_targets, "unet_file": unet_file, "steps": int(inputs["steps"]), "cfg": float(inputs["cfg"]),
+            "seed": int(inputs[seed_input]), "scheduler": inputs["scheduler"], "latent": latent, "i2v": i2v,
+            "positive": positive, "negative": negative, "clip_targets": (*clip_targets, *neg_clip_targets),
+            "width": int(size["width"]), "height": int(size["height"]), "length": int(size["length"]),
+        }
+
+    # -- image to video ---------------------------------------------------------------------
+    def image(self, i2v: str) -> tuple[str, tuple[ModelTarget, ...] | None, tuple[ModelTarget, ...]]:
+        """(image file name, CLIP vision targets or None, the VAE's targets) of a WanImageToVideo."""
+        if not isinstance(self.inputs(i2v).get("start_image"), list):
+            raise CompileError(i2v, "fv's image-to-video needs a start_image", "start_image")
+        load, _ = self.source(i2v, "start_image", {"LoadImage": (0,)})
+        vision: tuple[ModelTarget, ...] | None = None
+        if isinstance(self.inputs(i2v).get("clip_vision_output"), list):
+            enc, _ = self.source(i2v, "clip_vision_output", {"CLIPVisionEncode": (0,)})
+            image_src, _ = self.source(enc, "image", {"LoadImage": (0,)})
+            if image_src != load:
+                raise CompileError(enc, "CLIPVisionEncode must encode the same LoadImage as the start_image", "image")
+            loader, _ = self.source(enc, "clip_vision", {"CLIPVisionLoader": (0,)})
+            vision = self.loader_targets(loader, "clip_name", "clip_vision")[1]
+            self.crop = (enc, str(self.inputs(enc)["crop"]))
+        return str(self.inputs(load)["image"]), vision, self.vae(i2v, "vae")
+
+    # -- the card ---------------------------------------------------------------------------
+    def one_card(self, sampler_node: str, groups: list[tuple[str, tuple[ModelTarget, ...]]]) -> ModelCard:
+        candidates: set[str] | None = None
+        for _, targets in groups:
+            cards = {t.card for t in targets}
+            candidates = cards if candidates is None else candidates & cards
+        if not candidates:
+            listed = "; ".join(f"{what} -> {', '.join(sorted({t.card for t in ts}))}" for what, ts in groups)
+            raise CompileError(sampler_node, f"the loaders do not resolve to one card ({listed})")
+        if len(candidates) > 1:
+            raise CompileError(sampler_node, f"the loaders resolve to several cards ({', '.join(sorted(candidates))}); "
+                                             "map the diffusion model to one card")
+        card_id = next(iter(candidates))
+        if card_id not in self.cards:
+            raise CompileError(sampler_node, f"card {card_id!r} is not installed; installed: {', '.join(sorted(self.cards))}")
+        return self.cards[card_id]
+
+
+def _component(targets: tuple[ModelTarget, ...], card_id: str) -> str | None:
+    return next((t.component for t in targets if t.card == card_id), None)
+
+
+def _with_switch(card: ModelCard, boundary_ratio: float, guidance_2: float) -> ModelCard:
+    loops = {
+        loop_id: spec.model_copy(update={"config": {**spec.config, "boundary_ratio": boundary_ratio}})
+        if spec.kind == "diffusion_denoise" else spec
+        for loop_id, spec in card.loops.items()
+    }
+    capabilities = card.capabilities
+    if capabilities.defaults is not None:
+        defaults = capabilities.defaults.model_copy(update={"guidance_2": guidance_2})
+        capabilities = capabilities.model_copy(update={"defaults": defaults})
+    return ModelCard.model_validate({**card.model_dump(), "loops": {k: v.model_dump() for k, v in loops.items()},
+                                     "capabilities": capabilities.model_dump()})
+
+
+def _save_target(prompt: Mapping[str, Any], compiler: _Compiler, output: str) -> tuple[SaveTarget, str]:
+    inputs = prompt[output]["inputs"]
+    kind = compiler.class_of(output)
+    if kind == "SaveVideo":
+        create, _ = compiler.source(output, "video", {"CreateVideo": (0,)})
+        if isinstance(compiler.inputs(create).get("audio"), list):
+            raise CompileError(create, "fv's Wan cards make no sound; remove the audio input", "audio")
+        decode, _ = compiler.source(create, "images", {"VAEDecode": (0,)})
+        return SaveTarget(output, kind, "mp4", str(inputs["filename_prefix"]), float(compiler.inputs(create)["fps"]),
+                          {"codec": inputs["codec"], "format": inputs["format"]}), decode
+    decode, _ = compiler.source(output, "images", {"VAEDecode": (0,)})
+    if kind == "SaveAnimatedWEBP":
+        options = {"lossless": bool(inputs["lossless"]), "quality": int(inputs["quality"]), "method": inputs["method"]}
+        return SaveTarget(output, kind, "webp", str(inputs["filename_prefix"]), float(inputs["fps"]), options), decode
+    options = {"codec": inputs["codec"], "crf": float(inputs["crf"])}
+    return SaveTarget(output, kind, "webm", str(inputs["filename_prefix"]), float(inputs["fps"]), options), decode
+
+
+def _job(compiler: _Compiler, decode: str, image_size: Callable[[str], tuple[int, int] | None]) -> ComfyJob:
+    plan = compiler.sampler(decode)
+    node = plan["sampler_node"]
+    groups: list[tuple[str, tuple[ModelTarget, ...]]] = [
+        (f"unet_name {plan['unet_file']!r}", plan["unet_targets"]),
+        ("clip_name", plan["clip_targets"]),
+        ("vae_name", compiler.vae(decode, "vae")),
+    ]
+    image_name = None
+    vision = None
+    if plan["i2v"] is not None:
+        image_name, vision, i2v_vae = compiler.image(plan["i2v"])
+        groups.append(("vae_name (WanImageToVideo)", i2v_vae))
+        if vision is not None:
+            groups.append(("clip_vision", vision))
+    two_stage = "switch_step" in plan
+    if two_stage:
+        groups.append((f"unet_name {plan['low_file']!r}", plan["low_targets"]))
+    card = compiler.one_card(node, groups)
+    components = card.components
+    task = TaskType.IMAGE_TO_VIDEO if plan["i2v"] is not None else TaskType.TEXT_TO_VIDEO
+    if task not in card.capabilities.tasks:
+        raise CompileError(node, f"card {card.model_id!r} cannot run {task.value!r} (its tasks: "
+                                 f"{', '.join(sorted(t.value for t in card.capabilities.tasks))})")
+    two_experts = "transformer_2" in components
+    high_component = _component(plan["unet_targets"], card.model_id) or "transformer"
+    if two_stage:
+        low_component = _component(plan["low_targets"], card.model_id)
+        if not two_experts:
+            raise CompileError(node, f"card {card.model_id!r} has one diffusion model; the two-stage chain needs a "
+                                     "two-expert card")
+        if high_component != "transformer" or low_component != "transformer_2":
+            raise CompileError(node, "map the first stage's diffusion model to the card's transformer and the second's "
+                                     f"to '{card.model_id}:transformer_2'", "model")
+        if not torch.equal(comfy_sigmas(plan["scheduler"], plan["shift"], plan["steps"]),
+                           comfy_sigmas(plan["scheduler"], plan["low_shift"], plan["steps"])):
+            raise CompileError(node, f"the stages' shifts ({plan['shift']} and {plan['low_shift']}) give different "
+                                     "schedules; fv runs one schedule across the expert switch", "model")
+    else:
+        if two_experts:
+            raise CompileError(node, f"card {card.model_id!r} switches between two experts, but this sampler runs one "
+                                     "model for every step; use the two-stage KSamplerAdvanced chain")
+        if high_component != "transformer":
+            raise CompileError(node, f"{plan['unet_file']!r} maps to {card.model_id}:{high_component}, which is not the "
+                                     "card's diffusion model", "model")
+    has_vision = "image_encoder" in components
+    if plan["i2v"] is not None and has_vision != (vision is not None):
+        raise CompileError(plan["i2v"], f"card {card.model_id!r} " + (
+            "encodes the image with CLIP vision: connect a CLIPVisionEncode to clip_vision_output" if has_vision
+            else "takes no CLIP vision embedding: disconnect clip_vision_output"), "clip_vision_output")
+    crop = compiler.crop
+    if crop is not None and crop[1] == "none":
+        size = image_size(image_name or "")
+        if size is not None and size[0] != size[1]:
+            raise CompileError(crop[0], "fv's image encoder centre-crops (crop 'center'); crop 'none' is the same only "
+                                        f"for a square image, and this one is {size[0]}x{size[1]}", "crop")
+    options: dict[str, Any] = {
+        "height": plan["height"], "width": plan["width"], "frames": plan["length"], "steps": plan["steps"],
+        "guidance": plan["cfg"], "shift": plan["shift"], "sampler": plan["sampler"], "seed": plan["seed"],
+    }
+    if plan["negative"]:
+        options["negative_prompt"] = plan["negative"]
+    derived = False
+    if two_stage:
+        sigmas = comfy_sigmas(plan["scheduler"], plan["shift"], plan["steps"])
+        k = plan["switch_step"]
+        t_before, t_at = float(sigmas[k - 1]) * 1000.0, float(sigmas[k]) * 1000.0
+        card = _with_switch(card, (t_before + t_at) / 2000.0, plan["guidance_2"])
+        options["guidance_2"] = plan["guidance_2"]
+        derived = True
+    nodes = execution_order(compiler.prompt, [decode])
+    return ComfyJob(card=card, derived=derived, prompt=plan["positive"], options=options, image_name=image_name,
+                    outputs=[], nodes=nodes, sampler_node=node)
+
+
+def execution_order(prompt: Mapping[str, Any], roots: list[str]) -> list[str]:
+    """``roots`` and every node they read, each after the nodes it reads (depth-first post-order)."""
+    order: list[str] = []
+
+    def visit(node_id: str) -> None:
+        if node_id in order or node_id not in prompt:
+            return
+        for value in prompt[node_id].get("inputs", {}).values():
+            if isinstance(value, list) and len(value) == 2:
+                visit(str(value[0]))
+        order.append(node_id)
+
+    for root in roots:
+        visit(root)
+    return order
+
+
+def compile_prompt(
+    prompt: Mapping[str, Any],
+    outputs: list[str],
+    *,
+    models: ModelMap,
+    cards: Mapping[str, ModelCard],
+    image_size: Callable[[str], tuple[int, int] | None] = lambda name: None,
+) -> CompileResult:
+    """Compile the validated ``outputs`` of ``prompt``; an output that fv cannot run gets a node error instead.
+
+    Outputs that read one ``VAEDecode`` share one job. ``image_size`` gives a ``LoadImage`` file's
+    (width, height) when known.
+    """
+    jobs: dict[str, ComfyJob] = {}
+    node_errors: dict[str, Any] = {}
+    for output in sorted(outputs, key=lambda o: (len(o), o)):
+        compiler = _Compiler(prompt, models, cards)
+        try:
+            target, decode = _save_target(prompt, compiler, output)
+            if decode not in jobs:
+                jobs[decode] = _job(compiler, decode, image_size)
+            jobs[decode].outputs.append(target)
+            if output not in jobs[decode].nodes:
+                jobs[decode].nodes.append(output)
+        except CompileError as error:
+            if error.node_id in node_errors:
+                node_errors[error.node_id]["dependent_outputs"].append(output)
+            else:
+                node_errors[error.node_id] = _node_error(prompt, error, output)
+    return CompileResult(jobs=list(jobs.values()), node_errors=node_errors)

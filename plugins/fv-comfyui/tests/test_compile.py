@@ -1,0 +1,103 @@
+"""API prompt → fv jobs: what each fixture compiles to, the model mapping, and the A14B expert switch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import load_pair, retarget
+from fv_comfyui.models import ComfyModelsError, ModelMap, ModelTarget
+from fv_comfyui.samplers import comfy_sigmas
+
+
+def test_t2v_compiles_to_one_request_on_wan_tiny(service: Any) -> None:
+    answer = service.check(retarget(load_pair("text_to_video_wan")[1]))
+    (job,) = answer.jobs
+    assert job.card.model_id == "wan-tiny" and not job.derived and job.image_name is None
+    assert job.prompt.startswith("a fox moving quickly")
+    assert job.options == {
+        "height": 32, "width": 32, "frames": 5, "steps": 3, "guidance": 6.0, "shift": 8.0,
+        "sampler": "comfy-euler-simple", "seed": 82628696717253, "negative_prompt": load_pair("text_to_video_wan")[1]["7"]["inputs"]["text"],
+    }
+    assert [(t.node_id, t.format, t.fps, t.filename_prefix) for t in job.outputs] == [("28", "webp", 16.0, "ComfyUI")]
+    assert job.nodes.index("37") < job.nodes.index("48") < job.nodes.index("3") < job.nodes.index("8") < job.nodes.index("28")
+    assert job.request().task.value == "text_to_video"
+
+
+def test_i2v_compiles_with_its_image(service: Any) -> None:
+    (job,) = service.check(retarget(load_pair("image_to_video_wan_example")[1])).jobs
+    assert job.card.model_id == "wan-tiny-i2v" and job.image_name == "flux_dev_example.png"
+    assert job.task.value == "image_to_video"
+
+
+def test_a14b_two_stages_become_one_run_switching_experts_at_the_workflows_step(service: Any) -> None:
+    prompt = retarget(load_pair("text_to_video_wan22_14B")[1], steps=5)  # 6 steps, switch at 2
+    (job,) = service.check(prompt).jobs
+    assert job.card.model_id == "wan-tiny-a14b" and job.derived
+    assert job.options["guidance"] == 3.5 and job.options["guidance_2"] == 3.5
+    assert job.card.capabilities.defaults.guidance_2 == 3.5  # so `fv generate --model <card file>` runs it too
+    assert [(t.node_id, t.format) for t in job.outputs] == [("28", "webp"), ("47", "webm")]
+    boundary = job.card.loops["denoise"].config["boundary_ratio"] * 1000.0
+    timesteps = comfy_sigmas("simple", job.options["shift"], 6)[:-1] * 1000.0
+    experts = ["transformer" if float(t) >= boundary else "transformer_2" for t in timesteps]
+    assert experts == ["transformer"] * 2 + ["transformer_2"] * 4
+    # Negative control: the installed card's own boundary switches elsewhere for this schedule.
+    installed = service.cards["wan-tiny-a14b"].loops["denoise"].config["boundary_ratio"] * 1000.0
+    assert ["transformer" if float(t) >= installed else "transformer_2" for t in timesteps] != experts
+
+
+@pytest.mark.parametrize(("node", "field", "value", "why"), [
+    ("57", "return_with_leftover_noise", "disable", "leftover noise"),
+    ("57", "end_at_step", 3, "must end where the second starts"),
+    ("58", "sampler_name", "euler", None),  # same as stage 1: fine
+    ("58", "scheduler", "normal", "same scheduler"),
+    ("58", "steps", 7, "same steps"),
+    ("58", "add_noise", "enable", "second stage of a two-stage chain"),
+    ("55", "shift", 5.0, "different schedules"),
+])
+def test_two_stage_chains_fv_cannot_express_are_refused(service: Any, node: str, field: str, value: Any, why: str | None) -> None:
+    prompt = retarget(load_pair("text_to_video_wan22_14B")[1])
+    prompt[node]["inputs"][field] = value
+    answer = service.check(prompt)
+    if why is None:
+        assert answer.ok
+        return
+    assert not answer.ok and answer.error["type"] == "prompt_outputs_failed_validation"
+    (entry,) = answer.node_errors.values()
+    assert entry["errors"][0]["type"] == "custom_validation_failed" and why in entry["errors"][0]["details"]
+    assert entry["dependent_outputs"] == ["28", "47"]
+
+
+def test_a14b_experts_must_be_mapped_to_their_components(service: Any) -> None:
+    prompt = retarget(load_pair("text_to_video_wan22_14B")[1])
+    prompt["37"]["inputs"]["unet_name"], prompt["56"]["inputs"]["unet_name"] = (
+        prompt["56"]["inputs"]["unet_name"], prompt["37"]["inputs"]["unet_name"])  # high and low swapped
+    answer = service.check(prompt)
+    assert not answer.ok and "transformer_2" in answer.node_errors["58"]["errors"][0]["details"]
+
+
+def test_fv_generate_args() -> None:
+    from fv_comfyui.compile import ComfyJob
+
+    job = ComfyJob(card=None, derived=False, prompt="a fox", options={"steps": 3, "seed": 7, "negative_prompt": "blur"},  # type: ignore[arg-type]
+                   image_name=None, outputs=[], nodes=[], sampler_node="3")
+    assert job.fv_generate_args("wan-tiny", "in.png") == [
+        "--model", "wan-tiny", "--prompt", "a fox", "--negative-prompt", "blur", "--steps", "3", "--seed", "7", "--image", "in.png"]
+
+
+def test_model_map_file(tmp_path: Path) -> None:
+    mapping = ModelMap.from_data({"a.safetensors": "wan-tiny", "b.safetensors": ["wan-tiny", "wan-tiny-a14b:transformer_2"]})
+    assert mapping.targets("b.safetensors") == (ModelTarget("wan-tiny"), ModelTarget("wan-tiny-a14b", "transformer_2"))
+    assert mapping.folders()["diffusion_models"] == ["a.safetensors", "b.safetensors"]
+    for bad, message in [("[1, 2]", "expected a mapping"), ("a.safetensors: 'has space'", "is not a card id"),
+                         ("a.safetensors: []", "an empty list"), ("a: [b", "not valid YAML")]:
+        path = tmp_path / "m.yaml"
+        path.write_text(bad)
+        with pytest.raises(ComfyModelsError, match=message):
+            ModelMap.from_yaml(path)
+    with pytest.raises(ComfyModelsError, match="cannot read it"):
+        ModelMap.from_yaml(tmp_path / "absent.yaml")
+    with pytest.raises(ComfyModelsError, match="maps to card 'nope', which is not installed"):
+        ModelMap.from_data({"a": "nope"}).check_cards({"wan-tiny"})
