@@ -36,6 +36,9 @@ class RecordingImplementation:
     def build_ops(self, instance: Any, runtime: Any) -> dict[str, Any]:
         raise AssertionError("not built in these tests")
 
+    def is_collective(self, op_name: str) -> bool:
+        return True
+
 
 IMPLEMENTATION = RecordingImplementation()
 

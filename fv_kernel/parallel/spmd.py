@@ -2,10 +2,12 @@
 
 Rank 0 runs the whole :class:`~fv_kernel.runtime.engine.Engine` (admission, batching,
 loops, cancellation). Every other rank runs :func:`serve_worker`: a loop that receives
-rank 0's decisions and executes them. A decision is one op call of one batch: which
-instance and op, which units (request, loop, step) are in it, the op's params and input
-tensors. Rank 0 broadcasts it and then runs the op itself, so all ranks enter the op's
-collectives (sequence-parallel all-to-alls, CFG gathers) together.
+rank 0's decisions and executes them. A decision is one call of a collective op (one the
+card's implementation says every rank must run: the DiT forward of a sequence-parallel
+plan) for one batch: which instance and op, which units (request, loop, step) are in it,
+the op's params and input tensors. Rank 0 broadcasts it and then runs the op itself, so
+all ranks enter the op's collectives (all-to-alls, CFG gathers) together. Ops without
+collectives (text encode, VAE decode) run on rank 0 alone.
 
 Cancellations and aborts need no message of their own: a cancelled request's units are
 dropped by rank 0's scheduler before they are picked, so no rank ever runs them; workers
@@ -70,6 +72,9 @@ class ParallelImplementation(Protocol):
     def build_ops(self, instance: "ModelInstance", runtime: ParallelRuntime) -> dict[str, "StepOp"]:
         """The instance's ops, each running its share of the work on this rank's groups."""
 
+    def is_collective(self, op_name: str) -> bool:
+        """Whether every rank must run ``op_name`` (it has collectives); the others run on rank 0 alone."""
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -118,7 +123,9 @@ class SpmdLeader:
         finally:
             self._units.current = ()
 
-    def wrap(self, index: int, ops: dict[str, "StepOp"]) -> dict[str, "StepOp"]:
+    def wrap(self, index: int, ops: dict[str, "StepOp"], collective: Any = lambda name: True) -> dict[str, "StepOp"]:
+        """Broadcast every call of the ``collective`` ops; the others run on rank 0 alone (the
+        workers would only repeat them, and keep rank 0 waiting at the next collective)."""
         from fv_kernel.card.instance import StepOp
 
         def wrapped(name: str, op: StepOp) -> StepOp:
@@ -127,7 +134,7 @@ class SpmdLeader:
 
             return StepOp(name, fn, batch_invariant=op.batch_invariant, supports_block_hooks=False)
 
-        return {name: wrapped(name, op) for name, op in ops.items()}
+        return {name: wrapped(name, op) if collective(name) else op for name, op in ops.items()}
 
     def call(self, index: int, name: str, op: "StepOp", inputs: Mapping[str, torch.Tensor],
              params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -227,6 +234,6 @@ def parallel_instance(instance: "ModelInstance", runtime: ParallelRuntime, *, in
 
     def build(inst: "ModelInstance") -> dict[str, "StepOp"]:
         ops = implementation.build_ops(inst, runtime)
-        return leader.wrap(index, ops) if leader is not None else ops
+        return leader.wrap(index, ops, implementation.is_collective) if leader is not None else ops
 
     return dataclasses.replace(instance, ops_builder=build)

@@ -13,8 +13,9 @@
   rank holds the same full output and the guidance combine (done by the loop on rank 0)
   reads exactly what a single device would. Rows that do not divide evenly (one branch at
   guidance 1) run on every rank of the group.
-* The VAE, text and image encoders run whole on every rank (``vae`` > 1 is not built:
-  the cards declare ``max_degree["vae"] = 1``).
+* The VAE, text and image encoders run whole on rank 0 (``is_collective``: only the DiT
+  forwards are broadcast to the other ranks). ``vae`` > 1 is not built: the cards
+  declare no ``vae`` degree.
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ class WanParallel:
             if expert in instance.components:
                 ops[f"dit_forward:{expert}"] = parallel_dit_op(expert, instance.components[expert], runtime)
         return ops
+
+
+    def is_collective(self, op_name: str) -> bool:
+        """The DiT forwards exchange activations; encoders and the VAE run whole on rank 0."""
+        return op_name.startswith("dit_forward:")
 
 
 #: The object cards name: ``fv_wan.parallel:WAN_PARALLEL``.
