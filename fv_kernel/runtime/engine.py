@@ -48,6 +48,7 @@ from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.loop.context import CancelToken, LoopContext
 from fv_kernel.loop.contract import CancelScope, StepResult, WorkPlan
 from fv_kernel.loop.driver import LoopCancelled
+from fv_kernel.loop.samplers import use_samplers
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun, run_program
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.events import TERMINAL_EVENT_TYPES, ErrorInfo, Event
@@ -551,7 +552,10 @@ class Engine:
         instance = self._instances.get(request.model)
         if instance is None:
             raise UnknownModel(request.model, self._instances)
-        need = instance.program(request.task).estimate(instance, request)
+        # An estimate may build the request's sampler (a loop prices its steps by its timesteps): names
+        # resolve through the instance's deploy registry, plugins' samplers included, as in the driver.
+        with use_samplers(instance.registry.samplers):
+            need = instance.program(request.task).estimate(instance, request)
         seconds = need.gpu_seconds or 0.0
         for step in need.steps:
             spec = instance.card.loops.get(step.loop_id)
