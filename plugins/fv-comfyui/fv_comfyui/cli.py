@@ -1,0 +1,111 @@
+"""``fv comfy``: run a ComfyUI workflow (UI or API format) on fv, or convert one.
+
+Declared in the plugin's manifest (``commands: comfy``), so ``fv --help`` lists it without
+importing this module. Every problem is one line on stderr and exit status 2, except a prompt
+ComfyUI's rules refuse: that prints ComfyUI's own answer (``{"error", "node_errors"}``, one
+JSON line on stderr) and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NoReturn, Optional
+
+import typer
+
+__all__ = ["comfy_app"]
+
+comfy_app = typer.Typer(
+    name="comfy", help="Run ComfyUI workflows on fv.", no_args_is_help=True, add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+ModelsOption = typer.Option(
+    ..., "--comfy-models", help="YAML mapping ComfyUI model file names to card ids ('card', 'card:component' or a list).",
+)
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _read_document(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        _fail(f"workflow: cannot read {str(path)!r}: {exc.strerror or exc}")
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        _fail(f"workflow: {str(path)!r} is not JSON: {exc}")
+    if isinstance(document, dict) and isinstance(document.get("prompt"), dict) and "nodes" not in document:
+        return document["prompt"]  # a saved POST /prompt body
+    return document
+
+
+@comfy_app.command("convert")
+def convert(
+    workflow: Path = typer.Argument(..., help="A UI workflow (the editor's saved .json)."),
+    image_dir: Optional[Path] = typer.Option(None, "--image-dir", help="ComfyUI's input folder: adds LoadImage's is_changed."),
+) -> None:
+    """Print the API prompt ComfyUI makes of a UI workflow."""
+    from fv_comfyui.convert import WorkflowFormatError, is_ui_workflow, ui_to_api
+
+    document = _read_document(workflow)
+    if not is_ui_workflow(document):
+        _fail("workflow: not a UI workflow (no 'nodes' and 'links'); an API prompt needs no conversion")
+    try:
+        typer.echo(json.dumps(ui_to_api(document, image_dir=image_dir), indent=2, ensure_ascii=False))
+    except WorkflowFormatError as exc:
+        _fail(f"workflow: {exc}")
+
+
+@comfy_app.command("run")
+def run(
+    workflow: Path = typer.Argument(..., help="A UI workflow or an API prompt (.json); the format is detected."),
+    comfy_models: Path = ModelsOption,
+    output_dir: Path = typer.Option(Path("output"), "--output-dir", "-o", help="Where the save nodes write (ComfyUI's output folder)."),
+    input_dir: Optional[Path] = typer.Option(
+        None, "--input-dir", help="Where LoadImage finds its files (ComfyUI's input folder; default: the workflow's folder).",
+    ),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Deploy config (its plugins, limits and cards' device)."),
+) -> None:
+    """Run a ComfyUI workflow on fv and write the files its save nodes name."""
+    from fv_kernel.api import DeployConfig, DeployConfigError, FvError, PluginHost, load_deploy_config
+    from fv_comfyui.convert import WorkflowFormatError
+    from fv_comfyui.models import ComfyModelsError, ModelMap
+    from fv_comfyui.run import JobRunner, OutputFileError, save_outputs
+    from fv_comfyui.service import service_for
+
+    document = _read_document(workflow)
+    try:
+        models = ModelMap.from_yaml(comfy_models)
+        deploy = load_deploy_config(config) if config is not None else DeployConfig()
+        host = PluginHost(deploy.plugins)
+        host.start()
+        service = service_for(host, models, input_dir or workflow.parent, limits=deploy.limits)
+        answer = service.check(document)
+    except (ComfyModelsError, WorkflowFormatError) as exc:
+        _fail(str(exc))
+    except DeployConfigError as exc:
+        _fail(exc.message)
+    if not answer.ok:
+        typer.echo(json.dumps(answer.body(), ensure_ascii=False), err=True)
+        raise typer.Exit(2)
+    for node_id, entry in answer.node_errors.items():  # accepted, but these outputs will not run
+        first = entry["errors"][0]
+        typer.echo(f"warning: node {node_id} ({entry['class_type']}): {first['message']}: {first['details']}; "
+                   f"skipping output(s) {', '.join(entry['dependent_outputs'])}", err=True)
+    runner = JobRunner(output_dir / ".fv-cards", config=deploy)
+    try:
+        for job in answer.jobs:
+            image = service.image_path(job.image_name) if job.image_name else None
+            video = runner.run(job, image)
+            for saved in save_outputs(video, job.outputs, output_dir):
+                typer.echo(f"wrote {output_dir / saved.subfolder / saved.filename} (node {saved.node_id})")
+    except FvError as exc:
+        _fail(exc.message)
+    except OutputFileError as exc:
+        _fail(str(exc))

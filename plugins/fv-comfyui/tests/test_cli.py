@@ -1,0 +1,102 @@
+"""``fv comfy run`` / ``fv comfy convert``: the real command (as its own process) on a saved UI
+workflow, and its one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import MODELS_FILE, load_pair, write_image
+from fv_comfyui.cli import comfy_app
+
+runner = CliRunner()
+
+
+def _tiny_ui(name: str) -> dict[str, Any]:
+    """The fixture's UI workflow with the tiny cards' sizes and ComfyUI's euler."""
+    ui, _ = load_pair(name)
+    for node in ui["nodes"]:
+        values = node.get("widgets_values")
+        if node["type"] in ("EmptyHunyuanLatentVideo", "WanImageToVideo"):
+            values[:3] = [32, 32, 5]
+        elif node["type"] == "KSampler":
+            values[2], values[4] = 2, "euler"
+    return ui
+
+
+def _fv(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    script = "import sys; from fv_kernel.cli.app import main; sys.argv = ['fv', *sys.argv[1:]]; main()"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("FV_PLUGINS", None)
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+
+
+def test_fv_comfy_run_writes_the_save_nodes_files(tmp_path: Path) -> None:
+    workflow = tmp_path / "image_to_video.json"
+    workflow.write_text(json.dumps(_tiny_ui("image_to_video_wan_example")))
+    write_image(tmp_path / "flux_dev_example.png", 40, 40)  # LoadImage reads the workflow's folder by default
+    done = _fv("comfy", "run", str(workflow), "--comfy-models", str(MODELS_FILE), "-o", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"wrote {tmp_path / 'out' / 'ComfyUI_00001_.webp'} (node 28)"
+    from PIL import Image
+
+    with Image.open(tmp_path / "out" / "ComfyUI_00001_.webp") as webp:
+        assert webp.n_frames == 5 and webp.size == (32, 32)
+
+
+def test_a_refused_prompt_prints_comfyuis_answer(tmp_path: Path) -> None:
+    _, api = load_pair("text_to_video_wan")  # uni_pc, 832x480: fv refuses uni_pc
+    path = tmp_path / "api.json"
+    path.write_text(json.dumps({"prompt": api, "client_id": "x"}))  # a saved POST /prompt body works too
+    result = runner.invoke(comfy_app, ["run", str(path), "--comfy-models", str(MODELS_FILE), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    body = json.loads(result.stderr.strip().splitlines()[-1])
+    assert body["error"]["type"] == "prompt_outputs_failed_validation"
+    assert body["node_errors"]["3"]["errors"][0]["type"] == "value_not_in_list"
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("setup", "message"), [
+    (lambda p: p.write_text("{not json"), "is not JSON"),
+    (lambda p: None, "cannot read"),
+])
+def test_unreadable_workflows_are_one_line(tmp_path: Path, setup: Any, message: str) -> None:
+    path = tmp_path / "w.json"
+    setup(path)
+    result = runner.invoke(comfy_app, ["run", str(path), "--comfy-models", str(MODELS_FILE)])
+    assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_a_bad_mapping_file_is_one_line(tmp_path: Path) -> None:
+    workflow = tmp_path / "w.json"
+    workflow.write_text(json.dumps(load_pair("text_to_video_wan")[1]))
+    models = tmp_path / "m.yaml"
+    models.write_text("a.safetensors: not-a-card\n")
+    result = runner.invoke(comfy_app, ["run", str(workflow), "--comfy-models", str(models)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: comfy models: 'a.safetensors' maps to card 'not-a-card', which is not installed; " \
+        "installed: " + result.stderr.strip().split("installed: ")[1]
+
+
+def test_convert_prints_the_api_prompt(tmp_path: Path) -> None:
+    ui, api = load_pair("text_to_video_wan22_14B")
+    path = tmp_path / "ui.json"
+    path.write_text(json.dumps(ui))
+    result = runner.invoke(comfy_app, ["convert", str(path)])
+    assert result.exit_code == 0 and json.loads(result.stdout) == api
+    path.write_text(json.dumps(api))
+    refused = runner.invoke(comfy_app, ["convert", str(path)])
+    assert refused.exit_code == 2 and "not a UI workflow" in refused.stderr
+
+
+def test_fv_help_lists_comfy_from_the_manifest(tmp_path: Path) -> None:
+    done = _fv("--help", cwd=tmp_path)
+    assert "comfy" in done.stdout and "Run ComfyUI workflows on fv." in done.stdout
