@@ -16,3 +16,11 @@ def fv_register_samplers(register: Any) -> None:
 
     for sampler in COMFY_SAMPLERS:
         register(sampler.name, sampler)
+
+
+@hookimpl
+def fv_serving_routes(app: Any, engine: Any, config: Any) -> None:
+    """ComfyUI's HTTP surface on ``fv serve`` (``POST /prompt``, ``/history``, ``/view``, ``/ws``...)."""
+    from fv_comfyui.serving import mount
+
+    mount(app, engine, config)

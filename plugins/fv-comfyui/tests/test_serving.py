@@ -1,0 +1,155 @@
+"""ComfyUI's HTTP surface on a real ``fv serve`` (its own process, the plugin found by its entry
+point), driven by a third-party ComfyUI client from PyPI (comfy-api-simplified) and by raw
+HTTP / websocket calls for what that client does not cover."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+requests = pytest.importorskip("requests")
+websockets_sync = pytest.importorskip("websockets.sync.client")
+comfy_api = pytest.importorskip("comfy_api_simplified")
+
+from conftest import MODELS_FILE, load_pair, retarget, write_image  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    work = tmp_path_factory.mktemp("comfy_serve")
+    port = _free_port()
+    env = {**os.environ, "FV_COMFY_MODELS": str(MODELS_FILE), "OMP_NUM_THREADS": "1"}
+    env.pop("FV_PLUGINS", None)
+    script = "import sys; from fv_kernel.cli.app import main; sys.argv = ['fv', *sys.argv[1:]]; main()"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "serve", "--model", "wan-tiny", "--model", "wan-tiny-i2v", "--model", "wan-tiny-a14b",
+         "--port", str(port), "--log-level", "warning"],
+        cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if requests.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"fv serve did not start: {proc.stdout.read() if proc.stdout else ''}")
+        time.sleep(0.3)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _t2v() -> dict[str, Any]:
+    return retarget(load_pair("text_to_video_wan")[1], steps=3)
+
+
+def test_a_third_party_client_runs_a_prompt_and_fetches_its_file(server: str) -> None:
+    from PIL import Image
+
+    client = comfy_api.ComfyApiWrapper(server)
+    files = client.queue_and_wait_images(_t2v(), "SaveAnimatedWEBP")  # queue, /ws, /history, /view
+    ((name, data),) = files.items()
+    assert name.startswith("ComfyUI_") and name.endswith("_.webp")
+    with Image.open(io.BytesIO(data)) as webp:
+        assert webp.n_frames == 5 and webp.size == (32, 32)
+    assert client.get_object_info("KSampler")["KSampler"]["input"]["required"]["sampler_name"][0] == ["euler"]
+
+
+def test_an_unmapped_model_name_is_value_not_in_list(server: str) -> None:
+    client = comfy_api.ComfyApiWrapper(server)
+    prompt = _t2v()
+    prompt["37"]["inputs"]["unet_name"] = "some_other_model.safetensors"
+    with pytest.raises(comfy_api.exceptions.ComfyApiError, match="400"):
+        client.queue_prompt(prompt)
+    answer = requests.post(f"{server}/prompt", json={"prompt": prompt}, timeout=30)
+    assert answer.status_code == 400
+    body = answer.json()
+    assert body["error"]["type"] == "prompt_outputs_failed_validation"
+    assert body["node_errors"]["37"]["errors"][0]["type"] == "value_not_in_list"
+    assert requests.post(f"{server}/prompt", json={"no": "prompt"}, timeout=30).json()["error"]["type"] == "no_prompt"
+
+
+def test_ws_progress_messages(server: str) -> None:
+    client_id = "fv-test-client"
+    with websockets_sync.connect(f"{server.replace('http', 'ws')}/ws?clientId={client_id}") as socket_:
+        first = json.loads(socket_.recv(timeout=30))
+        assert first["type"] == "status" and first["data"]["sid"] == client_id
+        posted = requests.post(f"{server}/prompt", json={"prompt": _t2v(), "client_id": client_id}, timeout=60).json()
+        assert set(posted) == {"prompt_id", "number", "node_errors"} and posted["node_errors"] == {}
+        messages: list[dict[str, Any]] = []
+        while True:
+            message = json.loads(socket_.recv(timeout=120))
+            messages.append(message)
+            if message["type"] == "executing" and message["data"]["node"] is None:
+                break
+    mine = [m for m in messages if m["data"].get("prompt_id") == posted["prompt_id"]]
+    kinds = [m["type"] for m in mine]
+    assert kinds[:2] == ["execution_start", "execution_cached"]
+    executing = [m["data"]["node"] for m in mine if m["type"] == "executing"]
+    assert executing.index("3") < executing.index("8") < executing.index("28")
+    progress = [(m["data"]["value"], m["data"]["max"], m["data"]["node"]) for m in mine if m["type"] == "progress"]
+    assert progress and progress[-1] == (3, 3, "3")
+    (executed,) = [m["data"] for m in mine if m["type"] == "executed"]
+    assert executed["node"] == "28" and executed["output"]["images"][0]["type"] == "output"
+    history = requests.get(f"{server}/history/{posted['prompt_id']}", timeout=30).json()[posted["prompt_id"]]
+    assert history["status"]["status_str"] == "success" and history["outputs"]["28"] == executed["output"]
+    assert history["prompt"][1] == posted["prompt_id"]
+    assert requests.get(f"{server}/history/unknown", timeout=30).json() == {}
+
+
+def test_upload_then_image_to_video(server: str, tmp_path: Path) -> None:
+    client = comfy_api.ComfyApiWrapper(server)
+    uploaded = client.upload_image(write_image(tmp_path / "start.png", 40, 40), subfolder="mine")
+    assert uploaded == {"name": "start.png", "subfolder": "mine", "type": "input"}
+    prompt = retarget(load_pair("image_to_video_wan_example")[1], steps=2)
+    prompt["52"]["inputs"]["image"] = "mine/start.png"
+    files = client.queue_and_wait_images(prompt, "SaveAnimatedWEBP")
+    assert len(files) == 1
+    # a LoadImage name outside the input folder is refused like a missing file
+    prompt["52"]["inputs"]["image"] = "../output/x.png"
+    body = requests.post(f"{server}/prompt", json={"prompt": prompt}, timeout=30).json()
+    assert body["node_errors"]["52"]["errors"][0]["type"] == "custom_validation_failed"
+
+
+def test_view_stays_inside_its_folders(server: str) -> None:
+    assert requests.get(f"{server}/view", params={"filename": "jobs.sqlite3", "subfolder": "../.."}, timeout=30).status_code == 404
+    assert requests.get(f"{server}/view", params={"filename": "x.webp", "type": "temp"}, timeout=30).status_code == 404
+
+
+def test_the_served_a14b_card_runs_only_its_own_switch(server: str) -> None:
+    prompt = retarget(load_pair("text_to_video_wan22_14B")[1])
+    body = requests.post(f"{server}/prompt", json={"prompt": prompt}, timeout=30).json()
+    assert body["error"]["type"] == "prompt_outputs_failed_validation"
+    (entry,) = body["node_errors"].values()
+    assert "fv comfy run" in entry["errors"][0]["details"]
+
+
+def test_queue_and_object_info_shapes(server: str) -> None:
+    assert set(requests.get(f"{server}/queue", timeout=30).json()) == {"queue_running", "queue_pending"}
+    assert requests.get(f"{server}/prompt", timeout=30).json() == {"exec_info": {"queue_remaining": 0}}
+    info = requests.get(f"{server}/object_info", timeout=30).json()
+    assert "WanImageToVideo" in info and info["UNETLoader"]["input"]["required"]["unet_name"][0][0].endswith(".safetensors")
+    assert info["SaveAnimatedWEBP"]["output_node"] is True
