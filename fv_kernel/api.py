@@ -167,8 +167,9 @@ from fv_kernel.runtime.cost import CostKey, CostModel
 from fv_kernel.runtime.deploy import build_engine
 from fv_kernel.runtime.engine import Engine, GenerationResult, RequestHandle, SchedulerConfig, run_concurrently, run_serially
 from fv_kernel.runtime.local import run_local, run_local_async
-from fv_kernel.training import LossLog, NoOptions, ParityResult, RLMethod, TrainedModel, TrainingRun
+from fv_kernel.training import LossLog, NoOptions, ParityResult, Reward, RLMethod, TrainedModel, TrainingRun
 from fv_kernel.training.recipe import RecipeError, TrainingRecipe
+from fv_kernel.training.rewards import resolve_reward
 from fv_kernel.card.catalog import read_card_file_beside
 from fv_kernel.training.runner import CARD_FILE, ExportError
 from fv_kernel.transport import TensorMeta, TransferManifest, Transport, TransportError

@@ -168,6 +168,9 @@ class PluginHooks:
     def rl_methods(self) -> dict[str, Contribution]:
         return self.contributions("rl_methods")
 
+    def rewards(self) -> dict[str, Contribution]:
+        return self.contributions("rewards")
+
     def program_compilers(self) -> dict[str, Contribution]:
         return self.contributions("program_compilers")
 

@@ -83,6 +83,11 @@ def fv_register_rl_methods(register: Register) -> None:
 
 
 @hookspec
+def fv_register_rewards(register: Register) -> None:
+    """Register reward classes (subclasses of :class:`fv_kernel.training.Reward`) for RL methods."""
+
+
+@hookspec
 def fv_register_program_compilers(register: Register) -> None:
     """Register program compiler classes (subclasses of :class:`fv_kernel.program.ProgramCompiler`)."""
 

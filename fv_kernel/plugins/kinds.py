@@ -60,6 +60,7 @@ KINDS: Mapping[str, KindSpec] = MappingProxyType(
             _row("attention_backends", "fv_kernel.compute.attention:AttentionBackend", Shape.CLASS, hook=False),
             _row("transports", "fv_kernel.transport:Transport", Shape.CLASS, hook=False),
             _row("rl_methods", "fv_kernel.training:RLMethod", Shape.CLASS),
+            _row("rewards", "fv_kernel.training:Reward", Shape.CLASS, name_attr="name"),
             _row("program_compilers", "fv_kernel.program:ProgramCompiler", Shape.CLASS),
         ]
     )

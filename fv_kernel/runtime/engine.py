@@ -363,6 +363,10 @@ class Engine:
         self._scheduler_task: asyncio.Task[None] | None = None
         self._device: concurrent.futures.ThreadPoolExecutor | None = None
         self._stopping = False
+        #: Model ids whose admission is frozen by a weight sync in progress (:meth:`sync_weights`).
+        self._frozen: set[str] = set()
+        #: Weight syncs done per model id (names the next weights_version).
+        self._syncs: dict[str, int] = {}
 
     # -- instances ----------------------------------------------------------------
     def add_instance(self, instance: ModelInstance) -> None:
@@ -523,6 +527,53 @@ class Engine:
         self._kick()
         return True
 
+    # -- weight sync -------------------------------------------------------------------
+    async def sync_weights(
+        self, model_id: str, load: Callable[[ModelInstance], None], *, version: str | None = None
+    ) -> str:
+        """Swap the weights of ``model_id``'s instance while serving; returns the new ``weights_version``.
+
+        The lifecycle (design §10): freeze admission for the instance (its queued requests
+        wait; other instances keep serving) -> drain the requests running on it, which finish
+        on the old weights -> ``load(instance)`` on the device thread (in place, e.g.
+        ``load_state_dict``) -> bump ``weights_version`` -> clear the engine's caches (entries
+        keyed by the old version can never hit again) -> resume admission. A request never
+        mixes two policies. Must be awaited on the engine's event loop.
+        """
+        if self._scheduler_task is None or self._loop is None:
+            raise RuntimeError("the engine is not running: use 'async with engine.running():' or await engine.start()")
+        instance = self._instances.get(model_id)
+        if instance is None:
+            raise UnknownModel(model_id, self._instances)
+        if model_id in self._frozen:
+            raise RuntimeError(f"a weight sync of {model_id!r} is already in progress")
+        self._frozen.add(model_id)
+        try:
+            await self._drain(instance)
+            if self._device is not None:  # never concurrently with a batch on the device thread
+                await self._loop.run_in_executor(self._device, load, instance)
+            else:
+                load(instance)
+            count = self._syncs.get(model_id, 0) + 1
+            self._syncs[model_id] = count
+            instance.weights_version = version or f"{instance.weights_version.split('+sync')[0]}+sync{count}"
+            for service in self.services.values():
+                clear = getattr(service, "clear", None)
+                if callable(clear):
+                    clear()
+            return instance.weights_version
+        finally:
+            self._frozen.discard(model_id)
+            self._kick()
+
+    async def _drain(self, instance: ModelInstance) -> None:
+        """Wait until no admitted request runs on ``instance`` (admission to it is frozen)."""
+        while True:
+            tasks = [r.task for r in self._running.values() if r.instance is instance and r.task is not None]
+            if not tasks:
+                return
+            await asyncio.wait(tasks)
+
     def queue_depth(self) -> int:
         return len(self._queue)
 
@@ -612,6 +663,8 @@ class Engine:
         for record in self._queue.ordered():
             if len(self._running) >= limit:
                 return
+            if record.request.model in self._frozen:
+                continue  # its instance is changing weights (sync_weights); other instances keep admitting
             request = record.request
             try:
                 program = record.instance.program(request.task)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.card.spec import ModelCard
     from fv_kernel.training.recipe import TrainingRecipe
 
-__all__ = ["RLMethod", "NoOptions", "TrainingRun", "TrainedModel", "ParityResult", "LossLog"]
+__all__ = ["RLMethod", "Reward", "NoOptions", "TrainingRun", "TrainedModel", "ParityResult", "LossLog"]
 
 
 class NoOptions(BaseModel):
@@ -124,3 +124,22 @@ class RLMethod(abc.ABC):
     @abc.abstractmethod
     def train(self, run: TrainingRun) -> TrainedModel:
         """Train ``run.instance``'s components (in place), calling ``run.report`` after each step."""
+
+
+class Reward(abc.ABC):
+    """Base of the plugin contribution kind ``rewards``: scores decoded videos against their prompts.
+
+    Constructed with its options (``options_schema``); :meth:`score` takes a batch of videos
+    (B, F, 3, H, W) in [0, 1] and their prompts and returns one float per video (higher is
+    better). A prompt the reward cannot read is an ``InvalidRequest`` naming ``prompt``.
+    """
+
+    name: ClassVar[str]
+    options_schema: ClassVar[type[BaseModel]] = NoOptions
+
+    def __init__(self, options: BaseModel | None = None) -> None:
+        self.options = options if options is not None else self.options_schema()
+
+    @abc.abstractmethod
+    def score(self, videos: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """Rewards (B,) float32 for ``videos`` (B, F, 3, H, W) in [0, 1] and their ``prompts``."""

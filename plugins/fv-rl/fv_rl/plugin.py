@@ -14,4 +14,24 @@ from fv_kernel.api import hookimpl
 def fv_register_rl_methods(register: Any) -> None:
     from fv_rl.flow_matching import FlowMatching
 
+    from fv_rl.grpo import FlowGRPO
+    from fv_rl.nft import DiffusionNFT
+
     register(FlowMatching.name, FlowMatching)
+    register(DiffusionNFT.name, DiffusionNFT)
+    register(FlowGRPO.name, FlowGRPO)
+
+
+@hookimpl
+def fv_register_rewards(register: Any) -> None:
+    from fv_rl.rewards import BrightnessReward, ColourReward, MotionReward, ToyJudgeReward
+
+    for reward in (ColourReward, MotionReward, BrightnessReward, ToyJudgeReward):
+        register(reward.name, reward)
+
+
+@hookimpl
+def fv_register_samplers(register: Any) -> None:
+    from fv_rl.sde import FlowSDESampler
+
+    register(FlowSDESampler.name, FlowSDESampler)

@@ -1,0 +1,234 @@
+"""The online RL loop shared by DiffusionNFT and Flow-GRPO (design §10).
+
+Rollouts run through an :class:`~fv_kernel.api.Engine` serving the card's instance: the
+engine's transformer is the rollout (old) policy theta_old. The learner trains a copy,
+theta; after each update the new old-policy weights go into the serving instance through
+``Engine.sync_weights`` (freeze admission, drain, load, bump ``weights_version``, clear
+the caches keyed by it, resume). Evaluation is a fixed set of prompts and seeds sampled
+deterministically through the same engine before training and after every epoch.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import copy
+import json
+import time
+from typing import Any, ClassVar, Literal, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from fv_kernel.api import (
+    Engine,
+    ModelInstance,
+    ParityLevel,
+    RecipeSpec,
+    Reward,
+    RLMethod,
+    TrainedModel,
+    TrainingRun,
+    resolve_reward,
+)
+from fv_rl.rollout import Rollout, RolloutSettings, rollout_groups
+
+__all__ = ["OnlineOptions", "OnlineRL", "as_input", "group_advantages", "load_policy_into"]
+
+DEFAULT_PROMPTS = ("a red fox", "a green field", "a blue lake")
+
+
+class OnlineOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: A registered reward (``fv plugins list``: rewards) and its options.
+    reward: str = "colour"
+    reward_options: dict[str, Any] = Field(default_factory=dict)
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    #: K: samples per prompt per epoch (one homogeneous batch of requests).
+    group_size: int = Field(default=4, ge=2)
+    #: Rollout -> update rounds.
+    epochs: PositiveInt = 6
+    #: Gradient steps per epoch over that epoch's rollouts.
+    inner_steps: PositiveInt = 1
+    lr: float = Field(default=1e-4, gt=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    #: Sampling steps, geometry (None: the card's defaults) of rollouts and evaluation.
+    steps: PositiveInt = 6
+    height: PositiveInt | None = None
+    width: PositiveInt | None = None
+    frames: PositiveInt | None = None
+    #: Evaluation: these prompts (default: the training prompts) at these fixed seeds.
+    eval_prompts: tuple[str, ...] | None = None
+    eval_seeds: tuple[int, ...] = (1_000_000, 1_000_001)
+    #: The class rollouts are scheduled at next to other traffic on the engine.
+    priority: Literal["interactive", "batch"] = "batch"
+
+    @model_validator(mode="after")
+    def _prompts(self) -> "OnlineOptions":
+        if not self.prompts:
+            raise ValueError("prompts must name at least one prompt")
+        return self
+
+
+def as_input(tensor: torch.Tensor) -> torch.Tensor:
+    """A captured tensor usable in a forward with grad: the engine's steps run under inference mode,
+    and autograd refuses to save inference tensors; a copy made outside it is an ordinary tensor."""
+    return tensor.clone() if tensor.is_inference() else tensor
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Per-prompt advantages of a (prompts, K) reward table: (R - mean) / (std + 1e-4), population std."""
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, unbiased=False, keepdim=True)
+    return (rewards - mean) / (std + 1e-4)
+
+
+def load_policy_into(module: torch.nn.Module) -> Any:
+    """A ``sync_weights`` loader copying ``module``'s parameters into the instance's transformer, in place."""
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def load(instance: ModelInstance) -> None:
+        with torch.no_grad():
+            instance.component("transformer").load_state_dict(state)
+
+    return load
+
+
+class OnlineRL(RLMethod, abc.ABC):
+    """Shared driver: rollouts through the Engine, rewards, the method's update, weight sync, evaluation."""
+
+    required_parity: ClassVar[ParityLevel] = ParityLevel.C2
+    options_schema: ClassVar[type[BaseModel]] = OnlineOptions
+    #: What rollouts capture (``OutputSpec.capture_behavior``).
+    capture: ClassVar[Literal["final", "steps"]] = "final"
+
+    # -- method hooks -------------------------------------------------------------
+    def rollout_instance(self, run: TrainingRun) -> ModelInstance:
+        """The instance rollouts run on (default: the run's own)."""
+        return run.instance
+
+    def rollout_sampler(self) -> str | None:
+        return None
+
+    def eval_sampler(self) -> str | None:
+        return None
+
+    @abc.abstractmethod
+    def update(self, policy: torch.nn.Module, old: torch.nn.Module, ref: torch.nn.Module | None,
+               rollouts: list[Rollout], advantages: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
+        """One gradient step's loss over ``rollouts`` (backward is called here); returns scalars to log."""
+
+    def after_epoch(self, policy: torch.nn.Module, old: torch.nn.Module, epoch: int) -> torch.nn.Module:
+        """The module whose weights the serving instance loads after ``epoch`` (default: the policy)."""
+        return policy
+
+    # -- the loop -------------------------------------------------------------------
+    def settings(self, sampler: str | None, capture: Literal["final", "steps"]) -> RolloutSettings:
+        o: OnlineOptions = self.options  # type: ignore[assignment]
+        return RolloutSettings(steps=o.steps, guidance=1.0, height=o.height, width=o.width, frames=o.frames,
+                               sampler=sampler, capture=capture, priority=o.priority)
+
+    def train(self, run: TrainingRun) -> TrainedModel:
+        o: OnlineOptions = self.options  # type: ignore[assignment]
+        reward = resolve_reward(o.reward, o.reward_options)
+        instance = self.rollout_instance(run)
+        old = instance.component("transformer")
+        policy = copy.deepcopy(old).train().requires_grad_(True)
+        self._ref = copy.deepcopy(old).eval().requires_grad_(False) if self._kl_weight() > 0 else None
+        old.eval().requires_grad_(False)
+        self._optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, weight_decay=0.0)
+        history: dict[str, list[Any]] = {"epoch": [], "eval_reward": [], "train_reward": [], "seconds": []}
+        asyncio.run(self._run(run, instance, reward, policy, old, history))
+        self._write_curves(run, history)
+        recipe = RecipeSpec(
+            # What the exported card's serving needs (its parity is checked at export: C1 against diffusers);
+            # the rollout-side C2 this method relied on is tested on the loops (tests/test_c2.py).
+            method=self.name, parents=(run.card.model_id,), consistency_required=ParityLevel.C1,
+            data_contract=(
+                f"online RL: reward {o.reward} {dict(o.reward_options) or ''}on {len(o.prompts)} prompts x K={o.group_size}, "
+                f"{o.epochs} epochs x {o.inner_steps} steps, {o.steps} sampling steps, lr {o.lr}, seed {run.recipe.seed}"
+            ),
+        )
+        # The exported card defaults to what the policy was optimised under (its parity check at
+        # export runs there too): the rollouts' steps and geometry, guidance off.
+        geometry = {k: v for k, v in (("frames", o.frames), ("height", o.height), ("width", o.width)) if v is not None}
+        return TrainedModel(
+            modules={"transformer": old.cpu(), "text_encoder": instance.component("text_encoder").cpu()},
+            recipe=recipe, steps={"epochs": o.epochs, "updates": o.epochs * o.inner_steps},
+            defaults={"steps": o.steps, "guidance": 1.0, **geometry},
+        )
+
+    def _kl_weight(self) -> float:
+        return float(getattr(self.options, "kl_weight", 0.0))
+
+    async def _evaluate(self, engine: Engine, model_id: str, reward: Reward) -> float:
+        o: OnlineOptions = self.options  # type: ignore[assignment]
+        prompts = o.eval_prompts or o.prompts
+        groups = await rollout_groups(engine, model_id, prompts, [o.eval_seeds] * len(prompts),
+                                      self.settings(self.eval_sampler(), "final"))
+        return float(self._score(reward, [r for g in groups for r in g]).mean())
+
+    @staticmethod
+    def _score(reward: Reward, rollouts: Sequence[Rollout]) -> torch.Tensor:
+        return reward.score(torch.stack([r.video for r in rollouts]), [r.prompt for r in rollouts]).float()
+
+    async def _run(self, run: TrainingRun, instance: ModelInstance, reward: Reward, policy: torch.nn.Module,
+                   old: torch.nn.Module, history: dict[str, list[Any]]) -> None:
+        o: OnlineOptions = self.options  # type: ignore[assignment]
+        engine = Engine()
+        engine.add_instance(instance)
+        model_id = instance.model_id
+        generator = torch.Generator().manual_seed(run.recipe.seed)
+        start = time.perf_counter()
+        async with engine.running():
+            history["epoch"].append(0)
+            history["eval_reward"].append(await self._evaluate(engine, model_id, reward))
+            history["train_reward"].append(None)
+            history["seconds"].append(round(time.perf_counter() - start, 1))
+            run.report("rl", 0, o.epochs, {"eval_reward": history["eval_reward"][-1]})
+            for epoch in range(1, o.epochs + 1):
+                seeds = [[run.recipe.seed * 10_000_000 + epoch * 100_000 + p * 1000 + k for k in range(o.group_size)]
+                         for p in range(len(o.prompts))]
+                groups = await rollout_groups(engine, model_id, o.prompts, seeds, self.settings(self.rollout_sampler(), self.capture))
+                table = torch.stack([self._score(reward, g) for g in groups])  # (prompts, K)
+                advantages = group_advantages(table)
+                rollouts = [r for g in groups for r in g]
+                logged: dict[str, float] = {}
+                for _ in range(o.inner_steps):
+                    self._optimizer.zero_grad(set_to_none=True)
+                    logged = self.update(policy, old, self._ref, rollouts, advantages.flatten(), generator)
+                    torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
+                    self._optimizer.step()
+                source = self.after_epoch(policy, old, epoch)
+                await engine.sync_weights(model_id, load_policy_into(source))
+                score = await self._evaluate(engine, model_id, reward)
+                history["epoch"].append(epoch)
+                history["eval_reward"].append(score)
+                history["train_reward"].append(float(table.mean()))
+                history["seconds"].append(round(time.perf_counter() - start, 1))
+                run.report("rl", epoch, o.epochs, {"eval_reward": score, "train_reward": float(table.mean()), **logged})
+
+    def _write_curves(self, run: TrainingRun, history: dict[str, list[Any]]) -> None:
+        o: OnlineOptions = self.options  # type: ignore[assignment]
+        run.output.mkdir(parents=True, exist_ok=True)
+        (run.output / "rewards.json").write_text(json.dumps({"method": self.name, "reward": o.reward, **history}, indent=1))
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(history["epoch"], history["eval_reward"], marker="o", label="eval (fixed seeds)")
+        train = [(e, r) for e, r in zip(history["epoch"], history["train_reward"]) if r is not None]
+        if train:
+            ax.plot([e for e, _ in train], [r for _, r in train], marker=".", linestyle="--", label="rollouts")
+        ax.set_xlabel("epoch (update)")
+        ax.set_ylabel(f"{o.reward} reward")
+        ax.set_title(f"{self.name} on {run.card.model_id}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(run.output / "reward_curve.png", dpi=100)
+        plt.close(fig)
+
