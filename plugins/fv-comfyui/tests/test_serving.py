@@ -153,3 +153,17 @@ def test_queue_and_object_info_shapes(server: str) -> None:
     info = requests.get(f"{server}/object_info", timeout=30).json()
     assert "WanImageToVideo" in info and info["UNETLoader"]["input"]["required"]["unet_name"][0][0].endswith(".safetensors")
     assert info["SaveAnimatedWEBP"]["output_node"] is True
+
+
+def test_the_custom_node_can_call_a_running_fv_serve(server: str) -> None:
+    from fv_comfyui.comfy_nodes import FvGenerate
+
+    node = FvGenerate()
+    defaults = {name: entry[1]["default"] for name, entry in FvGenerate.INPUT_TYPES()["required"].items()}
+    (frames,) = node.generate(**{**defaults, "prompt": "a red fox", "seed": 3, "width": 32, "height": 32, "frames": 5,
+                                 "steps": 2}, server_url=server)
+    assert frames.shape == (5, 32, 32, 3)
+    from fv_kernel.api import load
+
+    exact = load("wan-tiny").generate("a red fox", seed=3, width=32, height=32, frames=5, steps=2).frames.permute(0, 2, 3, 1)
+    assert (frames - exact).abs().mean() < 0.05  # the server's MP4 is H.264: close, not equal
