@@ -120,6 +120,7 @@ class ComfyServer:
             self.wakeup = asyncio.Event()
             self.worker = asyncio.create_task(self.work())
         self.pending.append(item)
+        self.pending.sort(key=lambda queued: queued.number)  # ComfyUI runs the lowest number first
         assert self.wakeup is not None
         self.wakeup.set()
         await self.send(self.status_message(), None)
@@ -260,8 +261,10 @@ def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:
         answer = await asyncio.to_thread(server.service.check, body["prompt"], body.get("partial_execution_targets"))
         if not answer.ok:
             return JSONResponse(answer.body(), status_code=answer.status)
+        number = server.number  # ComfyUI's queue numbers: 0, 1, ...; "front" queues ahead (negative)
         server.number += 1
-        number = server.number if "number" not in body else int(body["number"])
+        if body.get("front"):
+            number = -number
         prompt_id = str(body.get("prompt_id") or uuid.uuid4())
         extra = dict(body.get("extra_data") or {})
         client_id = body.get("client_id")
