@@ -167,3 +167,10 @@ def test_the_custom_node_can_call_a_running_fv_serve(server: str) -> None:
 
     exact = load("wan-tiny").generate("a red fox", seed=3, width=32, height=32, frames=5, steps=2).frames.permute(0, 2, 3, 1)
     assert (frames - exact).abs().mean() < 0.05  # the server's MP4 is H.264: close, not equal
+
+
+def test_queue_numbers_are_comfyuis(server: str) -> None:
+    first = requests.post(f"{server}/prompt", json={"prompt": _t2v()}, timeout=60).json()["number"]
+    second = requests.post(f"{server}/prompt", json={"prompt": _t2v()}, timeout=60).json()["number"]
+    front = requests.post(f"{server}/prompt", json={"prompt": _t2v(), "front": True}, timeout=60).json()["number"]
+    assert second == first + 1 and front == -(second + 1)
