@@ -181,3 +181,20 @@ def test_malformed_workflows_are_typed_errors(t2v_pair: Any, mutate: Any, messag
     mutate(ui)
     with pytest.raises(WorkflowFormatError, match=message.replace("[", r"\[")):
         ui_to_api(ui)
+
+
+def test_newer_frontends_list_every_widget_as_an_input(t2v_pair: Any) -> None:
+    ui, api = t2v_pair
+    for node in ui["nodes"]:  # frontend >= 1.16 writes each widget as an input slot with no link
+        if node["type"] == "KSampler":
+            for name, kind in [("seed", "INT"), ("steps", "INT"), ("cfg", "FLOAT"), ("sampler_name", "COMBO"),
+                               ("scheduler", "COMBO"), ("denoise", "FLOAT")]:
+                node["inputs"].append({"name": name, "type": kind, "widget": {"name": name}, "link": None})
+    assert _exact(ui_to_api(ui), api)
+
+
+def test_subgraphs_are_refused(t2v_pair: Any) -> None:
+    ui, _ = t2v_pair
+    ui["definitions"] = {"subgraphs": [{"id": "abc", "nodes": []}]}
+    with pytest.raises(WorkflowFormatError, match="definitions.subgraphs"):
+        ui_to_api(ui)
