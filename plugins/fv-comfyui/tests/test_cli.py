@@ -100,3 +100,18 @@ def test_convert_prints_the_api_prompt(tmp_path: Path) -> None:
 def test_fv_help_lists_comfy_from_the_manifest(tmp_path: Path) -> None:
     done = _fv("--help", cwd=tmp_path)
     assert "comfy" in done.stdout and "Run ComfyUI workflows on fv." in done.stdout
+
+
+def test_a_partly_valid_prompt_runs_the_valid_outputs_and_says_what_it_skips(tmp_path: Path) -> None:
+    from conftest import retarget
+
+    prompt = retarget(load_pair("text_to_video_wan")[1], steps=2)
+    prompt["47"] = {"class_type": "SaveWEBM", "inputs": {"filename_prefix": "x", "codec": "vp9", "fps": 24.0, "crf": 99.0,
+                                                         "images": ["8", 0]}}
+    path = tmp_path / "api.json"
+    path.write_text(json.dumps(prompt))
+    result = runner.invoke(comfy_app, ["run", str(path), "--comfy-models", str(MODELS_FILE), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.strip() == ("warning: node 47 (SaveWEBM): Value 99.0 bigger than max of 63.0: crf; "
+                                     "skipping output(s) 47")
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["ComfyUI_00001_.webp"]  # 47 wrote nothing

@@ -101,3 +101,41 @@ def test_model_map_file(tmp_path: Path) -> None:
         ModelMap.from_yaml(tmp_path / "absent.yaml")
     with pytest.raises(ComfyModelsError, match="maps to card 'nope', which is not installed"):
         ModelMap.from_data({"a": "nope"}).check_cards({"wan-tiny"})
+
+
+def test_create_video_and_save_video_write_an_mp4(service: Any) -> None:
+    prompt = retarget(load_pair("text_to_video_wan")[1])
+    prompt["90"] = {"class_type": "CreateVideo", "inputs": {"images": ["8", 0], "fps": 12.0}}
+    prompt["91"] = {"class_type": "SaveVideo", "inputs": {"video": ["90", 0], "filename_prefix": "video/fv",
+                                                          "format": "auto", "codec": "auto"}}
+    answer = service.check(prompt)
+    (job,) = answer.jobs  # both outputs read VAEDecode 8: one request
+    assert [(t.node_id, t.format, t.fps, t.filename_prefix) for t in job.outputs] == [
+        ("28", "webp", 16.0, "ComfyUI"), ("91", "mp4", 12.0, "video/fv")]
+    prompt["92"] = {"class_type": "VAELoader", "inputs": {"vae_name": "wan_2.1_vae.safetensors"}}
+    prompt["90"]["inputs"]["audio"] = ["92", 0]  # a VAE is no AUDIO: ComfyUI's type check answers first
+    assert answer.ok and service.check(prompt).node_errors["90"]["errors"][0]["type"] == "return_type_mismatch"
+
+
+def test_audio_into_create_video_is_refused(service: Any) -> None:
+    from dataclasses import replace
+
+    from fv_comfyui.nodes import NODE_SPECS, NodeSpec
+
+    prompt = retarget(load_pair("text_to_video_wan")[1])
+    prompt["90"] = {"class_type": "CreateVideo", "inputs": {"images": ["8", 0], "fps": 12.0, "audio": ["93", 0]}}
+    prompt["91"] = {"class_type": "SaveVideo", "inputs": {"video": ["90", 0], "filename_prefix": "v", "format": "auto",
+                                                          "codec": "auto"}}
+    prompt["93"] = {"class_type": "LoadAudio", "inputs": {}}
+    # fv covers no audio node, so a real prompt stops at missing_node_type; the compiler's own refusal
+    # is reached with a stand-in AUDIO source.
+    specs = {**NODE_SPECS, "LoadAudio": NodeSpec("LoadAudio", "LoadAudio", (), ("AUDIO",), ("AUDIO",), "audio")}
+    assert service.check(prompt).error["type"] == "missing_node_type"
+    from fv_comfyui.compile import compile_prompt
+    from fv_comfyui.validate import validate_prompt
+
+    context = replace(service.validation_context(), specs=specs)
+    result = validate_prompt(prompt, context)
+    compiled = compile_prompt(prompt, result.good_outputs, models=service.models, cards=service.cards)
+    assert "make no sound" in compiled.node_errors["90"]["errors"][0]["details"]
+    assert [t.node_id for job in compiled.jobs for t in job.outputs] == ["28"]

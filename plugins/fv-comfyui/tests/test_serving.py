@@ -124,6 +124,8 @@ def test_upload_then_image_to_video(server: str, tmp_path: Path) -> None:
     client = comfy_api.ComfyApiWrapper(server)
     uploaded = client.upload_image(write_image(tmp_path / "start.png", 40, 40), subfolder="mine")
     assert uploaded == {"name": "start.png", "subfolder": "mine", "type": "input"}
+    again = client.upload_image(tmp_path / "start.png", subfolder="mine")  # not overwritten: renamed, as ComfyUI does
+    assert again == {"name": "start (1).png", "subfolder": "mine", "type": "input"}
     prompt = retarget(load_pair("image_to_video_wan_example")[1], steps=2)
     prompt["52"]["inputs"]["image"] = "mine/start.png"
     files = client.queue_and_wait_images(prompt, "SaveAnimatedWEBP")
@@ -153,6 +155,7 @@ def test_queue_and_object_info_shapes(server: str) -> None:
     info = requests.get(f"{server}/object_info", timeout=30).json()
     assert "WanImageToVideo" in info and info["UNETLoader"]["input"]["required"]["unet_name"][0][0].endswith(".safetensors")
     assert info["SaveAnimatedWEBP"]["output_node"] is True
+    assert "system" in comfy_api.ComfyApiWrapper(server).get_system_stats()
 
 
 def test_the_custom_node_can_call_a_running_fv_serve(server: str) -> None:
