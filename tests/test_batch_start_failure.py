@@ -8,6 +8,7 @@ scheduling task, and every request in the engine waited forever, including healt
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import torch
 
@@ -24,16 +25,32 @@ def _card_without_components_for_i2v():
     })
 
 
-def test_a_batch_that_cannot_start_fails_only_its_request() -> None:
+def test_a_batch_that_cannot_start_fails_only_its_request(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     engine = Engine(SchedulerConfig())
-    engine.add_instance(build_instance(_card_without_components_for_i2v()))
+    instance = build_instance(_card_without_components_for_i2v())
+    engine.add_instance(instance)
+    # The healthy request's components load only once the broken request has failed: loaded earlier,
+    # they would build the op the broken step lacks, and whether it failed would depend on timing.
+    broken_done = threading.Event()
+    load = instance.load_for_task
+
+    def load_after_the_failure(task: TaskType) -> None:
+        if task is TaskType.TEXT_TO_VIDEO:
+            assert broken_done.wait(60)
+        load(task)
+
+    monkeypatch.setattr(instance, "load_for_task", load_after_the_failure)
     broken = Request(model="toy-dit", task=TaskType.IMAGE_TO_VIDEO,
                      inputs=(TextPart(text="x"), ImagePart(image=torch.rand(3, 16, 16))))
     healthy = Request(model="toy-dit", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="y"),))
 
     async def run() -> tuple:
         async with engine.running():
-            return await asyncio.wait_for(asyncio.gather(engine.generate_async(broken), engine.generate_async(healthy)), 60)
+            first = asyncio.ensure_future(engine.generate_async(broken))
+            second = asyncio.ensure_future(engine.generate_async(healthy))  # in the engine, waiting for its load
+            failed = await asyncio.wait_for(first, 60)
+            broken_done.set()
+            return failed, await asyncio.wait_for(second, 60)
 
     failed, completed = asyncio.run(run())
     assert failed.status == "failed" and failed.error.type == "step_failed"
