@@ -124,6 +124,7 @@ from fv_kernel.parallel import (
     RankFailure,
     SequenceParallelAttention,
     gather_sequence,
+    halo_exchange,
     ring_attention,
     shard_sequence,
 )

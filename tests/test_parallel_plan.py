@@ -36,7 +36,7 @@ class RecordingImplementation:
     def build_ops(self, instance: Any, runtime: Any) -> dict[str, Any]:
         raise AssertionError("not built in these tests")
 
-    def is_collective(self, op_name: str) -> bool:
+    def is_collective(self, op_name: str, plan: ParallelPlan) -> bool:
         return True
 
 
@@ -202,3 +202,16 @@ def test_build_engine_checks_the_plan_against_each_card_before_any_process_group
     # A trivial plan deploys as a plain engine.
     engine = build_engine(DeployConfig(cards=[CardDeployment(model="toy-dit")], parallel=ParallelPlan()), host=host)
     assert "toy-dit" in engine.instances
+
+
+def test_fv_generate_refuses_a_multi_rank_plan_in_one_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fv_kernel.cli.app import app
+
+    config = tmp_path / "deploy.yaml"
+    config.write_text("parallel:\n  sp: 2\n")
+    result = CliRunner().invoke(app, ["generate", "--config", str(config), "-p", "x", "-o", str(tmp_path / "v.mp4"), "-q"])
+    assert result.exit_code == 2
+    assert "parallel: fv generate runs one process; a plan of 2 ranks is served by fv serve" in result.output
+    assert not (tmp_path / "v.mp4").exists()

@@ -125,6 +125,9 @@ def generate(
     try:
         with progress.loading(model or "the default card") as loading:
             deploy = load_config(config)
+            if deploy.parallel is not None and deploy.parallel.world_size > 1:
+                _fail(f"parallel: fv generate runs one process; a plan of {deploy.parallel.world_size} ranks is "
+                      "served by fv serve --config (docs/parallelism.md)")
             host = start_host(deploy)
             # The config's entry for this card (if any) gives the instance options; flags win.
             choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe)

@@ -80,17 +80,41 @@ def serve(
     """Serve the OpenAI-style video API (POST /v1/videos, SSE events, /metrics) over the deployment."""
     from fv_kernel.cli.deploy_options import fail, start_host
     from fv_kernel.config import DeployConfig, DeployConfigError
+    from fv_kernel.errors import FvError
 
     try:
         deploy = resolve_serve_config(config, model, host, port, api_key or os.environ.get("FV_API_KEY"))
     except DeployConfigError as exc:
         fail(exc.message)
+    # A multi-rank ``parallel:`` plan: under torchrun every rank runs this command and ranks
+    # other than 0 serve rank 0's decisions; run plainly, fv starts the other ranks itself.
+    workers = None
+    if deploy.parallel is not None and deploy.parallel.world_size > 1:
+        if not deploy.cards:
+            fail("a parallel plan needs its cards listed (cards: or --model): every rank must build the same ones")
+        from fv_kernel.parallel.deploy import check_deploy_plan
+
+        try:  # a bad plan is one line here, before any rank starts
+            check_deploy_plan(deploy, start_host(deploy))
+        except FvError as exc:
+            fail(str(exc))
+        if int(os.environ.get("RANK", "0")) != 0:
+            from fv_kernel.parallel.launch import serve_as_worker
+
+            try:
+                serve_as_worker(deploy.model_dump_json())
+            except FvError as exc:
+                fail(str(exc))
+            return
+        if "RANK" not in os.environ:
+            from fv_kernel.parallel.launch import LocalWorkers
+
+            workers = LocalWorkers(deploy.parallel.world_size, deploy.model_dump_json())
     try:
         from fv_kernel.serving import create_app, serve_forever
     except ImportError as exc:
         typer.echo(f"error: fv serve needs the serve extra (pip install 'fv-kernel[serve]'): {exc}", err=True)
         raise typer.Exit(2) from None
-    from fv_kernel.errors import FvError
     from fv_kernel.plugins import PluginError
     from fv_kernel.runtime.deploy import build_engine
     from fv_kernel.serving.store import DataDirInUse, DataDirLock
@@ -119,7 +143,14 @@ def serve(
         + (" (API key required)" if deploy.api_key else ""),
         err=True,
     )
-    serve_forever(
-        app, host=deploy.server.host, port=deploy.server.port, log_level=log_level,
-        shutdown_timeout_s=deploy.server.shutdown_timeout_s,
-    )
+    try:
+        serve_forever(
+            app, host=deploy.server.host, port=deploy.server.port, log_level=log_level,
+            shutdown_timeout_s=deploy.server.shutdown_timeout_s,
+        )
+    finally:
+        leader = getattr(engine, "leader", None)
+        if leader is not None:  # release the other ranks of a parallel pool
+            leader.shutdown()
+        if workers is not None:
+            workers.join()

@@ -13,6 +13,7 @@ from fv_kernel.parallel.attention import (
     ulysses_heads_to_seq,
     ulysses_seq_to_heads,
 )
+from fv_kernel.parallel.halo import halo_exchange
 from fv_kernel.parallel.mesh import ParallelRuntime, compile_mesh, init_process_group_from_env
 from fv_kernel.parallel.plan import MESH_ORDER, ParallelPlan, ParallelPlanError, check_plan_against_card, plan_axis_degrees
 from fv_kernel.parallel.spmd import Decision, ParallelImplementation, RankFailure, SpmdLeader, parallel_instance, serve_worker
@@ -32,6 +33,7 @@ __all__ = [
     "ulysses_heads_to_seq",
     "shard_sequence",
     "gather_sequence",
+    "halo_exchange",
     "Decision",
     "ParallelImplementation",
     "RankFailure",

@@ -107,3 +107,45 @@ def spawn(target: Callable[..., Any], world_size: int, args: tuple = (), *, time
     if errors:
         raise LaunchError("; ".join(f"rank {rank}: {text}" for rank, text in sorted(errors.items())), reports)
     return [reports[rank][1] if rank in reports else None for rank in range(world_size)]
+
+
+# --------------------------------------------------------------------------- fv serve's ranks
+
+
+def serve_as_worker(config_json: str) -> None:
+    """A worker rank of ``fv serve``: deploy the same config, then run rank 0's decisions until it stops."""
+    from fv_kernel.config import DeployConfig
+    from fv_kernel.parallel.deploy import deploy_parallel
+
+    deploy_parallel(DeployConfig.model_validate_json(config_json)).serve()
+
+
+def _spawned_worker(rank: int, world_size: int, port: int, config_json: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    serve_as_worker(config_json)
+
+
+class LocalWorkers:
+    """fv's own launcher for ``fv serve``: this process becomes rank 0, ranks 1..N-1 are its children."""
+
+    def __init__(self, world_size: int, config_json: str) -> None:
+        port = free_port()
+        os.environ.update(RANK="0", WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        context = mp.get_context("spawn")
+        self.processes = [
+            context.Process(target=_spawned_worker, args=(rank, world_size, port, config_json), daemon=True,
+                            name=f"fv-rank-{rank}")
+            for rank in range(1, world_size)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        """Wait for the workers (rank 0 has told them to stop); end any still running."""
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(5)

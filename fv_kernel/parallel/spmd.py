@@ -72,8 +72,8 @@ class ParallelImplementation(Protocol):
     def build_ops(self, instance: "ModelInstance", runtime: ParallelRuntime) -> dict[str, "StepOp"]:
         """The instance's ops, each running its share of the work on this rank's groups."""
 
-    def is_collective(self, op_name: str) -> bool:
-        """Whether every rank must run ``op_name`` (it has collectives); the others run on rank 0 alone."""
+    def is_collective(self, op_name: str, plan: ParallelPlan) -> bool:
+        """Whether every rank must run ``op_name`` under ``plan`` (it has collectives); the others run on rank 0 alone."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +234,8 @@ def parallel_instance(instance: "ModelInstance", runtime: ParallelRuntime, *, in
 
     def build(inst: "ModelInstance") -> dict[str, "StepOp"]:
         ops = implementation.build_ops(inst, runtime)
-        return leader.wrap(index, ops, implementation.is_collective) if leader is not None else ops
+        if leader is None:
+            return ops
+        return leader.wrap(index, ops, lambda name: implementation.is_collective(name, runtime.plan))
 
     return dataclasses.replace(instance, ops_builder=build)

@@ -105,7 +105,8 @@ def _loops(
             config=denoise_config or {}, valid_parallel_axes=("cfgp", "sp"), rejects_interceptors=rejects,  # type: ignore[arg-type]
         ),
         "decode": LoopSpec(loop_id="decode", kind="vae_decode", implementation=f"{_PKG}.loops:WanDecodeLoop",
-                           step_cost=StepCostSpec(fixed_seconds=0.02), config=decode_config or {}),
+                           step_cost=StepCostSpec(fixed_seconds=0.02), config=decode_config or {},
+                           valid_parallel_axes=("vae",)),
     }
     if extra_samplers:
         shift = sampler.config.get("shift", 1.0)
@@ -238,9 +239,11 @@ def _card(
         parity=parity,
         precision=precision,
         # Sequence parallel within one node (Ulysses also needs the degree to divide the heads:
-        # fv_wan.parallel checks it per plan); CFG-parallel only where there is guidance.
+        # fv_wan.parallel checks it per plan); CFG-parallel only where there is guidance; the
+        # row-strip VAE decode only for the Wan 2.1 VAE.
         parallelism=ParallelismContract(
-            max_degree={"sp": 8, "cfgp": 2 if uses_guidance else 1}, implementation=f"{_PKG}.parallel:WAN_PARALLEL",
+            max_degree={"sp": 8, "cfgp": 2 if uses_guidance else 1, "vae": 1 if vae.is_residual else 8},
+            implementation=f"{_PKG}.parallel:WAN_PARALLEL",
         ),
         checkpoint=CheckpointManifest(layout="embedded" if tiny else "diffusers", source=source, components=checkpoint),
         factory=f"{_PKG}.instance:build_wan_instance",

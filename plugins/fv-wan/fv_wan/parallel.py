@@ -13,9 +13,10 @@
   rank holds the same full output and the guidance combine (done by the loop on rank 0)
   reads exactly what a single device would. Rows that do not divide evenly (one branch at
   guidance 1) run on every rank of the group.
-* The VAE, text and image encoders run whole on rank 0 (``is_collective``: only the DiT
-  forwards are broadcast to the other ranks). ``vae`` > 1 is not built: the cards
-  declare no ``vae`` degree.
+* **Parallel VAE decode** (``vae`` = every rank of the replica): row strips with halo
+  exchange, :mod:`fv_wan.parallel_vae`. Wan 2.1 VAE cards only.
+* The text and image encoders (and the VAE when ``vae`` is 1) run whole on rank 0
+  (``is_collective``: only the collective ops are broadcast to the other ranks).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from fv_kernel.api import (
 from fv_wan.instance import wan_ops
 from fv_wan.models.transformer import WanBlockInputs, WanTransformer, WanTransformerConfig
 from fv_wan.models.vae import WanVAEConfig
+from fv_wan.parallel_vae import parallel_decode_op
 
 __all__ = ["WanParallel", "WAN_PARALLEL", "parallel_dit_op", "wan_tokens"]
 
@@ -55,6 +57,14 @@ def wan_tokens(card: ModelCard, frames: int, height: int, width: int) -> int:
     latent_frames = (frames - 1) // vae.temporal_compression + 1
     s = vae.spatial_compression
     return (latent_frames // p_t) * (height // s // p_h) * (width // s // p_w)
+
+
+def _check_vae_rows(card: ModelCard, height: int, plan: ParallelPlan) -> None:
+    """The parallel VAE decode splits the latent rows evenly."""
+    rows = height // WanVAEConfig.from_diffusers_config(card.components["vae_decoder"].config).spatial_compression
+    if plan.vae > 1 and rows % plan.vae:
+        raise ParallelPlanError("vae", f"degree {plan.vae} does not divide the {rows} latent rows of height {height}",
+                                allowed=f"a height whose latent rows divide by {plan.vae}")
 
 
 class WanParallel:
@@ -72,14 +82,18 @@ class WanParallel:
                     f"{component_id!r} (Ulysses gives each rank whole heads)",
                     allowed=", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0),
                 )
+        if plan.vae > 1 and WanVAEConfig.from_diffusers_config(card.components["vae_decoder"].config).is_residual:
+            raise ParallelPlanError("vae", f"card {card.model_id!r} has the Wan 2.2 VAE, whose decode is not split", allowed="1")
         defaults = card.capabilities.defaults
         if defaults is not None:
             plan.check_tokens(wan_tokens(card, defaults.frames, defaults.height, defaults.width))
+            _check_vae_rows(card, defaults.height, plan)
 
     def check_request(self, card: ModelCard, request: Request, plan: ParallelPlan) -> None:
         d = request.diffusion
         if d.frames and d.height and d.width:
             plan.check_tokens(wan_tokens(card, d.frames, d.height, d.width))
+            _check_vae_rows(card, d.height, plan)
 
     def build_ops(self, instance: ModelInstance, runtime: ParallelRuntime) -> dict[str, StepOp]:
         compute = instance.options.compute
@@ -90,12 +104,14 @@ class WanParallel:
         for expert in ("transformer", "transformer_2"):
             if expert in instance.components:
                 ops[f"dit_forward:{expert}"] = parallel_dit_op(expert, instance.components[expert], runtime)
+        if runtime.plan.vae > 1 and "vae_decoder" in instance.components:
+            ops["vae_decode_frame"] = parallel_decode_op(instance.components["vae_decoder"], runtime)
         return ops
 
 
-    def is_collective(self, op_name: str) -> bool:
-        """The DiT forwards exchange activations; encoders and the VAE run whole on rank 0."""
-        return op_name.startswith("dit_forward:")
+    def is_collective(self, op_name: str, plan: ParallelPlan) -> bool:
+        """The DiT forwards exchange activations, the VAE decode too under ``vae`` > 1; the encoders run on rank 0."""
+        return op_name.startswith("dit_forward:") or (op_name == "vae_decode_frame" and plan.vae > 1)
 
 
 #: The object cards name: ``fv_wan.parallel:WAN_PARALLEL``.

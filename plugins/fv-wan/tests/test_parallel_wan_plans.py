@@ -22,7 +22,8 @@ def refused(axis: str, build: Any) -> str:
 
 def test_wan_cards_declare_sp_and_cfgp_with_their_implementation(wan_card: Any) -> None:
     card = wan_card("wan2.1-t2v-1.3b")
-    assert card.parallelism.max_degree == {"sp": 8, "cfgp": 2}
+    assert card.parallelism.max_degree == {"sp": 8, "cfgp": 2, "vae": 8}
+    assert wan_card("wan2.2-ti2v-5b").parallelism.max_degree["vae"] == 1  # the 2.2 VAE is not split
     assert card.parallelism.implementation == "fv_wan.parallel:WAN_PARALLEL"
     assert wan_card("fastwan-tiny").parallelism.max_degree["cfgp"] == 1  # no guidance, no cfgp
     check_plan_against_card(ParallelPlan(sp=2, cfgp=2), card)
@@ -68,3 +69,17 @@ def test_deploy_refuses_a_bad_plan_before_any_process_group() -> None:
     config = DeployConfig(cards=[CardDeployment(model="fastwan-tiny")], parallel=ParallelPlan(cfgp=2))
     refused("cfgp", lambda: build_engine(config))
     assert not dist.is_initialized()
+
+
+def test_parallel_vae_decode_refusals(wan_card: Any) -> None:
+    plan = ParallelPlan(sp=2, vae=2)
+    check_plan_against_card(plan, wan_card("wan-tiny"))
+    # The Wan 2.2 VAE (residual up-blocks) is not split: the card declares vae 1.
+    assert "max_degree['vae'] = 1" in refused("vae", lambda: check_plan_against_card(plan, wan_card("wan-tiny-ti2v")))
+    assert "Wan 2.2 VAE" in refused("vae", lambda: WAN_PARALLEL.check_plan(wan_card("wan-tiny-ti2v"), plan))
+    card = wan_card("wan-tiny")
+    request = Request(model="wan-tiny", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="x"),),
+                      diffusion=DiffusionParams(frames=5, height=32, width=32))
+    WAN_PARALLEL.check_request(card, request, plan)  # 4 latent rows
+    odd = request.model_copy(update={"diffusion": DiffusionParams(frames=5, height=24, width=32)})  # 3 rows, 12 tokens
+    assert "does not divide the 3 latent rows" in refused("vae", lambda: WAN_PARALLEL.check_request(card, odd, plan))

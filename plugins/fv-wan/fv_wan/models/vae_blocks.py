@@ -291,6 +291,10 @@ class Resample(nn.Module):
             return x
         return self.time_conv(torch.cat([history[:, :, -1:].to(x.device), x], dim=2))
 
+    def frame_conv(self, x: Tensor, conv: nn.Conv2d) -> Tensor:
+        """The frame-wise 2D conv after upsampling (a parallel decode swaps in a halo-exchanging one)."""
+        return _frame_conv2d(x, conv)
+
     def forward(self, x: Tensor, cache: SlotList) -> Tensor:
         conv = self.resample[1]
         assert isinstance(conv, nn.Conv2d)
@@ -298,7 +302,7 @@ class Resample(nn.Module):
             halves_are_frames = False
             if self.mode == "upsample3d":
                 x, halves_are_frames = self._upsample_time(x, cache)
-            return _frame_conv2d(_nearest_up2x(x, channel_halves_are_frames=halves_are_frames), conv)
+            return self.frame_conv(_nearest_up2x(x, channel_halves_are_frames=halves_are_frames), conv)
         x = _frame_conv2d(F.pad(x, (0, 1, 0, 1)), conv)
         if self.mode == "downsample3d":
             x = self._downsample_time(x, cache)

@@ -1,0 +1,116 @@
+"""``fv serve --config`` with a ``parallel:`` section (sp=2 on wan-tiny): launched by fv's own
+spawn and by torchrun, a job's video equals the single-process run within 1e-5, and the
+worker rank exits when the server stops."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from fv_kernel.api import DiffusionParams, Request, TaskType, TextPart, build_instance, run_local  # noqa: E402
+from fv_kernel.testing import wait_for_job  # noqa: E402
+
+# The real CLI, plus one hook: the final frames are kept next to the MP4 for the comparison.
+_FV = """
+import sys, torch
+import fv_kernel.serving.jobs as jobs
+original = jobs.write_job_files
+
+def write_and_keep_frames(artifact, folder):
+    variants = original(artifact, folder)
+    torch.save(artifact.frames, folder / "frames.pt")
+    return variants
+
+jobs.write_job_files = write_and_keep_frames
+if __name__ == "__main__":  # fv's spawn re-imports the main module in its ranks, as the fv script allows
+    from fv_kernel.cli.app import main
+    sys.argv[0] = "fv"
+    main()
+"""
+
+JOB = {"model": "wan-tiny", "prompt": "a paper boat on a river", "seed": 7, "steps": 4, "frames": 5, "size": "32x32"}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def served(data_dir: Path, launcher: list[str]) -> Iterator[httpx.Client]:
+    config = data_dir / "deploy.yaml"
+    config.write_text(f"cards: [wan-tiny]\noutput_dir: {data_dir / 'out'}\nparallel:\n  sp: 2\n")
+    script = data_dir / "fv_main.py"
+    script.write_text(_FV)
+    port = _free_port()
+    process = subprocess.Popen(
+        [*launcher, str(script), "serve", "--config", str(config), "--port", str(port), "--log-level", "warning"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
+            deadline = time.monotonic() + 180
+            while True:
+                if process.poll() is not None:
+                    raise AssertionError(f"fv serve exited: {process.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
+                with contextlib.suppress(httpx.TransportError):
+                    if client.get("/health").status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "fv serve did not come up"
+                time.sleep(0.2)
+            yield client
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)  # the session this test started: server and its ranks
+                process.wait(30)
+        # No rank outlives the server (multiprocessing's resource tracker takes a moment to follow it).
+        deadline = time.monotonic() + 20
+        while (leftover := subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True, text=True).stdout.split()):
+            if time.monotonic() > deadline:
+                os.killpg(process.pid, signal.SIGKILL)
+                raise AssertionError(f"processes of the pool still running: {leftover}")
+            time.sleep(0.2)
+
+
+def _single_process_frames(wan_card: Any) -> torch.Tensor:
+    request = Request(model="wan-tiny", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text=JOB["prompt"]),),
+                      diffusion=DiffusionParams(seed=JOB["seed"], steps=JOB["steps"], frames=JOB["frames"], height=32, width=32))
+    return next(a for a in run_local(request, build_instance(wan_card("wan-tiny"))) if a.kind == "video").frames
+
+
+LAUNCHERS = {
+    "fv-spawn": [sys.executable],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"],
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_fv_serve_with_a_parallel_plan(tmp_path: Path, wan_card: Any, launcher: str) -> None:
+    command = LAUNCHERS[launcher] + ([str(_free_port())] if launcher == "torchrun" else [])
+    with served(tmp_path, command) as client:
+        job = client.post("/v1/videos", json=JOB).json()
+        assert wait_for_job(client, job["id"], {"completed", "failed"}, timeout_s=180)["status"] == "completed"
+    frames = torch.load(tmp_path / "out" / job["id"] / "frames.pt", weights_only=True)
+    reference = _single_process_frames(wan_card)
+    assert frames.shape == reference.shape
+    assert float((frames - reference).abs().max()) <= 1e-5
