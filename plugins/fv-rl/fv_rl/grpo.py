@@ -74,14 +74,17 @@ class FlowGRPO(OnlineRL):
     options_schema: ClassVar[type[BaseModel]] = GRPOOptions
     capture = "steps"
 
+    def rollout_card(self, card: Any) -> Any:
+        o: GRPOOptions = self.options  # type: ignore[assignment]
+        return rollout_card(card, o.noise_level, o.sde_window)
+
     def rollout_instance(self, run: TrainingRun) -> ModelInstance:
         """The run's instance (its very modules: no second copy), serving a card whose loop samples the SDE."""
-        o: GRPOOptions = self.options  # type: ignore[assignment]
         base = run.instance
         base.component("transformer")
         base.component("text_encoder")
         return dataclasses.replace(
-            base, card=rollout_card(base.card, o.noise_level, o.sde_window), instance_id=uuid.uuid4().hex[:12],
+            base, card=self.rollout_card(base.card), instance_id=uuid.uuid4().hex[:12],
             components=base.components, _ops=dict(base.ops), _loops={}, _lock=threading.Lock(),
         )
 

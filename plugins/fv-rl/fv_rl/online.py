@@ -33,7 +33,8 @@ from fv_kernel.api import (
 )
 from fv_rl.rollout import Rollout, RolloutSettings, rollout_groups
 
-__all__ = ["OnlineOptions", "OnlineRL", "as_input", "group_advantages", "load_policy_into"]
+__all__ = ["OnlineOptions", "OnlineRL", "Learner", "RolloutBackend", "LocalBackend", "as_input", "group_advantages",
+           "load_policy_into", "load_state_into"]
 
 DEFAULT_PROMPTS = ("a red fox", "a green field", "a blue lake")
 
@@ -63,6 +64,11 @@ class OnlineOptions(BaseModel):
     eval_seeds: tuple[int, ...] = (1_000_000, 1_000_001)
     #: The class rollouts are scheduled at next to other traffic on the engine.
     priority: Literal["interactive", "batch"] = "batch"
+    #: ``local``: one process (the Engine here, the learner here). ``ray``: rollout workers and the
+    #: learner as Ray actors (needs ``ray``; ``ray.init`` here unless a cluster is already connected).
+    orchestration: Literal["local", "ray"] = "local"
+    #: Rollout actors under ``orchestration: ray`` (the prompts' groups are spread over them).
+    rollout_workers: int = Field(default=2, ge=1)
 
     @model_validator(mode="after")
     def _prompts(self) -> "OnlineOptions":
@@ -84,15 +90,19 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - mean) / (std + 1e-4)
 
 
-def load_policy_into(module: torch.nn.Module) -> Any:
-    """A ``sync_weights`` loader copying ``module``'s parameters into the instance's transformer, in place."""
-    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+def load_state_into(state: dict[str, torch.Tensor]) -> Any:
+    """A ``sync_weights`` loader copying ``state`` into the instance's transformer, in place."""
 
     def load(instance: ModelInstance) -> None:
         with torch.no_grad():
             instance.component("transformer").load_state_dict(state)
 
     return load
+
+
+def load_policy_into(module: torch.nn.Module) -> Any:
+    """A ``sync_weights`` loader copying ``module``'s parameters into the instance's transformer, in place."""
+    return load_state_into({k: v.detach().clone() for k, v in module.state_dict().items()})
 
 
 class OnlineRL(RLMethod, abc.ABC):
@@ -104,8 +114,12 @@ class OnlineRL(RLMethod, abc.ABC):
     capture: ClassVar[Literal["final", "steps"]] = "final"
 
     # -- method hooks -------------------------------------------------------------
+    def rollout_card(self, card: Any) -> Any:
+        """The card rollouts serve (default: the run's own card)."""
+        return card
+
     def rollout_instance(self, run: TrainingRun) -> ModelInstance:
-        """The instance rollouts run on (default: the run's own)."""
+        """The instance rollouts run on in this process (default: the run's own)."""
         return run.instance
 
     def rollout_sampler(self) -> str | None:
@@ -132,14 +146,20 @@ class OnlineRL(RLMethod, abc.ABC):
     def train(self, run: TrainingRun) -> TrainedModel:
         o: OnlineOptions = self.options  # type: ignore[assignment]
         reward = resolve_reward(o.reward, o.reward_options)
-        instance = self.rollout_instance(run)
-        old = instance.component("transformer")
-        policy = copy.deepcopy(old).train().requires_grad_(True)
-        self._ref = copy.deepcopy(old).eval().requires_grad_(False) if self._kl_weight() > 0 else None
-        old.eval().requires_grad_(False)
-        self._optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, weight_decay=0.0)
         history: dict[str, list[Any]] = {"epoch": [], "eval_reward": [], "train_reward": [], "seconds": []}
-        asyncio.run(self._run(run, instance, reward, policy, old, history))
+        if o.orchestration == "ray":
+            from fv_rl.distributed import run_with_ray
+
+            instance = run.instance
+            old = instance.component("transformer")
+            state = run_with_ray(self, run, reward, history)
+            with torch.no_grad():
+                old.load_state_dict(state)
+        else:
+            instance = self.rollout_instance(run)
+            old = instance.component("transformer")
+            learner = Learner(self, old, run.recipe.seed, owns_old=False)
+            asyncio.run(self._run_local(run, instance, reward, learner, history))
         self._write_curves(run, history)
         recipe = RecipeSpec(
             # What the exported card's serving needs (its parity is checked at export: C1 against diffusers);
@@ -162,52 +182,61 @@ class OnlineRL(RLMethod, abc.ABC):
     def _kl_weight(self) -> float:
         return float(getattr(self.options, "kl_weight", 0.0))
 
-    async def _evaluate(self, engine: Engine, model_id: str, reward: Reward) -> float:
+    def epoch_seeds(self, seed: int, epoch: int) -> list[list[int]]:
+        """The rollout seeds of ``epoch``: one list of K per training prompt, distinct across epochs and prompts."""
         o: OnlineOptions = self.options  # type: ignore[assignment]
-        prompts = o.eval_prompts or o.prompts
-        groups = await rollout_groups(engine, model_id, prompts, [o.eval_seeds] * len(prompts),
-                                      self.settings(self.eval_sampler(), "final"))
-        return float(self._score(reward, [r for g in groups for r in g]).mean())
+        return [[seed * 10_000_000 + epoch * 100_000 + p * 1000 + k for k in range(o.group_size)] for p in range(len(o.prompts))]
+
+    def eval_prompts(self) -> tuple[str, ...]:
+        o: OnlineOptions = self.options  # type: ignore[assignment]
+        return o.eval_prompts or o.prompts
 
     @staticmethod
-    def _score(reward: Reward, rollouts: Sequence[Rollout]) -> torch.Tensor:
+    def score(reward: Reward, rollouts: Sequence[Rollout]) -> torch.Tensor:
         return reward.score(torch.stack([r.video for r in rollouts]), [r.prompt for r in rollouts]).float()
 
-    async def _run(self, run: TrainingRun, instance: ModelInstance, reward: Reward, policy: torch.nn.Module,
-                   old: torch.nn.Module, history: dict[str, list[Any]]) -> None:
+    async def run_epochs(self, run: TrainingRun, backend: "RolloutBackend", reward: Reward, learner: Any,
+                         history: dict[str, list[Any]]) -> None:
+        """Evaluate, then per epoch: rollouts -> rewards -> advantages -> update -> weight sync -> evaluate.
+
+        ``backend`` runs rollouts and loads weights (this process's Engine, or Ray actors);
+        ``learner.update(rollouts, advantages, epoch)`` (maybe remote, awaited) returns the
+        logged scalars and the new rollout-policy weights.
+        """
         o: OnlineOptions = self.options  # type: ignore[assignment]
+        start = time.perf_counter()
+        eval_settings = self.settings(self.eval_sampler(), "final")
+
+        async def evaluate() -> float:
+            prompts = self.eval_prompts()
+            groups = await backend.rollout(prompts, [list(o.eval_seeds)] * len(prompts), eval_settings)
+            return float(self.score(reward, [r for g in groups for r in g]).mean())
+
+        history["epoch"].append(0)
+        history["eval_reward"].append(await evaluate())
+        history["train_reward"].append(None)
+        history["seconds"].append(round(time.perf_counter() - start, 1))
+        run.report("rl", 0, o.epochs, {"eval_reward": history["eval_reward"][-1]})
+        for epoch in range(1, o.epochs + 1):
+            groups = await backend.rollout(o.prompts, self.epoch_seeds(run.recipe.seed, epoch),
+                                           self.settings(self.rollout_sampler(), self.capture))
+            table = torch.stack([self.score(reward, g) for g in groups])  # (prompts, K)
+            advantages = group_advantages(table)
+            logged, state = await learner.update([r for g in groups for r in g], advantages.flatten(), epoch)
+            await backend.load(state)
+            score = await evaluate()
+            history["epoch"].append(epoch)
+            history["eval_reward"].append(score)
+            history["train_reward"].append(float(table.mean()))
+            history["seconds"].append(round(time.perf_counter() - start, 1))
+            run.report("rl", epoch, o.epochs, {"eval_reward": score, "train_reward": float(table.mean()), **logged})
+
+    async def _run_local(self, run: TrainingRun, instance: ModelInstance, reward: Reward, learner: "Learner",
+                         history: dict[str, list[Any]]) -> None:
         engine = Engine()
         engine.add_instance(instance)
-        model_id = instance.model_id
-        generator = torch.Generator().manual_seed(run.recipe.seed)
-        start = time.perf_counter()
         async with engine.running():
-            history["epoch"].append(0)
-            history["eval_reward"].append(await self._evaluate(engine, model_id, reward))
-            history["train_reward"].append(None)
-            history["seconds"].append(round(time.perf_counter() - start, 1))
-            run.report("rl", 0, o.epochs, {"eval_reward": history["eval_reward"][-1]})
-            for epoch in range(1, o.epochs + 1):
-                seeds = [[run.recipe.seed * 10_000_000 + epoch * 100_000 + p * 1000 + k for k in range(o.group_size)]
-                         for p in range(len(o.prompts))]
-                groups = await rollout_groups(engine, model_id, o.prompts, seeds, self.settings(self.rollout_sampler(), self.capture))
-                table = torch.stack([self._score(reward, g) for g in groups])  # (prompts, K)
-                advantages = group_advantages(table)
-                rollouts = [r for g in groups for r in g]
-                logged: dict[str, float] = {}
-                for _ in range(o.inner_steps):
-                    self._optimizer.zero_grad(set_to_none=True)
-                    logged = self.update(policy, old, self._ref, rollouts, advantages.flatten(), generator)
-                    torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
-                    self._optimizer.step()
-                source = self.after_epoch(policy, old, epoch)
-                await engine.sync_weights(model_id, load_policy_into(source))
-                score = await self._evaluate(engine, model_id, reward)
-                history["epoch"].append(epoch)
-                history["eval_reward"].append(score)
-                history["train_reward"].append(float(table.mean()))
-                history["seconds"].append(round(time.perf_counter() - start, 1))
-                run.report("rl", epoch, o.epochs, {"eval_reward": score, "train_reward": float(table.mean()), **logged})
+            await self.run_epochs(run, LocalBackend(engine, instance.model_id), reward, _AsyncLearner(learner), history)
 
     def _write_curves(self, run: TrainingRun, history: dict[str, list[Any]]) -> None:
         o: OnlineOptions = self.options  # type: ignore[assignment]
@@ -232,3 +261,69 @@ class OnlineRL(RLMethod, abc.ABC):
         fig.savefig(run.output / "reward_curve.png", dpi=100)
         plt.close(fig)
 
+
+
+class Learner:
+    """theta (trained), theta_old (the rollout policy), theta_ref (KL anchor) and the optimizer.
+
+    ``owns_old``: whether this learner keeps its own theta_old (a Ray learner) or shares the
+    module the local Engine serves, which the weight sync then updates in place.
+    """
+
+    def __init__(self, method: OnlineRL, old: torch.nn.Module, seed: int, *, owns_old: bool) -> None:
+        o: OnlineOptions = method.options  # type: ignore[assignment]
+        self.method, self.old, self.owns_old = method, old, owns_old
+        self.policy = copy.deepcopy(old).train().requires_grad_(True)
+        self.ref = copy.deepcopy(old).eval().requires_grad_(False) if method._kl_weight() > 0 else None
+        old.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, weight_decay=0.0)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def update(self, rollouts: list[Rollout], advantages: torch.Tensor, epoch: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """``inner_steps`` gradient steps, then the new theta_old: (logged scalars, its state dict)."""
+        o: OnlineOptions = self.method.options  # type: ignore[assignment]
+        logged: dict[str, float] = {}
+        for _ in range(o.inner_steps):
+            self.optimizer.zero_grad(set_to_none=True)
+            logged = self.method.update(self.policy, self.old, self.ref, rollouts, advantages, self.generator)
+            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), o.max_grad_norm)
+            self.optimizer.step()
+        source = self.method.after_epoch(self.policy, self.old, epoch)
+        state = {k: v.detach().clone() for k, v in source.state_dict().items()}
+        if self.owns_old:
+            with torch.no_grad():
+                self.old.load_state_dict(state)
+        return logged, state
+
+
+class _AsyncLearner:
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+
+    async def update(self, rollouts: list[Rollout], advantages: torch.Tensor, epoch: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        return self.learner.update(rollouts, advantages, epoch)
+
+
+class RolloutBackend(abc.ABC):
+    """Where rollouts run and rollout-policy weights are loaded."""
+
+    @abc.abstractmethod
+    async def rollout(self, prompts: Sequence[str], seeds: Sequence[Sequence[int]], settings: RolloutSettings) -> list[list[Rollout]]:
+        """One group per prompt."""
+
+    @abc.abstractmethod
+    async def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Load new rollout-policy transformer weights (a weight sync on every engine)."""
+
+
+class LocalBackend(RolloutBackend):
+    """This process's Engine."""
+
+    def __init__(self, engine: Engine, model_id: str) -> None:
+        self.engine, self.model_id = engine, model_id
+
+    async def rollout(self, prompts: Sequence[str], seeds: Sequence[Sequence[int]], settings: RolloutSettings) -> list[list[Rollout]]:
+        return await rollout_groups(self.engine, self.model_id, prompts, seeds, settings)
+
+    async def load(self, state: dict[str, torch.Tensor]) -> None:
+        await self.engine.sync_weights(self.model_id, load_state_into(state))
