@@ -79,6 +79,9 @@ class TrainedModel:
     steps: Mapping[str, int]
     #: Updates to the exported card's capability defaults (e.g. the guidance the method tuned for).
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: Loops (``LoopSpec`` by id) the exported card gains, e.g. the few-step loop a distilled
+    #: recipe's ``assumes_loop`` names.
+    loops: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

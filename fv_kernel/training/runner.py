@@ -181,7 +181,7 @@ def run_training(
     summary = recipe.summary or card.summary
     exported, parity = export_model(
         card, trained.modules, output / "checkpoint", host, model_id=recipe.output_model_id, recipe=trained.recipe,
-        summary=summary, defaults=trained.defaults,
+        summary=summary, defaults=trained.defaults, loops=trained.loops,
     )
     (output / "training.json").write_text(json.dumps({
         "recipe": recipe.model_dump(mode="json"), "steps": dict(trained.steps), "seconds": round(seconds, 1),
@@ -202,8 +202,14 @@ def export_model(
     recipe: RecipeSpec | None = None,
     summary: str | None = None,
     defaults: Mapping[str, Any] | None = None,
+    loops: Mapping[str, Any] | None = None,
 ) -> tuple[ModelCard, ParityResult]:
     """Export ``card`` (with ``modules`` replacing its components) to ``directory`` if its parity check passes.
+
+    ``loops`` (``LoopSpec`` by id) are added to the exported card (e.g. a distilled few-step
+    loop its recipe's ``assumes_loop`` names). The family's parity check then runs on the
+    card's own loops with that assumption lifted: the reference (e.g. diffusers) runs the base
+    loop, and the weights are what is checked; the added loop's sampler has its own tests.
 
     The weights go to ``<directory>.unchecked`` first; the family's parity check runs there;
     on success the folder becomes ``directory`` with ``fv-card.json`` in it. On failure
@@ -233,8 +239,13 @@ def export_model(
         caps = exported.capabilities
         assert caps.defaults is not None
         update["capabilities"] = caps.model_copy(update={"defaults": caps.defaults.model_copy(update=dict(defaults))})
+    if loops:
+        update["loops"] = {**exported.loops, **dict(loops)}
     staged_card = ModelCard.model_validate({**exported.model_dump(), **{k: v for k, v in update.items()}})
-    parity = host.hooks.check_parity(staged_card, staging)
+    checked = staged_card
+    if loops and staged_card.recipe.assumes_loop in loops:
+        checked = staged_card.model_copy(update={"recipe": staged_card.recipe.model_copy(update={"assumes_loop": None})})
+    parity = host.hooks.check_parity(checked, staging)
     if parity is None:
         raise ExportError(f"no enabled plugin checks parity for family {card.family!r}; refusing to export unchecked", param="model")
     if not parity.passed:

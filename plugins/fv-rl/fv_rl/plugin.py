@@ -14,12 +14,14 @@ from fv_kernel.api import hookimpl
 def fv_register_rl_methods(register: Any) -> None:
     from fv_rl.flow_matching import FlowMatching
 
+    from fv_rl.dmd2 import DMD2
     from fv_rl.grpo import FlowGRPO
     from fv_rl.nft import DiffusionNFT
 
     register(FlowMatching.name, FlowMatching)
     register(DiffusionNFT.name, DiffusionNFT)
     register(FlowGRPO.name, FlowGRPO)
+    register(DMD2.name, DMD2)
 
 
 @hookimpl
