@@ -262,6 +262,11 @@ class _Compiler:
         for name in ("steps", "sampler_name", "scheduler"):
             if hi[name] != li[name]:
                 raise CompileError(low, f"both stages must use the same {name} ({hi[name]!r} != {li[name]!r})", name)
+        if li["sampler_name"] != "euler":
+            # ComfyUI runs each stage as its own sampler call: a multistep sampler (uni_pc) restarts
+            # its history at the second stage, which one fv denoise run does not do.
+            raise CompileError(low, f"a two-stage chain runs as one fv run only with euler; {li['sampler_name']!r} "
+                                    "restarts its multistep history at the second stage in ComfyUI", "sampler_name")
         for name in ("positive", "negative"):
             if hi[name] != li[name]:
                 raise CompileError(low, f"both stages must take the same {name} conditioning", name)

@@ -2,26 +2,36 @@
 
 A ComfyUI sampler only maps to an fv sampler that computes the same numbers: the schedule
 (ComfyUI's ``simple`` / ``normal`` / ``sgm_uniform`` schedulers over the flow model's sigma
-table, ``ModelSamplingDiscreteFlow`` with ``ModelSamplingSD3``'s shift) and the update (k-diffusion's
-``sample_euler`` on a ``CONST`` model: ``denoised = x - v*sigma``, ``d = (x - denoised)/sigma``,
-``x += d*(sigma_next - sigma)``). fv's own ``euler``/``unipc`` use diffusers' schedules, which are
-different numbers, so they are not offered as substitutes. Every other ComfyUI sampler
-(``uni_pc``, ``dpmpp_2m``, ...) and scheduler (``karras``, ``beta``, ...) is not listed, so a
-prompt naming one is refused with ``value_not_in_list`` before anything runs.
+table, ``ModelSamplingDiscreteFlow`` with ``ModelSamplingSD3``'s shift) and the update:
 
-Written from ComfyUI's ``comfy/samplers.py``, ``comfy/model_sampling.py`` and
-``comfy/k_diffusion/sampling.py``; tests check the sigmas and one update against those
-formulas written out independently.
+* ``euler``: k-diffusion's ``sample_euler`` on a ``CONST`` model (``denoised = x - v*sigma``,
+  ``d = (x - denoised)/sigma``, ``x += d*(sigma_next - sigma)``);
+* ``uni_pc`` / ``uni_pc_bh2``: ComfyUI's own UniPC (``comfy/extra_samplers/uni_pc.py``, variant
+  ``bh1`` / ``bh2``). It is not diffusers' UniPC: it treats the k-diffusion model as a VP model
+  through ``SigmaConvert`` (``alpha = 1/sqrt(1+sigma^2)``, half log-SNR ``-log sigma``), works on
+  ``x / sqrt(1+sigma^2)``, uses order ``min(3, steps-1)`` with lower-order warm-up and final
+  steps, evaluates the model at the predictor's output, corrects every move but the last, and
+  moves the final zero sigma to 0.001.
+
+fv's own ``euler``/``unipc`` use diffusers' schedules and formulas, which are different numbers,
+so they are not offered as substitutes. Every other ComfyUI sampler (``dpmpp_2m``, ...) and
+scheduler (``karras``, ``beta``, ...) is not listed, so a prompt naming one is refused with
+``value_not_in_list`` before anything runs.
+
+Written from ComfyUI's ``comfy/samplers.py``, ``comfy/model_sampling.py``,
+``comfy/k_diffusion/sampling.py`` and ``comfy/extra_samplers/uni_pc.py``; tests check the sigmas
+and the updates against those formulas written out independently.
 """
 
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import torch
+from pydantic import Field
 
-from fv_kernel.api import FlowEulerSampler, SamplerState
+from fv_kernel.api import FlowEulerSampler, Sampler, SamplerState
 
 __all__ = [
     "SAMPLER_NAMES",
@@ -32,11 +42,18 @@ __all__ = [
     "ComfyEulerSimple",
     "ComfyEulerNormal",
     "ComfyEulerSgmUniform",
+    "ComfyUniPCState",
+    "ComfyUniPCSimple",
+    "ComfyUniPCNormal",
+    "ComfyUniPCSgmUniform",
+    "ComfyUniPCBh2Simple",
+    "ComfyUniPCBh2Normal",
+    "ComfyUniPCBh2SgmUniform",
     "COMFY_SAMPLERS",
 ]
 
 #: ComfyUI ``sampler_name`` values fv runs exactly.
-SAMPLER_NAMES: tuple[str, ...] = ("euler",)
+SAMPLER_NAMES: tuple[str, ...] = ("euler", "uni_pc", "uni_pc_bh2")
 #: ComfyUI ``scheduler`` values fv runs exactly.
 SCHEDULER_NAMES: tuple[str, ...] = ("simple", "normal", "sgm_uniform")
 
@@ -125,14 +142,266 @@ class ComfyEulerSgmUniform(_ComfyEuler):
     scheduler: ClassVar[str] = "sgm_uniform"
 
 
-COMFY_SAMPLERS: tuple[type[_ComfyEuler], ...] = (ComfyEulerSimple, ComfyEulerNormal, ComfyEulerSgmUniform)
+# --------------------------------------------------------------------------- UniPC
+# ComfyUI's ``SigmaConvert``: a k-diffusion sigma read as a VP model's time, alpha = 1/sqrt(1+s^2).
+
+
+def _log_mean_coeff(sigma: torch.Tensor) -> torch.Tensor:
+    return 0.5 * torch.log(1 / ((sigma * sigma) + 1))
+
+
+def _vp_alpha(sigma: torch.Tensor) -> torch.Tensor:
+    return torch.exp(_log_mean_coeff(sigma))
+
+
+def _vp_std(sigma: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(1.0 - torch.exp(2.0 * _log_mean_coeff(sigma)))
+
+
+def _vp_lambda(sigma: torch.Tensor) -> torch.Tensor:
+    log_mean_coeff = _log_mean_coeff(sigma)
+    return log_mean_coeff - 0.5 * torch.log(1.0 - torch.exp(2.0 * log_mean_coeff))
+
+
+def _per_sample(v: torch.Tensor, dims: int) -> torch.Tensor:
+    """UniPC's ``expand_dims``: a per-sample vector broadcast over the latent's other dims."""
+    return v[(...,) + (None,) * (dims - 1)]
+
+
+def unipc_solver_times(sigmas: torch.Tensor) -> torch.Tensor:
+    """The times ComfyUI's ``sample_unipc`` solves at: the schedule with a final 0 moved to 0.001.
+
+    ComfyUI writes the 0.001 into the sigma tensor itself (``timesteps = sigmas[:]`` is a view), so
+    the ``inverse_noise_scaling`` that follows the sampler also divides by ``1 - 0.001``.
+    """
+    times = sigmas.clone()
+    if sigmas[-1] == 0:
+        times[-1] = 0.001
+    return times
+
+
+class ComfyUniPCState(SamplerState):
+    """ComfyUI's UniPC memory between model calls, in UniPC's variables (``x / sqrt(1+sigma^2)``).
+
+    ``history``: ``model_prev_list``, the data predictions of the last ``<= order`` model calls,
+    oldest first. ``base``: the corrected solution at the previous sigma (the next corrector's
+    start). ``predicted``: the predictor's output at the current sigma, whose scaled value the
+    model was called on. ``predicted_order``: the order that predictor used (its corrector reuses it).
+    """
+
+    history: list[torch.Tensor] = []
+    base: torch.Tensor | None = None
+    predicted: torch.Tensor | None = None
+    predicted_order: int = 0
+
+
+class _ComfyUniPC(Sampler):
+    """ComfyUI's ``uni_pc`` (B(h) variant ``bh1``) or ``uni_pc_bh2`` on its flow schedule.
+
+    ComfyUI runs the whole trajectory in one call with the model inside; fv calls the model
+    between ``step`` calls. The same arithmetic is split at the model calls: step ``i`` receives
+    the model's output at the predictor's point for sigma ``i``, applies that move's corrector,
+    and returns the predictor's point for sigma ``i+1`` (scaled back to the model's input, as
+    ComfyUI's ``predict_eps_sigma`` does), or, after the last move, the final latent.
+    """
+
+    state_type: ClassVar[type[SamplerState]] = ComfyUniPCState
+    scheduler: ClassVar[str]
+    variant: ClassVar[Literal["bh1", "bh2"]]
+
+    shift: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0  # ModelSamplingSD3's shift
+
+    def init_state(self, num_inference_steps: int) -> ComfyUniPCState:
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        sigmas = comfy_sigmas(self.scheduler, self.shift, num_inference_steps)
+        timesteps = sigmas[:-1] * _MULTIPLIER
+        return ComfyUniPCState(sampler=self.config_signature(), sigmas=sigmas, timesteps=timesteps)
+
+    @staticmethod
+    def _order(steps: int) -> int:
+        return min(3, steps - 1)  # sample_unipc: min(3, len(timesteps) - 2)
+
+    def _move_order(self, move: int, steps: int) -> int:
+        """The order of the move to sigma ``move`` (1..steps): warm-up ``move``, lower_order_final."""
+        return min(move, self._order(steps), steps + 1 - move)
+
+    @staticmethod
+    def _data_prediction(x: torch.Tensor, t: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+        """UniPC's ``data_prediction_fn`` of the flow model's velocity at UniPC's ``x``, time ``t``."""
+        dims = x.dim()
+        sigma = t.view(t.shape[:1] + (1,) * (x.ndim - 1))
+        model_input = x * ((sigma**2 + 1.0) ** 0.5)  # predict_eps_sigma
+        const_sigma = t.view(()) if t.nelement() == 1 else sigma  # reshape_sigma
+        denoised = model_input - velocity * const_sigma  # CONST.calculate_denoised
+        eps = (model_input - denoised) / sigma
+        return (x - _per_sample(_vp_std(t), dims) * eps) / _per_sample(_vp_alpha(t), dims)
+
+    def _update(
+        self,
+        x: torch.Tensor,
+        history: list[torch.Tensor],
+        history_times: list[torch.Tensor],
+        t: torch.Tensor,
+        order: int,
+        model_t: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``multistep_uni_pc_bh_update`` (predict_x0): the predictor, or with ``model_t`` the corrector."""
+        dims = x.dim()
+        t_prev_0, model_prev_0 = history_times[-1], history[-1]
+        lambda_prev_0, lambda_t = _vp_lambda(t_prev_0), _vp_lambda(t)
+        sigma_prev_0, sigma_t = _vp_std(t_prev_0), _vp_std(t)
+        alpha_t = torch.exp(_log_mean_coeff(t))
+        h = lambda_t - lambda_prev_0
+
+        rks, D1s = [], []
+        for i in range(1, order):
+            rk = ((_vp_lambda(history_times[-(i + 1)]) - lambda_prev_0) / h)[0]
+            rks.append(rk)
+            D1s.append((history[-(i + 1)] - model_prev_0) / rk)
+        rks_t = torch.stack([*rks, torch.tensor(1.0)]) if rks else torch.tensor([1.0])
+
+        hh = -h[0]
+        h_phi_1 = torch.expm1(hh)
+        B_h = hh if self.variant == "bh1" else torch.expm1(hh)
+        # ComfyUI builds b in float64 on the CPU (its terms nearly cancel for small h), then float32.
+        hh64 = hh.detach().cpu().double()
+        h_phi_k64 = torch.expm1(hh64) / hh64 - 1
+        B_h64 = hh64 if self.variant == "bh1" else torch.expm1(hh64)
+        factorial = 1
+        R_rows, b64 = [], []
+        for i in range(1, order + 1):
+            R_rows.append(torch.pow(rks_t, i - 1))
+            b64.append(h_phi_k64 * factorial / B_h64)
+            factorial *= i + 1
+            h_phi_k64 = h_phi_k64 / hh64 - 1 / factorial
+        R = torch.stack(R_rows)
+        b = torch.stack(b64).to(hh.dtype)
+
+        D1 = torch.stack(D1s, dim=1) if D1s else None
+        x_t_ = _per_sample(sigma_t / sigma_prev_0, dims) * x - _per_sample(alpha_t * h_phi_1, dims) * model_prev_0
+        if model_t is None:  # predictor
+            if D1 is not None:
+                rhos_p = torch.tensor([0.5]) if order == 2 else torch.linalg.solve(R[:-1, :-1], b[:-1])
+                pred_res: torch.Tensor | int = torch.tensordot(D1, rhos_p, dims=([1], [0]))
+            else:
+                pred_res = 0
+            return x_t_ - _per_sample(alpha_t * B_h, dims) * pred_res
+        rhos_c = torch.tensor([0.5]) if order == 1 else torch.linalg.solve(R, b)
+        corr_res: torch.Tensor | int = torch.tensordot(D1, rhos_c[:-1], dims=([1], [0])) if D1 is not None else 0
+        D1_t = model_t - model_prev_0
+        return x_t_ - _per_sample(alpha_t * B_h, dims) * (corr_res + rhos_c[-1] * D1_t)
+
+    def step(
+        self, state: SamplerState, model_output: torch.Tensor, sample: torch.Tensor, *, noise: torch.Tensor | None = None
+    ) -> tuple[ComfyUniPCState, torch.Tensor]:
+        self._check_step_inputs(state, model_output, sample, noise)
+        assert isinstance(state, ComfyUniPCState)
+        i, steps = state.step_index, state.num_steps
+        times = unipc_solver_times(state.sigmas)
+        batch = sample.shape[0]
+
+        def at(k: int) -> torch.Tensor:
+            return times[k].expand(batch)
+
+        velocity = model_output.to(torch.float32)
+        if i == 0:
+            # sample_unipc: the (noise-scaled) latent enters as x / sqrt(1 + sigma_0^2)
+            base = sample.to(torch.float32) / torch.sqrt(1.0 + times[0] ** 2.0)
+            history = [self._data_prediction(base, at(0), velocity)]
+        else:
+            assert state.predicted is not None and state.base is not None
+            model_t = self._data_prediction(state.predicted, at(i), velocity)
+            history_times = [at(k) for k in range(i - len(state.history), i)]
+            base = self._update(state.base, state.history, history_times, at(i), state.predicted_order, model_t)
+            history = [*state.history, model_t][-self._order(steps) :]
+
+        if steps == 1:
+            # ComfyUI's order is 0 here: its loop evaluates the model once and moves nowhere.
+            final = base / _vp_alpha(times[-1])
+            return state.model_copy(update={"step_index": 1}), (final / (1.0 - times[-1])).to(model_output.dtype)
+
+        move = i + 1
+        order = self._move_order(move, steps)
+        history_times = [at(k) for k in range(move - len(history), move)]
+        predicted = self._update(base, history, history_times, at(move), order, None)
+        update = {"step_index": move, "history": history, "base": base, "predicted": predicted, "predicted_order": order}
+        new_state = state.model_copy(update=update)
+        if move == steps:
+            # the last move has no corrector; then sample_unipc's x /= alpha(t_N) and CONST's
+            # inverse_noise_scaling by the (0.001-overwritten) last sigma
+            final = predicted / _vp_alpha(times[-1])
+            return new_state, (final / (1.0 - times[-1])).to(model_output.dtype)
+        sigma = at(move).view((batch,) + (1,) * (sample.ndim - 1))
+        return new_state, (predicted * ((sigma**2 + 1.0) ** 0.5)).to(model_output.dtype)
+
+
+class ComfyUniPCSimple(_ComfyUniPC):
+    """ComfyUI ``uni_pc`` + ``simple``."""
+
+    name: ClassVar[str] = "comfy-uni_pc-simple"
+    scheduler: ClassVar[str] = "simple"
+    variant: ClassVar[Literal["bh1", "bh2"]] = "bh1"
+
+
+class ComfyUniPCNormal(_ComfyUniPC):
+    """ComfyUI ``uni_pc`` + ``normal``."""
+
+    name: ClassVar[str] = "comfy-uni_pc-normal"
+    scheduler: ClassVar[str] = "normal"
+    variant: ClassVar[Literal["bh1", "bh2"]] = "bh1"
+
+
+class ComfyUniPCSgmUniform(_ComfyUniPC):
+    """ComfyUI ``uni_pc`` + ``sgm_uniform``."""
+
+    name: ClassVar[str] = "comfy-uni_pc-sgm_uniform"
+    scheduler: ClassVar[str] = "sgm_uniform"
+    variant: ClassVar[Literal["bh1", "bh2"]] = "bh1"
+
+
+class ComfyUniPCBh2Simple(_ComfyUniPC):
+    """ComfyUI ``uni_pc_bh2`` + ``simple``."""
+
+    name: ClassVar[str] = "comfy-uni_pc_bh2-simple"
+    scheduler: ClassVar[str] = "simple"
+    variant: ClassVar[Literal["bh1", "bh2"]] = "bh2"
+
+
+class ComfyUniPCBh2Normal(_ComfyUniPC):
+    """ComfyUI ``uni_pc_bh2`` + ``normal``."""
+
+    name: ClassVar[str] = "comfy-uni_pc_bh2-normal"
+    scheduler: ClassVar[str] = "normal"
+    variant: ClassVar[Literal["bh1", "bh2"]] = "bh2"
+
+
+class ComfyUniPCBh2SgmUniform(_ComfyUniPC):
+    """ComfyUI ``uni_pc_bh2`` + ``sgm_uniform``."""
+
+    name: ClassVar[str] = "comfy-uni_pc_bh2-sgm_uniform"
+    scheduler: ClassVar[str] = "sgm_uniform"
+    variant: ClassVar[Literal["bh1", "bh2"]] = "bh2"
+
+
+#: Every sampler the plugin registers, with the ComfyUI ``sampler_name`` each one runs.
+COMFY_SAMPLERS: tuple[type[_ComfyEuler] | type[_ComfyUniPC], ...] = (
+    ComfyEulerSimple,
+    ComfyEulerNormal,
+    ComfyEulerSgmUniform,
+    ComfyUniPCSimple,
+    ComfyUniPCNormal,
+    ComfyUniPCSgmUniform,
+    ComfyUniPCBh2Simple,
+    ComfyUniPCBh2Normal,
+    ComfyUniPCBh2SgmUniform,
+)
 
 
 def fv_sampler_name(sampler_name: str, scheduler: str) -> str:
     """The fv sampler that runs ComfyUI's ``sampler_name`` with ``scheduler``; ValueError when none does."""
-    for cls in COMFY_SAMPLERS:
-        if sampler_name == "euler" and cls.scheduler == scheduler:
-            return cls.name
+    if sampler_name in SAMPLER_NAMES and scheduler in SCHEDULER_NAMES:
+        return f"comfy-{sampler_name}-{scheduler}"  # the name of one of COMFY_SAMPLERS (a test checks each)
     raise ValueError(
         f"no fv sampler computes ComfyUI's {sampler_name!r} with scheduler {scheduler!r}; "
         f"allowed: sampler_name {list(SAMPLER_NAMES)}, scheduler {list(SCHEDULER_NAMES)}"

@@ -64,16 +64,16 @@ def service(host: Any, input_dir: Path) -> Any:
 
 
 def retarget(prompt: dict[str, Any], *, size: int = 32, length: int = 5, steps: int = 3) -> dict[str, Any]:
-    """A fixture prompt shrunk to the tiny cards' limits, with ComfyUI's ``euler`` (fv does not map ``uni_pc``)."""
+    """A fixture prompt shrunk to the tiny cards' limits; its own sampler and scheduler are kept."""
     prompt = copy.deepcopy(prompt)
     for node in prompt.values():
         inputs = node["inputs"]
         if node["class_type"] in ("EmptyHunyuanLatentVideo", "WanImageToVideo"):
             inputs.update(width=size, height=size, length=length)
         if node["class_type"] == "KSampler":
-            inputs.update(steps=steps, sampler_name="euler")
+            inputs.update(steps=steps)
         if node["class_type"] == "KSamplerAdvanced":
-            inputs.update(steps=steps + 1, sampler_name="euler")
+            inputs.update(steps=steps + 1)
             if inputs["add_noise"] == "enable":
                 inputs["end_at_step"] = 2
             else:

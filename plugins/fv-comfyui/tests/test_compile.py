@@ -19,7 +19,7 @@ def test_t2v_compiles_to_one_request_on_wan_tiny(service: Any) -> None:
     assert job.prompt.startswith("a fox moving quickly")
     assert job.options == {
         "height": 32, "width": 32, "frames": 5, "steps": 3, "guidance": 6.0, "shift": 8.0,
-        "sampler": "comfy-euler-simple", "seed": 82628696717253, "negative_prompt": load_pair("text_to_video_wan")[1]["7"]["inputs"]["text"],
+        "sampler": "comfy-uni_pc-simple", "seed": 82628696717253, "negative_prompt": load_pair("text_to_video_wan")[1]["7"]["inputs"]["text"],
     }
     assert [(t.node_id, t.format, t.fps, t.filename_prefix) for t in job.outputs] == [("28", "webp", 16.0, "ComfyUI")]
     assert job.nodes.index("37") < job.nodes.index("48") < job.nodes.index("3") < job.nodes.index("8") < job.nodes.index("28")
@@ -68,6 +68,18 @@ def test_two_stage_chains_fv_cannot_express_are_refused(service: Any, node: str,
     (entry,) = answer.node_errors.values()
     assert entry["errors"][0]["type"] == "custom_validation_failed" and why in entry["errors"][0]["details"]
     assert entry["dependent_outputs"] == ["28", "47"]
+
+
+@pytest.mark.parametrize("sampler_name", ["uni_pc", "uni_pc_bh2"])
+def test_a_two_stage_chain_with_a_multistep_sampler_is_refused(service: Any, sampler_name: str) -> None:
+    # ComfyUI restarts UniPC's history at the second stage; one fv run would not.
+    prompt = retarget(load_pair("text_to_video_wan22_14B")[1])
+    prompt["57"]["inputs"]["sampler_name"] = prompt["58"]["inputs"]["sampler_name"] = sampler_name
+    answer = service.check(prompt)
+    assert not answer.ok
+    (entry,) = answer.node_errors.values()
+    assert entry["errors"][0]["type"] == "custom_validation_failed"
+    assert "only with euler" in entry["errors"][0]["details"] and sampler_name in entry["errors"][0]["details"]
 
 
 def test_a14b_experts_must_be_mapped_to_their_components(service: Any) -> None:

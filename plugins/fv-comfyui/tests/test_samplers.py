@@ -68,7 +68,7 @@ def test_known_values() -> None:
     assert np.allclose(normal, [1.0, 0.5005, 0.001, 0.0], atol=1e-6)
 
 
-@pytest.mark.parametrize("cls", COMFY_SAMPLERS)
+@pytest.mark.parametrize("cls", [c for c in COMFY_SAMPLERS if c.name.startswith("comfy-euler-")])
 def test_one_euler_update_is_k_diffusions(cls: type) -> None:
     sampler = cls(shift=5.0)
     state = sampler.init_state(6)
@@ -96,11 +96,19 @@ def test_fvs_own_euler_is_not_comfyuis_simple() -> None:
 
 
 def test_mapping_and_refusals() -> None:
-    assert SAMPLER_NAMES == ("euler",) and set(SCHEDULER_NAMES) == {"simple", "normal", "sgm_uniform"}
+    assert SAMPLER_NAMES == ("euler", "uni_pc", "uni_pc_bh2") and set(SCHEDULER_NAMES) == {"simple", "normal", "sgm_uniform"}
     assert fv_sampler_name("euler", "simple") == ComfyEulerSimple.name
     assert fv_sampler_name("euler", "normal") == ComfyEulerNormal.name
     assert fv_sampler_name("euler", "sgm_uniform") == ComfyEulerSgmUniform.name
-    for sampler_name, scheduler in [("uni_pc", "simple"), ("euler", "karras"), ("dpmpp_2m", "normal"), ("euler", "beta")]:
+    # every pair names a registered class that runs that ComfyUI sampler and scheduler
+    by_name = {cls.name: cls for cls in COMFY_SAMPLERS}
+    assert len(by_name) == len(SAMPLER_NAMES) * len(SCHEDULER_NAMES)
+    for sampler_name in SAMPLER_NAMES:
+        for scheduler in SCHEDULER_NAMES:
+            cls = by_name[fv_sampler_name(sampler_name, scheduler)]
+            assert cls.scheduler == scheduler
+            assert getattr(cls, "variant", None) == {"euler": None, "uni_pc": "bh1", "uni_pc_bh2": "bh2"}[sampler_name]
+    for sampler_name, scheduler in [("uni_pc", "karras"), ("euler", "karras"), ("dpmpp_2m", "normal"), ("euler", "beta")]:
         with pytest.raises(ValueError, match="no fv sampler computes ComfyUI's"):
             fv_sampler_name(sampler_name, scheduler)
     with pytest.raises(ValueError, match="scheduler 'karras' is not one fv runs"):

@@ -75,7 +75,7 @@ def test_a_third_party_client_runs_a_prompt_and_fetches_its_file(server: str) ->
     assert name.startswith("ComfyUI_") and name.endswith("_.webp")
     with Image.open(io.BytesIO(data)) as webp:
         assert webp.n_frames == 5 and webp.size == (32, 32)
-    assert client.get_object_info("KSampler")["KSampler"]["input"]["required"]["sampler_name"][0] == ["euler"]
+    assert client.get_object_info("KSampler")["KSampler"]["input"]["required"]["sampler_name"][0] == ["euler", "uni_pc", "uni_pc_bh2"]
 
 
 def test_an_unmapped_model_name_is_value_not_in_list(server: str) -> None:

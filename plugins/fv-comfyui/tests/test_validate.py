@@ -53,7 +53,7 @@ CASES: list[tuple[str, Mutation, str, dict[str, list[str]]]] = [
      {"3": ["value_bigger_than_max"]}),
     ("seed above fv's max", lambda p: p["3"]["inputs"].update(seed=2**63), "prompt_outputs_failed_validation",
      {"3": ["value_bigger_than_max"]}),
-    ("unmapped sampler uni_pc", lambda p: p["3"]["inputs"].update(sampler_name="uni_pc"), "prompt_outputs_failed_validation",
+    ("unmapped sampler dpmpp_2m", lambda p: p["3"]["inputs"].update(sampler_name="dpmpp_2m"), "prompt_outputs_failed_validation",
      {"3": ["value_not_in_list"]}),
     ("unmapped scheduler karras", lambda p: p["3"]["inputs"].update(scheduler="karras"), "prompt_outputs_failed_validation",
      {"3": ["value_not_in_list"]}),
