@@ -49,7 +49,7 @@ def run_rank(rank: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pool_4() -> list[dict[str, Any]]:
-    return spawn(run_rank, 4, timeout_s=180)
+    return spawn(run_rank, 4, timeout_s=600)
 
 
 def test_degree_one_axes_are_trivial_groups(pool_4: list[dict[str, Any]]) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fv_kernel.parallel.mesh import ParallelRuntime, compile_mesh, init_process_group_from_env
-from fv_kernel.parallel.plan import ParallelPlan, ParallelPlanError, check_plan_against_card
+from fv_kernel.parallel.plan import ParallelPlan, ParallelPlanError, check_plan_against_card, plan_axis_degrees
 from fv_kernel.parallel.spmd import SpmdLeader, WorkerReport, parallel_instance, serve_worker
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,6 +57,12 @@ def check_deploy_plan(config: "DeployConfig", host: "PluginHost") -> list:
     resolved = [catalog.resolve(deployment.model) for deployment in config.cards]
     for item in resolved:
         check_plan_against_card(plan, item.card)
+    if plan.world_size > 1:
+        axis = next(name for name, degree in plan_axis_degrees(plan).items() if degree > 1)
+        for deployment in config.cards:
+            if deployment.compute is not None and deployment.compute.cuda_graphs:
+                raise ParallelPlanError(axis, f"card {deployment.model!r} asks for CUDA graphs (compute.cuda_graphs), "
+                                        "which are not captured across ranks", allowed="compute.cuda_graphs false")
     devices = {deployment.device.split(":")[0] for deployment in config.cards}
     if len(devices) > 1:
         raise ParallelPlanError("world_size", f"cards of one pool must share a device type, got {sorted(devices)}")

@@ -70,6 +70,7 @@ def spawn(target: Callable[..., Any], world_size: int, args: tuple = (), *, time
         process.start()
     reports: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
+    finished = False
     try:
         while len(reports) < world_size:
             try:
@@ -96,9 +97,10 @@ def spawn(target: Callable[..., Any], world_size: int, args: tuple = (), *, time
             if time.monotonic() > deadline:
                 raise LaunchError(f"launch of {world_size} ranks timed out after {timeout_s:.0f} s "
                                   f"(reported: {sorted(reports)})", reports)
+        finished = True
     finally:
         for process in processes:
-            process.join(timeout=5)
+            process.join(timeout=5 if finished else 0.5)  # a failed launch does not wait on a hung rank
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)

@@ -130,7 +130,7 @@ def _record_dit_outputs(instance: Any, sink: list[np.ndarray]) -> None:
 
 @pytest.fixture(scope="module")
 def pool_2() -> list[dict[str, Any]]:
-    return spawn(run_plans, 2, (PLANS_2, "exact"), timeout_s=240)
+    return spawn(run_plans, 2, (PLANS_2, "exact"), timeout_s=600)
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS_2))

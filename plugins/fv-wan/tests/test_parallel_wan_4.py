@@ -18,7 +18,7 @@ PLANS_4 = {"ring4": {"ring": 4}, "usp2x2": {"ulysses": 2, "ring": 2}, "sp2_cfgp2
 
 @pytest.fixture(scope="module")
 def pool_4() -> list[dict[str, Any]]:
-    return spawn(run_plans, 4, (PLANS_4, "exact"), timeout_s=300)
+    return spawn(run_plans, 4, (PLANS_4, "exact"), timeout_s=600)
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS_4))

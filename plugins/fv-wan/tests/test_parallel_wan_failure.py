@@ -26,7 +26,7 @@ def run_and_kill(rank: int) -> dict[str, Any]:
     from fv_kernel.parallel import ParallelPlan
     from fv_kernel.parallel.deploy import deploy_parallel
 
-    config = DeployConfig(cards=[CardDeployment(model="wan-tiny")], parallel=ParallelPlan(sp=2, timeout_s=30))
+    config = DeployConfig(cards=[CardDeployment(model="wan-tiny")], parallel=ParallelPlan(sp=2, timeout_s=120))
     deployed = deploy_parallel(config)
     pids: list[Any] = [None, None]
     dist.all_gather_object(pids, os.getpid())
@@ -68,7 +68,7 @@ def run_and_kill(rank: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def killed() -> dict[str, Any]:
-    return spawn(run_and_kill, 2, timeout_s=180, allow_dead=frozenset({1}))[0]
+    return spawn(run_and_kill, 2, timeout_s=600, allow_dead=frozenset({1}))[0]
 
 
 def _message(error: Any) -> str:

@@ -66,7 +66,7 @@ def run_gate(rank: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def gate_run() -> dict[str, Any]:
-    return spawn(run_gate, 2, timeout_s=300)[0]
+    return spawn(run_gate, 2, timeout_s=600)[0]
 
 
 def test_interleaved_equals_each_alone_under_sp2(gate_run: dict[str, Any]) -> None:

@@ -83,3 +83,25 @@ def test_parallel_vae_decode_refusals(wan_card: Any) -> None:
     WAN_PARALLEL.check_request(card, request, plan)  # 4 latent rows
     odd = request.model_copy(update={"diffusion": DiffusionParams(frames=5, height=24, width=32)})  # 3 rows, 12 tokens
     assert "does not divide the 3 latent rows" in refused("vae", lambda: WAN_PARALLEL.check_request(card, odd, plan))
+
+
+def test_cuda_graphs_under_a_plan_are_refused_at_deploy_time() -> None:
+    from fv_kernel.api import ComputeOptions, build_engine
+
+    config = DeployConfig(cards=[CardDeployment(model="wan-tiny", compute=ComputeOptions(cuda_graphs=True))],
+                          parallel=ParallelPlan(sp=2))
+    assert "CUDA graphs" in refused("sp", lambda: build_engine(config))
+    assert not dist.is_initialized()
+
+
+def test_block_hooks_cannot_ride_the_spmd_broadcast() -> None:
+    from fv_kernel.api import StepOp
+    from fv_kernel.parallel import SpmdLeader
+
+    class Instance:
+        components: dict[str, Any] = {}
+
+    leader = SpmdLeader(runtime=None, instances=[Instance()])  # type: ignore[arg-type]
+    op = StepOp("dit_forward:transformer", lambda inputs, params: {})
+    text = refused("sp", lambda: leader.call(0, op.name, op, {}, {"block_hooks": object()}))
+    assert "block hooks" in text and leader.ledger == []
