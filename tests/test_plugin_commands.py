@@ -5,6 +5,7 @@ allowed to shadow a kernel command or another plugin's."""
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ from fv_kernel.cli.app import LAZY_COMMANDS, app
 from fv_kernel.cli.plugin_commands import PluginCommandConflict, discover_plugin_commands
 
 runner = CliRunner()
-PACKAGES = ("fv_cmdgood", "fv_cmdbroken", "fv_cmdshadow", "fv_cmdold", "fv_cmdbadyaml", "fv_cmdtwin")
+PACKAGES = ("fv_cmdgood", "fv_cmdbroken", "fv_cmdshadow", "fv_cmdold", "fv_cmdbadyaml", "fv_cmdtwin", "fv_cmdnotcallable")
 
 
 def _write_plugin(site: Path, dist: str, manifest: str, files: dict[str, str], *, version: str = "0.1.0") -> None:
@@ -94,6 +95,14 @@ def command_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         commands:
           badtarget: {target: "not a target", summary: "Invalid target."}
         """, {"plugin.py": "", "cli.py": ""})
+    _write_plugin(site, "fv-cmdnotcallable", """\
+        name: fv-cmdnotcallable
+        version: "0.1.0"
+        kernel_api: ">=2.0,<3"
+        commands:
+          number: {target: "fv_cmdnotcallable.cli:NUMBER", summary: "Not a command."}
+          missing: {target: "fv_cmdnotcallable.cli:nowhere", summary: "Not there."}
+        """, {"plugin.py": "", "cli.py": "NUMBER = 3\n"})
     return site
 
 
@@ -193,3 +202,46 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "FV_PLUGINS"}
+
+
+def test_plugins_list_shows_declared_commands(site: Path) -> None:
+    result = runner.invoke(app, ["plugins", "list"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    good = next(i for i, line in enumerate(lines) if line.startswith("fv-cmdgood 0.1.0"))
+    assert "    commands: fv hello, fv toolbox" in lines[good + 1 : good + 3]
+    assert "    commands: fv explode" in lines  # a broken command's plugin still lists it (manifest only)
+    kernel = next(i for i, line in enumerate(lines) if line.startswith("fv-kernel "))
+    block = lines[kernel + 1 : next(i for i in range(kernel + 1, len(lines)) if not lines[i].startswith("    "))]
+    assert block and not any(line.startswith("    commands:") for line in block)  # none declared, no line
+    rows = {row["name"]: row for row in json.loads(runner.invoke(app, ["plugins", "list", "--json"]).stdout)}
+    assert rows["fv-cmdgood"]["commands"] == {
+        "hello": {"target": "fv_cmdgood.cli:hello", "summary": "Say hello from a plugin."},
+        "toolbox": {"target": "fv_cmdgood.cli:toolbox_app", "summary": "A group of plugin tools."},
+    }
+    assert rows["fv-kernel"]["commands"] == {}
+    assert not any(name in sys.modules for name in ("fv_cmdgood.cli", "fv_cmdbroken.cli"))  # listed, not imported
+
+
+def test_plugins_check_imports_each_command_target(site: Path) -> None:
+    good = runner.invoke(app, ["plugins", "check", "fv-cmdgood", "--no-side-effects"])
+    assert good.exit_code == 0, good.output
+    assert "  ok   commands" in good.stdout
+    broken = runner.invoke(app, ["plugins", "check", "fv-cmdbroken", "--no-side-effects"])
+    assert broken.exit_code == 1
+    assert "FAIL commands" in broken.stdout
+    assert ("command 'explode': importing target fv_cmdbroken.cli:run raised RuntimeError: "
+            "fv_cmdbroken exploded at import") in broken.stdout
+    odd = runner.invoke(app, ["plugins", "check", "fv-cmdnotcallable", "--no-side-effects"])
+    assert odd.exit_code == 1
+    assert "command 'number': target fv_cmdnotcallable.cli:NUMBER is a int, not a typer.Typer or a function" in odd.stdout
+    assert "command 'missing': importing target fv_cmdnotcallable.cli:nowhere raised AttributeError" in odd.stdout
+
+
+def test_check_commands_negative_control(site: Path) -> None:
+    # The same plugin with its target fixed passes: the failures above come from the targets alone.
+    from fv_kernel.plugins.check import PluginChecker
+
+    assert PluginChecker("fv-cmdgood").check_commands() == []
+    problems = PluginChecker("fv-cmdnotcallable").check_commands()
+    assert len(problems) == 2 and all(p.startswith("command '") for p in problems)

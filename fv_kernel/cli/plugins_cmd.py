@@ -41,6 +41,13 @@ def _registered_by_plugin(host: PluginHost) -> dict[str, dict[str, list[str]]]:
     return out
 
 
+def _commands(record: PluginRecord) -> dict[str, dict[str, str]]:
+    """The ``fv`` sub-commands the manifest declares: name -> target and summary (nothing imported)."""
+    if record.manifest is None:
+        return {}
+    return {name: {"target": c.target, "summary": c.summary} for name, c in record.manifest.commands.items()}
+
+
 def _record_json(record: PluginRecord, registered: dict[str, dict[str, list[str]]]) -> dict[str, object]:
     return {
         "name": record.name,
@@ -50,6 +57,7 @@ def _record_json(record: PluginRecord, registered: dict[str, dict[str, list[str]
         "entry_point": record.entry_point,
         "kernel_api": record.manifest.kernel_api if record.manifest else None,
         "contributions": record.contributions,
+        "commands": _commands(record),
         "registered": registered.get(record.name, {}) if record.status is PluginStatus.ENABLED else {},
     }
 
@@ -59,9 +67,9 @@ def list_plugins(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON array instead of a table."),
     config: Optional[Path] = ConfigOption,
 ) -> None:
-    """Show every discovered plugin: name, version, status (enabled, disabled, error) and contributions.
+    """Show every discovered plugin: name, version, status (enabled, disabled, error), contributions and commands.
 
-    Contributions are those the manifest declares; ``--json`` adds, for an enabled plugin,
+    Contributions and ``fv`` sub-commands are those the manifest declares; ``--json`` adds, for an enabled plugin,
     what it actually registered (``registered``): the ids cards, ``--sampler`` and deploy
     configs may name.
     """
@@ -78,6 +86,9 @@ def list_plugins(
         typer.echo(f"{record.name} {record.version or '?'}  [{record.status.value}]  {record.reason}")
         for kind, ids in record.contributions.items():
             typer.echo(f"    {kind}: {', '.join(ids)}")
+        commands = _commands(record)
+        if commands:
+            typer.echo(f"    commands: {', '.join(f'fv {name}' for name in commands)}")
 
 
 @plugins_app.command("check")
@@ -87,7 +98,7 @@ def check_plugin(
         True, "--side-effects/--no-side-effects", help="Also import the plugin in a subprocess to detect CUDA init or weight reads."
     ),
 ) -> None:
-    """Validate one plugin: entry point, manifest, kernel API, import, contributions. Exits 1 on any problem."""
+    """Validate one plugin: entry point, manifest, kernel API, import, contributions, command targets. Exits 1 on any problem."""
     report = PluginChecker(distribution).run_all(side_effects=side_effects)
     if report.version is None and report.results.get("entry_point"):
         # No such plugin: every other check would be skipped for this one reason.

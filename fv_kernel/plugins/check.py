@@ -47,7 +47,9 @@ class CheckReport:
 class PluginChecker:
     """Checks for one distribution; ``search_path`` limits discovery as in :class:`PluginHost`."""
 
-    CHECKS: tuple[str, ...] = ("entry_point", "manifest", "import", "register_twice", "contributions", "import_side_effects")
+    CHECKS: tuple[str, ...] = (
+        "entry_point", "manifest", "import", "register_twice", "contributions", "commands", "import_side_effects",
+    )
 
     def __init__(
         self,
@@ -253,6 +255,33 @@ class PluginChecker:
                         check_satisfies(spec, target, what=f"manifest target {decl.target} of {name}/{decl.name}")
                     except Exception as exc:  # import errors of the target, whatever their type
                         problems.append(f"{spec.kind} {decl.name!r}: target {decl.target}: {type(exc).__name__}: {exc}")
+            return problems
+
+        return self._run(run)
+
+    def check_commands(self) -> list[str]:
+        """Each declared ``fv`` sub-command's target imports and is a ``typer.Typer`` or a function.
+
+        ``fv --help`` lists commands from the manifest alone, so a broken target would otherwise
+        surface only when a user runs the command. The plugin's entry point is imported first,
+        as ``fv <name>`` does.
+        """
+
+        def run() -> list[str]:
+            manifest = self._manifest()
+            self._plugin()
+            problems: list[str] = []
+            for name, decl in manifest.commands.items():
+                try:
+                    target = import_target(decl.target)
+                except Exception as exc:  # import errors of the target, whatever their type
+                    problems.append(f"command {name!r}: importing target {decl.target} raised {type(exc).__name__}: {exc}")
+                    continue
+                if not callable(target):
+                    problems.append(
+                        f"command {name!r}: target {decl.target} is a {type(target).__name__}, "
+                        "not a typer.Typer or a function"
+                    )
             return problems
 
         return self._run(run)
