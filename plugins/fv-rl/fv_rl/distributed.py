@@ -37,8 +37,7 @@ class RolloutWorker:
 
     def __init__(self, card_json: str, source: str | None, threads: int = 1) -> None:
         torch.set_num_threads(threads)
-        from fv_kernel.api import Engine, InstanceOptions, ModelCard, build_instance
-        from fv_kernel.plugins import PluginHost
+        from fv_kernel.api import Engine, InstanceOptions, ModelCard, PluginHost, build_instance
 
         host = PluginHost()
         host.start()
