@@ -84,3 +84,16 @@ def test_the_launcher_bounds_a_hung_rank_and_ends_its_processes() -> None:
     with pytest.raises(LaunchError, match="timed out"):
         spawn(_hang, 2, timeout_s=5)
     assert multiprocessing.active_children() == []
+
+
+def test_the_rings_partial_attention_is_chunked_over_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.nn.functional as F
+
+    from fv_kernel.parallel import attention
+
+    q, k, v = _qkv()
+    whole, whole_lse = attention._attend_with_lse(q, k, v)
+    monkeypatch.setattr(attention, "_SCORE_ELEMENTS", 2 * HEADS * TOKENS * 5)  # 5 query rows a chunk
+    chunked, chunked_lse = attention._attend_with_lse(q, k, v)
+    assert torch.allclose(chunked, whole, atol=1e-6) and torch.allclose(chunked_lse, whole_lse, atol=1e-6)
+    assert torch.allclose(chunked, F.scaled_dot_product_attention(q, k, v), atol=1e-5)

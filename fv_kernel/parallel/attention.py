@@ -61,12 +61,28 @@ def ulysses_heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
     return recv.permute(1, 0, 2, 3, 4).reshape(batch, size * heads_local, local, dim)
 
 
+#: fp32 score elements one query chunk of the ring's partial attention may hold (256 MiB).
+_SCORE_ELEMENTS = 64 * 2**20
+
+
 def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of one K/V block in fp32, with its log-sum-exp (B, H, Lq, 1)."""
+    """Softmax attention of one K/V block in fp32, with its log-sum-exp (B, H, Lq, 1).
+
+    Queries go in chunks so the fp32 score matrix stays within ``_SCORE_ELEMENTS`` (at real
+    sizes a whole block's scores would not fit: 14B at ring 2 is ~230 GB); query rows are
+    independent, so chunking changes only the matmuls' rounding.
+    """
     scale = q.shape[-1] ** -0.5
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.matmul(torch.exp(scores - lse), v.float()), lse
+    batch, heads, length, _ = q.shape
+    rows = max(1, _SCORE_ELEMENTS // max(1, batch * heads * k.shape[-2]))
+    key_t, value = k.float().transpose(-1, -2), v.float()
+    outs, lses = [], []
+    for start in range(0, length, rows):
+        scores = torch.matmul(q[:, :, start : start + rows].float(), key_t) * scale
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        outs.append(torch.matmul(torch.exp(scores - lse), value))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
