@@ -78,6 +78,6 @@ def init_process_group_from_env(plan: ParallelPlan, device_type: str) -> None:
         raise ParallelPlanError("world_size", f"the plan needs {plan.world_size} processes but the launcher environment "
                                 f"lacks {missing}", allowed="torchrun --nproc-per-node N fv serve ..., or fv serve's own spawn")
     backend = plan.backend or ("nccl" if device_type == "cuda" else "gloo")
-    if backend == "nccl":
+    if device_type == "cuda":  # each rank its own GPU, whichever backend
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=plan.timeout_s))

@@ -105,3 +105,23 @@ def test_block_hooks_cannot_ride_the_spmd_broadcast() -> None:
     op = StepOp("dit_forward:transformer", lambda inputs, params: {})
     text = refused("sp", lambda: leader.call(0, op.name, op, {}, {"block_hooks": object()}))
     assert "block hooks" in text and leader.ledger == []
+
+
+def test_the_deploy_example_in_docs_parallelism_md_passes_the_plan_check() -> None:
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from fv_kernel.parallel.deploy import check_deploy_plan
+    from fv_kernel.plugins import PluginHost
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "parallelism.md").read_text()
+    block = re.search(r"```yaml\n(# deploy.yaml\n.*?)```", text, flags=re.S)
+    assert block is not None
+    config = DeployConfig.model_validate(yaml.safe_load(block.group(1)))
+    assert config.parallel == ParallelPlan(sp=2) and config.cards[0].device == "cuda"
+    check_deploy_plan(config, PluginHost())
+    # The comment's alternative is valid too, and ulysses 8 is not (12 heads).
+    check_deploy_plan(config.model_copy(update={"parallel": ParallelPlan(sp=2, cfgp=2)}), PluginHost())
+    refused("ulysses", lambda: check_deploy_plan(config.model_copy(update={"parallel": ParallelPlan(sp=8)}), PluginHost()))
