@@ -130,6 +130,7 @@ from fv_kernel.parallel import (
 )
 from fv_kernel.plugins.hookspecs import hookimpl
 from fv_kernel.plugins.config import PluginsConfig
+from fv_kernel.plugins.errors import PluginError
 from fv_kernel.plugins.host import PluginHost
 from fv_kernel.program.base import InlineProgram, Program, ProgramCompiler
 from fv_kernel.program.resume import (

@@ -129,3 +129,48 @@ def test_fv_plugins_env_override() -> None:
     assert not select(allow, "fv-a", "1").enabled
     with pytest.raises(PluginConfigError, match="FV_PLUGINS"):
         base.with_env({"FV_PLUGINS": "fv-a[extra]"})
+
+
+def test_per_plugin_settings_are_read_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "deploy.yaml"
+    path.write_text("plugins:\n  settings:\n    Fv_Good: {models: m.yaml, n: 3}\n")
+    config = PluginsConfig.from_yaml(path)
+    assert config.settings_for("fv-good") == {"models": "m.yaml", "n": 3}  # canonical name match
+    assert config.settings_for("fv-other") == {}
+    # FV_PLUGINS replaces the selection, never the settings
+    assert config.with_env({"FV_PLUGINS": "fv-good"}).settings_for("fv-good") == {"models": "m.yaml", "n": 3}
+
+
+@pytest.mark.parametrize(("settings", "needle"), [
+    ({"fv good": {}}, "'fv good' is not a distribution name"),
+    ({"fv-good>=1": {}}, "is not a distribution name"),
+    ({"fv-good": {}, "fv_good": {}}, "'fv-good' and 'fv_good' name the same plugin"),
+    ({"fv-good": 3}, "settings.fv-good"),
+])
+def test_bad_plugin_settings_name_the_field(tmp_path: Path, settings: dict, needle: str) -> None:
+    import yaml
+
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump({"plugins": {"settings": settings}}))
+    with pytest.raises(PluginConfigError, match="plugins.settings") as caught:
+        PluginsConfig.from_yaml(path)
+    assert needle in str(caught.value)
+
+
+def test_settings_for_a_plugin_that_is_not_installed_stop_the_host(plugin_site: Path) -> None:
+    import warnings
+
+    from fv_kernel.plugins import PluginHost, PluginWarning
+
+    typo = PluginsConfig(settings={"fv-goood": {"x": 1}})
+    with pytest.raises(PluginConfigError, match="plugins.settings names 'fv-goood', which is not installed; installed: .*fv-good"):
+        PluginHost(typo, environ={}).start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PluginWarning)
+        PluginHost(typo, environ={}).start(fail_fast=False)
+    assert any("fv-goood" in str(w.message) for w in caught if issubclass(w.category, PluginWarning))
+    # Negative control: settings for an installed plugin (enabled or not) start fine.
+    PluginHost(PluginsConfig(settings={"fv-good": {"x": 1}}, autoload=False), environ={}).start()
+    host = PluginHost(PluginsConfig(settings={"fv-good": {"x": 1}}, autoload=False, enable=["fv-good"]), environ={})
+    host.start()
+    assert host.config.settings_for("fv-good") == {"x": 1}

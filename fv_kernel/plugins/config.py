@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+import re
+from typing import Any, Mapping
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
@@ -33,6 +34,10 @@ def _parse_selector(text: str, *, field: str) -> Requirement:
     return req
 
 
+#: A distribution name as PEP 508 spells one (no version specifier).
+_DISTRIBUTION_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")
+
+
 class PluginsConfig(BaseModel):
     """Which installed plugins run in this deployment."""
 
@@ -46,6 +51,10 @@ class PluginsConfig(BaseModel):
     """Plugins never loaded, ``"name"`` or ``"name<2"``."""
     strict: bool = False
     """Treat autoloaded plugins that fail to load as fatal too."""
+    settings: dict[str, dict[str, Any]] = {}
+    """Per-plugin settings by distribution name, ``{fv-foo: {key: value}}``. Each plugin reads its
+    own mapping (:meth:`settings_for`) and validates it; the kernel checks only that each name is
+    a distribution name, given once, and (when the host starts) installed."""
 
     @field_validator("enable", "disable")
     @classmethod
@@ -54,6 +63,27 @@ class PluginsConfig(BaseModel):
         for item in value:
             _parse_selector(item, field=field)
         return value
+
+    @field_validator("settings")
+    @classmethod
+    def _settings_names(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        seen: dict[str, str] = {}
+        for name in value:
+            if not _DISTRIBUTION_NAME.match(name):
+                raise ValueError(f"settings: {name!r} is not a distribution name (letters, digits, '.', '_', '-')")
+            key = canonicalize_name(name)
+            if key in seen:
+                raise ValueError(f"settings: {seen[key]!r} and {name!r} name the same plugin")
+            seen[key] = name
+        return value
+
+    def settings_for(self, distribution: str) -> dict[str, Any]:
+        """The ``settings`` mapping of ``distribution`` (its name compared canonically), or ``{}``."""
+        key = canonicalize_name(distribution)
+        for name, values in self.settings.items():
+            if canonicalize_name(name) == key:
+                return dict(values)
+        return {}
 
     @model_validator(mode="after")
     def _consistent(self) -> "PluginsConfig":
@@ -96,7 +126,7 @@ class PluginsConfig(BaseModel):
                 _parse_selector(name, field=FV_PLUGINS_ENV)
         except ValueError as exc:
             raise PluginConfigError(str(exc)) from None
-        return PluginsConfig(autoload=False, enable=names, disable=[], strict=self.strict)
+        return PluginsConfig(autoload=False, enable=names, disable=[], strict=self.strict, settings=self.settings)
 
     def requirements(self) -> tuple[dict[str, Requirement], dict[str, Requirement]]:
         """(enable, disable) selectors keyed by canonical distribution name."""

@@ -19,7 +19,7 @@ from .. import API_VERSION
 from . import hookspecs
 from .config import KERNEL_DISTRIBUTION, PluginsConfig, Selection, select
 from .drivers import DriverRegistry, entry_point_distribution
-from .errors import ManifestError, PluginError, PluginLoadError, one_line
+from .errors import ManifestError, PluginConfigError, PluginError, PluginLoadError, one_line
 from .hooks import PluginHooks
 from .kinds import KINDS, KindSpec, kind_spec
 from .manifest import PluginManifest, load_manifest, locate_manifest
@@ -251,6 +251,15 @@ class PluginHost:
                 if fail_fast:
                     raise PluginLoadError(req.name, None, None, cause)
                 self._records[key] = PluginRecord(req.name, None, None, PluginStatus.ERROR, cause, explicit=True)
+        if self._discover:
+            # Settings for a plugin that is not installed are read by nothing: most likely a typo.
+            for name in self.config.settings:
+                if canonicalize_name(name) not in installed:
+                    cause = (f"plugins.settings names {name!r}, which is not installed; "
+                             f"installed: {', '.join(sorted(p.distribution for p in loadable.plugins))}")
+                    if fail_fast:
+                        raise PluginConfigError(cause)
+                    warnings.warn(f"fv: {cause}", PluginWarning, stacklevel=2)
         self._started = True
         self.hooks.host_started(self)
 
