@@ -22,7 +22,9 @@ comfy_app = typer.Typer(
 )
 
 ModelsOption = typer.Option(
-    ..., "--comfy-models", help="YAML mapping ComfyUI model file names to card ids ('card', 'card:component' or a list).",
+    None, "--comfy-models",
+    help="YAML mapping ComfyUI model file names to card ids ('card', 'card:component' or a list). Default: "
+         "FV_COMFY_MODELS, else the deploy config's plugins.settings.fv-comfyui.models.",
 )
 
 
@@ -65,7 +67,7 @@ def convert(
 @comfy_app.command("run")
 def run(
     workflow: Path = typer.Argument(..., help="A UI workflow or an API prompt (.json); the format is detected."),
-    comfy_models: Path = ModelsOption,
+    comfy_models: Optional[Path] = ModelsOption,
     output_dir: Path = typer.Option(Path("output"), "--output-dir", "-o", help="Where the save nodes write (ComfyUI's output folder)."),
     input_dir: Optional[Path] = typer.Option(
         None, "--input-dir", help="Where LoadImage finds its files (ComfyUI's input folder; default: the workflow's folder).",
@@ -73,22 +75,27 @@ def run(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="Deploy config (its plugins, limits and cards' device)."),
 ) -> None:
     """Run a ComfyUI workflow on fv and write the files its save nodes name."""
-    from fv_kernel.api import DeployConfig, DeployConfigError, FvError, PluginHost, load_deploy_config
+    from fv_kernel.api import DeployConfig, DeployConfigError, FvError, PluginError, PluginHost, load_deploy_config
     from fv_comfyui.convert import WorkflowFormatError
     from fv_comfyui.models import ComfyModelsError, ModelMap
     from fv_comfyui.run import JobRunner, OutputFileError, save_outputs
     from fv_comfyui.service import service_for
+    from fv_comfyui.settings import DISTRIBUTION, MODELS_ENV, ComfySettingsError, models_file
 
     document = _read_document(workflow)
     try:
-        models = ModelMap.from_yaml(comfy_models)
         deploy = load_deploy_config(config) if config is not None else DeployConfig()
+        mapping = comfy_models if comfy_models is not None else models_file(deploy)
+        if mapping is None:
+            _fail(f"no model mapping file: pass --comfy-models FILE, set {MODELS_ENV}, or set "
+                  f"plugins.settings.{DISTRIBUTION}.models in the deploy config (--config)")
+        models = ModelMap.from_yaml(mapping)
         host = PluginHost(deploy.plugins)
         host.start()
         service = service_for(host, models, input_dir or workflow.parent, limits=deploy.limits)
         answer = service.check(document)
-    except (ComfyModelsError, WorkflowFormatError) as exc:
-        _fail(str(exc))
+    except (ComfyModelsError, WorkflowFormatError, ComfySettingsError, PluginError) as exc:
+        _fail(" ".join(str(exc).split()))
     except DeployConfigError as exc:
         _fail(exc.message)
     if not answer.ok:

@@ -17,7 +17,8 @@ Routes, answering as ComfyUI's ``server.py`` does, so existing ComfyUI API clien
 
 Prompts run one at a time, in order, on the server's engine (the cards ``fv serve`` serves; a
 prompt whose loaders map to another card is refused at ``POST /prompt``). The model mapping
-is the YAML file named by ``FV_COMFY_MODELS`` (``fv serve`` has no plugin-specific flags).
+is the deploy config's ``plugins.settings.fv-comfyui.models`` (``fv serve --config``), or the
+file ``FV_COMFY_MODELS`` names, which overrides it (:mod:`fv_comfyui.settings`).
 Files live under the server's data dir: ``<output_dir>/comfyui/input`` and ``.../output``.
 """
 
@@ -44,11 +45,10 @@ from fv_comfyui.models import ModelMap
 from fv_comfyui.nodes import NODE_SPECS, object_info
 from fv_comfyui.run import save_outputs
 from fv_comfyui.service import ComfyService
+from fv_comfyui.settings import DISTRIBUTION, MODELS_ENV, models_file
 
 __all__ = ["MODELS_ENV", "ComfyServer", "mount"]
 
-#: The model mapping file ``fv serve`` answers ComfyUI prompts with.
-MODELS_ENV = "FV_COMFY_MODELS"
 
 
 @dataclass
@@ -239,12 +239,13 @@ class ComfyServer:
 
 def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:
     """Add the ComfyUI routes to ``app`` (see the module doc)."""
-    models_file = os.environ.get(MODELS_ENV)
-    if models_file:
-        models = ModelMap.from_yaml(models_file)
+    path = models_file(config)
+    if path is not None:
+        models = ModelMap.from_yaml(path)
     else:
-        warnings.warn(f"fv-comfyui: {MODELS_ENV} is not set: no model file name maps to a card, so every "
-                      "ComfyUI loader answers value_not_in_list", stacklevel=2)
+        warnings.warn(f"fv-comfyui: no model mapping file (set plugins.settings.{DISTRIBUTION}.models in the deploy "
+                      f"config, or {MODELS_ENV}): no model file name maps to a card, so every ComfyUI loader "
+                      "answers value_not_in_list", stacklevel=2)
         models = ModelMap({})
     server = ComfyServer(engine, config, models)
     app.state.comfyui = server

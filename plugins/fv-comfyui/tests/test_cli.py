@@ -116,3 +116,35 @@ def test_a_partly_valid_prompt_runs_the_valid_outputs_and_says_what_it_skips(tmp
     assert result.stderr.strip() == ("warning: node 47 (SaveWEBM): Value 99.0 bigger than max of 63.0: crf; "
                                      "skipping output(s) 47")
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["ComfyUI_00001_.webp"]  # 47 wrote nothing
+
+
+def _deploy_with_models(tmp_path: Path, settings: str) -> Path:
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(f"plugins:\n  settings:\n    fv-comfyui: {settings}\n")
+    return deploy
+
+
+def test_run_takes_the_mapping_file_from_the_deploy_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FV_COMFY_MODELS", raising=False)
+    monkeypatch.delenv("FV_PLUGINS", raising=False)
+    workflow = tmp_path / "t2v.json"
+    workflow.write_text(json.dumps(_tiny_ui("text_to_video_wan")))
+    deploy = _deploy_with_models(tmp_path, f"{{models: {json.dumps(str(MODELS_FILE))}}}")
+    result = runner.invoke(comfy_app, ["run", str(workflow), "--config", str(deploy), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"wrote {tmp_path / 'out' / 'ComfyUI_00001_.webp'} (node 28)"
+
+
+def test_without_a_mapping_file_it_says_where_to_give_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FV_COMFY_MODELS", raising=False)
+    workflow = tmp_path / "t2v.json"
+    workflow.write_text(json.dumps(_tiny_ui("text_to_video_wan")))
+    result = runner.invoke(comfy_app, ["run", str(workflow), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("error: no model mapping file: pass --comfy-models FILE, set FV_COMFY_MODELS, or set "
+                                     "plugins.settings.fv-comfyui.models in the deploy config (--config)")
+    bad = _deploy_with_models(tmp_path, "{modles: m.yaml}")
+    result = runner.invoke(comfy_app, ["run", str(workflow), "--config", str(bad), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "plugins.settings.fv-comfyui.modles: Extra inputs are not permitted (allowed keys: models)" in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -34,11 +34,15 @@ def _free_port() -> int:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     work = tmp_path_factory.mktemp("comfy_serve")
     port = _free_port()
-    env = {**os.environ, "FV_COMFY_MODELS": str(MODELS_FILE), "OMP_NUM_THREADS": "1"}
+    # The mapping file the documented way: the deploy config's plugins.settings (no environment variable).
+    deploy = work / "deploy.yaml"
+    deploy.write_text(f"plugins:\n  settings:\n    fv-comfyui: {{models: {json.dumps(str(MODELS_FILE))}}}\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("FV_PLUGINS", None)
+    env.pop("FV_COMFY_MODELS", None)
     script = "import sys; from fv_kernel.cli.app import main; sys.argv = ['fv', *sys.argv[1:]]; main()"
     proc = subprocess.Popen(
-        [sys.executable, "-c", script, "serve", "--model", "wan-tiny", "--model", "wan-tiny-i2v", "--model", "wan-tiny-a14b",
+        [sys.executable, "-c", script, "serve", "--config", str(deploy), "--model", "wan-tiny", "--model", "wan-tiny-i2v", "--model", "wan-tiny-a14b",
          "--port", str(port), "--log-level", "warning"],
         cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

@@ -1,4 +1,5 @@
-"""Mounting the ComfyUI routes: the mapping file from FV_COMFY_MODELS, and what happens without it."""
+"""Mounting the ComfyUI routes: the mapping file from the deploy config's plugins.settings or FV_COMFY_MODELS
+(which overrides it), a malformed setting, and what happens without either."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from conftest import MODELS_FILE  # noqa: E402
-from fv_kernel.api import DeployConfig, Engine  # noqa: E402
+from fv_kernel.api import DeployConfig, Engine, PluginsConfig  # noqa: E402
 from fv_comfyui.models import ComfyModelsError  # noqa: E402
-from fv_comfyui.serving import MODELS_ENV, mount  # noqa: E402
+from fv_comfyui.serving import mount  # noqa: E402
+from fv_comfyui.settings import MODELS_ENV, ComfySettingsError, models_file  # noqa: E402
 
 
 def test_models_come_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,7 +30,7 @@ def test_models_come_from_the_environment(tmp_path: Path, monkeypatch: pytest.Mo
 def test_without_the_variable_every_loader_is_empty_and_it_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(MODELS_ENV, raising=False)
     app = FastAPI()
-    with pytest.warns(UserWarning, match="FV_COMFY_MODELS is not set"):
+    with pytest.warns(UserWarning, match="no model mapping file .*plugins.settings.fv-comfyui.models.*FV_COMFY_MODELS"):
         mount(app, Engine(), DeployConfig(output_dir=tmp_path))
     info = TestClient(app).get("/object_info/UNETLoader").json()
     assert info["UNETLoader"]["input"]["required"]["unet_name"][0] == []
@@ -38,3 +40,42 @@ def test_a_bad_mapping_file_raises_for_the_kernel_to_contain(tmp_path: Path, mon
     monkeypatch.setenv(MODELS_ENV, str(tmp_path / "absent.yaml"))
     with pytest.raises(ComfyModelsError, match="cannot read it"):
         mount(FastAPI(), Engine(), DeployConfig(output_dir=tmp_path))
+
+
+def _deploy(tmp_path: Path, settings: dict) -> DeployConfig:
+    return DeployConfig(output_dir=tmp_path, plugins=PluginsConfig(settings={"fv-comfyui": settings}))
+
+
+def _unet_names(app: FastAPI) -> list[str]:
+    return TestClient(app).get("/object_info/UNETLoader").json()["UNETLoader"]["input"]["required"]["unet_name"][0]
+
+
+def test_models_come_from_the_deploy_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(MODELS_ENV, raising=False)
+    app = FastAPI()
+    mount(app, Engine(), _deploy(tmp_path, {"models": str(MODELS_FILE)}))
+    assert "wan2.1_t2v_1.3B_fp16.safetensors" in _unet_names(app)
+
+
+def test_the_environment_overrides_the_deploy_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MODELS_ENV, str(MODELS_FILE))
+    config = _deploy(tmp_path, {"models": str(tmp_path / "absent.yaml")})
+    assert models_file(config) == MODELS_FILE
+    app = FastAPI()
+    mount(app, Engine(), config)
+    assert "wan2.1_t2v_1.3B_fp16.safetensors" in _unet_names(app)
+    # Negative control: without the variable the config's (absent) file is the one read.
+    monkeypatch.delenv(MODELS_ENV)
+    with pytest.raises(ComfyModelsError, match="absent.yaml"):
+        mount(FastAPI(), Engine(), config)
+
+
+@pytest.mark.parametrize(("settings", "needle"), [
+    ({"model": "m.yaml"}, "plugins.settings.fv-comfyui.model: Extra inputs are not permitted (allowed keys: models)"),
+    ({"models": 3}, "plugins.settings.fv-comfyui.models:"),
+])
+def test_a_malformed_setting_names_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: dict, needle: str) -> None:
+    monkeypatch.delenv(MODELS_ENV, raising=False)
+    with pytest.raises(ComfySettingsError) as caught:
+        mount(FastAPI(), Engine(), _deploy(tmp_path, settings))
+    assert needle in str(caught.value)

@@ -1,0 +1,66 @@
+"""fv-comfyui's deploy-config settings: ``plugins.settings.fv-comfyui`` (the kernel's per-plugin settings).
+
+```yaml
+plugins:
+  settings:
+    fv-comfyui:
+      models: comfy-models.yaml   # the model mapping file (docs/comfyui.md)
+```
+
+The kernel checks only the plugin's name; the keys are checked here, strictly (an unknown key
+is an error naming it). The ``FV_COMFY_MODELS`` environment variable, when set, overrides
+``models``, as ``FV_PLUGINS`` overrides the config's plugin selection.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from fv_kernel.api import DeployConfig
+
+__all__ = ["DISTRIBUTION", "MODELS_ENV", "ComfySettings", "ComfySettingsError", "comfy_settings", "models_file"]
+
+#: This plugin's distribution name: its key under ``plugins.settings``.
+DISTRIBUTION = "fv-comfyui"
+#: Overrides ``plugins.settings.fv-comfyui.models`` when set.
+MODELS_ENV = "FV_COMFY_MODELS"
+
+
+class ComfySettingsError(ValueError):
+    """``plugins.settings.fv-comfyui`` is malformed; the message names the key."""
+
+
+class ComfySettings(BaseModel):
+    """The keys of ``plugins.settings.fv-comfyui``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    models: Path | None = None
+    """The model mapping file; a relative path is read from the current directory, as the deploy
+    config's other paths (``output_dir``) are."""
+
+
+def comfy_settings(config: DeployConfig) -> ComfySettings:
+    """This plugin's settings from ``config``, or :class:`ComfySettingsError` naming the bad key."""
+    try:
+        return ComfySettings.model_validate(config.plugins.settings_for(DISTRIBUTION))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ComfySettingsError(
+            f"deploy config: plugins.settings.{DISTRIBUTION}.{where}: {first['msg']} "
+            f"(allowed keys: {', '.join(ComfySettings.model_fields)})"
+        ) from None
+
+
+def models_file(config: DeployConfig, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The mapping file to use: ``FV_COMFY_MODELS`` when set (non-empty), else the deploy config's ``models``."""
+    env = os.environ if environ is None else environ
+    value = env.get(MODELS_ENV)
+    if value:
+        return Path(value)
+    return comfy_settings(config).models
