@@ -72,7 +72,7 @@ class HealthSchema(BaseModel):
     #: The Dynamo endpoint answering ``{"op": "load"}`` / ``{"op": "quote", ...}`` / ``{"op": "card"}``.
     fleet_endpoint: str
     #: Fields a ``load`` answer carries.
-    load_fields: tuple[str, ...] = ("queued_gpu_seconds", "queue_depth", "running", "ready")
+    load_fields: tuple[str, ...] = ("queued_gpu_seconds", "requests", "queue_depth", "running", "ready")
 
 
 class RolePoolSpec(BaseModel):
@@ -97,6 +97,8 @@ class PricePoint(BaseModel):
     steps: int
     gpu_seconds: float
     per_loop: dict[str, float]
+    #: Scheduled steps per loop (the engine interleaves running requests step by step).
+    steps_per_loop: dict[str, int]
 
 
 class CardCost(BaseModel):
@@ -144,8 +146,10 @@ def price_request(engine: Engine, request: Request) -> PricePoint:
     instance = engine.instances[resolved.model]
     need = instance.program(resolved.task).estimate(instance, resolved)
     per_loop: dict[str, float] = {}
+    steps_per_loop: dict[str, int] = {}
     for step in need.steps:
         spec = instance.card.loops[step.loop_id]
+        steps_per_loop[step.loop_id] = steps_per_loop.get(step.loop_id, 0) + step.count
         per_loop[step.loop_id] = per_loop.get(step.loop_id, 0.0) + engine.cost_model.price(
             instance.instance_id, step, spec.step_cost)
     total = engine.reservation_for(resolved).gpu_seconds
@@ -153,7 +157,7 @@ def price_request(engine: Engine, request: Request) -> PricePoint:
     assert d is not None
     return PricePoint(
         task=resolved.task.value, width=int(d.width or 0), height=int(d.height or 0), frames=int(d.frames or 1),
-        steps=int(d.steps or 0), gpu_seconds=total, per_loop=per_loop,
+        steps=int(d.steps or 0), gpu_seconds=total, per_loop=per_loop, steps_per_loop=steps_per_loop,
     )
 
 

@@ -76,8 +76,26 @@ class WorkerConfigError(Exception):
 
 @dataclass
 class _InFlight:
+    """A request running here: its predicted GPU-seconds per loop and how far each loop got."""
+
     handle: RequestHandle
-    gpu_seconds: float
+    per_loop: dict[str, float]
+    steps_per_loop: dict[str, int]
+    done_fraction: dict[str, float]
+    tracker: asyncio.Task[None] | None = None
+
+    @property
+    def remaining_gpu_seconds(self) -> float:
+        return sum(price * (1.0 - self.done_fraction.get(loop, 0.0)) for loop, price in self.per_loop.items())
+
+    @property
+    def remaining_steps(self) -> float:
+        return sum(n * (1.0 - self.done_fraction.get(loop, 0.0)) for loop, n in self.steps_per_loop.items())
+
+    async def track(self) -> None:
+        async for event in self.handle.events():
+            if event.type == "progress" and event.total:
+                self.done_fraction[event.loop_id] = min(event.step / event.total, 1.0)
 
 
 class FvWorker:
@@ -116,28 +134,34 @@ class FvWorker:
 
     # -- load -------------------------------------------------------------------------
     def queued_gpu_seconds(self) -> float:
-        """Predicted GPU-seconds still to run here: each request's price times the share not yet done."""
-        return sum(f.gpu_seconds * (1.0 - f.handle.progress) for f in self._inflight.values())
+        """Predicted GPU-seconds still to run here: each request's loops' prices times the share of each not yet done."""
+        return sum(f.remaining_gpu_seconds for f in self._inflight.values())
 
     def load(self) -> dict[str, Any]:
         return {
-            "queued_gpu_seconds": self.queued_gpu_seconds(), "queue_depth": self.engine.queue_depth(),
+            "queued_gpu_seconds": self.queued_gpu_seconds(),
+            # Per in-flight request: [GPU-seconds, steps] still to run (a router models step interleaving with them).
+            "requests": [[f.remaining_gpu_seconds, f.remaining_steps] for f in self._inflight.values()],
+            "queue_depth": self.engine.queue_depth(),
             "running": self.engine.running_count(), "ready": self.ready,
         }
 
     def _submit(self, request: Request) -> RequestHandle:
-        gpu_seconds = self.engine.reservation_for(request).gpu_seconds
+        price = price_request(self.engine, request)
         try:
             handle = self.engine.submit(request)
         except FvError as exc:  # queue_full: fv serve's 429 body
             raise _invalid(FleetRequestError.from_api_error(api.from_fv_error(exc))) from None
-        self._inflight[request.request_id] = _InFlight(handle, gpu_seconds)
-        log.info("request %s accepted (%s, %.3f GPU-s predicted)", request.request_id, request.task.value, gpu_seconds)
+        entry = self._inflight[request.request_id] = _InFlight(handle, dict(price.per_loop), dict(price.steps_per_loop), {})
+        entry.tracker = asyncio.ensure_future(entry.track())
+        log.info("request %s accepted (%s, %.3f GPU-s predicted)", request.request_id, request.task.value, price.gpu_seconds)
         return handle
 
     def _done(self, request_id: str) -> None:
         entry = self._inflight.pop(request_id, None)
         if entry is not None:
+            if entry.tracker is not None:
+                entry.tracker.cancel()
             log.info("request %s ended: %s", request_id, entry.handle.status)
         self.engine.forget(request_id)
 
@@ -154,11 +178,12 @@ class FvWorker:
                 build = video_request if kind == "videos" else image_requests
                 built = build(self.engine, payload.get("request") or {})
                 requests = built if isinstance(built, list) else [built]
-                price = sum(price_request(self.engine, r).gpu_seconds for r in requests)
+                points = [price_request(self.engine, r) for r in requests]
             except FleetRequestError as exc:
                 yield {"error": exc.body["error"], "status": exc.status}
                 return
-            yield {**self.load(), "gpu_seconds": price}
+            yield {**self.load(), "gpu_seconds": sum(p.gpu_seconds for p in points),
+                   "steps": max(sum(p.steps_per_loop.values()) for p in points)}
         else:
             yield {"error": {"message": f"op: unknown {op!r}; allowed: load, quote, card", "type": "invalid_request",
                              "param": "op", "code": "invalid_request"}, "status": 400}

@@ -37,6 +37,8 @@ def test_prices_per_loop_and_shape_come_from_the_engines_cost_model(engine) -> N
         # The whole price is what admission reserves; the per-loop shares add up to it.
         assert point.per_loop and abs(sum(point.per_loop.values()) - point.gpu_seconds) < 1e-9
         assert {"denoise", "decode"} <= set(point.per_loop)
+        # Steps per loop (what a router models step interleaving with): the denoise loop runs the request's steps.
+        assert point.steps_per_loop["denoise"] == point.steps and set(point.steps_per_loop) == set(point.per_loop)
 
 
 def test_a_worker_serves_exactly_one_card() -> None:
