@@ -134,7 +134,7 @@ def serve(
             deploy = deploy.model_copy(update={"cards": [{"model": default}]})
             deploy = DeployConfig.model_validate(deploy.model_dump())
         preflight_cards(deploy, plugin_host)
-        engine = build_engine(deploy, host=plugin_host)
+        engine = build_engine(deploy, host=plugin_host, launcher=workers)
     except (FvError, PluginError) as exc:
         fail(str(exc))
     app = create_app(engine, deploy, data_dir_lock=data_dir_lock)

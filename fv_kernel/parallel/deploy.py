@@ -18,6 +18,7 @@ from fv_kernel.parallel.spmd import SpmdLeader, WorkerReport, parallel_instance,
 
 if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.card.instance import ModelInstance
+    from fv_kernel.parallel.launch import LocalWorkers
     from fv_kernel.config import DeployConfig
     from fv_kernel.parallel.engine import SpmdEngine
     from fv_kernel.plugins.host import PluginHost
@@ -69,7 +70,10 @@ def check_deploy_plan(config: "DeployConfig", host: "PluginHost") -> list:
     return resolved
 
 
-def deploy_parallel(config: "DeployConfig", host: "PluginHost | None" = None) -> ParallelDeployment:
+def deploy_parallel(config: "DeployConfig", host: "PluginHost | None" = None, *,
+                    launcher: "LocalWorkers | None" = None) -> ParallelDeployment:
+    """Every rank's deployment. ``launcher``: rank 0's handle on the ranks it started (fv's
+    spawn), which lets it restart them after a rank fails (``SpmdLeader.recover``)."""
     from fv_kernel.card.instance import build_instance
     from fv_kernel.parallel.engine import SpmdEngine
     from fv_kernel.plugins.host import PluginHost
@@ -97,6 +101,19 @@ def deploy_parallel(config: "DeployConfig", host: "PluginHost | None" = None) ->
         instances.append(parallel_instance(build_instance(item.card, options), runtime, index=index, leader=leader))
     if leader is None:
         return ParallelDeployment(runtime=runtime, instances=instances)
+    if launcher is not None:
+        def restart_pool() -> ParallelRuntime:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # noqa: BLE001 - a group with a dead peer may not tear down cleanly
+                log.warning("tearing down the failed process group: %s", exc)
+            launcher.restart()
+            init_process_group_from_env(plan, device_type)
+            return compile_mesh(plan, device_type)
+
+        leader.recover = restart_pool
     extensions = ExtensionSet.build(config.extensions, available_extensions(host))
     engine = SpmdEngine(config.scheduler, limits=config.limits, hooks=host.hooks, extensions=extensions, leader=leader)
     for instance in instances:

@@ -129,19 +129,37 @@ def _spawned_worker(rank: int, world_size: int, port: int, config_json: str) -> 
 
 
 class LocalWorkers:
-    """fv's own launcher for ``fv serve``: this process becomes rank 0, ranks 1..N-1 are its children."""
+    """fv's own launcher for ``fv serve``: this process becomes rank 0, ranks 1..N-1 are its children.
+
+    It can also restart them (:meth:`restart`), which is what lets rank 0 recover from a
+    dead rank (``SpmdLeader.recover``); torchrun's ranks are not fv's to restart.
+    """
 
     def __init__(self, world_size: int, config_json: str) -> None:
+        self.world_size, self.config_json = world_size, config_json
+        self.processes: list[Any] = []
+        self._start()
+
+    def _start(self) -> None:
         port = free_port()
-        os.environ.update(RANK="0", WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE=str(self.world_size), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
         context = mp.get_context("spawn")
         self.processes = [
-            context.Process(target=_spawned_worker, args=(rank, world_size, port, config_json), daemon=True,
+            context.Process(target=_spawned_worker, args=(rank, self.world_size, port, self.config_json), daemon=True,
                             name=f"fv-rank-{rank}")
-            for rank in range(1, world_size)
+            for rank in range(1, self.world_size)
         ]
         for process in self.processes:
             process.start()
+
+    def restart(self) -> None:
+        """End every worker (a survivor is stuck in the failed collective) and start fresh ones on a new port."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+        self._start()
 
     def join(self, timeout_s: float = 30.0) -> None:
         """Wait for the workers (rank 0 has told them to stop); end any still running."""

@@ -14,16 +14,19 @@ dropped by rank 0's scheduler before they are picked, so no rank ever runs them;
 hold no per-request state to clean up. Every rank keeps the ledger of decisions it ran
 (``ledger``), which the tests compare across ranks.
 
-A rank that dies (or a collective that fails) fails the op on rank 0 with a
-:class:`RankFailure`: the requests of that batch fail with it, and every later step fails
-at once with the same error instead of hanging; the pool must be restarted.
+A rank that dies (or a collective that fails) fails the op on rank 0. When the launcher
+can restart the other ranks (fv's own spawn: ``SpmdLeader.recover``), rank 0 restarts
+them on a new process group and runs the call again: the requests' LoopStates are on
+rank 0 and have not advanced, so they resume at the failed step. Otherwise (torchrun, or
+the restarts used up) the op raises :class:`RankFailure`: the requests of that batch fail
+with it, and every later step fails at once with the same error instead of hanging.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -112,7 +115,12 @@ class SpmdLeader:
         self.ledger: list[Decision] = []
         self._broken: str | None = None
         self._units = threading.local()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a call retried after a pool restart re-enters it
+        #: Restarts the other ranks and returns the new runtime (fv's own launcher can; under
+        #: torchrun there is none and a failure is final). See :meth:`call`.
+        self.recover: Callable[[], ParallelRuntime] | None = None
+        self.max_recoveries = 3
+        self.recoveries = 0
 
     @contextmanager
     def batch(self, units: Sequence[UnitId]) -> Iterator[None]:
@@ -156,14 +164,42 @@ class SpmdLeader:
             except Exception as exc:
                 if not _is_collective_failure(exc):
                     raise
+                cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                if self.recover is not None and self.recoveries < self.max_recoveries:
+                    return self._restart_and_retry(index, name, inputs, params, cause)
                 self._broken = (
                     f"parallel pool failed during op {name!r} (world {self.runtime.world_size}, plan "
-                    f"{self.runtime.plan.label()}): a rank died or a collective failed ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0] if str(exc) else ''}); the requests in flight fail and the pool "
-                    "must be restarted"
+                    f"{self.runtime.plan.label()}): a rank died or a collective failed ({cause}); the requests "
+                    "in flight fail and the pool must be restarted"
                 )
                 log.error(self._broken)
                 raise RankFailure(self._broken) from exc
+
+    def _restart_and_retry(self, index: int, name: str, inputs: Mapping[str, torch.Tensor],
+                           params: Mapping[str, Any], cause: str) -> dict[str, torch.Tensor]:
+        """Pool-fatal recovery: restart the other ranks, rebuild the ops on the new mesh, run the call again.
+
+        The step's inputs are still in hand and the requests' LoopStates (on rank 0) have not
+        advanced, so running the call again on the new pool resumes every request exactly
+        where it was: the failed step is the next one.
+        """
+        assert self.recover is not None
+        self.recoveries += 1
+        log.warning("parallel pool: %s during op %r; restarting the other ranks (%d of at most %d)",
+                    cause, name, self.recoveries, self.max_recoveries)
+        try:
+            self.runtime = self.recover()
+            for instance in self.instances:
+                if instance.components:  # ops were built on the old mesh's groups
+                    instance._ops = instance.ops_builder(instance)
+        except Exception as exc:  # noqa: BLE001 - a pool that cannot restart is broken for good
+            self._broken = (f"parallel pool failed during op {name!r} ({cause}) and could not be restarted "
+                            f"({type(exc).__name__}: {exc}); restart fv serve")
+            log.error(self._broken)
+            raise RankFailure(self._broken) from exc
+        log.warning("parallel pool restarted (%d ranks); retrying op %r", self.runtime.world_size, name)
+        retried = self.instances[index].op(name)
+        return retried.fn(inputs, params)
 
     def shutdown(self) -> None:
         """Release the workers (they return from :func:`serve_worker`)."""
@@ -233,9 +269,10 @@ def parallel_instance(instance: "ModelInstance", runtime: ParallelRuntime, *, in
     implementation: ParallelImplementation = import_object(reference)
 
     def build(inst: "ModelInstance") -> dict[str, "StepOp"]:
-        ops = implementation.build_ops(inst, runtime)
+        current = leader.runtime if leader is not None else runtime  # a restarted pool has a new mesh
+        ops = implementation.build_ops(inst, current)
         if leader is None:
             return ops
-        return leader.wrap(index, ops, lambda name: implementation.is_collective(name, runtime.plan))
+        return leader.wrap(index, ops, lambda name: implementation.is_collective(name, current.plan))
 
     return dataclasses.replace(instance, ops_builder=build)

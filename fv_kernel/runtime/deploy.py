@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fv_kernel.card.catalog import CardCatalog
 from fv_kernel.card.instance import InstanceOptions, build_instance
 from fv_kernel.config import CardDeployment, DeployConfig
@@ -9,6 +11,9 @@ from fv_kernel.plugins.host import PluginHost
 from fv_kernel.plugins.registry import DeployRegistry
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.runtime.engine import Engine
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.parallel.launch import LocalWorkers
 
 __all__ = ["build_engine", "engine_for", "available_extensions", "deployment_options"]
 
@@ -43,11 +48,12 @@ def engine_for(config: DeployConfig, host: PluginHost) -> Engine:
     return Engine(config.scheduler, limits=config.limits, hooks=host.hooks, extensions=extensions)
 
 
-def build_engine(config: DeployConfig, host: PluginHost | None = None) -> Engine:
+def build_engine(config: DeployConfig, host: PluginHost | None = None, *, launcher: LocalWorkers | None = None) -> Engine:
     """Start the plugin host the config selects, then make every configured card resident.
 
     With a multi-rank ``parallel:`` plan this is rank 0's side of
-    :func:`fv_kernel.parallel.deploy.deploy_parallel` (the other ranks serve through it).
+    :func:`fv_kernel.parallel.deploy.deploy_parallel` (the other ranks serve through it);
+    ``launcher`` is fv's spawn of those ranks, if it started them (it can restart them).
     """
     if host is None:
         host = PluginHost(config.plugins)
@@ -57,7 +63,7 @@ def build_engine(config: DeployConfig, host: PluginHost | None = None) -> Engine
         from fv_kernel.parallel.plan import ParallelPlanError
 
         if config.parallel.world_size > 1:
-            deployed = deploy_parallel(config, host)
+            deployed = deploy_parallel(config, host, launcher=launcher)
             if deployed.engine is None:
                 raise ParallelPlanError("world_size", f"rank {deployed.runtime.rank} is a worker of the pool: it serves "
                                         "through deploy_parallel(...).serve(), not build_engine", allowed="rank 0")

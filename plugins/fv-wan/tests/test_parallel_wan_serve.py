@@ -52,7 +52,7 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def served(data_dir: Path, launcher: list[str]) -> Iterator[httpx.Client]:
+def served(data_dir: Path, launcher: list[str]) -> Iterator[tuple[subprocess.Popen[bytes], httpx.Client]]:
     config = data_dir / "deploy.yaml"
     config.write_text(f"cards: [wan-tiny]\noutput_dir: {data_dir / 'out'}\nparallel:\n  sp: 2\n")
     script = data_dir / "fv_main.py"
@@ -74,7 +74,7 @@ def served(data_dir: Path, launcher: list[str]) -> Iterator[httpx.Client]:
                         break
                 assert time.monotonic() < deadline, "fv serve did not come up"
                 time.sleep(0.2)
-            yield client
+            yield process, client
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
@@ -107,10 +107,40 @@ LAUNCHERS = {
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_fv_serve_with_a_parallel_plan(tmp_path: Path, wan_card: Any, launcher: str) -> None:
     command = LAUNCHERS[launcher] + ([str(_free_port())] if launcher == "torchrun" else [])
-    with served(tmp_path, command) as client:
+    with served(tmp_path, command) as (_, client):
         job = client.post("/v1/videos", json=JOB).json()
         assert wait_for_job(client, job["id"], {"completed", "failed"}, timeout_s=400)["status"] == "completed"
     frames = torch.load(tmp_path / "out" / job["id"] / "frames.pt", weights_only=True)
     reference = _single_process_frames(wan_card)
     assert frames.shape == reference.shape
     assert float((frames - reference).abs().max()) <= 1e-5
+
+
+def test_fv_serve_restarts_a_killed_rank_and_the_job_resumes(tmp_path: Path, wan_card: Any) -> None:
+    # fv's own spawn can restart the ranks it started: the worker is killed mid-denoise, rank 0
+    # restarts the pool and runs the failed step again; the job completes as if nothing happened.
+    job_spec = {**JOB, "steps": 40}
+    with served(tmp_path, LAUNCHERS["fv-spawn"]) as (process, client):
+        job = client.post("/v1/videos", json=job_spec).json()
+        deadline = time.monotonic() + 400
+        while client.get(f"/v1/videos/{job['id']}").json()["progress"] < 30:
+            assert time.monotonic() < deadline, "the job never got going"
+            time.sleep(0.05)
+        workers = _worker_pids(process.pid)
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        done = wait_for_job(client, job["id"], {"completed", "failed"}, timeout_s=400)
+        assert done["status"] == "completed", done
+        replacement = _worker_pids(process.pid)
+        assert len(replacement) == 1 and replacement != workers, (workers, replacement)
+    frames = torch.load(tmp_path / "out" / job["id"] / "frames.pt", weights_only=True)
+    request = Request(model="wan-tiny", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text=JOB["prompt"]),),
+                      diffusion=DiffusionParams(seed=JOB["seed"], steps=40, frames=JOB["frames"], height=32, width=32))
+    reference = next(a for a in run_local(request, build_instance(wan_card("wan-tiny"))) if a.kind == "video").frames
+    assert float((frames - reference).abs().max()) <= 1e-5
+
+
+def _worker_pids(server_pid: int) -> list[int]:
+    """The pool's worker ranks: the server's children that fv's spawn started (``spawn_main``)."""
+    found = subprocess.run(["pgrep", "-P", str(server_pid), "-f", "spawn_main"], capture_output=True, text=True)
+    return sorted(int(pid) for pid in found.stdout.split())
