@@ -86,7 +86,7 @@ class ParallelPlan(BaseModel):
             given = ulysses or ring or 1
             if sp % given:
                 raise ParallelPlanError("sp", f"sp={sp} is not a multiple of {'ulysses' if ulysses else 'ring'}={given}",
-                                        allowed=f"sp = ulysses x ring")
+                                        allowed="sp = ulysses x ring")
             ulysses, ring = (given, sp // given) if ulysses else (sp // given, given)
         ulysses, ring = ulysses or 1, ring or 1
         if sp is not None and sp != ulysses * ring:
