@@ -105,8 +105,8 @@ class InstanceOptions(BaseModel):
     #: names resolve through; None: the kernel's built-ins only. Set by the runtime from its
     #: plugin host (``host.registry()``); not configuration, so never serialised.
     registry: DeployRegistry | None = Field(default=None, exclude=True, repr=False)
-    #: Deploy outside the card's recipe (a ``precision`` its ``assumes_precision`` excludes)
-    #: instead of refusing with ``RecipeMismatch``. Logged, and kept on the instance
+    #: Deploy outside the card's recipe (a ``precision`` its ``assumes_precision`` excludes, an
+    #: ``attention_backend`` other than its ``assumes_attention``) instead of refusing with ``RecipeMismatch``. Logged, and kept on the instance
     #: (``ModelInstance.recipe_overrides``).
     allow_recipe_mismatch: bool = False
 
@@ -154,9 +154,15 @@ class ModelInstance:
 
     @property
     def recipe_overrides(self) -> tuple[str, ...]:
-        """The recipe fields this instance departs from (only under ``allow_recipe_mismatch``)."""
-        assumed = self.card.recipe.assumes_precision
-        return ("precision",) if assumed is not None and self.precision != assumed else ()
+        """The recipe fields this instance departs from (only under ``allow_recipe_mismatch``);
+        loops copy them into their artifacts' ``Provenance.recipe_overrides``."""
+        recipe = self.card.recipe
+        overrides: list[str] = []
+        if recipe.assumes_precision is not None and self.precision != recipe.assumes_precision:
+            overrides.append("precision")
+        if recipe.assumes_attention is not None and self.options.attention_backend != recipe.assumes_attention.kind:
+            overrides.append("attention_backend")
+        return tuple(overrides)
 
     def loaded_for(self, task: TaskType) -> bool:
         """Whether every component ``task`` needs is already loaded (then ``load_for_task`` only validates)."""
@@ -260,6 +266,14 @@ def build_instance(card: ModelCard, options: InstanceOptions | None = None) -> M
         log.warning(
             "card %r (recipe %r) assumes precision %r; deploying it in %r because the recipe was overridden",
             card.model_id, card.recipe.method, assumed, precision,
+        )
+    from fv_kernel.card.validate import check_recipe_attention
+
+    if check_recipe_attention(card, options.attention_backend, options.allow_recipe_mismatch):
+        assert card.recipe.assumes_attention is not None
+        log.warning(
+            "card %r (recipe %r) assumes %s; deploying it with attention %r because the recipe was overridden",
+            card.model_id, card.recipe.method, card.recipe.assumes_attention.describe(), options.attention_backend,
         )
     factory = import_object(card.factory)
     instance = factory(card, options)

@@ -32,6 +32,7 @@ __all__ = [
     "SamplerBinding",
     "LoopSpec",
     "ProgramSpec",
+    "AttentionAssumption",
     "RecipeSpec",
     "ParityTolerance",
     "ParitySpec",
@@ -278,6 +279,39 @@ class ProgramSpec(_Spec):
         return self
 
 
+class AttentionAssumption(_Spec):
+    """The attention a recipe trained its weights under (e.g. a sparse attention distilled in).
+
+    ``kind`` is the name of the attention driver (``fv.attention_backends``) that computes it;
+    ``sparsity`` and ``tile`` are that driver's settings as the recipe fixed them (a tiled
+    sparse attention: the fraction of key tiles skipped, and the (t, h, w) token tile).
+    """
+
+    kind: str
+    sparsity: float | None = Field(default=None, ge=0.0, lt=1.0)
+    tile: tuple[int, int, int] | None = None
+
+    @field_validator("kind")
+    @classmethod
+    def _check_kind(cls, value: str) -> str:
+        if not _LOOP_NAME_RE.match(value):
+            raise ValueError(f"kind {value!r} is not an attention driver name ('<name>' or '<plugin>/<name>')")
+        return value
+
+    @field_validator("tile")
+    @classmethod
+    def _check_tile(cls, value: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+        if value is not None and min(value) < 1:
+            raise ValueError(f"tile must be three positive (t, h, w) sizes, got {list(value)}")
+        return value
+
+    def describe(self) -> str:
+        settings = [f"sparsity {self.sparsity:g}"] if self.sparsity is not None else []
+        if self.tile is not None:
+            settings.append("tile " + "x".join(str(t) for t in self.tile))
+        return f"attention {self.kind!r}" + (f" ({', '.join(settings)})" if settings else "")
+
+
 class RecipeSpec(_Spec):
     """What produced these weights, and what they assume at serve time (design §4.2)."""
 
@@ -289,6 +323,10 @@ class RecipeSpec(_Spec):
     #: The precision a QAT recipe baked in; None when any supported precision is fine. An
     #: instance at another precision is a ``RecipeMismatch`` unless the deployment overrides it.
     assumes_precision: Precision | None = None
+    #: The attention the weights were trained under; None when any exact attention is fine. An
+    #: instance with another attention driver is a ``RecipeMismatch`` unless the deployment
+    #: overrides it (``build_instance``); the driver is configured with these settings.
+    assumes_attention: AttentionAssumption | None = None
     #: The lowest rung of the parity ladder this recipe's outputs are valid under: the
     #: card's ``parity.level`` must reach it.
     consistency_required: ParityLevel = ParityLevel.C1

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "RequestLimits", "resolve_request", "resolve_for_instance", "select_denoise_loop", "describe_loop", "allowed_samplers",
-    "reasoner_loops",
+    "reasoner_loops", "check_recipe_attention",
 ]
 
 _DIFFUSION_TASKS = frozenset(TaskType) - {TaskType.TEXT_GENERATION}
@@ -127,6 +127,26 @@ def _check_precision(card: ModelCard, request: Request, allow_recipe_mismatch: b
             "precision", f"card {card.model_id!r} does not run in {request.precision!r}",
             allowed=sorted(card.precision.supported),
         )
+
+
+def check_recipe_attention(card: ModelCard, attention_backend: str, allow_recipe_mismatch: bool) -> bool:
+    """Whether ``attention_backend`` departs from the recipe's ``assumes_attention``.
+
+    A departure is a ``RecipeMismatch`` naming ``attention_backend`` unless the deployment
+    overrides the recipe; then it is allowed and reported (True) so the instance records it.
+    """
+    assumed = card.recipe.assumes_attention
+    if assumed is None or attention_backend == assumed.kind:
+        return False
+    if not allow_recipe_mismatch:
+        raise RecipeMismatch(
+            "attention_backend", model_id=card.model_id, method=card.recipe.method, assumes=assumed.describe(),
+            asked=(
+                f"attention backend {attention_backend!r} (deploy it with attention_backend: {assumed.kind}; an explicit "
+                "override runs it anyway: deploy config 'override_recipe: true', fv generate --override-recipe)"
+            ),
+        )
+    return True
 
 
 def reasoner_loops(card: ModelCard) -> list[str]:

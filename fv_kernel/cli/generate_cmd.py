@@ -152,8 +152,9 @@ def generate(
             engine.add_instance(instance)
         if instance.recipe_overrides:
             typer.echo(
-                f"warning: running {card.model_id!r} outside its recipe ({card.recipe.method!r} assumes precision "
-                f"{card.recipe.assumes_precision!r}; running in {instance.precision!r}) because of --override-recipe",
+                f"warning: running {card.model_id!r} outside its recipe {card.recipe.method!r} "
+                f"(overridden: {', '.join(instance.recipe_overrides)}; precision {instance.precision!r}, attention "
+                f"{instance.options.attention_backend!r}) because of --override-recipe",
                 err=True,
             )
         result = host.hooks.wrap_generate(request, lambda req: _run(engine, req, progress))

@@ -38,6 +38,9 @@ class Provenance(TensorState):
     seed: int | None = None
     weights_version: str = ""
     partial: bool = False
+    #: Recipe fields the producing instance was deployed outside of under an explicit override
+    #: (``ModelInstance.recipe_overrides``, e.g. ``("attention_backend",)``); empty: within its recipe.
+    recipe_overrides: tuple[str, ...] = ()
 
 
 class VideoArtifact(TensorState):

@@ -590,6 +590,8 @@ def _expert_at(t: float, boundary_timestep: float | None, guidance: float, guida
 class WanDecodeState(LoopState):
     model_id: str
     weights_version: str
+    #: The instance's ``recipe_overrides``, stamped on the video's provenance.
+    recipe_overrides: tuple[str, ...] = ()
     seed: int
     latents: torch.Tensor
     frames: list[torch.Tensor] = []
@@ -614,7 +616,7 @@ class WanDecodeLoop(Loop[WanDecodeState]):
         return WanDecodeState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
             model_id=model.model_id, weights_version=model.weights_version, seed=request.diffusion.seed,
-            latents=ctx.upstream["latents"], fps=float(request.diffusion.fps or 16.0), tiling=tiling,
+            recipe_overrides=model.recipe_overrides, latents=ctx.upstream["latents"], fps=float(request.diffusion.fps or 16.0), tiling=tiling,
         )
 
     def next(self, state: WanDecodeState) -> WorkPlan | Done:
@@ -657,6 +659,7 @@ class WanDecodeLoop(Loop[WanDecodeState]):
             provenance=Provenance(
                 model_id=state.model_id, loop_id=self.loop_id, request_id=state.request_id, node=state.instance_id,
                 seed=state.seed, weights_version=state.weights_version, partial=partial,
+                recipe_overrides=state.recipe_overrides,
             ),
         )
 
