@@ -1,24 +1,53 @@
-"""Parallel speed-ups on 2 GPUs: Wan DiT sp=2 and cfgp=2, and the vae=2 decode, over the same code on one GPU.
+"""Parallel speed-ups on 2, 4 or 8 GPUs over the same code on one GPU, chosen by the world size.
 
 Random weights at real sizes, bf16, the fv code paths the plans run (``fv_wan.parallel``:
 the sequence-parallel forward and the CFG-parallel DiT op; ``fv_wan.parallel_vae``: the
-row-strip decode op). Each figure is the single-GPU time of the same code divided by the
-2-GPU time, measured in the same run (CUDA events on rank 0, after warm-up, median of
-``--iters``):
+row-strip decode op; ``SpmdEngine`` for the whole request). Each figure is the single-GPU
+time of the same code divided by the parallel time, measured in the same run (CUDA events
+on rank 0, after warm-up, median of ``--iters``). A denoise step "with CFG" is two DiT
+rows: one after the other on one GPU (the cards' sequential CFG dispatch).
+
+Launched on 2 ranks:
 
 - ``dit_1.3b_sp2``: Wan2.1-1.3B, one denoise forward at 480x832x81 (32,760 tokens);
 - ``dit_1.3b_cfgp2``: the same with CFG (two rows: two forwards on one GPU, one per GPU);
 - ``dit_14b_sp2``: Wan2.1-14B at 720x1280x81 (75,600 tokens);
 - ``vae_decode_vae2``: the Wan 2.1 VAE decoding 81 frames (21 latent frames) at 480x832.
 
-Run on a host with 2 GPUs::
+Launched on 4 ranks (issue 20's 4-GPU figures):
+
+- ``dit_14b_sp4``: Wan2.1-14B 720x1280x81 denoise step with CFG, ``sp=4``;
+- ``dit_1.3b_sp4``: Wan2.1-1.3B 480x832x81 denoise step with CFG, ``sp=4``, with the share
+  of the parallel step spent in the Ulysses all-to-alls (``all_to_all_share``; each
+  ``all_to_all_single`` timed by CUDA events around it: it includes waiting for the
+  slowest peer).
+
+Launched on 8 ranks (issue 20's 8-GPU figures; the sp=4 cases run as two concurrent sp=4
+replicas, ``dp=2``, timed on the first):
+
+- ``dit_14b_sp8``, ``dit_14b_sp4_cfgp2``, ``dit_14b_sp4``: Wan2.1-14B 720x1280x81 step with CFG;
+- ``dit_1.3b_sp4``: as on 4 ranks;
+- ``vae_decode_vae8``: the Wan 2.1 VAE decoding 81 frames at 704x1280, split over 8 ranks,
+  with the peak memory per GPU. 720p itself is refused under ``vae=8`` (its 90 latent rows
+  do not divide by 8: ``ParallelPlanError`` on ``parallel.vae``); 704 is the nearest height
+  whose 88 rows do;
+- ``e2e_14b_720p``: one whole Wan2.1-14B 720x1280x81 request (``--e2e-steps``, default 50,
+  CFG 5.0) through the Engine on one GPU, then through an ``SpmdEngine`` under
+  ``--e2e-plan`` (default ``sp8``) on all 8: real-size UMT5 text encoder, DiT and VAE with
+  random weights. The 1-GPU run of 50 steps takes long (about 100 DiT forwards at 75,600
+  tokens); ``--e2e-steps`` shortens both runs alike.
+
+The script records ``nvidia-smi topo -m`` and the NCCL version, and keeps NVLink multicast
+off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``)
+in its own environment before NCCL starts, and so in every process it starts. Run::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        torchrun --nproc-per-node 2 bench/bench_parallel.py --out parallel.json
+        torchrun --nproc-per-node 8 bench/bench_parallel.py --out parallel8.json
 
-Without two CUDA devices it prints why and exits 0 (``skipped``). ``--smoke`` runs the
-same code on CPU with gloo at tiny sizes (2 processes: ``torchrun --nproc-per-node 2
-bench/bench_parallel.py --smoke``) to check the script end to end; its times mean nothing.
+(``--nproc-per-node 2`` or ``4`` for the other sets). Without as many CUDA devices as ranks
+it prints that nothing was measured and exits 0 (``skipped``). ``--smoke`` runs the same
+code on CPU with gloo at tiny sizes (``torchrun --nproc-per-node N bench/bench_parallel.py
+--smoke`` for N = 2, 4 or 8) to check the script end to end; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +56,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -35,7 +65,23 @@ from typing import Any
 
 import torch
 
-TARGETS = {"dit_1.3b_sp2": 1.8, "dit_1.3b_cfgp2": 1.85, "dit_14b_sp2": 1.9, "vae_decode_vae2": 1.6}
+#: Speed-up targets by case (issue 20 for 4 and 8 ranks; the vae8 decode and the Engine run have none).
+TARGETS: dict[str, float | None] = {
+    "dit_1.3b_sp2": 1.8, "dit_1.3b_cfgp2": 1.85, "dit_14b_sp2": 1.9, "vae_decode_vae2": 1.6,
+    "dit_14b_sp4": 3.5, "dit_1.3b_sp4": 3.3,
+    "dit_14b_sp8": 6.5, "dit_14b_sp4_cfgp2": 6.5, "vae_decode_vae8": None, "e2e_14b_720p": None,
+}
+#: Which cases each launched world size runs.
+CASES_BY_WORLD = {
+    2: ("dit_1.3b_sp2", "dit_1.3b_cfgp2", "dit_14b_sp2", "vae_decode_vae2"),
+    4: ("dit_14b_sp4", "dit_1.3b_sp4"),
+    8: ("dit_14b_sp8", "dit_14b_sp4_cfgp2", "dit_14b_sp4", "dit_1.3b_sp4", "vae_decode_vae8", "e2e_14b_720p"),
+}
+#: The VAE decode's latent shape (frames, rows, cols) by world size: 480x832 on 2 ranks (60 rows / 2);
+#: 704x1280 on 8 (88 rows / 8), because 720p's 90 latent rows do not divide by 8 (vae=8 is refused there).
+VAE_LATENT = {2: (21, 60, 104), 8: (21, 88, 160)}
+#: NVLink multicast off: set in this process before NCCL starts, so every child inherits it too.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _timed(fn: Callable[[], Any], *, warmup: int, iters: int, cuda: bool) -> float:
@@ -86,42 +132,119 @@ def _dit_inputs(config: Any, latent: tuple[int, int, int], rows: int, device: to
             "context": context.to(device, dtype)}
 
 
-def bench_dit(name: str, config: Any, latent: tuple[int, int, int], *, cfg: bool, args: argparse.Namespace,
-              device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    from fv_kernel.parallel import ParallelPlan, compile_mesh
-    from fv_wan.parallel import _sp_forward, parallel_dit_op
+class _AllToAllTimer:
+    """Times every ``all_to_all_single`` while active (the Ulysses exchanges of the SP step).
+
+    A bench-only wrap of ``torch.distributed.all_to_all_single``, restored on exit. On CUDA
+    each call is bracketed by events on the current stream (its time includes waiting for
+    the slowest peer); on CPU (gloo, blocking) by the wall clock.
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.events: list[Any] = []
+        self.cpu_seconds = 0.0
+        self.calls = 0
+
+    def __enter__(self) -> "_AllToAllTimer":
+        import torch.distributed as dist
+
+        self._original = dist.all_to_all_single
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = self._original(*args, **kwargs)
+                end.record()
+                self.events.append((start, end))
+                return out
+            began = time.perf_counter()
+            out = self._original(*args, **kwargs)
+            self.cpu_seconds += time.perf_counter() - began
+            return out
+
+        dist.all_to_all_single = timed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        dist.all_to_all_single = self._original
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return self.cpu_seconds
+        torch.cuda.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.events) / 1000.0
+
+
+def bench_dit(name: str, config: Any, latent: tuple[int, int, int], *, cfg: bool, plan: Any, args: argparse.Namespace,
+              device: torch.device, dtype: torch.dtype, single_cache: dict[Any, float],
+              all_to_all_share: bool = False) -> dict[str, Any]:
+    """One denoise step (CFG: two rows) under ``plan`` against the same rows one after another on one GPU.
+
+    ``single_cache`` keeps the one-GPU time per model and shape: the 14B cases share it.
+    """
+    from fv_kernel.parallel import compile_mesh
+    from fv_wan.parallel import parallel_dit_op
 
     model = _transformer(config, device, dtype)
     rows = 2 if cfg else 1
     inputs = _dit_inputs(config, latent, rows, device, dtype, args.text_tokens)
-    plan = ParallelPlan(cfgp=2) if cfg else ParallelPlan(sp=2)
     runtime = compile_mesh(plan, device.type)
+    cuda = device.type == "cuda"
+    op = parallel_dit_op("transformer", model, runtime)
     with torch.inference_mode():
         def single() -> Any:  # one GPU: the rows one after another (the cards' sequential CFG dispatch)
             return [model(inputs["x"][i : i + 1], inputs["t"][i : i + 1], inputs["context"][i : i + 1]) for i in range(rows)]
 
-        if cfg:
-            op = parallel_dit_op("transformer", model, runtime)
-
-            def parallel() -> Any:
-                return op.fn(inputs, {"dispatch": "sequential"})
-        else:
-            def parallel() -> Any:
-                return _sp_forward(model, runtime, inputs["x"], inputs["t"], inputs["context"], None)
+        def parallel() -> Any:  # this rank's CFG rows and sequence chunk; rows gathered back in order
+            return op.fn(inputs, {"dispatch": "sequential"})
 
         # Numerics first: the plan's output against the single-GPU one.
         reference = torch.cat(single()).float()
-        got = parallel()
-        got = (got["v"] if isinstance(got, dict) else got).float()
+        got = parallel()["v"].float()
         max_diff = float((got - reference).abs().max())
-        one = _timed(single, warmup=args.warmup, iters=args.iters, cuda=device.type == "cuda")
-        two = _timed(parallel, warmup=args.warmup, iters=args.iters, cuda=device.type == "cuda")
+        key = (config, latent, rows)
+        if key not in single_cache:
+            single_cache[key] = _timed(single, warmup=args.warmup, iters=args.iters, cuda=cuda)
+        one = single_cache[key]
+        many = _timed(parallel, warmup=args.warmup, iters=args.iters, cuda=cuda)
+        row: dict[str, Any] = {}
+        if all_to_all_share:
+            import torch.distributed as dist
+
+            dist.barrier()
+            with _AllToAllTimer(cuda) as timer:
+                whole = _timed(parallel, warmup=0, iters=1, cuda=cuda)
+            exchanged = timer.seconds()
+            row.update({"all_to_all_s": exchanged, "all_to_all_calls": timer.calls, "step_s_timed_with_a2a": whole,
+                        "all_to_all_share": exchanged / whole})
     tokens = latent[0] * (latent[1] // 2) * (latent[2] // 2)
-    return {"name": name, "plan": plan.label(), "tokens": tokens, "rows": rows, "single_s": one, "parallel_s": two,
-            "speedup": one / two, "max_abs_diff_vs_single": max_diff}
+    return {"name": name, "plan": plan.label(), "ranks": plan.world_size // plan.dp, "tokens": tokens, "rows": rows,
+            "single_s": one, "parallel_s": many, "speedup": one / many, "max_abs_diff_vs_single": max_diff, **row}
 
 
-def bench_vae(config: Any, latent: tuple[int, int, int], *, args: argparse.Namespace, device: torch.device,
+def _peak_gib_max_over_ranks(device: torch.device) -> float | None:
+    """The highest peak allocation of any rank since the last reset, in GiB (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    import torch.distributed as dist
+
+    peak = torch.tensor([float(torch.cuda.max_memory_allocated(device))], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak.item()) / 2**30
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def bench_vae(config: Any, latent: tuple[int, int, int], *, ranks: int, args: argparse.Namespace, device: torch.device,
               dtype: torch.dtype) -> dict[str, Any]:
     from fv_kernel.parallel import ParallelPlan, compile_mesh
     from fv_wan.models.vae import WanVAE
@@ -133,7 +256,7 @@ def bench_vae(config: Any, latent: tuple[int, int, int], *, args: argparse.Names
             return WanVAE(config).to(dtype).eval()
 
     whole_vae, split_vae = build(), build()
-    runtime = compile_mesh(ParallelPlan(sp=2, vae=2), device.type)
+    runtime = compile_mesh(ParallelPlan(sp=ranks, vae=ranks), device.type)
     split = parallel_decode_op(split_vae, runtime)
     frames, height, width = latent
     z = torch.randn(1, config.z_dim, frames, height, width, generator=torch.Generator().manual_seed(3)).to(device)
@@ -161,13 +284,178 @@ def bench_vae(config: Any, latent: tuple[int, int, int], *, args: argparse.Names
         return out
 
     with torch.inference_mode():
+        _reset_peak(device)
         reference = stream(whole_step)
+        peak_single = _peak_gib_max_over_ranks(device)
+        _reset_peak(device)
         got = stream(split.fn)
+        peak_split = _peak_gib_max_over_ranks(device)
         max_diff = float((got - reference).abs().max())
+        del got
         one = _timed(lambda: stream(whole_step), warmup=1, iters=max(1, args.iters // 2), cuda=device.type == "cuda")
         two = _timed(lambda: stream(split.fn), warmup=1, iters=max(1, args.iters // 2), cuda=device.type == "cuda")
-    return {"name": "vae_decode_vae2", "plan": "vae2", "latent": list(latent), "pixel_frames": int(reference.shape[2]),
-            "single_s": one, "parallel_s": two, "speedup": one / two, "max_abs_diff_vs_single": max_diff}
+    # Peaks include both VAEs' weights (about 0.5 GB in bf16), the latents and the output video on the GPU.
+    return {"name": f"vae_decode_vae{ranks}", "plan": f"vae{ranks}", "latent": list(latent),
+            "pixel_frames": int(reference.shape[2]), "pixel_size": [int(reference.shape[3]), int(reference.shape[4])],
+            "single_s": one, "parallel_s": two, "speedup": one / two, "max_abs_diff_vs_single": max_diff,
+            "peak_gib_single": peak_single, "peak_gib_per_gpu_split": peak_split}
+
+
+def _random_instance(card: Any, device: torch.device, *, smoke: bool) -> Any:
+    """The card made resident with random weights: the tiny card's own seeded ones, or real-size ones built on the device."""
+    from fv_kernel.card.instance import InstanceOptions, ModelInstance, build_instance
+    from fv_wan.instance import _component_dtype, wan_ops
+    from fv_wan.models.transformer import WanTransformerConfig
+    from fv_wan.models.vae import WanVAE, WanVAEConfig
+
+    if smoke:
+        return build_instance(card, InstanceOptions(device="cpu", precision="fp32"))
+    options = InstanceOptions(device=str(device), precision="bf16")
+
+    def load(component_id: str) -> Any:
+        spec = card.components[component_id]
+        dtype = _component_dtype(card, component_id, options)
+        if spec.kind == "dit":
+            return _transformer(WanTransformerConfig.from_diffusers_config(spec.config), device, dtype)
+        if spec.kind == "vae":
+            torch.manual_seed(2)
+            with torch.device(device):
+                vae = WanVAE(WanVAEConfig.from_diffusers_config(spec.config))
+            vae.encoder = None  # type: ignore[assignment]  # text-to-video decodes only
+            vae.quant_conv = None  # type: ignore[assignment]
+            return vae.to(dtype).eval().requires_grad_(False)
+        if spec.kind == "text_encoder":
+            return _umt5_xxl(device, dtype)
+        raise ValueError(f"unexpected component kind {spec.kind!r}")
+
+    return ModelInstance(card=card, options=options, component_loader=load, ops_builder=wan_ops,
+                         weights_version="random-on-device")
+
+
+def _umt5_xxl(device: torch.device, dtype: torch.dtype) -> Any:
+    """Wan's text tower at real size (UMT5-XXL encoder: 24 layers, d_model 4096), random weights, built on the device."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from fv_wan.models.encoders import ByteTokenizer, WanTextEncoder
+
+    config = UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.0,
+                        feed_forward_proj="gated-gelu", pad_token_id=ByteTokenizer.pad_token_id,
+                        eos_token_id=ByteTokenizer.eos_token_id)
+    torch.manual_seed(3)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = UMT5EncoderModel(config)
+    finally:
+        torch.set_default_dtype(previous)
+    # Byte-level ids are a subset of the real vocabulary: the encoder's cost is the real one.
+    return WanTextEncoder(model.eval().requires_grad_(False), ByteTokenizer())
+
+
+def bench_e2e(*, plan: Any, smoke: bool, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """One whole request through the Engine on rank 0 alone, then through an SpmdEngine on every rank under ``plan``."""
+    import torch.distributed as dist
+
+    from fv_kernel.api import DiffusionParams, Request, TaskType, TextPart, run_concurrently
+    from fv_kernel.parallel import compile_mesh
+    from fv_kernel.parallel.engine import SpmdEngine
+    from fv_kernel.parallel.spmd import SpmdLeader, parallel_instance, serve_worker
+    from fv_kernel.runtime.engine import Engine, SchedulerConfig
+    from fv_wan.cards import wan_cards
+
+    card = next(c for c in wan_cards() if c.model_id == ("wan-tiny" if smoke else "wan2.1-t2v-14b"))
+    height, width, frames = (32, 32, 5) if smoke else (card.capabilities.defaults.height, card.capabilities.defaults.width,
+                                                      card.capabilities.defaults.frames)
+    scheduler = SchedulerConfig(scheduling="request", device_thread=False)
+    rank = dist.get_rank()
+
+    def request(tag: str, steps: int) -> Any:
+        return Request(request_id=tag, model=card.model_id, task=TaskType.TEXT_TO_VIDEO,
+                       inputs=(TextPart(text="a lighthouse at dusk, waves breaking on the rocks"),),
+                       diffusion=DiffusionParams(height=height, width=width, frames=frames, steps=steps, guidance=5.0,
+                                                 seed=7))
+
+    def run(engine: Any) -> tuple[float, Any]:
+        warm = run_concurrently(engine, [request("warm", 1)])  # loads every component, outside the time
+        assert warm[0].status == "completed", warm[0].error
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        result = run_concurrently(engine, [request("timed", args.e2e_steps)])[0]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if result.status != "completed":
+            raise RuntimeError(f"the timed request failed: {result.error}")
+        return time.perf_counter() - began, result.artifact("video").frames.float().cpu()
+
+    single_s, single_video = None, None
+    if rank == 0:  # the 1-GPU figure: the ordinary Engine, the other ranks wait at the barrier
+        engine = Engine(scheduler)
+        engine.add_instance(_random_instance(card, device, smoke=smoke))
+        single_s, single_video = run(engine)
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    runtime = compile_mesh(plan, device.type)
+    leader = SpmdLeader(runtime, []) if runtime.is_leader else None
+    instance = parallel_instance(_random_instance(card, device, smoke=smoke), runtime, index=0, leader=leader)
+    if leader is None:
+        serve_worker(runtime, [instance])
+        return {}
+    leader.instances.append(instance)
+    engine = SpmdEngine(scheduler, leader=leader)
+    engine.add_instance(instance)
+    try:
+        many_s, video = run(engine)
+    finally:
+        leader.shutdown()
+    assert single_s is not None and single_video is not None
+    return {"name": "e2e_14b_720p", "card": card.model_id, "plan": plan.label(), "ranks": plan.world_size,
+            "shape": f"{height}x{width}x{frames}", "steps": args.e2e_steps, "guidance": 5.0,
+            "single_s": single_s, "parallel_s": many_s, "speedup": single_s / many_s,
+            "max_abs_diff_vs_single": float((video - single_video).abs().max())}
+
+
+def _topology() -> dict[str, Any]:
+    """``nvidia-smi topo -m`` and the NCCL version, as far as this host has them."""
+    out: dict[str, Any] = {}
+    try:
+        done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=60, check=False)
+        out["nvidia_smi_topo"] = done.stdout if done.returncode == 0 else f"rc {done.returncode}: {done.stderr.strip()}"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        out["nvidia_smi_topo"] = f"unavailable: {exc}"
+    try:
+        version = torch.cuda.nccl.version()
+        out["nccl_version"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    except Exception as exc:  # noqa: BLE001 - a CPU-only build has no NCCL
+        out["nccl_version"] = f"unavailable: {type(exc).__name__}"
+    return out
+
+
+def _cases(world: int, smoke: bool) -> dict[str, tuple[Any, tuple[int, int, int], bool, dict[str, int]]]:
+    """name -> (transformer config, latent frames x rows x cols, CFG, plan degrees) for this world size."""
+    from fv_wan.models.transformer import WanTransformerConfig
+
+    if smoke:  # tiny, with 8 heads so every Ulysses degree here divides them; tokens divide by 8
+        tiny = WanTransformerConfig(**{**WanTransformerConfig.tiny().model_dump(), "num_attention_heads": 8})
+        small, big = (tiny, (2, 8, 8)), (tiny, (2, 8, 16))
+    else:
+        small = (WanTransformerConfig.wan21_t2v_1_3b(), (21, 60, 104))  # 480x832x81: 32,760 tokens
+        big = (WanTransformerConfig.wan21_t2v_14b(), (21, 90, 160))  # 720x1280x81: 75,600 tokens
+    replicas = world // 4  # the sp=4 cases on 8 ranks: two concurrent replicas
+    table = {
+        "dit_1.3b_sp2": (*small, False, {"sp": 2}),
+        "dit_1.3b_cfgp2": (*small, True, {"cfgp": 2}),
+        "dit_14b_sp2": (*big, False, {"sp": 2}),
+        "dit_14b_sp4": (*big, True, {"sp": 4, "dp": replicas}),
+        "dit_1.3b_sp4": (*small, True, {"sp": 4, "dp": replicas}),
+        "dit_14b_sp8": (*big, True, {"sp": 8}),
+        "dit_14b_sp4_cfgp2": (*big, True, {"sp": 4, "cfgp": 2}),
+    }
+    return {name: case for name, case in table.items() if name in CASES_BY_WORLD[world]}
 
 
 def main() -> int:
@@ -176,65 +464,86 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--text-tokens", type=int, default=512)
+    parser.add_argument("--e2e-steps", type=int, default=50, help="denoise steps of the whole-request case (8 ranks)")
+    parser.add_argument("--e2e-plan", default="sp8", choices=["sp8", "sp4_cfgp2"], help="the plan of the whole-request case")
+    parser.add_argument("--timeout-min", type=float, default=240.0,
+                        help="how long a rank waits at a collective (the 1-GPU whole request keeps the others waiting)")
     parser.add_argument("--smoke", action="store_true", help="CPU + gloo, tiny sizes: checks the script, times mean nothing")
     parser.add_argument("--only", nargs="*", default=None, help=f"a subset of {sorted(TARGETS)}")
     args = parser.parse_args()
 
-    if not args.smoke and (not torch.cuda.is_available() or torch.cuda.device_count() < 2):
-        print(json.dumps({"skipped": f"needs 2 CUDA GPUs (found {torch.cuda.device_count() if torch.cuda.is_available() else 0}); "
-                                     "run it under torchrun --nproc-per-node 2 on a 2-GPU host"}))
+    os.environ.update(NO_MULTICAST)  # before NCCL starts; inherited by every process this one starts
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world not in CASES_BY_WORLD:
+        print(json.dumps({"skipped": f"nothing measured: launch on 2, 4 or 8 ranks (torchrun --nproc-per-node N), "
+                                     f"got WORLD_SIZE={os.environ.get('WORLD_SIZE')}"}))
+        return 0 if world == 0 else 2
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not args.smoke and gpus < world:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps({"skipped": f"nothing measured: {world} ranks need {world} CUDA GPUs, found {gpus}; "
+                                         f"run it under torchrun --nproc-per-node {world} on a {world}-GPU host"}))
         return 0
-    if "WORLD_SIZE" not in os.environ:
-        print("run it under torchrun --nproc-per-node 2 (see the module docstring)", file=sys.stderr)
-        return 2
+
+    import datetime
 
     import torch.distributed as dist
-    from fv_wan.models.transformer import WanTransformerConfig
+    from fv_kernel.parallel import ParallelPlan
     from fv_wan.models.vae import WanVAEConfig
 
+    timeout = datetime.timedelta(minutes=args.timeout_min)
     if args.smoke:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
         device, dtype = torch.device("cpu"), torch.float32
         torch.set_num_threads(1)
-        small = WanTransformerConfig.tiny()
-        cases = {
-            "dit_1.3b_sp2": (small, (2, 8, 8), False),
-            "dit_1.3b_cfgp2": (small, (2, 8, 8), True),
-            "dit_14b_sp2": (small, (3, 8, 8), False),
-        }
+        # 8 latent rows: a one-row strip per rank at vae=8 (and the 2-rank case's 4 rows at vae=2).
         vae_config, vae_latent = WanVAEConfig(base_dim=8, z_dim=16, dim_mult=(1, 2, 2, 2), num_res_blocks=1,
-                                              attn_scales=()), (3, 4, 6)
+                                              attn_scales=()), ((3, 4, 6) if world == 2 else (2, 8, 6))
         args.text_tokens = 8
     else:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", timeout=timeout)
         device, dtype = torch.device("cuda", local_rank), torch.bfloat16
-        cases = {
-            "dit_1.3b_sp2": (WanTransformerConfig.wan21_t2v_1_3b(), (21, 60, 104), False),
-            "dit_1.3b_cfgp2": (WanTransformerConfig.wan21_t2v_1_3b(), (21, 60, 104), True),
-            "dit_14b_sp2": (WanTransformerConfig.wan21_t2v_14b(), (21, 90, 160), False),
-        }
-        vae_config, vae_latent = WanVAEConfig.wan21(), (21, 60, 104)
-    if dist.get_world_size() != 2:
-        raise SystemExit(f"needs exactly 2 ranks, got {dist.get_world_size()}")
-    wanted = set(args.only or TARGETS)
-    results = []
-    for name, (config, latent, cfg) in cases.items():
+        vae_config, vae_latent = WanVAEConfig.wan21(), VAE_LATENT.get(world, (0, 0, 0))
+    wanted = set(args.only or CASES_BY_WORLD[world])
+    results: list[dict[str, Any]] = []
+    single_cache: dict[Any, float] = {}
+    for name, (config, latent, cfg, degrees) in _cases(world, args.smoke).items():
         if name in wanted:
-            results.append(bench_dit(name, config, latent, cfg=cfg, args=args, device=device, dtype=dtype))
+            results.append(bench_dit(name, config, latent, cfg=cfg, plan=ParallelPlan(**degrees), args=args, device=device,
+                                     dtype=dtype, single_cache=single_cache, all_to_all_share=name == "dit_1.3b_sp4"))
             if device.type == "cuda":  # the model of the case just run is gone: give its memory back
                 torch.cuda.empty_cache()
-    if "vae_decode_vae2" in wanted:
-        results.append(bench_vae(vae_config, vae_latent, args=args, device=device, dtype=dtype))
+    vae_case = f"vae_decode_vae{world}"
+    if vae_case in CASES_BY_WORLD[world] and vae_case in wanted:
+        results.append(bench_vae(vae_config, vae_latent, ranks=world, args=args, device=device, dtype=dtype))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "e2e_14b_720p" in CASES_BY_WORLD[world] and "e2e_14b_720p" in wanted:
+        if args.smoke:  # wan-tiny has 2 heads: the same 8 ranks as USP (ulysses 2 x ring 2) x cfgp 2
+            plan = ParallelPlan(ulysses=2, ring=2, cfgp=2)
+        else:
+            plan = ParallelPlan(sp=8) if args.e2e_plan == "sp8" else ParallelPlan(sp=4, cfgp=2)
+        row = bench_e2e(plan=plan, smoke=args.smoke, args=args, device=device)
+        if row:
+            results.append(row)
     if dist.get_rank() == 0:
         for row in results:
             row["target"] = TARGETS[row["name"]]
-            print(f"{row['name']:>16}: {row['single_s'] * 1e3:9.1f} ms on 1 -> {row['parallel_s'] * 1e3:9.1f} ms on 2 "
-                  f"= {row['speedup']:.2f}x (target {row['target']}x), max |diff| vs 1 GPU {row['max_abs_diff_vs_single']:.2e}")
+            target = f"target {row['target']}x" if row["target"] else "no target"
+            extra = f", all-to-all {row['all_to_all_share']:.0%} of the step" if "all_to_all_share" in row else ""
+            if row.get("peak_gib_per_gpu_split") is not None:
+                extra += f", peak {row['peak_gib_single']:.1f} GiB on 1 -> {row['peak_gib_per_gpu_split']:.1f} GiB per GPU"
+            print(f"{row['name']:>18}: {row['single_s'] * 1e3:10.1f} ms on 1 -> {row['parallel_s'] * 1e3:10.1f} ms on "
+                  f"{row.get('ranks', world)} = {row['speedup']:.2f}x ({target}), max |diff| vs 1 GPU "
+                  f"{row['max_abs_diff_vs_single']:.2e}{extra}")
         report = {
-            "smoke": args.smoke, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()), "results": results,
+            "smoke": args.smoke, "world_size": world,
+            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "env": {name: os.environ[name] for name in NO_MULTICAST}, **(_topology() if device.type == "cuda" else {}),
+            "results": results,
         }
         if args.out is not None:
             args.out.write_text(json.dumps(report, indent=2))
