@@ -40,6 +40,10 @@ def skip_reason(command: str, comment: str) -> str | None:
         return "needs the network"
     if command.startswith("fv serve"):
         return "a server that runs until stopped (tests/test_serving*.py run it)"
+    if command.startswith("fv worker"):
+        return "a Dynamo worker that runs until stopped (plugins/fv-dynamo/tests run it)"
+    if command.startswith("fv comfy"):
+        return "needs a ComfyUI workflow and its model mapping (plugins/fv-comfyui/tests run the command)"
     if "cosmos3" in command and importlib.util.find_spec("fv_cosmos3") is None:
         return "fv-cosmos3 is not installed here"
     return None
