@@ -8,7 +8,7 @@ names a kernel library itself.
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,14 @@ class AttentionBackend(abc.ABC):
 
     #: The driver's registry name (its entry-point name).
     name: ClassVar[str]
+    #: Whether self-attention over a video needs the token grid (``attend_video(q, k, v, grid=, gate=)``,
+    #: e.g. tiled sparse attention); model code routes its self-attention there when set.
+    needs_video_grid: ClassVar[bool] = False
+
+    def for_assumption(self, assumption: Any) -> "AttentionBackend":
+        """This driver configured with a recipe's ``AttentionAssumption`` (its sparsity, tile...);
+        drivers with no settings return themselves."""
+        return self
 
     def supports(self, *, dtype: torch.dtype, device: torch.device, head_dim: int, has_mask: bool) -> bool:
         """Whether this backend can run the given case; callers fall back when not."""

@@ -1,0 +1,326 @@
+"""Video Sparse Attention (VSA) as an attention driver: tiled, content-dependent block sparsity.
+
+The algorithm (as FastVideo's ``video_sparse_attn`` defines it; written here from its
+description, not its code), over self-attention of a video's (T, H, W) token grid:
+
+1. **Tile partition.** Tokens are regrouped into ``tile`` = (t, h, w) blocks (4x4x4: 64 tokens);
+   the grid is zero-padded to whole tiles and a per-tile mask marks the real tokens.
+2. **Compression branch.** q, k, v are mean-pooled per tile over the real tokens; dense
+   attention runs over the tiles and each tile's output is broadcast to its tokens.
+3. **Selection.** Per query tile, the ``ceil((1 - sparsity) * tiles)`` key tiles with the
+   highest compressed scores. Content-dependent: decided in every call (every step, every
+   layer) from the compression branch just computed, so nothing is fixed ahead of the step.
+4. **Sparse branch.** Attention of each query tile over the real tokens of its selected key tiles.
+5. **Combine.** ``compressed * gate + sparse``, ``gate`` being the model's ``to_gate_compress``
+   projection of the hidden state, per head.
+
+Two implementations of steps 4 (and the shared steps 1-3 in torch): :func:`vsa_reference`,
+a dense masked torch reference (O(L^2) memory: tiny sizes and checking only), and the Triton
+block-sparse kernel :func:`block_sparse_attention_triton` (CUDA, or CPU under
+``TRITON_INTERPRET=1``), which reads only the selected tiles. GPU speed is not measured.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+
+from fv_kernel.compute.attention import AttentionBackend, AttentionShapeError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fv_kernel.card.spec import AttentionAssumption
+
+__all__ = [
+    "VideoSparseAttention",
+    "TiledTokens",
+    "tile_partition",
+    "tile_unpartition",
+    "select_tiles",
+    "vsa_reference",
+    "vsa_forward",
+    "block_sparse_attention_torch",
+    "block_sparse_attention_triton",
+    "selected_tile_count",
+    "triton_interpreted",
+]
+
+Grid = tuple[int, int, int]
+
+
+class TiledTokens:
+    """(B, H, N, V, D) tiles of a padded token grid and the (N, V) mask of its real tokens."""
+
+    def __init__(self, tiles: torch.Tensor, valid: torch.Tensor, grid: Grid, tile: Grid) -> None:
+        self.tiles = tiles
+        self.valid = valid
+        self.grid = grid
+        self.tile = tile
+
+
+def _tile_counts(grid: Grid, tile: Grid) -> Grid:
+    return tuple(-(-g // t) for g, t in zip(grid, tile))  # type: ignore[return-value]
+
+
+def tile_partition(x: torch.Tensor, grid: Grid, tile: Grid) -> TiledTokens:
+    """``x`` (B, H, T*Hg*W, D) in (t, h, w) raster order -> tiles (B, H, N, V, D), zero-padded."""
+    batch, heads, length, dim = x.shape
+    if math.prod(grid) != length:
+        raise AttentionShapeError(f"token grid {list(grid)} holds {math.prod(grid)} tokens, the sequence has {length}")
+    counts = _tile_counts(grid, tile)
+    padded = tuple(n * t for n, t in zip(counts, tile))
+    volume = x.view(batch, heads, *grid, dim)
+    pad = [0, 0]  # D
+    for g, p in zip(reversed(grid), reversed(padded)):
+        pad += [0, p - g]
+    volume = F.pad(volume, pad)
+    (nt, nh, nw), (tt, th, tw) = counts, tile
+    tiles = volume.view(batch, heads, nt, tt, nh, th, nw, tw, dim).permute(0, 1, 2, 4, 6, 3, 5, 7, 8)
+    tiles = tiles.reshape(batch, heads, nt * nh * nw, tt * th * tw, dim)
+    real = F.pad(torch.ones(grid, dtype=torch.bool, device=x.device), pad[2:])
+    valid = real.view(nt, tt, nh, th, nw, tw).permute(0, 2, 4, 1, 3, 5).reshape(nt * nh * nw, tt * th * tw)
+    return TiledTokens(tiles, valid, grid, tile)
+
+
+def tile_unpartition(tiles: torch.Tensor, grid: Grid, tile: Grid) -> torch.Tensor:
+    """The inverse of :func:`tile_partition`: (B, H, N, V, D) -> (B, H, T*Hg*W, D), padding dropped."""
+    batch, heads, _, _, dim = tiles.shape
+    (nt, nh, nw), (tt, th, tw) = _tile_counts(grid, tile), tile
+    volume = tiles.reshape(batch, heads, nt, nh, nw, tt, th, tw, dim).permute(0, 1, 2, 5, 3, 6, 4, 7, 8)
+    volume = volume.reshape(batch, heads, nt * tt, nh * th, nw * tw, dim)
+    t, h, w = grid
+    return volume[:, :, :t, :h, :w].reshape(batch, heads, t * h * w, dim)
+
+
+def _tile_means(tiled: TiledTokens) -> torch.Tensor:
+    """Mean of each tile over its real tokens: (B, H, N, D), accumulated in fp32."""
+    weights = tiled.valid.to(torch.float32)
+    summed = torch.einsum("bhnvd,nv->bhnd", tiled.tiles.float(), weights)
+    return summed / weights.sum(-1)[:, None]
+
+
+def selected_tile_count(tiles: int, sparsity: float) -> int:
+    """How many key tiles each query tile keeps: ``ceil((1 - sparsity) * tiles)``, at least one."""
+    return max(1, min(tiles, math.ceil((1.0 - sparsity) * tiles - 1e-9)))
+
+
+def select_tiles(
+    q: TiledTokens, k: TiledTokens, v: TiledTokens, sparsity: float, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compression branch and the selection: (compressed output per tile (B, H, N, D) fp32,
+    selected key-tile indices (B, H, N, k) int64, highest compressed score first)."""
+    q_c, k_c, v_c = _tile_means(q), _tile_means(k), _tile_means(v)
+    scores = torch.einsum("bhnd,bhmd->bhnm", q_c, k_c) * scale
+    compressed = torch.softmax(scores, dim=-1) @ v_c
+    keep = selected_tile_count(scores.shape[-1], sparsity)
+    return compressed, scores.topk(keep, dim=-1).indices
+
+
+def block_sparse_attention_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, selected: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Dense masked reference of the sparse branch: (B, H, N, V, D) tiles, attention of each query
+    tile over the real tokens of its ``selected`` key tiles, as one masked SDPA over all tokens."""
+    batch, heads, tiles, volume, dim = q.shape
+    tile_mask = torch.zeros(batch, heads, tiles, tiles, dtype=torch.bool, device=q.device)
+    tile_mask.scatter_(-1, selected, True)
+    token_mask = tile_mask[:, :, :, None, :, None] & valid[None, None, None, None]  # (B,H,N,1,N,V)
+    token_mask = token_mask.expand(batch, heads, tiles, volume, tiles, volume).reshape(
+        batch, heads, tiles * volume, tiles * volume
+    )
+    out = F.scaled_dot_product_attention(
+        q.reshape(batch, heads, -1, dim).float(), k.reshape(batch, heads, -1, dim).float(),
+        v.reshape(batch, heads, -1, dim).float(), attn_mask=token_mask, scale=scale,
+    )
+    return out.view(batch, heads, tiles, volume, dim)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _block_sparse_kernel() -> Any:
+    """Build (once per process: Triton compiles lazily) the kernel, one program per (query tile, batch*head)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_sparse_fwd(
+        q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, valid_ptr, scale, n_tiles, volume, head_dim,
+        N_SEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        q_tile = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        row_ok = rows < volume
+        col_ok = cols < head_dim
+        base = bh * n_tiles * volume * head_dim
+        q_off = base + (q_tile * volume + rows)[:, None] * head_dim + cols[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s in range(0, N_SEL):
+            kv_tile = tl.load(sel_ptr + (bh * n_tiles + q_tile) * N_SEL + s)
+            key_ok = tl.load(valid_ptr + kv_tile * volume + rows, mask=row_ok, other=0) != 0
+            kv_off = base + (kv_tile * volume + rows)[:, None] * head_dim + cols[None, :]
+            kv_mask = row_ok[:, None] & col_ok[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * scale
+            qk = tl.where(key_ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    return block_sparse_fwd
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels built now run in its CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_block_sparse_kernel(), InterpretedFunction)
+
+
+def block_sparse_attention_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, selected: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The sparse branch in Triton: reads only the selected key tiles. Same contract as
+    :func:`block_sparse_attention_torch`; output in fp32."""
+    batch, heads, tiles, volume, dim = q.shape
+    kernel = _block_sparse_kernel()
+    if q.device.type != "cuda" and not triton_interpreted():
+        raise AttentionShapeError(
+            "the Triton VSA kernel runs on CUDA, or on CPU only under Triton's interpreter "
+            "(TRITON_INTERPRET=1 set before the process imports triton)"
+        )
+    q_, k_, v_ = (t.contiguous() for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    sel = selected.to(torch.int32).contiguous()
+    mask = valid.to(torch.int8).contiguous()
+    grid = (tiles, batch * heads)
+    kernel[grid](
+        q_, k_, v_, out, sel, mask, float(scale), tiles, volume, dim,
+        N_SEL=sel.shape[-1], BLOCK_M=max(16, _next_pow2(volume)), BLOCK_D=max(16, _next_pow2(dim)),
+    )
+    return out
+
+
+def vsa_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    grid: Grid,
+    gate: torch.Tensor | None,
+    sparsity: float,
+    tile: Grid,
+    scale: float | None = None,
+    sparse_branch: Any = block_sparse_attention_torch,
+) -> torch.Tensor:
+    """VSA over (B, H, L, D) q/k/v of a (T, H, W) token grid; ``gate`` (B, H, L, D) or None (weight 1).
+
+    ``sparse_branch`` computes step 4 (:func:`block_sparse_attention_torch` or the Triton kernel).
+    """
+    AttentionBackend.check_shapes(q, k, v)
+    if q.shape != k.shape:
+        raise AttentionShapeError(f"VSA is self-attention: q {tuple(q.shape)} and k {tuple(k.shape)} must match")
+    if gate is not None and gate.shape != q.shape:
+        raise AttentionShapeError(f"gate {tuple(gate.shape)} must have q's shape {tuple(q.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    tq, tk, tv = (tile_partition(t, grid, tile) for t in (q, k, v))
+    compressed, selected = select_tiles(tq, tk, tv, sparsity, scale)
+    sparse = sparse_branch(tq.tiles, tk.tiles, tv.tiles, tq.valid, selected, scale)
+    broadcast = compressed[:, :, :, None, :].expand_as(sparse)
+    if gate is not None:
+        broadcast = broadcast * tile_partition(gate, grid, tile).tiles.float()
+    return tile_unpartition(broadcast + sparse, grid, tile).to(q.dtype)
+
+
+def vsa_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grid: Grid, gate: torch.Tensor | None,
+    sparsity: float, tile: Grid, scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`vsa_forward` with the dense masked torch sparse branch: the checking reference."""
+    return vsa_forward(q, k, v, grid=grid, gate=gate, sparsity=sparsity, tile=tile, scale=scale)
+
+
+class VideoSparseAttention(AttentionBackend):
+    """The ``vsa`` driver. Self-attention over a video token grid goes through :meth:`attend_video`
+    (the model passes the grid and its compression gate); :meth:`attend` without a grid is plain
+    dense attention (cross-attention to text), since there is no grid to tile.
+
+    ``sparsity`` / ``tile`` come from the card's ``recipe.assumes_attention`` (:meth:`for_assumption`);
+    the defaults are VSA's published setting. ``implementation``: ``"triton"`` (CUDA, or CPU under
+    Triton's interpreter), ``"torch"`` (the dense masked reference), ``"auto"`` (Triton on CUDA when
+    importable, else torch).
+    """
+
+    name: ClassVar[str] = "vsa"
+    needs_video_grid: ClassVar[bool] = True
+
+    def __init__(
+        self, sparsity: float = 0.8, tile: Grid = (4, 4, 4),
+        implementation: Literal["auto", "triton", "torch"] = "auto",
+    ) -> None:
+        if not 0.0 <= sparsity < 1.0:
+            raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+        if len(tile) != 3 or min(tile) < 1:
+            raise ValueError(f"tile must be three positive (t, h, w) sizes, got {list(tile)}")
+        self.sparsity = float(sparsity)
+        self.tile: Grid = tuple(int(t) for t in tile)  # type: ignore[assignment]
+        self.implementation = implementation
+
+    def for_assumption(self, assumption: "AttentionAssumption") -> "VideoSparseAttention":
+        return VideoSparseAttention(
+            sparsity=assumption.sparsity if assumption.sparsity is not None else self.sparsity,
+            tile=assumption.tile if assumption.tile is not None else self.tile,
+            implementation=self.implementation,
+        )
+
+    def _sparse_branch(self, device: torch.device) -> Any:
+        if self.implementation == "torch":
+            return block_sparse_attention_torch
+        if self.implementation == "triton":
+            return block_sparse_attention_triton
+        from fv_kernel.compute.fused import triton_available
+
+        return block_sparse_attention_triton if device.type == "cuda" and triton_available() else block_sparse_attention_torch
+
+    def attend_video(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grid: Grid, gate: torch.Tensor | None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """VSA self-attention of (B, H, L, D) tensors over the (T, H, W) token ``grid``."""
+        return vsa_forward(
+            q, k, v, grid=grid, gate=gate, sparsity=self.sparsity, tile=self.tile, scale=scale,
+            sparse_branch=self._sparse_branch(q.device),
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        self.check_shapes(q, k, v)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
