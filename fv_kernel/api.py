@@ -17,6 +17,7 @@ from fv_kernel.card.checkpoint import apply_key_map, dtype_for_key, load_into, r
 from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp, build_instance, import_object
 from fv_kernel.card.preflight import InsufficientMemory, PreflightReport, preflight
 from fv_kernel.card.spec import (
+    AttentionAssumption,
     CacheContract,
     CapabilityMatrix,
     CheckpointManifest,
@@ -56,6 +57,7 @@ from fv_kernel.errors import (
 from fv_kernel.compute.attention import AttentionBackend, AttentionShapeError
 from fv_kernel.config import DeployConfig, DeployConfigError, load_deploy_config
 from fv_kernel.compute.attention_backends import attention_callable, load_attention_backend
+from fv_kernel.compute.video_sparse_attention import VideoSparseAttention
 from fv_kernel.compute.compile import CompileCache, CompileKey, ComputeOptions, GraphedStep, compile_blocks
 from fv_kernel.compute.fused import select_fused_ops
 from fv_kernel.extend.hooks import BlockHooks, RequestHooks

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from fv_kernel.api import (
+    AttentionAssumption,
     CapabilityMatrix,
     CheckpointManifest,
     ComponentCheckpoint,
@@ -72,6 +73,9 @@ TEXT_ENCODER_SCHEMA = "fv_wan.component_configs:WanTextEncoderConfig"
 IMAGE_ENCODER_SCHEMA = "fv_wan.component_configs:WanImageEncoderConfig"
 #: ``ComponentSpec.parameters`` of every component: its weight elements, counted on the meta device.
 PARAMETER_COUNT = "fv_wan.footprint:parameter_count"
+
+#: The attention FastWan's sparse distillation trained under (FastVideo's published inference setting).
+FASTWAN_VSA = AttentionAssumption(kind="vsa", sparsity=0.8, tile=(4, 4, 4))
 
 TINY_CARD_IDS = ("wan-tiny", "wan-tiny-i2v", "wan-tiny-ti2v", "wan-tiny-a14b", "fastwan-tiny")
 
@@ -281,12 +285,16 @@ def wan_cards() -> list[ModelCard]:
               second_expert=True, denoise_config={"boundary_ratio": 0.875},
               defaults=GenerationDefaults(height=720, width=1280, frames=81, fps=16.0, steps=40, guidance=4.0, guidance_2=3.0, shift=12.0),
               source="Wan-AI/Wan2.2-T2V-A14B-Diffusers"),
-        _card("fastwan2.1-t2v-1.3b", summary="FastWan 2.1 1.3B: DMD2-distilled, 3 steps at shift 8, no CFG",
-              transformer=WanTransformerConfig.wan21_t2v_1_3b(), vae=WanVAEConfig.wan21(), tasks=t2v,
+        # Sparse distillation: DMD2 and VSA (sparsity 0.8, 4x4x4 tiles) trained jointly; the checkpoint
+        # carries each self-attention's to_gate_compress, loaded strictly. Deploy with attention_backend: vsa.
+        _card("fastwan2.1-t2v-1.3b", summary="FastWan 2.1 1.3B: DMD2 + VSA sparse-distilled, 3 steps at shift 8, no CFG",
+              transformer=WanTransformerConfig.wan21_t2v_1_3b().model_copy(update={"has_gate_compress": True}),
+              vae=WanVAEConfig.wan21(), tasks=t2v,
               defaults=GenerationDefaults(height=448, width=832, frames=61, fps=16.0, steps=3, guidance=1.0, shift=8.0),
               source="FastVideo/FastWan2.1-T2V-1.3B-Diffusers",
-              recipe=RecipeSpec(method="dmd2", parents=("wan2.1-t2v-1.3b",), data_contract="FastVideo DMD2 recipe",
-                                assumes_loop="dmd_3step", consistency_required=ParityLevel.C1),
+              recipe=RecipeSpec(method="dmd2", parents=("wan2.1-t2v-1.3b",), data_contract="FastVideo DMD2 + VSA recipe",
+                                assumes_loop="dmd_3step", consistency_required=ParityLevel.C1,
+                                assumes_attention=FASTWAN_VSA),
               sampler=SamplerBinding(name="dmd", config={"denoising_timesteps": [1000, 757, 522], "shift": 8.0}, fixed_steps=3),
               denoise_loop_id="dmd_3step", guidance="none", rejects=frozenset({"step_skip"}), uses_guidance=False),
         # -- embedded tiny cards: seeded random weights, every path, CPU seconds --------------

@@ -46,8 +46,12 @@ def transformer_config_from_disk(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def same_architecture(found: WanTransformerConfig, expected: WanTransformerConfig) -> bool:
     """Equal configs, up to ``rope_max_seq_len``: it bounds the RoPE table (positions are computed,
-    not learned, and equal below the bound), and original-layout configs do not record it."""
-    return found.model_copy(update={"rope_max_seq_len": expected.rope_max_seq_len}) == expected
+    not learned, and equal below the bound), and original-layout configs do not record it; and up to
+    ``has_gate_compress``: the card says whether the weights carry VSA gates (their config.json need
+    not), and the strict key check then requires them."""
+    return found.model_copy(
+        update={"rope_max_seq_len": expected.rope_max_seq_len, "has_gate_compress": expected.has_gate_compress}
+    ) == expected
 
 
 def is_original_layout(keys: Any) -> bool:

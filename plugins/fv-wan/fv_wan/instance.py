@@ -88,7 +88,8 @@ def _seeded(seed: int, build: Any) -> Any:
 
 
 def configure_transformer(
-    model: WanTransformer, options: InstanceOptions, compute: ComputeOptions | None = None, *, registry: Any = None
+    model: WanTransformer, options: InstanceOptions, compute: ComputeOptions | None = None, *, registry: Any = None,
+    assumption: Any = None,
 ) -> WanTransformer:
     """Apply the deployment's attention backend and compute tier to a loaded transformer.
 
@@ -97,14 +98,23 @@ def configure_transformer(
     (the runtime's deploy registry), else the kernel's built-ins alone; a disabled plugin's
     driver is refused naming why. The default ``sdpa`` keeps the model's own
     ``F.scaled_dot_product_attention`` call, so the default path is today's code exactly.
-    ``compute`` adds fused kernels and/or per-block compile.
+    ``compute`` adds fused kernels and/or per-block compile. ``assumption`` (the card's
+    ``recipe.assumes_attention``) configures the driver it names; a ``needs_video_grid`` driver
+    (``vsa``) takes the self-attention only, with the layers' ``to_gate_compress`` gates.
     """
     if options.attention_backend != "sdpa":
         from fv_kernel.api import attention_callable, load_attention_backend
 
         if registry is None and options.registry is not None:
             registry = options.registry.attention_backends
-        model.set_attention_fn(attention_callable(load_attention_backend(options.attention_backend, registry)))
+        backend = load_attention_backend(options.attention_backend, registry)
+        if assumption is not None and assumption.kind == options.attention_backend:
+            backend = backend.for_assumption(assumption)  # the recipe's sparsity / tile
+        if backend.needs_video_grid:
+            # Self-attention only (with the layers' compression gates); cross-attention stays dense.
+            model.set_video_attention(backend.attend_video)  # type: ignore[attr-defined]
+        else:
+            model.set_attention_fn(attention_callable(backend))
     if compute is None:
         return model
     from fv_kernel.api import select_fused_ops
@@ -120,7 +130,7 @@ def load_transformer(
     card: ModelCard, component_id: str, options: InstanceOptions, compute: ComputeOptions | None = None
 ) -> WanTransformer:
     model = _load_transformer_weights(card, component_id, options)
-    return configure_transformer(model, options, compute)
+    return configure_transformer(model, options, compute, assumption=card.recipe.assumes_attention)
 
 
 def _load_transformer_weights(card: ModelCard, component_id: str, options: InstanceOptions) -> WanTransformer:

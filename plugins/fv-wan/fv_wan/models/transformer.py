@@ -27,6 +27,9 @@ from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, model_va
 from torch import nn
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: Self-attention over a video token grid with a compression gate (a ``needs_video_grid`` driver's
+#: ``attend_video``): ``fn(q, k, v, *, grid=(F, H, W), gate=g)``, all (B, heads, L, head_dim).
+VideoAttentionFn = Callable[..., torch.Tensor]
 #: A ``fv_kernel.compute.fused.FusedOps`` (duck-typed: the model never imports the kernel's compute
 #: package). None keeps the eager code path, bit-identical to diffusers.
 FusedOps = Any
@@ -79,6 +82,9 @@ class WanTransformerConfig(BaseModel):
     added_kv_proj_dim: PositiveInt | None = None
     rope_max_seq_len: PositiveInt = 1024
     pos_embed_seq_len: PositiveInt | None = None
+    #: Self-attention layers carry ``attn1.to_gate_compress`` (dim -> dim, with bias): the gate of
+    #: Video Sparse Attention's compression branch, which VSA-trained checkpoints (FastWan) hold.
+    has_gate_compress: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -121,8 +127,9 @@ class WanTransformerConfig(BaseModel):
         return cls(**fields)
 
     def to_diffusers_config(self) -> dict[str, Any]:
-        """Keyword arguments for diffusers' ``WanTransformer3DModel(**kwargs)``."""
-        return self.model_dump()
+        """Keyword arguments for diffusers' ``WanTransformer3DModel(**kwargs)``. diffusers has no VSA
+        gate: ``has_gate_compress`` appears only when true (a gated model is not a diffusers model)."""
+        return self.model_dump(exclude=None if self.has_gate_compress else {"has_gate_compress"})
 
     # Released checkpoints. All use head_dim 128, patch (1,2,2), text_dim 4096, freq_dim 256.
     @classmethod
@@ -341,10 +348,14 @@ def _attend(attention_fn: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torc
 class WanAttention(nn.Module):
     """Self- or cross-attention with RMSNorm across heads on q/k and optional added image K/V."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, eps: float, added_kv_proj_dim: int | None = None) -> None:
+    def __init__(
+        self, dim: int, heads: int, head_dim: int, eps: float, added_kv_proj_dim: int | None = None,
+        gate_compress: bool = False,
+    ) -> None:
         super().__init__()
         inner = heads * head_dim
         self.heads = heads
+        self.to_gate_compress: nn.Linear | None = nn.Linear(dim, inner) if gate_compress else None
         self.to_q = nn.Linear(dim, inner)
         self.to_k = nn.Linear(dim, inner)
         self.to_v = nn.Linear(dim, inner)
@@ -371,13 +382,34 @@ class WanAttention(nn.Module):
         return ops.qk_rms_norm_rope(projected, norm.weight, eps, self.heads, rotary)
 
     def self_attention_fused(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_fn: AttentionFn, ops: FusedOps
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_fn: AttentionFn, ops: FusedOps,
+        video: tuple[VideoAttentionFn, tuple[int, int, int]] | None = None,
     ) -> torch.Tensor:
         """:meth:`self_attention` with RMSNorm + RoPE of q and k done by ``ops`` in one pass each."""
         query = self._normed_heads(self.norm_q, self.to_q(x), ops, rotary)
         key = self._normed_heads(self.norm_k, self.to_k(x), ops, rotary)
         value = _split_heads(self.to_v(x), self.heads)
-        return self._project_out(_attend(attention_fn, query, key, value), query)
+        return self._project_out(self._self_attend(x, query, key, value, attention_fn, video), query)
+
+    def _self_attend(
+        self, x: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_fn: AttentionFn,
+        video: tuple[VideoAttentionFn, tuple[int, int, int]] | None,
+    ) -> torch.Tensor:
+        """(B, L, H, D) attention: the video driver with this layer's gate when one is set, else
+        ``attention_fn`` (a gate the checkpoint holds is then unused: only under a recipe override)."""
+        if video is None:
+            return _attend(attention_fn, query, key, value)
+        if self.to_gate_compress is None:
+            raise WanConfigError(
+                "a video sparse attention driver needs the compression gate (config has_gate_compress: true); "
+                "this transformer has none"
+            )
+        video_fn, grid = video
+        gate = _split_heads(self.to_gate_compress(x), self.heads)
+        attended = video_fn(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), grid=grid, gate=gate.transpose(1, 2)
+        )
+        return attended.transpose(1, 2)
 
     def cross_attention_fused(
         self, x: torch.Tensor, context: torch.Tensor, context_image: torch.Tensor | None, attention_fn: AttentionFn,
@@ -397,14 +429,16 @@ class WanAttention(nn.Module):
         return self.to_out[0](attended.flatten(2).type_as(like))
 
     def self_attention(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_fn: AttentionFn
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_fn: AttentionFn,
+        video: tuple[VideoAttentionFn, tuple[int, int, int]] | None = None,
     ) -> torch.Tensor:
+        """``video`` = (driver fn, token grid): self-attention through a video sparse attention driver."""
         query = self._query(x)
         key, value = self._key_value(x)
         cos, sin = rotary
         query = apply_rotary(query, cos, sin)
         key = apply_rotary(key, cos, sin)
-        return self._project_out(_attend(attention_fn, query, key, value), query)
+        return self._project_out(self._self_attend(x, query, key, value, attention_fn, video), query)
 
     def cross_attention(
         self,
@@ -441,6 +475,17 @@ class WanBlockInputs:
     temb: torch.Tensor
     rotary: tuple[torch.Tensor, torch.Tensor]
     grid_sizes: tuple[int, int, int]
+    #: The model's video self-attention driver (``set_video_attention``); None: ``attention_fn``.
+    video_attention: VideoAttentionFn | None = None
+
+    def video(self, self_attention_fn: AttentionFn | None) -> tuple[VideoAttentionFn, tuple[int, int, int]] | None:
+        """(driver, grid) for the self-attention, or None. A caller-supplied self-attention (sequence
+        parallel's all-to-all) cannot be combined with it: VSA over a sequence shard is not built."""
+        if self.video_attention is None:
+            return None
+        if self_attention_fn is not None:
+            raise WanConfigError("video sparse attention with a custom self-attention (sequence parallel) is not supported")
+        return self.video_attention, self.grid_sizes
 
 
 class WanTransformerBlock(nn.Module):
@@ -450,7 +495,7 @@ class WanTransformerBlock(nn.Module):
         super().__init__()
         dim, heads, eps = config.inner_dim, config.num_attention_heads, config.eps
         self.norm1 = nn.LayerNorm(dim, eps, elementwise_affine=False)
-        self.attn1 = WanAttention(dim, heads, config.attention_head_dim, eps)
+        self.attn1 = WanAttention(dim, heads, config.attention_head_dim, eps, gate_compress=config.has_gate_compress)
         self.attn2 = WanAttention(dim, heads, config.attention_head_dim, eps, config.added_kv_proj_dim)
         self.norm2: nn.Module = (
             nn.LayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
@@ -467,6 +512,7 @@ class WanTransformerBlock(nn.Module):
         parallel passes its all-to-all attention here while cross-attention stays local."""
         if fused_ops is not None:
             return self._forward_fused(x, inputs, attention_fn, fused_ops, self_attention_fn)
+        video = inputs.video(self_attention_fn)
         self_attention_fn = self_attention_fn or attention_fn
         # (1, 6, dim) + (B, S, 6, dim) -> six (B, S, dim) modulation tensors, in fp32.
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
@@ -474,7 +520,7 @@ class WanTransformerBlock(nn.Module):
         ).unbind(2)
 
         normed = (_fp32_layer_norm(self.norm1, x) * (1 + scale_sa) + shift_sa).type_as(x)
-        x = (x.float() + self.attn1.self_attention(normed, inputs.rotary, self_attention_fn) * gate_sa).type_as(x)
+        x = (x.float() + self.attn1.self_attention(normed, inputs.rotary, self_attention_fn, video) * gate_sa).type_as(x)
 
         if isinstance(self.norm2, nn.LayerNorm):
             normed = _fp32_layer_norm(self.norm2, x).type_as(x)
@@ -494,7 +540,8 @@ class WanTransformerBlock(nn.Module):
             self.scale_shift_table + inputs.timestep_proj.float()
         ).unbind(2)
         normed = ops.modulated_layer_norm(x, scale_sa, shift_sa, self.norm1.eps)
-        attended = self.attn1.self_attention_fused(normed, inputs.rotary, self_attention_fn or attention_fn, ops)
+        video = inputs.video(self_attention_fn)
+        attended = self.attn1.self_attention_fused(normed, inputs.rotary, self_attention_fn or attention_fn, ops, video)
         if isinstance(self.norm2, nn.LayerNorm):
             x, normed = ops.residual_layer_norm(
                 x, attended, gate_sa, self.norm2.eps, weight=self.norm2.weight, bias=self.norm2.bias
@@ -524,6 +571,7 @@ class WanTransformer(nn.Module):
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self._attention_fn: AttentionFn = attention_fn or F.scaled_dot_product_attention
+        self._video_attention: VideoAttentionFn | None = None
         self._fused_ops: FusedOps = fused_ops
 
     # -- attention backend
@@ -537,6 +585,20 @@ class WanTransformer(nn.Module):
         if not callable(attention_fn):
             raise TypeError(f"attention_fn must be callable, got {type(attention_fn).__name__}")
         self._attention_fn = attention_fn
+
+    @property
+    def video_attention(self) -> VideoAttentionFn | None:
+        return self._video_attention
+
+    def set_video_attention(self, video_attention: VideoAttentionFn | None) -> None:
+        """Route self-attention through a video sparse attention driver's ``attend_video`` (with the
+        layers' ``to_gate_compress``); cross-attention keeps ``attention_fn``. None: back to ``attention_fn``."""
+        if video_attention is not None and not self.config.has_gate_compress:
+            raise WanConfigError(
+                "video sparse attention needs the compression gate weights (has_gate_compress: true); "
+                "this transformer has none"
+            )
+        self._video_attention = video_attention
 
     @property
     def fused_ops(self) -> FusedOps:
@@ -610,6 +672,7 @@ class WanTransformer(nn.Module):
             temb=temb,
             rotary=self.rope(grid_sizes),
             grid_sizes=grid_sizes,
+            video_attention=self._video_attention,
         )
 
     def run_block(self, index: int, x: torch.Tensor, inputs: WanBlockInputs) -> torch.Tensor:
