@@ -53,6 +53,7 @@ code on CPU with gloo at tiny sizes (``torchrun --nproc-per-node N bench/bench_p
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -396,6 +397,7 @@ def bench_e2e(*, plan: Any, smoke: bool, args: argparse.Namespace, device: torch
         engine.add_instance(_random_instance(card, device, smoke=smoke))
         single_s, single_video = run(engine)
         del engine
+        gc.collect()  # the single-GPU instance's 14B weights go before the plan's are built
         if device.type == "cuda":
             torch.cuda.empty_cache()
     dist.barrier()
