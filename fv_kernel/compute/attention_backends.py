@@ -9,7 +9,7 @@ FlashAttention-3 (``flash_attn_interface``, Hopper) and FlashAttention-2 (``flas
 are imported when the driver is constructed, never at module import, and a missing
 package is an :class:`AttentionBackendUnavailable` naming it.
 
-No Triton attention kernel is shipped: at this shape cuDNN already reaches about
+No dense Triton attention kernel is shipped (the ``vsa`` driver's block-sparse one is separate): at this shape cuDNN already reaches about
 570 TFLOP/s on an H200 (72% of the measured 800 TFLOP/s matmul rate); published
 Triton flash-attention kernels for head_dim 128 on Hopper stay below that without
 warp-specialised wgmma/TMA pipelines, so a Triton kernel would not win here.
