@@ -184,7 +184,12 @@ def _wrong_tile_mapping(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate:
 
 def kernel_checks(device: str) -> dict[str, Any]:
     """Max |Triton - reference| per case, and the negative controls' errors."""
-    from fv_kernel.compute.video_sparse_attention import block_sparse_attention_triton, triton_interpreted
+    from fv_kernel.compute.video_sparse_attention import (
+        block_sparse_attention_triton,
+        tile_means_torch,
+        tile_means_triton,
+        triton_interpreted,
+    )
 
     out: dict[str, Any] = {"interpreted": triton_interpreted()}
     for name, grid, tile, sparsity in (
@@ -193,8 +198,22 @@ def kernel_checks(device: str) -> dict[str, Any]:
     ):
         q, k, v, gate = (t.to(device) for t in qkvg(grid))
         ref = vsa_reference(q, k, v, grid=grid, gate=gate, sparsity=sparsity, tile=tile)
-        tri = vsa_forward(q, k, v, grid=grid, gate=gate, sparsity=sparsity, tile=tile, sparse_branch=block_sparse_attention_triton)
+        tri = vsa_forward(
+            q, k, v, grid=grid, gate=gate, sparsity=sparsity, tile=tile, sparse_branch=block_sparse_attention_triton,
+            pool=tile_means_triton,
+        )
         out[name] = float((ref - tri).abs().max())
+        tiled = tile_partition(k, grid, tile)
+        out[f"pool:{name}"] = float((tile_means_triton(tiled) - tile_means_torch(tiled)).abs().max())
+    # The driver on Triton end to end (what CUDA runs), against the reference.
+    q, k, v, gate = (t.to(device) for t in qkvg())
+    driver = VideoSparseAttention(0.75, TILE, "triton")
+    out["driver_triton"] = float((driver.attend_video(q, k, v, grid=GRID, gate=gate) - vsa_reference(
+        q, k, v, grid=GRID, gate=gate, sparsity=0.75, tile=TILE)).abs().max())
+    # Negative control: pooling that counts the padding as tokens (a mean over all 64) differs.
+    tiled = tile_partition(k, GRID, TILE)
+    padded_mean = tiled.tiles.float().mean(3)
+    out["pool_counting_padding"] = float((tile_means_triton(tiled) - padded_mean).abs().max())
     q, k, v, gate = (t.to(device) for t in qkvg())
     tri = vsa_forward(q, k, v, grid=GRID, gate=gate, sparsity=0.75, tile=TILE, sparse_branch=block_sparse_attention_triton)
     out["wrong_tile_mapping"] = float((_wrong_tile_mapping(q, k, v, gate) - tri).abs().max())
@@ -228,6 +247,19 @@ def kernels() -> dict[str, Any]:
 @pytest.mark.parametrize("case", ["padded_4x4x4", "exact_4x4x4", "dense_limit", "odd_tile"])
 def test_triton_block_sparse_kernel_matches_the_reference(kernels: dict[str, Any], case: str) -> None:
     assert kernels[case] < 1e-5, kernels
+
+
+@pytest.mark.parametrize("case", ["padded_4x4x4", "exact_4x4x4", "dense_limit", "odd_tile"])
+def test_triton_tile_means_match_the_reference(kernels: dict[str, Any], case: str) -> None:
+    assert kernels[f"pool:{case}"] < 1e-5, kernels
+
+
+def test_the_triton_driver_matches_the_reference(kernels: dict[str, Any]) -> None:
+    assert kernels["driver_triton"] < 1e-5, kernels
+
+
+def test_negative_control_pooling_over_padding_fails_the_comparison(kernels: dict[str, Any]) -> None:
+    assert kernels["pool_counting_padding"] > 1e-2, kernels
 
 
 def test_negative_control_a_wrong_tile_mapping_fails_the_comparison(kernels: dict[str, Any]) -> None:

@@ -14,10 +14,11 @@ description, not its code), over self-attention of a video's (T, H, W) token gri
 5. **Combine.** ``compressed * gate + sparse``, ``gate`` being the model's ``to_gate_compress``
    projection of the hidden state, per head.
 
-Two implementations of steps 4 (and the shared steps 1-3 in torch): :func:`vsa_reference`,
-a dense masked torch reference (O(L^2) memory: tiny sizes and checking only), and the Triton
-block-sparse kernel :func:`block_sparse_attention_triton` (CUDA, or CPU under
-``TRITON_INTERPRET=1``), which reads only the selected tiles. GPU speed is not measured.
+Two implementations: :func:`vsa_reference`, torch throughout with a dense masked sparse branch
+(O(L^2) memory: tiny sizes and checking only); and Triton kernels (CUDA, or CPU under
+``TRITON_INTERPRET=1``) for the tile means of the compression (:func:`tile_means_triton`) and the
+block-sparse branch (:func:`block_sparse_attention_triton`, reading only the selected tiles), with
+the tile-level attention, top-k and combine in torch. GPU speed is not measured.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ __all__ = [
     "block_sparse_attention_torch",
     "block_sparse_attention_triton",
     "selected_tile_count",
+    "tile_means_torch",
+    "tile_means_triton",
     "triton_interpreted",
 ]
 
@@ -95,7 +98,7 @@ def tile_unpartition(tiles: torch.Tensor, grid: Grid, tile: Grid) -> torch.Tenso
     return volume[:, :, :t, :h, :w].reshape(batch, heads, t * h * w, dim)
 
 
-def _tile_means(tiled: TiledTokens) -> torch.Tensor:
+def tile_means_torch(tiled: TiledTokens) -> torch.Tensor:
     """Mean of each tile over its real tokens: (B, H, N, D), accumulated in fp32."""
     weights = tiled.valid.to(torch.float32)
     summed = torch.einsum("bhnvd,nv->bhnd", tiled.tiles.float(), weights)
@@ -108,11 +111,13 @@ def selected_tile_count(tiles: int, sparsity: float) -> int:
 
 
 def select_tiles(
-    q: TiledTokens, k: TiledTokens, v: TiledTokens, sparsity: float, scale: float
+    q: TiledTokens, k: TiledTokens, v: TiledTokens, sparsity: float, scale: float, pool: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compression branch and the selection: (compressed output per tile (B, H, N, D) fp32,
-    selected key-tile indices (B, H, N, k) int64, highest compressed score first)."""
-    q_c, k_c, v_c = _tile_means(q), _tile_means(k), _tile_means(v)
+    selected key-tile indices (B, H, N, k) int64, highest compressed score first). ``pool``: the
+    per-tile mean (torch by default, or :func:`tile_means_triton`); tile attention and top-k are torch."""
+    pool = pool or tile_means_torch
+    q_c, k_c, v_c = pool(q), pool(k), pool(v)
     scores = torch.einsum("bhnd,bhmd->bhnm", q_c, k_c) * scale
     compressed = torch.softmax(scores, dim=-1) @ v_c
     keep = selected_tile_count(scores.shape[-1], sparsity)
@@ -161,7 +166,7 @@ def _block_sparse_kernel() -> Any:
         col_ok = cols < head_dim
         base = bh * n_tiles * volume * head_dim
         q_off = base + (q_tile * volume + rows)[:, None] * head_dim + cols[None, :]
-        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -170,20 +175,63 @@ def _block_sparse_kernel() -> Any:
             key_ok = tl.load(valid_ptr + kv_tile * volume + rows, mask=row_ok, other=0) != 0
             kv_off = base + (kv_tile * volume + rows)[:, None] * head_dim + cols[None, :]
             kv_mask = row_ok[:, None] & col_ok[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * scale
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # inputs' dtype in, fp32 accumulate
             qk = tl.where(key_ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     return block_sparse_fwd
+
+
+@functools.cache
+def _tile_mean_kernel() -> Any:
+    """Build (once per process) the compression kernel: one program per (tile, batch*head)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tile_mean(
+        x_ptr, out_ptr, valid_ptr, n_tiles, volume, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        tile = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        real = tl.load(valid_ptr + tile * volume + rows, mask=rows < volume, other=0) != 0
+        offs = (bh * n_tiles + tile) * volume * head_dim + rows[:, None] * head_dim + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=real[:, None] & (cols < head_dim)[None, :], other=0.0).to(tl.float32)
+        count = tl.sum(real.to(tl.float32), 0)
+        tl.store(out_ptr + (bh * n_tiles + tile) * head_dim + cols, tl.sum(x, 0) / count, mask=cols < head_dim)
+
+    return tile_mean
+
+
+def tile_means_triton(tiled: TiledTokens) -> torch.Tensor:
+    """The compression branch's pooling in Triton: each tile's mean over its real tokens, (B, H, N, D) fp32."""
+    batch, heads, tiles, volume, dim = tiled.tiles.shape
+    _require_runnable(tiled.tiles)
+    out = torch.empty(batch, heads, tiles, dim, dtype=torch.float32, device=tiled.tiles.device)
+    _tile_mean_kernel()[(tiles, batch * heads)](
+        tiled.tiles.contiguous(), out, tiled.valid.to(torch.int8).contiguous(), tiles, volume, dim,
+        BLOCK_M=max(16, _next_pow2(volume)), BLOCK_D=max(16, _next_pow2(dim)),
+    )
+    return out
+
+
+def _require_runnable(x: torch.Tensor) -> None:
+    if x.device.type != "cuda" and not triton_interpreted():
+        raise AttentionShapeError(
+            "the Triton VSA kernels run on CUDA, or on CPU only under Triton's interpreter "
+            "(TRITON_INTERPRET=1 set before the process imports triton)"
+        )
 
 
 def triton_interpreted() -> bool:
@@ -200,11 +248,7 @@ def block_sparse_attention_triton(
     :func:`block_sparse_attention_torch`; output in fp32."""
     batch, heads, tiles, volume, dim = q.shape
     kernel = _block_sparse_kernel()
-    if q.device.type != "cuda" and not triton_interpreted():
-        raise AttentionShapeError(
-            "the Triton VSA kernel runs on CUDA, or on CPU only under Triton's interpreter "
-            "(TRITON_INTERPRET=1 set before the process imports triton)"
-        )
+    _require_runnable(q)
     q_, k_, v_ = (t.contiguous() for t in (q, k, v))
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     sel = selected.to(torch.int32).contiguous()
@@ -228,10 +272,12 @@ def vsa_forward(
     tile: Grid,
     scale: float | None = None,
     sparse_branch: Any = block_sparse_attention_torch,
+    pool: Any = None,
 ) -> torch.Tensor:
     """VSA over (B, H, L, D) q/k/v of a (T, H, W) token grid; ``gate`` (B, H, L, D) or None (weight 1).
 
-    ``sparse_branch`` computes step 4 (:func:`block_sparse_attention_torch` or the Triton kernel).
+    ``sparse_branch`` computes step 4 (:func:`block_sparse_attention_torch` or the Triton kernel),
+    ``pool`` the compression's tile means (:func:`tile_means_torch` or :func:`tile_means_triton`).
     """
     AttentionBackend.check_shapes(q, k, v)
     if q.shape != k.shape:
@@ -240,7 +286,7 @@ def vsa_forward(
         raise AttentionShapeError(f"gate {tuple(gate.shape)} must have q's shape {tuple(q.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     tq, tk, tv = (tile_partition(t, grid, tile) for t in (q, k, v))
-    compressed, selected = select_tiles(tq, tk, tv, sparsity, scale)
+    compressed, selected = select_tiles(tq, tk, tv, sparsity, scale, pool)
     sparse = sparse_branch(tq.tiles, tk.tiles, tv.tiles, tq.valid, selected, scale)
     broadcast = compressed[:, :, :, None, :].expand_as(sparse)
     if gate is not None:
@@ -289,23 +335,23 @@ class VideoSparseAttention(AttentionBackend):
             implementation=self.implementation,
         )
 
-    def _sparse_branch(self, device: torch.device) -> Any:
-        if self.implementation == "torch":
-            return block_sparse_attention_torch
-        if self.implementation == "triton":
-            return block_sparse_attention_triton
+    def _uses_triton(self, device: torch.device) -> bool:
+        if self.implementation != "auto":
+            return self.implementation == "triton"
         from fv_kernel.compute.fused import triton_available
 
-        return block_sparse_attention_triton if device.type == "cuda" and triton_available() else block_sparse_attention_torch
+        return device.type == "cuda" and triton_available()
 
     def attend_video(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grid: Grid, gate: torch.Tensor | None,
         scale: float | None = None,
     ) -> torch.Tensor:
         """VSA self-attention of (B, H, L, D) tensors over the (T, H, W) token ``grid``."""
+        triton = self._uses_triton(q.device)
         return vsa_forward(
             q, k, v, grid=grid, gate=gate, sparsity=self.sparsity, tile=self.tile, scale=scale,
-            sparse_branch=self._sparse_branch(q.device),
+            sparse_branch=block_sparse_attention_triton if triton else block_sparse_attention_torch,
+            pool=tile_means_triton if triton else None,
         )
 
     def attend(
