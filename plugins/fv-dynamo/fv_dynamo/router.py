@@ -8,8 +8,9 @@ Built on Dynamo's direct routing (``Client.direct``). Per worker it knows:
   ``price_ttl_s`` (requests of one shape arriving together share one quote).
 - **the work there**: each in-flight request's GPU-seconds and steps still to run, from the
   worker's live load (``op: load``, polled every ``poll_interval_s``, off the request path),
-  plus the requests this router sent since that report was asked for (its own ledger, which
-  the progress chunks keep current), so a request sent a moment ago is never forgotten.
+  plus the requests this router sent there that the report does not list yet (its own ledger,
+  matched by the route id it puts in ``extra_args.fv_route_id``; progress chunks keep it
+  current), so a request in transit is never forgotten nor counted twice.
 
 The engine interleaves its running requests step by step, so the predicted finish of a new
 request is its price plus, for every job there, the part of that job whose steps overlap
@@ -25,6 +26,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal, Mapping
 
@@ -76,11 +78,14 @@ class RoutingDecision:
     predicted_finish_s: float | None = None
 
 
-def choose_worker(quotes: list[Quote]) -> Quote:
-    """The quote with the earliest predicted finish; ties go to fewer jobs, then the lower id."""
+def choose_worker(quotes: list[Quote], last_sent: Mapping[int, float] | None = None) -> Quote:
+    """The quote with the earliest predicted finish (to the millisecond); ties go to fewer jobs, then to the
+    worker sent to least recently (``last_sent``), then the lower id, so idle equal workers take turns."""
     if not quotes:
         raise ValueError("no quotes to choose from")
-    return min(quotes, key=lambda q: (q.predicted_finish_s, len(q.jobs), q.instance_id))
+    last = last_sent or {}
+    return min(quotes, key=lambda q: (round(q.predicted_finish_s, 3), len(q.jobs), last.get(q.instance_id, -1.0),
+                                      q.instance_id))
 
 
 def shape_key(kind: Kind, payload: Mapping[str, Any]) -> str:
@@ -132,8 +137,12 @@ class CostAwareRouter:
     _clients: dict[str, Any] = field(default_factory=dict)
     #: (worker, shape) -> (price, steps, when quoted)
     _prices: dict[tuple[int, str], tuple[float, float, float]] = field(default_factory=dict)
-    #: worker -> (when its load was asked, its in-flight jobs)
-    _reported: dict[int, tuple[float, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
+    #: worker -> (when its load was asked, its in-flight jobs, the route ids among them)
+    _reported: dict[int, tuple[float, tuple[tuple[float, float], ...], frozenset[str]]] = field(default_factory=dict)
+    #: This router's prefix for the route ids it gives requests (``extra_args.fv_route_id``).
+    _route_prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    #: worker -> when this router last sent it a request (ties go to the one idle longest).
+    _last_sent: dict[int, float] = field(default_factory=dict)
     _ledger: dict[int, dict[int, _Sent]] = field(default_factory=dict)
     _next_token: int = 0
     _quoting: dict[tuple[int, str], asyncio.Future[float | None]] = field(default_factory=dict)
@@ -165,9 +174,11 @@ class CostAwareRouter:
         return await asyncio.wait_for(ask(), self.quote_timeout_s)
 
     def _record_load(self, instance_id: int, asked_at: float, answer: Mapping[str, Any]) -> None:
-        jobs = tuple((float(r), float(k)) for r, k in answer.get("requests", []))
-        if asked_at >= self._reported.get(instance_id, (-1.0, ()))[0]:
-            self._reported[instance_id] = (asked_at, jobs)
+        entries = answer.get("requests", [])
+        jobs = tuple((float(e[0]), float(e[1])) for e in entries)
+        ids = frozenset(str(e[2]) for e in entries if len(e) > 2 and e[2] is not None)
+        if asked_at >= self._reported.get(instance_id, (-1.0, (), frozenset()))[0]:
+            self._reported[instance_id] = (asked_at, jobs, ids)
 
     async def _poll_once(self) -> None:
         ids = self._clients["fleet"].instance_ids()
@@ -213,10 +224,14 @@ class CostAwareRouter:
         return price, steps
 
     def jobs(self, instance_id: int) -> tuple[tuple[float, float], ...]:
-        """The work at a worker: its last report, plus what this router sent since that report was asked for."""
-        asked_at, reported = self._reported.get(instance_id, (-1.0, ()))
-        mine = tuple(s.job for s in self._ledger.get(instance_id, {}).values() if s.sent_at > asked_at)
+        """The work at a worker: its last report, plus what this router sent there that the report does not
+        list (by route id: requests still in transit, or submitted after the report was computed)."""
+        _, reported, ids = self._reported.get(instance_id, (-1.0, (), frozenset()))
+        mine = tuple(s.job for token, s in self._ledger.get(instance_id, {}).items() if self._route_id(token) not in ids)
         return reported + mine
+
+    def _route_id(self, token: int) -> str:
+        return f"{self._route_prefix}-{token}"
 
     def queued(self, instance_id: int) -> float:
         """GPU-seconds queued at a worker (reported, plus sent since the report)."""
@@ -231,7 +246,7 @@ class CostAwareRouter:
         if not quotes:
             self.fallbacks += 1
             return RoutingDecision(None, self.fallback), (0.0, 0.0)
-        best = choose_worker(quotes)
+        best = choose_worker(quotes, self._last_sent)
         return RoutingDecision(best.instance_id, "cost", best.predicted_finish_s), (best.gpu_seconds, best.steps)
 
     async def generate(self, kind: Kind, payload: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -249,7 +264,10 @@ class CostAwareRouter:
         target = decision.instance_id
         token = self._next_token
         self._next_token += 1
+        self._last_sent[target] = time.monotonic()
         sent = self._ledger.setdefault(target, {})[token] = _Sent(price[0], price[1], time.monotonic())
+        extra = dict(request.get("extra_args") or {})
+        request["extra_args"] = {**extra, "fv_route_id": self._route_id(token)}
         try:
             stream = await client.direct(request, target)
             async for item in stream:

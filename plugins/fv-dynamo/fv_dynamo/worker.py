@@ -82,6 +82,8 @@ class _InFlight:
     per_loop: dict[str, float]
     steps_per_loop: dict[str, int]
     done_fraction: dict[str, float]
+    #: The id a router gave the request (``extra_args.fv_route_id``), echoed in the load report.
+    route_id: str | None = None
     tracker: asyncio.Task[None] | None = None
 
     @property
@@ -141,18 +143,19 @@ class FvWorker:
         return {
             "queued_gpu_seconds": self.queued_gpu_seconds(),
             # Per in-flight request: [GPU-seconds, steps] still to run (a router models step interleaving with them).
-            "requests": [[f.remaining_gpu_seconds, f.remaining_steps] for f in self._inflight.values()],
+            "requests": [[f.remaining_gpu_seconds, f.remaining_steps, f.route_id] for f in self._inflight.values()],
             "queue_depth": self.engine.queue_depth(),
             "running": self.engine.running_count(), "ready": self.ready,
         }
 
-    def _submit(self, request: Request) -> RequestHandle:
+    def _submit(self, request: Request, route_id: str | None = None) -> RequestHandle:
         price = price_request(self.engine, request)
         try:
             handle = self.engine.submit(request)
         except FvError as exc:  # queue_full: fv serve's 429 body
             raise _invalid(FleetRequestError.from_api_error(api.from_fv_error(exc))) from None
-        entry = self._inflight[request.request_id] = _InFlight(handle, dict(price.per_loop), dict(price.steps_per_loop), {})
+        entry = self._inflight[request.request_id] = _InFlight(
+            handle, dict(price.per_loop), dict(price.steps_per_loop), {}, route_id=route_id)
         entry.tracker = asyncio.ensure_future(entry.track())
         log.info("request %s accepted (%s, %.3f GPU-s predicted)", request.request_id, request.task.value, price.gpu_seconds)
         return handle
@@ -190,7 +193,7 @@ class FvWorker:
 
     async def videos(self, payload: Mapping[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         request = self._accept(lambda: video_request(self.engine, payload))
-        handle = self._submit(request)
+        handle = self._submit(request, _route_id(payload))
         stream = bool(payload.get("stream"))
         watcher = _watch_cancellation(context, [handle])
         created = int(time.time())
@@ -213,7 +216,7 @@ class FvWorker:
         handles: list[RequestHandle] = []
         try:
             for request in requests:
-                handles.append(self._submit(request))
+                handles.append(self._submit(request, _route_id(payload)))
         except BaseException:
             for handle in handles:
                 handle.cancel("a sibling image of the same call was refused")
@@ -258,6 +261,11 @@ class FvWorker:
         mp4 = await asyncio.to_thread(_mp4_bytes, video)
         return {**base, "status": "completed", "progress": 100, "inference_time_s": elapsed,
                 "data": [{"output_format": "mp4", "b64_json": base64.b64encode(mp4).decode(), "fps": round(video.fps)}]}
+
+
+def _route_id(payload: Mapping[str, Any]) -> str | None:
+    value = (payload.get("extra_args") or {}).get("fv_route_id")
+    return str(value) if value is not None else None
 
 
 def _invalid(exc: FleetRequestError) -> Exception:

@@ -119,11 +119,13 @@ def test_videos_end_to_end_stream_spread_and_refusals(fleet: LocalFleet) -> None
         assert len(pngs) == 2 and all(p.startswith(b"\x89PNG") for p in pngs)
 
         # Cancellation: the client goes away mid-stream; the worker cancels the fv request.
-        with client.stream("POST", "/v1/videos", json=_video(steps=200, stream=True)) as stream:
+        # (1000 steps: minutes of work, so it cannot finish before the disconnect reaches the worker.)
+        with client.stream("POST", "/v1/videos", json=_video(steps=1000, frames=17, stream=True)) as stream:
             for line in stream.iter_lines():
                 if '"in_progress"' in line:
                     break
-        deadline = time.monotonic() + 30
+            stream.close()
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and "ended: cancelled" not in fleet.log("worker0") + fleet.log("worker1"):
             time.sleep(0.2)
         logs = fleet.log("worker0") + fleet.log("worker1")

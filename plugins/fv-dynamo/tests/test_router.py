@@ -30,14 +30,22 @@ def test_choice_is_earliest_predicted_finish_not_least_queued() -> None:
         choose_worker([])
 
 
-def test_work_at_a_worker_is_its_report_plus_what_was_sent_since() -> None:
+def test_work_at_a_worker_is_its_report_plus_what_it_does_not_list_yet() -> None:
     router = CostAwareRouter(runtime=None)
-    router._reported = {1: (10.0, ((2.0, 8.0),)), 2: (10.0, ())}
-    # Sent to worker 2 after its report was asked for: not in the report, so the ledger adds it (1/3 done).
-    router._ledger = {2: {0: _Sent(3.0, 6.0, sent_at=11.0, progress=1 / 3)}, 1: {1: _Sent(2.0, 8.0, sent_at=9.0)}}
-    assert router.jobs(1) == ((2.0, 8.0),)  # sent before the report: the report has it already
+    # Worker 1's report lists the request this router sent it (route id token 1); worker 2's report
+    # does not list token 0 yet (in transit, or submitted after the report): the ledger adds it (1/3 done).
+    router._reported = {1: (10.0, ((2.0, 8.0),), frozenset({router._route_id(1)})), 2: (10.0, (), frozenset())}
+    router._ledger = {2: {0: _Sent(3.0, 6.0, sent_at=9.0, progress=1 / 3)}, 1: {1: _Sent(2.0, 8.0, sent_at=9.0)}}
+    assert router.jobs(1) == ((2.0, 8.0),)  # listed by the worker: not counted twice
     (remaining, steps), = router.jobs(2)
     assert abs(remaining - 2.0) < 1e-9 and abs(steps - 4.0) < 1e-9 and abs(router.queued(2) - 2.0) < 1e-9
+
+
+def test_equal_predictions_go_to_the_worker_idle_longest() -> None:
+    idle = [Quote(1, 0.5, 4), Quote(2, 0.5, 4)]
+    assert choose_worker(idle, {1: 5.0, 2: 3.0}).instance_id == 2
+    assert choose_worker(idle, {1: 3.0, 2: 5.0}).instance_id == 1
+    assert choose_worker(idle).instance_id == 1
 
 
 def test_prices_are_cached_per_shape_not_per_prompt_or_seed() -> None:
