@@ -166,3 +166,23 @@ def test_fastwan_shaped_tiny_card_runs_end_to_end_with_vsa() -> None:
     overridden = generate(dense, t2v(tiny.model_id)).artifact("video")
     assert overridden.provenance.recipe_overrides == ("attention_backend",)
     assert (overridden.frames - video.frames).abs().max() > 1e-4
+
+
+def test_vsa_runs_in_the_fused_tier_as_in_eager() -> None:
+    """The fused block path routes self-attention through the same driver with the same gate."""
+    from fv_kernel.api import select_fused_ops
+
+    torch.manual_seed(0)
+    config = WanTransformerConfig.tiny().model_copy(update={"has_gate_compress": True})
+    model = WanTransformer(config).eval()
+    model.rope.build_tables()
+    model.set_video_attention(VideoSparseAttention(0.75, (4, 4, 4), "torch").attend_video)
+    inputs = _tiny_inputs(config)
+    with torch.no_grad():
+        eager = model(*inputs)
+        model.set_fused_ops(select_fused_ops("cpu", "torch"))
+        fused = model(*inputs)
+        torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
+        # Negative control: the fused path without the driver (dense) is another output.
+        model.set_video_attention(None)
+        assert (model(*inputs) - eager).abs().max() > 1e-3
