@@ -1,0 +1,116 @@
+"""fv's ``vsa`` attention driver against dense cuDNN SDPA and FastVideo's Triton VSA, one layer's
+self-attention at FastWan's shape (issue 19 §1). NOT RUN YET: no figure from it is recorded.
+
+    python bench/bench_vsa.py --json vsa.json      # needs CUDA; prints why and exits 0 without
+
+Shape: 448x832x61 -> a 16x28x52 token grid (23,296 tokens, exactly 364 tiles of 4x4x4),
+12 heads x 128, bf16, random q/k/v/gate. For each sparsity (0.8, 0.9) it times, with
+``triton.testing.do_bench``, fv's driver end to end (tile partition, compression, top-k,
+block-sparse Triton kernel, gated combine, un-tiling) and its Triton block-sparse kernel alone,
+next to dense cuDNN SDPA and, when ``fastvideo_kernel`` imports, FastVideo's
+``ops.video_sparse_attn`` with ``FASTVIDEO_VSA_TRITON=1`` on the same tiles (given pre-tiled
+inputs, as its model tiles once per forward; fv's figure includes tiling q/k/v/gate). Parity: fv's output
+against FastVideo's (max abs and relative error), and against fv's own fp32 torch reference on
+a 4,096-token crop (the dense masked reference does not fit at full size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fv_kernel.compute.video_sparse_attention import (
+    VideoSparseAttention,
+    block_sparse_attention_triton,
+    select_tiles,
+    selected_tile_count,
+    tile_partition,
+    vsa_reference,
+)
+
+GRID = (16, 28, 52)
+TILE = (4, 4, 4)
+HEADS, DIM = 12, 128
+
+
+def _bench(fn: Any) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+
+
+def _fastvideo(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, sparsity: float) -> Any:
+    """FastVideo's VSA on the tiled layout, or None when its package does not import."""
+    os.environ.setdefault("FASTVIDEO_VSA_TRITON", "1")
+    try:
+        from fastvideo_kernel.ops import video_sparse_attn
+    except Exception as exc:  # not installed, or its extension fails to load
+        print(f"fastvideo_kernel not importable ({type(exc).__name__}: {exc}); its column is empty", file=sys.stderr)
+        return None
+    tq, tk, tv, tg = (tile_partition(t, GRID, TILE).tiles.flatten(2, 3).contiguous() for t in (q, k, v, gate))
+    tiles = tq.shape[2] // 64
+    sizes = torch.full((tiles,), 64, dtype=torch.int32, device=q.device)
+    topk = selected_tile_count(tiles, sparsity)
+
+    def run() -> torch.Tensor:
+        return video_sparse_attn(tq, tk, tv, sizes, sizes, topk, block_size=TILE, compress_attn_weight=tg)
+
+    return run, tiles
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_vsa needs a CUDA device; nothing measured", file=sys.stderr)
+        return 0
+    torch.manual_seed(0)
+    length = math.prod(GRID)
+    q, k, v, gate = (torch.randn(1, HEADS, length, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    rows: list[dict[str, Any]] = []
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        dense_ms = _bench(lambda: F.scaled_dot_product_attention(q, k, v))
+    rows.append({"case": "dense cuDNN SDPA", "ms": dense_ms})
+    for sparsity in (0.8, 0.9):
+        driver = VideoSparseAttention(sparsity, TILE, "triton")
+        fv_out = driver.attend_video(q, k, v, grid=GRID, gate=gate)
+        row: dict[str, Any] = {"case": f"fv vsa {sparsity}", "ms": _bench(lambda: driver.attend_video(q, k, v, grid=GRID, gate=gate))}
+        tq, tk, tv = (tile_partition(t, GRID, TILE) for t in (q, k, v))
+        _, selected = select_tiles(tq, tk, tv, sparsity, DIM**-0.5)
+        row["sparse_kernel_ms"] = _bench(
+            lambda: block_sparse_attention_triton(tq.tiles, tk.tiles, tv.tiles, tq.valid, selected, DIM**-0.5)
+        )
+        reference = _fastvideo(q, k, v, gate, sparsity)
+        if reference is not None:
+            run, _ = reference
+            theirs = run()
+            ours = tile_partition(fv_out, GRID, TILE).tiles.flatten(2, 3)
+            row["fastvideo_ms"] = _bench(run)
+            row["max_abs_vs_fastvideo"] = float((ours.float() - theirs.float()).abs().max())
+            row["rel_vs_fastvideo"] = float((ours.float() - theirs.float()).norm() / theirs.float().norm())
+        crop = (4, 16, 64)  # 4,096 tokens: the fp32 dense masked reference fits
+        cq, ck, cv, cg = (t[:, :, : math.prod(crop)].float() for t in (q, k, v, gate))
+        ref = vsa_reference(cq, ck, cv, grid=crop, gate=cg, sparsity=sparsity, tile=TILE)
+        got = driver.attend_video(cq.bfloat16(), ck.bfloat16(), cv.bfloat16(), grid=crop, gate=cg.bfloat16())
+        row["rel_vs_fp32_reference_crop"] = float((got.float() - ref).norm() / ref.norm())
+        rows.append(row)
+    for row in rows:
+        print(json.dumps(row))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"grid": GRID, "heads": HEADS, "head_dim": DIM, "device": torch.cuda.get_device_name(), "rows": rows}, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
