@@ -40,7 +40,7 @@ from fv_kernel.card.spec import (
     StepCostSpec,
     TokenGridRule,
 )
-from fv_kernel.card.validate import RequestLimits, resolve_for_instance, resolve_request, select_denoise_loop
+from fv_kernel.card.validate import RequestLimits, frames_for_seconds, resolve_for_instance, resolve_request, select_denoise_loop
 from fv_kernel.errors import (
     CapacityError,
     CheckpointKeyError,

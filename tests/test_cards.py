@@ -175,3 +175,18 @@ def test_fp32_kept_modules_stay_fp32() -> None:
     module = torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(2), "proj": torch.nn.Linear(2, 2)})
     load_into(module, module.state_dict(), component="m", dtype=torch.bfloat16, keep_fp32=("norm",))
     assert module["norm"].weight.dtype == torch.float32 and module["proj"].weight.dtype == torch.bfloat16
+
+
+def test_frames_for_seconds_rounds_up_to_the_cards_frame_rule() -> None:
+    """The OpenAI API's ``seconds`` (fv serve and fv-dynamo's worker share this rule)."""
+    from fv_kernel.api import FrameRule, InvalidRequest, frames_for_seconds
+    from fv_kernel.testing.toy import toy_card
+
+    card = toy_card("toy-dit")
+    caps = card.capabilities.model_copy(update={"frame_rule": FrameRule(modulus=4, remainder=1)})
+    card = card.model_copy(update={"capabilities": caps})
+    assert frames_for_seconds(card, 1.0, 16.0) == (17, 16.0)  # 16 wanted -> the next 4k+1
+    assert frames_for_seconds(card, 0.01, 16.0) == (1, 16.0)
+    no_fps = card.model_copy(update={"capabilities": caps.model_copy(update={"defaults": None})})
+    with pytest.raises(InvalidRequest, match="fps: required with seconds"):
+        frames_for_seconds(no_fps, 1.0, None)

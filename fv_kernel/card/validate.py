@@ -8,6 +8,8 @@ program returns. Every failure is a typed error naming the field.
 
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "RequestLimits", "resolve_request", "resolve_for_instance", "select_denoise_loop", "describe_loop", "allowed_samplers",
-    "reasoner_loops", "check_recipe_attention",
+    "reasoner_loops", "check_recipe_attention", "frames_for_seconds",
 ]
 
 _DIFFUSION_TASKS = frozenset(TaskType) - {TaskType.TEXT_GENERATION}
@@ -301,3 +303,20 @@ def resolve_for_instance(instance: "ModelInstance", request: Request, limits: Re
             allowed=[instance.precision],
         )
     return resolved
+
+
+def frames_for_seconds(card: ModelCard, seconds: float, fps: float | None) -> tuple[int, float]:
+    """The frame count and rate of a clip asked for in seconds (the OpenAI video API's ``seconds``):
+    ``seconds * fps`` (the card's default fps when ``fps`` is None) rounded up to the nearest count
+    the card's frame rule accepts (Wan: 4k+1). A typed error on ``fps`` when neither gives a rate."""
+    caps = card.capabilities
+    rate = fps or (caps.defaults.fps if caps.defaults else None)
+    if rate is None:
+        raise InvalidRequest("fps", "required with seconds for this card")
+    wanted = max(1, round(seconds * rate))
+    rule = caps.frame_rule
+    k = max(0, math.ceil((wanted - rule.remainder) / rule.modulus))
+    frames = rule.remainder + rule.modulus * k
+    if frames < 1:
+        frames += rule.modulus
+    return frames, rate

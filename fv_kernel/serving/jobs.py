@@ -23,7 +23,6 @@ import asyncio
 import base64
 import json
 import logging
-import math
 import secrets
 import shutil
 import time
@@ -38,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 
 from fv_kernel.card.instance import ModelInstance
 from fv_kernel.config import ServerConfig
+from fv_kernel.card.validate import frames_for_seconds
 from fv_kernel.errors import FvError
 from fv_kernel.loop.state import StateFormatError
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun
@@ -344,20 +344,6 @@ class JobManager:
                 raise self.reject(from_validation_errors(exc.errors(), prefix=where)) from None
         return params
 
-    def _frames_for_seconds(self, instance: ModelInstance, seconds: float, fps: float | None) -> tuple[int, float]:
-        caps = instance.card.capabilities
-        rate = fps or (caps.defaults.fps if caps.defaults else None)
-        if rate is None:
-            raise self.reject(ApiError(400, "invalid_request", "fps: required with seconds for this card", param="fps"))
-        wanted = max(1, round(seconds * rate))
-        rule = caps.frame_rule
-        # Round up to the nearest frame count the card accepts (Wan: 4k+1).
-        k = max(0, math.ceil((wanted - rule.remainder) / rule.modulus))
-        frames = rule.remainder + rule.modulus * k
-        if frames < 1:
-            frames += rule.modulus
-        return frames, rate
-
     def _build_request(
         self,
         body: _Generation,
@@ -416,7 +402,10 @@ class JobManager:
         instance = self._instance(body.model)
         frames, fps = body.frames, body.fps
         if body.seconds is not None:
-            frames, fps = self._frames_for_seconds(instance, body.seconds, body.fps)
+            try:
+                frames, fps = frames_for_seconds(instance.card, body.seconds, body.fps)
+            except FvError as exc:
+                raise self.reject(from_fv_error(exc)) from None
         seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
         job_id = new_job_id()
         task = TaskType.IMAGE_TO_VIDEO if image is not None else TaskType.TEXT_TO_VIDEO

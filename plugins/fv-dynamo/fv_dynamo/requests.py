@@ -11,7 +11,6 @@ goes through fv serve's own schemas (:class:`~fv_kernel.api.VideoCreate`,
 
 from __future__ import annotations
 
-import math
 import secrets
 import uuid
 from typing import Any, Mapping
@@ -27,6 +26,7 @@ from fv_kernel.api import (
     Request,
     TaskType,
     TextPart,
+    frames_for_seconds,
 )
 import fv_kernel.api as api
 
@@ -103,21 +103,6 @@ def _instance(engine: Engine, model: str | None) -> ModelInstance:
     return instance
 
 
-def _frames_for_seconds(instance: ModelInstance, seconds: float, fps: float | None) -> tuple[int, float]:
-    """fv serve's rule: round ``seconds * fps`` up to the nearest frame count the card accepts."""
-    caps = instance.card.capabilities
-    rate = fps or (caps.defaults.fps if caps.defaults else None)
-    if rate is None:
-        raise _refuse(400, "invalid_request", "fps: required with seconds for this card", "fps")
-    wanted = max(1, round(seconds * rate))
-    rule = caps.frame_rule
-    k = max(0, math.ceil((wanted - rule.remainder) / rule.modulus))
-    frames = rule.remainder + rule.modulus * k
-    if frames < 1:
-        frames += rule.modulus
-    return frames, rate
-
-
 def _plugin_params(engine: Engine, extensions: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per-request plugin parameters: only extensions the deployment enabled, through their schema."""
     enabled = engine.extensions.interceptors
@@ -192,7 +177,10 @@ def video_request(engine: Engine, payload: Mapping[str, Any]) -> Request:
     instance = _instance(engine, body.model)
     frames, fps = body.frames, body.fps
     if body.seconds is not None:
-        frames, fps = _frames_for_seconds(instance, body.seconds, body.fps)
+        try:
+            frames, fps = frames_for_seconds(instance.card, body.seconds, body.fps)  # fv serve's rule
+        except FvError as exc:
+            raise FleetRequestError.from_api_error(api.from_fv_error(exc)) from None
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     return _build(engine, body, instance, request_id=f"video_{uuid.uuid4().hex}", task=TaskType.TEXT_TO_VIDEO,
                   frames=frames, fps=fps, seed=seed, stream_previews=False)
