@@ -10,7 +10,7 @@ __version__ = "0.2.0"
 
 #: The plugin API version. Plugins declare the range they support in their manifest
 #: (``kernel_api``); a plugin outside the range is refused at load.
-API_VERSION = "2.0"
+API_VERSION = "2.1"
 
 #: The Python façade (``fv_kernel.facade``), imported on first use: ``import fv_kernel`` stays
 #: light (no torch), so ``fv --help`` and plugin discovery do not pay for the runtime.
