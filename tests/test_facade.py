@@ -8,6 +8,7 @@ takes them; the README's example on the real embedded card runs in fv-wan's test
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import subprocess
@@ -155,8 +156,20 @@ def test_agenerate_cancelled_by_its_caller_cancels_its_request(gen: fv.VideoGene
     assert gen.engine.metrics.cancelled == 1 and gen.engine.metrics.completed == 0
 
 
-def test_a_call_from_another_event_loop_while_one_is_in_flight_is_refused(gen: fv.VideoGenerator) -> None:
+def test_a_call_from_another_event_loop_while_one_is_in_flight_is_refused(
+    gen: fv.VideoGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
     started, release = threading.Event(), threading.Event()
+    # Every step waits for the release: the call stays in flight however late this thread runs
+    # (a 3-step toy request can otherwise finish, and free the generator, before the second call).
+    (instance,) = gen.engine.instances.values()
+    real_op = instance.op
+
+    def held_op(name: str) -> Any:
+        op = real_op(name)
+        return dataclasses.replace(op, fn=lambda inputs, params: (release.wait(60), op.fn(inputs, params))[1])
+
+    monkeypatch.setattr(instance, "op", held_op)
 
     async def hold() -> fv.Video:
         call = asyncio.create_task(gen.agenerate("a red fox", steps=3))

@@ -212,7 +212,7 @@ def test_plugins_list_shows_declared_commands(site: Path) -> None:
     assert "    commands: fv hello, fv toolbox" in lines[good + 1 : good + 3]
     assert "    commands: fv explode" in lines  # a broken command's plugin still lists it (manifest only)
     kernel = next(i for i, line in enumerate(lines) if line.startswith("fv-kernel "))
-    block = lines[kernel + 1 : next(i for i in range(kernel + 1, len(lines)) if not lines[i].startswith("    "))]
+    block = lines[kernel + 1 : next((i for i in range(kernel + 1, len(lines)) if not lines[i].startswith("    ")), len(lines))]
     assert block and not any(line.startswith("    commands:") for line in block)  # none declared, no line
     rows = {row["name"]: row for row in json.loads(runner.invoke(app, ["plugins", "list", "--json"]).stdout)}
     assert rows["fv-cmdgood"]["commands"] == {
