@@ -1,7 +1,7 @@
 """The cost-aware router against Dynamo's round-robin on a mixed load, where routing can matter.
 
 Two real ``fv worker`` processes serve the test-only ``gpu-sleep`` card (tests/fixtures/fv-gpu-sleep,
-put on the workers' PYTHONPATH): each step sleeps its declared 0.05 GPU-seconds, and sleeping
+put on the workers' PYTHONPATH): each step sleeps its declared 0.1 GPU-seconds, and sleeping
 releases the CPU, so each worker is a device of its own (wan-tiny's workers share this machine's
 cores, which no routing can help). The classes differ 20x in cost: images 0.1, short videos 0.3,
 long videos 2.0 GPU-seconds.
@@ -32,10 +32,13 @@ import sleep_site  # noqa: E402 - the fixture plugin's materialiser lives beside
 
 pytestmark = pytest.mark.timeout(180)
 
+#: 0.1 s steps (the benchmark's are 0.05 s): few steps per request keep the CPU's part of the
+#: latency (the engine's and Dynamo's per-step work) small even on a loaded CI machine.
+STEP_SECONDS = 0.1
 CLASSES = {  # kind, fv's fields (passthrough)
-    "image": ("images", {"steps": 2}),
-    "video-short": ("videos", {"frames": 4, "steps": 6}),
-    "video-long": ("videos", {"frames": 16, "steps": 40}),
+    "image": ("images", {"steps": 1}),
+    "video-short": ("videos", {"frames": 4, "steps": 3}),
+    "video-long": ("videos", {"frames": 16, "steps": 20}),
 }
 
 
@@ -84,16 +87,16 @@ async def replay(router: CostAwareRouter, plan: list[tuple[float, str]], policy:
 
 def beats(cost: tuple[float, dict[str, list[float]]], rr: tuple[float, dict[str, list[float]]]) -> list[str]:
     """Why ``cost`` does not beat ``rr`` by the margin (empty: it does): makespan and the long videos' worst
-    latency (their p95 at n = 4) at most 80% of round-robin's, and no class's p95 worse by over 1 s (short
-    videos do pay: they now share a worker with long ones, ~1.3 s against ~0.95 s in five runs)."""
+    latency (their p95 at n = 4) at most 80% of round-robin's, and no class's p95 over twice round-robin's
+    (short videos do pay: they now share a worker with long ones)."""
     failures = []
     if cost[0] > 0.8 * rr[0]:
         failures.append(f"makespan {cost[0]:.2f} s > 0.8 x round-robin's {rr[0]:.2f} s")
     if max(cost[1]["video-long"]) > 0.8 * max(rr[1]["video-long"]):
         failures.append(f"long-video p95 {max(cost[1]['video-long']):.2f} s > 0.8 x {max(rr[1]['video-long']):.2f} s")
     for name in CLASSES:
-        if max(cost[1][name]) > max(rr[1][name]) + 1.0:
-            failures.append(f"{name} p95 {max(cost[1][name]):.2f} s > round-robin's {max(rr[1][name]):.2f} s + 1 s")
+        if max(cost[1][name]) > 2 * max(rr[1][name]):
+            failures.append(f"{name} p95 {max(cost[1][name]):.2f} s > 2 x round-robin's {max(rr[1][name]):.2f} s")
     return failures
 
 
@@ -102,7 +105,7 @@ def test_cost_router_beats_round_robin_on_a_mixed_load_of_gpu_like_workers(tmp_p
     deploy.write_text("cards: [gpu-sleep]\n")
     site = sleep_site.materialise(tmp_path / "site")
     fleet = LocalFleet(tmp_path / "fleet", deploy, workers=2, frontend=False,
-                       extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)})
+                       extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(site), "FV_GPU_SLEEP_STEP_S": str(STEP_SECONDS)})
     plan = mixed_load(seed=18)
     try:
         fleet.start()
