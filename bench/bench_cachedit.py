@@ -36,22 +36,9 @@ from fv_kernel.loop.contract import LoopState
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.local import run_local
+from random_weights import random_weight_card  # bench/, beside this script
 
 CACHES = {"dbcache": DBCache, "fbcache": FBCache, "taylorseer": TaylorSeer}
-
-
-def random_weight_card(card: ModelCard) -> ModelCard:
-    """A downloadable card rebuilt on seeded random weights of the same architecture (no download)."""
-    if card.checkpoint.source is None:
-        return card
-    components = {cid: ck.model_copy(update={"random_init_seed": i + 1})
-                  for i, (cid, ck) in enumerate(card.checkpoint.components.items())}
-    checkpoint = card.checkpoint.model_copy(update={"layout": "embedded", "source": None, "components": components})
-    specs = dict(card.components)
-    text_dim = int(specs["transformer"].config["text_dim"])
-    # The real UMT5-XXL is 5.7B parameters of text encoding that the benchmark does not time.
-    specs["text_encoder"] = specs["text_encoder"].model_copy(update={"config": {"tiny": {"d_model": text_dim, "num_layers": 1}}})
-    return card.model_copy(update={"checkpoint": checkpoint, "components": specs})
 
 
 def load_card(model_id: str) -> tuple[ModelCard, bool]:

@@ -28,23 +28,10 @@ from typing import Any
 import torch
 
 from fv_kernel.api import DiffusionParams, Engine, InstanceOptions, OutputSpec, Request, TaskType, TextPart, build_instance
-from fv_kernel.card.spec import ModelCard
 from fv_kernel.plugins import PluginHost
 from fv_rl.online import load_policy_into
 from fv_rl.rollout import RolloutSettings, rollout_group
-
-
-def random_weight_card(card: ModelCard) -> ModelCard:
-    """A downloadable card on seeded random weights of the same architecture (no download)."""
-    if card.checkpoint.source is None:
-        return card
-    components = {cid: ck.model_copy(update={"random_init_seed": i + 1})
-                  for i, (cid, ck) in enumerate(card.checkpoint.components.items())}
-    checkpoint = card.checkpoint.model_copy(update={"layout": "embedded", "source": None, "components": components})
-    specs = dict(card.components)
-    text_dim = int(specs["transformer"].config["text_dim"])
-    specs["text_encoder"] = specs["text_encoder"].model_copy(update={"config": {"tiny": {"d_model": text_dim, "num_layers": 1}}})
-    return card.model_copy(update={"checkpoint": checkpoint, "components": specs})
+from random_weights import random_weight_card  # bench/, beside this script
 
 
 def _sync(device: torch.device) -> None:

@@ -1,4 +1,5 @@
-"""Following a video job of ``fv serve`` from a test, over its HTTP API (needs the serve extra)."""
+"""Following a video job of ``fv serve`` from a test, over its HTTP API (needs the serve extra);
+``free_port`` for the server a test starts (the one fv's own launcher uses)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 if TYPE_CHECKING:  # pragma: no cover
     import httpx
 
-__all__ = ["wait_for_job", "job_progress", "read_sse"]
+from fv_kernel.parallel.launch import free_port
+
+__all__ = ["wait_for_job", "job_progress", "read_sse", "free_port"]
 
 
 def wait_for_job(client: "httpx.Client", job_id: str, statuses: set[str], timeout_s: float = 600.0) -> dict[str, Any]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +21,13 @@ websockets_sync = pytest.importorskip("websockets.sync.client")
 comfy_api = pytest.importorskip("comfy_api_simplified")
 
 from conftest import MODELS_FILE, load_pair, retarget, write_image  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from fv_kernel.testing import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     work = tmp_path_factory.mktemp("comfy_serve")
-    port = _free_port()
+    port = free_port()
     # The mapping file the documented way: the deploy config's plugins.settings (no environment variable).
     deploy = work / "deploy.yaml"
     deploy.write_text(f"plugins:\n  settings:\n    fv-comfyui: {{models: {json.dumps(str(MODELS_FILE))}}}\n")

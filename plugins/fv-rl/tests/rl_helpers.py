@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any, Iterable
+from typing import Any
 
 from fv_kernel.api import (
     CardCatalog,
@@ -15,6 +14,7 @@ from fv_kernel.api import (
     TaskType,
     TextPart,
     build_instance,
+    run_concurrently,
 )
 from fv_kernel.plugins import PluginHost
 
@@ -42,13 +42,8 @@ def request(prompt: str = "a red fox", seed: int = 0, capture: str = "off", step
     )
 
 
-def run(engine: Engine, requests: Iterable[Request]) -> list[Any]:
-    async def go() -> list[Any]:
-        async with engine.running():
-            handles = [engine.submit(r) for r in requests]
-            return list(await asyncio.gather(*(h.result() for h in handles)))
-
-    return asyncio.run(go())
+#: Submit every request at once and wait for all: the kernel's own helper (the gate's interleaved side).
+run = run_concurrently
 
 
 def engine_for(instance: Any, **kwargs: Any) -> Engine:

@@ -52,7 +52,7 @@ from fv_wan.models.transformer import (
 )
 from fv_wan.models.vae import CausalCache, WanVAE, WanVAEConfig
 
-__all__ = ["build_wan_instance", "configure_transformer", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops"]
+__all__ = ["build_wan_instance", "configure_transformer", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops", "dit_inputs"]
 
 def _component_dtype(card: ModelCard, component_id: str, options: InstanceOptions) -> torch.dtype:
     policy = card.components[component_id].precision_policy
@@ -326,6 +326,21 @@ def _graphed_forward(
     return GraphedStep(forward, key_base=key, cache=cache, buckets=compute.graph_batch_buckets)
 
 
+def dit_inputs(
+    model: WanTransformer, inputs: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A denoise step's ``x``, ``t``, ``context`` and optional ``image_embeds`` on the transformer's
+    device, in its dtype (``t`` keeps its own)."""
+    ref = model.patch_embedding.weight
+    image = inputs.get("image_embeds")
+    return (
+        inputs["x"].to(device=ref.device, dtype=ref.dtype),
+        inputs["t"].to(ref.device),
+        inputs["context"].to(device=ref.device, dtype=ref.dtype),
+        image.to(device=ref.device, dtype=ref.dtype) if image is not None else None,
+    )
+
+
 def _dit_op(expert: str, model: WanTransformer, graphs: GraphedStep | None = None) -> StepOp:
     def dit_forward(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """One denoise forward over N rows (guidance branches, and requests when fused).
@@ -333,12 +348,7 @@ def _dit_op(expert: str, model: WanTransformer, graphs: GraphedStep | None = Non
         ``dispatch="sequential"`` runs each row alone (diffusers' two-forward CFG);
         ``"batched"`` runs all rows as one batch. Same math, different kernels.
         """
-        ref = model.patch_embedding.weight
-        x = inputs["x"].to(device=ref.device, dtype=ref.dtype)
-        t = inputs["t"].to(ref.device)
-        context = inputs["context"].to(device=ref.device, dtype=ref.dtype)
-        image = inputs.get("image_embeds")
-        image = image.to(device=ref.device, dtype=ref.dtype) if image is not None else None
+        x, t, context, image = dit_inputs(model, inputs)
         hooks = params.get("block_hooks")
         if hooks is not None:
             # Block hooks keep per-branch state: each row runs alone through them.

@@ -41,7 +41,7 @@ from fv_kernel.api import (
     gather_sequence,
     shard_sequence,
 )
-from fv_wan.instance import wan_ops
+from fv_wan.instance import dit_inputs, wan_ops
 from fv_wan.models.transformer import WanBlockInputs, WanTransformer, WanTransformerConfig
 from fv_wan.models.vae import WanVAEConfig
 from fv_wan.parallel_vae import parallel_decode_op
@@ -157,12 +157,7 @@ def parallel_dit_op(expert: str, model: WanTransformer, runtime: ParallelRuntime
     cfg_size, cfg_rank = dist.get_world_size(cfg_group), dist.get_rank(cfg_group)
 
     def dit_forward(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        ref = model.patch_embedding.weight
-        x = inputs["x"].to(device=ref.device, dtype=ref.dtype)
-        t = inputs["t"].to(ref.device)
-        context = inputs["context"].to(device=ref.device, dtype=ref.dtype)
-        image = inputs.get("image_embeds")
-        image = image.to(device=ref.device, dtype=ref.dtype) if image is not None else None
+        x, t, context, image = dit_inputs(model, inputs)
         rows = x.shape[0]
         split = cfg_size > 1 and rows % cfg_size == 0
         mine = list(range(cfg_rank, rows, cfg_size)) if split else list(range(rows))

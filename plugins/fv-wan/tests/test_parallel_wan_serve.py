@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from fv_kernel.api import DiffusionParams, Request, TaskType, TextPart, build_instance, run_local  # noqa: E402
-from fv_kernel.testing import wait_for_job  # noqa: E402
+from fv_kernel.testing import free_port, wait_for_job  # noqa: E402
 
 # The real CLI, plus one hook: the final frames are kept next to the MP4 for the comparison.
 _FV = """
@@ -44,19 +43,13 @@ if __name__ == "__main__":  # fv's spawn re-imports the main module in its ranks
 JOB = {"model": "wan-tiny", "prompt": "a paper boat on a river", "seed": 7, "steps": 4, "frames": 5, "size": "32x32"}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @contextlib.contextmanager
 def served(data_dir: Path, launcher: list[str]) -> Iterator[tuple[subprocess.Popen[bytes], httpx.Client]]:
     config = data_dir / "deploy.yaml"
     config.write_text(f"cards: [wan-tiny]\noutput_dir: {data_dir / 'out'}\nparallel:\n  sp: 2\n")
     script = data_dir / "fv_main.py"
     script.write_text(_FV)
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [*launcher, str(script), "serve", "--config", str(config), "--port", str(port), "--log-level", "warning"],
         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"},
@@ -105,7 +98,7 @@ LAUNCHERS = {
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_fv_serve_with_a_parallel_plan(tmp_path: Path, wan_card: Any, launcher: str) -> None:
-    command = LAUNCHERS[launcher] + ([str(_free_port())] if launcher == "torchrun" else [])
+    command = LAUNCHERS[launcher] + ([str(free_port())] if launcher == "torchrun" else [])
     with served(tmp_path, command) as (_, client):
         job = client.post("/v1/videos", json=JOB).json()
         assert wait_for_job(client, job["id"], {"completed", "failed"}, timeout_s=400)["status"] == "completed"

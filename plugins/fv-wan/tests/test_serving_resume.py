@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ pytest.importorskip("av")
 httpx = pytest.importorskip("httpx")
 
 from fv_kernel.api import ProgramCheckpoint, build_instance, run_local  # noqa: E402
-from fv_kernel.testing import job_progress, wait_for_job  # noqa: E402
+from fv_kernel.testing import free_port, job_progress, wait_for_job  # noqa: E402
 
 # The real CLI, plus one hook: the final frames are kept next to the MP4 for a bit-exact comparison.
 _FV_SERVE = """
@@ -49,19 +48,13 @@ main()
 JOB = {"model": "wan-tiny", "prompt": "a paper boat on a river", "seed": 42, "steps": 8, "frames": 5}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @contextlib.contextmanager
 def fv_serve(data_dir: Path, *cards: str, every: int = 1) -> Iterator[tuple[subprocess.Popen[bytes], httpx.Client]]:
     config = data_dir / "deploy.yaml"
     config.write_text(
         f"cards: [{', '.join(cards)}]\noutput_dir: {data_dir / 'out'}\nserver:\n  checkpoint_every_steps: {every}\n"
     )
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-c", _FV_SERVE, str(torch.get_num_threads()), "serve", "--config", str(config),
          "--port", str(port), "--log-level", "warning"],

@@ -1,0 +1,22 @@
+"""A downloadable card rebuilt on seeded random weights of the same architecture, for the benches
+that time real-size models without their checkpoints (``bench_cachedit.py``, ``bench_rl_rollout.py``)."""
+
+from __future__ import annotations
+
+from fv_kernel.card.spec import ModelCard
+
+__all__ = ["random_weight_card"]
+
+
+def random_weight_card(card: ModelCard) -> ModelCard:
+    """``card`` on seeded random weights (no download); an embedded card is returned as it is."""
+    if card.checkpoint.source is None:
+        return card
+    components = {cid: ck.model_copy(update={"random_init_seed": i + 1})
+                  for i, (cid, ck) in enumerate(card.checkpoint.components.items())}
+    checkpoint = card.checkpoint.model_copy(update={"layout": "embedded", "source": None, "components": components})
+    specs = dict(card.components)
+    text_dim = int(specs["transformer"].config["text_dim"])
+    # The real UMT5-XXL is 5.7B parameters of text encoding that the benchmarks do not time.
+    specs["text_encoder"] = specs["text_encoder"].model_copy(update={"config": {"tiny": {"d_model": text_dim, "num_layers": 1}}})
+    return card.model_copy(update={"checkpoint": checkpoint, "components": specs})
