@@ -550,10 +550,7 @@ class Engine:
         self._frozen.add(model_id)
         try:
             await self._drain(instance)
-            if self._device is not None:  # never concurrently with a batch on the device thread
-                await self._loop.run_in_executor(self._device, load, instance)
-            else:
-                load(instance)
+            await self._on_device(load, instance)  # never concurrently with a batch
             count = self._syncs.get(model_id, 0) + 1
             self._syncs[model_id] = count
             instance.weights_version = version or f"{instance.weights_version.split('+sync')[0]}+sync{count}"
@@ -565,6 +562,13 @@ class Engine:
         finally:
             self._frozen.discard(model_id)
             self._kick()
+
+    async def _on_device(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the device thread (``SchedulerConfig.device_thread``), else inline on the loop."""
+        if self._device is None:
+            return fn(*args)
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self._device, fn, *args)
 
     async def _drain(self, instance: ModelInstance) -> None:
         """Wait until no admitted request runs on ``instance`` (admission to it is frozen)."""
@@ -849,10 +853,7 @@ class Engine:
             return
         started = time.perf_counter()
         try:
-            if self._device is not None:
-                outcomes, device_s = await self._loop.run_in_executor(self._device, self._run_batch, live)
-            else:
-                outcomes, device_s = self._run_batch(live)
+            outcomes, device_s = await self._on_device(self._run_batch, live)
         except Exception as exc:  # noqa: BLE001 - the batch could not start (e.g. its op is missing)
             # It fails its own requests, never the scheduler: an escaped exception here ended the
             # scheduling task, and every request in the engine then waited forever.
