@@ -26,12 +26,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.plugins.registry import DeployRegistry
 
 __all__ = ["CardEntry", "CardCatalog", "ResolvedModel", "CARD_FILE_SUFFIXES", "InvalidCardFile", "is_card_file", "read_card_file",
-           "EXPORTED_CARD_FILE", "read_card_file_beside"]
+           "CARD_FILE", "read_card_file_beside"]
 
 #: File suffixes ``--model`` reads as a card file.
 CARD_FILE_SUFFIXES = (".json", ".yaml", ".yml")
 #: The card an export (``fv train``, ``fv cards export``) writes beside the weights it exported.
-EXPORTED_CARD_FILE = "fv-card.json"
+CARD_FILE = "fv-card.json"
 
 
 class InvalidCardFile(InvalidRequest):
@@ -80,7 +80,7 @@ def read_card_file(path: Path, *, registry: "DeployRegistry | None" = None) -> M
 def read_card_file_beside(directory: Path, *, registry: "DeployRegistry | None" = None) -> ModelCard:
     """The card an export wrote beside its weights (``fv-card.json``), validated and build-checked,
     its checkpoint source pointed at ``directory`` wherever the folder now is."""
-    card = read_card_file(directory / EXPORTED_CARD_FILE, registry=registry)
+    card = read_card_file(directory / CARD_FILE, registry=registry)
     return card.model_copy(update={"checkpoint": card.checkpoint.model_copy(update={"source": str(directory)})})
 
 
@@ -172,7 +172,7 @@ class CardCatalog:
         if is_card_file(model):
             return ResolvedModel(read_card_file(Path(model).expanduser(), registry=self._host.registry()), None)
         exported = Path(model).expanduser()
-        if (exported / EXPORTED_CARD_FILE).is_file():  # an export's folder: its own card, not one derived from the weights
+        if (exported / CARD_FILE).is_file():  # an export's folder: its own card, not one derived from the weights
             card = read_card_file_beside(exported, registry=self._host.registry())
             return ResolvedModel(card, str(exported))
         answer = self._host.hooks.resolve_model_source(model)

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from fv_kernel.card.catalog import EXPORTED_CARD_FILE, CardCatalog, read_card_file_beside
+from fv_kernel.card.catalog import CARD_FILE, CardCatalog, read_card_file_beside
 from fv_kernel.card.instance import InstanceOptions, build_instance
 from fv_kernel.card.spec import ModelCard, RecipeSpec
 from fv_kernel.errors import FvError, InvalidRequest
-from fv_kernel.training import LossLog, ParityResult, RLMethod, TrainedModel, TrainingRun
+from fv_kernel.training import LossLog, ParityResult, RLMethod, TrainingRun
 from fv_kernel.training.recipe import RecipeError, TrainingRecipe, load_recipe, parse_options
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,8 +37,6 @@ __all__ = [
     "write_loss_curves", "read_card_file_beside",
 ]
 
-#: The trained card, written beside the exported weights.
-CARD_FILE = EXPORTED_CARD_FILE
 _TRAIN_EXTRAS = ("tqdm", "matplotlib")
 
 
