@@ -21,24 +21,8 @@ httpx = pytest.importorskip("httpx")
 
 from fv_kernel.api import DiffusionParams, Request, TaskType, TextPart, build_instance, run_local  # noqa: E402
 from fv_kernel.testing import free_port, wait_for_job  # noqa: E402
+from fv_serve_process import KEEP_FRAMES_FV, wait_until_healthy  # noqa: E402
 
-# The real CLI, plus one hook: the final frames are kept next to the MP4 for the comparison.
-_FV = """
-import sys, torch
-import fv_kernel.serving.jobs as jobs
-original = jobs.write_job_files
-
-def write_and_keep_frames(artifact, folder):
-    variants = original(artifact, folder)
-    torch.save(artifact.frames, folder / "frames.pt")
-    return variants
-
-jobs.write_job_files = write_and_keep_frames
-if __name__ == "__main__":  # fv's spawn re-imports the main module in its ranks, as the fv script allows
-    from fv_kernel.cli.app import main
-    sys.argv[0] = "fv"
-    main()
-"""
 
 JOB = {"model": "wan-tiny", "prompt": "a paper boat on a river", "seed": 7, "steps": 4, "frames": 5, "size": "32x32"}
 
@@ -48,7 +32,7 @@ def served(data_dir: Path, launcher: list[str]) -> Iterator[tuple[subprocess.Pop
     config = data_dir / "deploy.yaml"
     config.write_text(f"cards: [wan-tiny]\noutput_dir: {data_dir / 'out'}\nparallel:\n  sp: 2\n")
     script = data_dir / "fv_main.py"
-    script.write_text(_FV)
+    script.write_text(KEEP_FRAMES_FV)
     port = free_port()
     process = subprocess.Popen(
         [*launcher, str(script), "serve", "--config", str(config), "--port", str(port), "--log-level", "warning"],
@@ -57,15 +41,7 @@ def served(data_dir: Path, launcher: list[str]) -> Iterator[tuple[subprocess.Pop
     )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
-            deadline = time.monotonic() + 400  # a loaded CI machine starts two ranks slowly
-            while True:
-                if process.poll() is not None:
-                    raise AssertionError(f"fv serve exited: {process.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
-                with contextlib.suppress(httpx.TransportError):
-                    if client.get("/health").status_code == 200:
-                        break
-                assert time.monotonic() < deadline, "fv serve did not come up"
-                time.sleep(0.2)
+            wait_until_healthy(process, client, timeout_s=400)  # a loaded CI machine starts two ranks slowly
             yield process, client
     finally:
         if process.poll() is None:

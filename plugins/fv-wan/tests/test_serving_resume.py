@@ -26,24 +26,8 @@ httpx = pytest.importorskip("httpx")
 
 from fv_kernel.api import ProgramCheckpoint, build_instance, run_local  # noqa: E402
 from fv_kernel.testing import free_port, job_progress, wait_for_job  # noqa: E402
+from fv_serve_process import KEEP_FRAMES_FV, wait_until_healthy  # noqa: E402
 
-# The real CLI, plus one hook: the final frames are kept next to the MP4 for a bit-exact comparison.
-_FV_SERVE = """
-import sys, torch
-import fv_kernel.serving.jobs as jobs
-original = jobs.write_job_files
-
-def write_and_keep_frames(artifact, folder):
-    variants = original(artifact, folder)
-    torch.save(artifact.frames, folder / "frames.pt")
-    return variants
-
-jobs.write_job_files = write_and_keep_frames
-torch.set_num_threads(int(sys.argv.pop(1)))  # the test's count: CPU results depend on it
-from fv_kernel.cli.app import main
-sys.argv[0] = "fv"
-main()
-"""
 
 JOB = {"model": "wan-tiny", "prompt": "a paper boat on a river", "seed": 42, "steps": 8, "frames": 5}
 
@@ -56,22 +40,13 @@ def fv_serve(data_dir: Path, *cards: str, every: int = 1) -> Iterator[tuple[subp
     )
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-c", _FV_SERVE, str(torch.get_num_threads()), "serve", "--config", str(config),
-         "--port", str(port), "--log-level", "warning"],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        [sys.executable, "-c", KEEP_FRAMES_FV, "serve", "--config", str(config), "--port", str(port), "--log-level", "warning"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "FV_TEST_THREADS": str(torch.get_num_threads())},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
-            deadline = time.monotonic() + 300
-            while True:
-                if process.poll() is not None:
-                    raise AssertionError(f"fv serve exited: {process.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
-                with contextlib.suppress(httpx.TransportError):
-                    if client.get("/health").status_code == 200:
-                        break
-                assert time.monotonic() < deadline, "fv serve did not come up"
-                time.sleep(0.2)
+            wait_until_healthy(process, client, timeout_s=300)
             yield process, client
     finally:
         if process.poll() is None:
