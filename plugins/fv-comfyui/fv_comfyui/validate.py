@@ -34,6 +34,16 @@ from fv_comfyui.nodes import NODE_SPECS, InputSpec, NodeSpec
 __all__ = ["ValidationContext", "ValidationResult", "validate_prompt"]
 
 
+def _invalid_input_type(kind: str, name: str, info: Any, value: Any, exc: Exception) -> dict[str, Any]:
+    """ComfyUI's error for an input value that does not convert to (or compare as) its type."""
+    return {
+        "type": "invalid_input_type",
+        "message": f"Failed to convert an input value to a {kind} value",
+        "details": f"{name}, {value}, {exc}",
+        "extra_info": {"input_name": name, "input_config": info, "received_value": value, "exception_message": str(exc)},
+    }
+
+
 @dataclass(frozen=True)
 class ValidationContext:
     """What the combo lists and custom checks read: model names per folder, and the input images."""
@@ -165,13 +175,7 @@ class _Validator:
                     if item.kind in ("INT", "FLOAT", "STRING", "BOOLEAN"):
                         inputs[name] = val
                 except Exception as ex:  # noqa: BLE001 - int()/float() raise ValueError or TypeError
-                    errors.append({
-                        "type": "invalid_input_type",
-                        "message": f"Failed to convert an input value to a {item.kind} value",
-                        "details": f"{name}, {val}, {ex}",
-                        "extra_info": {"input_name": name, "input_config": info, "received_value": val,
-                                       "exception_message": str(ex)},
-                    })
+                    errors.append(_invalid_input_type(item.kind, name, info, val, ex))
                     continue
                 custom = spec.validate is not None and name == "image"
                 if custom:
@@ -190,13 +194,7 @@ class _Validator:
                         })
                         continue
                 except TypeError as ex:  # a combo's value compared with a number cannot happen; a list value can
-                    errors.append({
-                        "type": "invalid_input_type",
-                        "message": f"Failed to convert an input value to a {item.kind} value",
-                        "details": f"{name}, {val}, {ex}",
-                        "extra_info": {"input_name": name, "input_config": info, "received_value": val,
-                                       "exception_message": str(ex)},
-                    })
+                    errors.append(_invalid_input_type(item.kind, name, info, val, ex))
                     continue
                 if item.kind == "COMBO":
                     choices = _choices(item, self.context)
