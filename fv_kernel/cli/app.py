@@ -10,6 +10,7 @@ line on stderr.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import warnings
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ def _quiet_teardown() -> None:
     # say nothing more than the one line.
     sys.unraisablehook = lambda _unraisable: None
     warnings.simplefilter("ignore")
+    # asyncio logs, not raises: a task destroyed while still pending at exit, one that fails while
+    # asyncio.run's shutdown cancels it (with its traceback).
+    logging.getLogger("asyncio").disabled = True
 
 
 def load_command(name: str) -> Any:

@@ -204,7 +204,21 @@ def _run(engine: Engine, request: Request, progress: StageProgress) -> Generatio
             progress.close()
             return await handle.result()
 
-    return asyncio.run(go())
+    return _run_until_interrupted(go())
+
+
+def _run_until_interrupted(coro: Any) -> Any:
+    """``asyncio.run(coro)``, except that on Ctrl-C fv goes quiet before the loop shuts down: the
+    shutdown cancels what is left and logs what fails on the way, which would follow the one
+    ``fv: interrupted`` line."""
+    from fv_kernel.cli.app import _quiet_teardown
+
+    with asyncio.Runner() as runner:
+        try:
+            return runner.run(coro)
+        except KeyboardInterrupt:
+            _quiet_teardown()
+            raise
 
 
 def printable(text: str) -> str:
