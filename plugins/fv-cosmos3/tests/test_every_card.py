@@ -29,10 +29,12 @@ from fv_kernel.api import (
     ActionPart,
     CardCatalog,
     CheckpointNotFound,
+    DiffusionParams,
     Engine,
     ImagePart,
     InstanceOptions,
     InsufficientMemory,
+    InvalidRequest,
     ModelCard,
     Request,
     SchedulerConfig,
@@ -99,6 +101,36 @@ def test_negative_control_a_default_off_the_spatial_multiple_is_caught(cards: di
         "defaults": caps.defaults.model_copy(update={"height": 720})})})
     with pytest.raises(Exception, match=r"^height: 720 is not divisible by 32"):
         resolve_request(broken, Request(model=card.model_id, task=TaskType.TEXT_TO_VIDEO, inputs=_parts(TaskType.TEXT_TO_VIDEO)))
+
+
+def _asking(card: ModelCard, **diffusion: Any) -> Request:
+    task = _default_task(card)
+    return Request(model=card.model_id, task=task, inputs=_parts(task), diffusion=DiffusionParams(**diffusion))
+
+
+@pytest.mark.parametrize("card_id", CARD_IDS)
+def test_every_card_refuses_steps_beyond_its_maximum_naming_it_and_bounds_fps(cards: dict[str, ModelCard], card_id: str) -> None:
+    """``--steps 100000`` is one line naming the card's maximum (or the recipe's fixed count), on every listed card."""
+    card = cards[card_id]
+    caps = card.capabilities
+    assert caps.max_steps is not None and caps.min_fps is not None and caps.max_fps is not None, f"{card_id} declares no bound"
+    with pytest.raises(InvalidRequest) as steps:
+        resolve_request(card, _asking(card, steps=100000))
+    assert steps.value.param == "steps"
+    if card.recipe.assumes_loop is None:  # a recipe that fixes its step count (DMD2) names the recipe instead
+        assert steps.value.message == (
+            f"steps: 100000 exceeds the maximum of card {card_id!r}; allowed: 1..{caps.max_steps}"
+        )
+        resolve_request(card, _asking(card, steps=caps.max_steps))
+    with pytest.raises(InvalidRequest) as fps:
+        resolve_request(card, _asking(card, fps=0.0001))
+    assert fps.value.param == "fps" and f"allowed: {caps.min_fps:g}..{caps.max_fps:g}" in fps.value.message
+
+
+def test_negative_control_a_card_without_a_step_maximum_takes_100000(cards: dict[str, ModelCard]) -> None:
+    card = cards["cosmos3-nano"]
+    unbounded = card.model_copy(update={"capabilities": card.capabilities.model_copy(update={"max_steps": None})})
+    assert resolve_request(unbounded, _asking(unbounded, steps=100000)).diffusion.steps == 100000
 
 
 @pytest.fixture
@@ -193,11 +225,15 @@ def _generate(*args: str) -> Any:
     return CliRunner().invoke(app, ["generate", "--prompt", "a red fox", *args])
 
 
-def test_generate_nano_without_a_checkpoint_is_one_line_and_builds_nothing(offline: None, loads: list[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("card_id", ["cosmos3-nano", "cosmos3-super"])
+def test_generate_nano_or_super_at_defaults_without_a_checkpoint_is_one_line_and_builds_nothing(
+    offline: None, loads: list[str], tmp_path: Path, card_id: str
+) -> None:
     out = tmp_path / "out.mp4"
-    result = _generate("--model", "cosmos3-nano", "--output", str(out))
+    result = _generate("--model", card_id, "--output", str(out))
     assert result.exit_code == 2, result.output
-    assert result.output.strip().splitlines()[-1].startswith("error: card 'cosmos3-nano' has no default checkpoint")
+    assert result.output.strip().splitlines() == [result.output.strip()], result.output  # one line
+    assert result.output.startswith(f"error: card {card_id!r} has no default checkpoint")
     assert "--model PATH" in result.output and "Traceback" not in result.output
     assert loads == [] and not out.exists()
 
