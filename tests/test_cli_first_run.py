@@ -467,13 +467,36 @@ def test_ci_runs_the_readmes_two_quickstart_commands(tmp_path: Path) -> None:
         assert refused.returncode != 0 and "exactly two command blocks" in refused.stderr
 
 
-def test_docs_reference_no_file_outside_the_repository() -> None:
-    paths = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "docs").rglob("*.py"))]
-    offending = [f"{p.relative_to(ROOT)}:{n}" for p in paths
-                 for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if "../shared" in line]
+def _references_outside_the_repository(path: Path, root: Path = ROOT) -> list[str]:
+    """``path:line target`` for each mention of the session's shared folder and each relative
+    markdown link that leaves ``root`` or names no file."""
+    found = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        found += [f"{path.name}:{n} {m}" for m in re.findall(r"(?:\.\./)+shared/\S*|/work/\S*", line)]
+        for target in re.findall(r"\]\(([^)\s]+)\)", line):
+            local = target.split("#")[0]
+            if not local or re.match(r"^[a-z][a-z0-9+.-]*:", local):  # an anchor or a URL
+                continue
+            resolved = (path.parent / local).resolve()
+            if not resolved.is_relative_to(root) or not resolved.exists():
+                found.append(f"{path.name}:{n} {target}")
+    return found
+
+
+def test_docs_reference_no_file_outside_the_repository(tmp_path: Path) -> None:
+    paths = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "docs").rglob("*.py")),
+             *sorted(ROOT.glob("plugins/*/README.md")), *sorted(ROOT.glob("plugins/*/*/README.md"))]
+    assert any("plugins" in p.parts for p in paths), "the plugins' READMEs are checked too"
+    offending = [hit for p in paths for hit in _references_outside_the_repository(p)]
     assert not offending, offending
-    # Negative control: the check sees such a link.
-    assert "../shared" in "see [the seed](../shared/seeds/000.txt)"
+    # Negative control: the check sees a link out of the repository, a missing file and the shared folder named.
+    repo = tmp_path / "repo"
+    (repo / "docs").mkdir(parents=True)
+    (repo / "docs" / "there.md").write_text("x")
+    doc = repo / "docs" / "a.md"
+    doc.write_text("[ok](there.md#part) [web](https://example.com/x) [top](#a)\n[seed](../../shared/seeds/000.txt)\n"
+                   "[gone](missing.md)\nsee /work/shared/reference/x.md\n")
+    assert len(_references_outside_the_repository(doc, repo)) == 4, _references_outside_the_repository(doc, repo)
 
 
 def test_docs_examples_name_only_test_files_that_exist() -> None:
