@@ -467,6 +467,30 @@ def test_ci_runs_the_readmes_two_quickstart_commands(tmp_path: Path) -> None:
         assert refused.returncode != 0 and "exactly two command blocks" in refused.stderr
 
 
+def test_the_readmes_cpu_only_install_advice_holds() -> None:
+    """What the README tells a CPU-only user: install the CPU build from PyTorch's index first and
+    pip keeps it for the Quickstart's pin; for tox, PIP_EXTRA_INDEX_URL reaches every env's pip."""
+    import configparser
+
+    from packaging.specifiers import SpecifierSet
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    install, tests = _readme_quickstart(readme)
+    pin = re.search(r"torch==([0-9.]+)", install)
+    assert pin is not None and f"torch=={pin.group(1)} " in tests + " ", "both commands pin one torch"
+    version = pin.group(1)
+    assert f"pip install torch=={version} --index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in readme
+    # PEP 440: '==X' ignores a local label, so the installed X+cpu satisfies the Quickstart's pin ...
+    assert SpecifierSet(f"=={version}").contains(f"{version}+cpu")
+    # ... (negative control: an exact '===' pin would not, and pip would fetch the CUDA build)
+    assert not SpecifierSet(f"==={version}").contains(f"{version}+cpu")
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini", encoding="utf-8")
+    assert "PIP_*" in [v.strip() for v in tox["testenv"]["passenv"].split(",")], "tox must pass PIP_* to each env's pip"
+    assert f"torch=={version}" in tox["testenv"]["deps"].split(), "tox's envs install the README's torch"
+
+
 def _references_outside_the_repository(path: Path, root: Path = ROOT) -> list[str]:
     """``path:line target`` for each mention of the session's shared folder and each relative
     markdown link that leaves ``root`` or names no file."""
