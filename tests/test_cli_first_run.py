@@ -426,8 +426,9 @@ def test_cards_list_fits_80_columns(fv_host: Any, register_plugin: Any) -> None:
     assert result.exit_code == 0 and max(len(line) for line in result.output.splitlines()) <= 80, result.output
 
 
-def test_plugins_check_of_a_missing_plugin_is_one_error_line() -> None:
-    result = CliRunner().invoke(app, ["plugins", "check", "nosuch", "--no-side-effects"])
+@pytest.mark.parametrize("flags", [[], ["--no-side-effects"]], ids=["as-the-issue-ran-it", "no-side-effects"])
+def test_plugins_check_of_a_missing_plugin_is_one_error_line(flags: list[str]) -> None:
+    result = CliRunner().invoke(app, ["plugins", "check", "nosuch", *flags])
     assert result.exit_code == 1
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert result.output.startswith("error: no 'fv.plugins' entry point for distribution 'nosuch'; installed plugins: ")
