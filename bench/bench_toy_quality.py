@@ -22,6 +22,8 @@ clip against its uncached counterpart.
 
 ``--ground-truth`` skips the model: it renders the same prompts with the toy world at the
 card's size and frame count and scores them (the judge's ceiling for that geometry).
+``--vae-roundtrip`` scores those renders after the card's VAE encodes (posterior mean) and
+decodes them: the ceiling the card's VAE leaves its DiT.
 
 ``--render-throughput B`` measures the training data rate instead: ``ToyWorld.batch`` of B
 clips at the card's geometry on ``--device`` (after one warm-up batch, ``--batches`` timed),
@@ -40,7 +42,7 @@ from typing import Any
 import torch
 
 from fv_kernel.api import (
-    CardCatalog,
+    DeployConfig,
     DiffusionParams,
     Engine,
     ExtensionSet,
@@ -53,6 +55,7 @@ from fv_kernel.api import (
     build_instance,
 )
 from fv_kernel.plugins import PluginHost
+from fv_kernel.runtime.model_resolution import resolve_model
 from fv_wan.toy.grammar import held_out_prompts
 from fv_wan.toy.judge import Judgement, judge, summarise
 from fv_wan.toy.world import GENERATOR_VERSION, ToyWorld, layout, render
@@ -60,11 +63,15 @@ from fv_wan.toy.world import GENERATOR_VERSION, ToyWorld, layout, render
 ACCURACIES = ("colour", "direction", "speed", "shape", "stability", "all_correct")
 
 
-def load_card(model_id: str) -> ModelCard:
+def load_card(model: str, device: str) -> tuple[ModelCard, InstanceOptions]:
+    """The card ``model`` names (an id, a card file or a checkpoint folder, as ``fv generate --model``) and its instance options."""
+    host = PluginHost()
+    host.start()
     try:
-        return CardCatalog(PluginHost()).get(model_id)
+        choice = resolve_model(model, DeployConfig(), host, device=device)
     except FvError as exc:
         raise SystemExit(f"--model: {exc}") from None
+    return choice.card, choice.options
 
 
 def generate_all(engine: Engine, requests: list[Request]) -> tuple[list[torch.Tensor], float]:
@@ -114,6 +121,18 @@ def psnr(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float("inf") if mse == 0 else 10.0 * torch.log10(torch.tensor(1.0 / mse)).item()
 
 
+@torch.no_grad()
+def vae_roundtrip(card: ModelCard, options: InstanceOptions, videos: list[torch.Tensor], device: str) -> list[torch.Tensor]:
+    """Clips (F, 3, H, W) in [0, 1] encoded to the posterior mean by the card's VAE and decoded back."""
+    vae = build_instance(card, options).component("vae").to(device).eval()
+    out = []
+    for video in videos:
+        clip = video.to(device).permute(1, 0, 2, 3).unsqueeze(0).mul(2).sub(1)  # (1, 3, F, H, W) in [-1, 1]
+        decoded = vae.decode(vae.encode(clip)[0]).float()
+        out.append(decoded[0].permute(1, 0, 2, 3).add(1).div(2).clamp(0.0, 1.0).cpu())
+    return out
+
+
 def render_throughput(args: argparse.Namespace, frames: int, height: int, width: int, meta: dict[str, Any]) -> int:
     """Clips per second of ``ToyWorld.batch`` (all of it, and its CPU part alone) at one geometry."""
     size = args.render_throughput
@@ -154,7 +173,8 @@ def render_throughput(args: argparse.Namespace, frames: int, height: int, width:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="wan-toy", help="a text-to-video card id (default: wan-toy)")
+    parser.add_argument("--model", default="wan-toy",
+                        help="a text-to-video card id, card file or checkpoint folder, as fv generate --model (default: wan-toy)")
     parser.add_argument("--n", type=int, default=100, help="held-out prompts to generate (default 100)")
     parser.add_argument("--prompt-seed", type=int, default=0, help="which held-out prompt set (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="diffusion seed of the first request; request i uses seed + i")
@@ -162,6 +182,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)")
     parser.add_argument("--ground-truth", action="store_true", help="score the toy world's own renders instead of the card")
+    parser.add_argument("--vae-roundtrip", action="store_true",
+                        help="score the toy world's renders after the card's VAE encodes and decodes them")
     parser.add_argument("--cachedit", action="store_true", help="repeat under fv-cachedit thresholds")
     parser.add_argument("--cache", default="dbcache", choices=("dbcache", "fbcache", "taylorseer"))
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.05, 0.08, 0.12, 0.2])
@@ -181,7 +203,7 @@ def main() -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    card = load_card(args.model)
+    card, options = load_card(args.model, args.device)
     if TaskType.TEXT_TO_VIDEO not in card.capabilities.tasks or card.capabilities.defaults is None:
         raise SystemExit(f"--model: {card.model_id} has no text-to-video defaults")
     defaults = card.capabilities.defaults
@@ -191,13 +213,13 @@ def main() -> int:
     meta: dict[str, Any] = {
         "card": card.model_id, "prompts": args.n, "prompt_seed": args.prompt_seed, "seed": args.seed, "steps": steps,
         "geometry_fhw": geometry, "device": args.device, "threads": torch.get_num_threads(),
-        "generator_version": GENERATOR_VERSION, "ground_truth": args.ground_truth,
+        "generator_version": GENERATOR_VERSION, "ground_truth": args.ground_truth, "vae_roundtrip": args.vae_roundtrip,
     }
     rows: list[dict[str, Any]] = []
 
     if args.render_throughput is not None:
         return render_throughput(args, defaults.frames, defaults.height, defaults.width, meta)
-    if args.ground_truth:
+    if args.ground_truth or args.vae_roundtrip:
         from fv_wan.toy.grammar import parse_prompt
 
         start = time.perf_counter()
@@ -205,6 +227,8 @@ def main() -> int:
             render(parse_prompt(p), frames=defaults.frames, height=defaults.height, width=defaults.width, seed=args.seed + i)
             for i, p in enumerate(prompts)
         ]
+        if args.vae_roundtrip:
+            videos = vae_roundtrip(card, options, videos, args.device)
         wall = time.perf_counter() - start
         scores, judgements = judged(videos, prompts)
         rows.append({"threshold": None, "wall_s": wall, "clips_per_s": len(prompts) / wall, **scores,
@@ -223,7 +247,7 @@ def main() -> int:
             classes = {"dbcache": DBCache, "fbcache": FBCache, "taylorseer": TaylorSeer}
             extensions = ExtensionSet.build({args.cache: {"config": config}}, {args.cache: classes[args.cache]})
             meta.update({"cache": args.cache, "cache_config": config, "blocks": blocks})
-        instance = build_instance(card, InstanceOptions(device=args.device))
+        instance = build_instance(card, options)
         engine = Engine(extensions=extensions)
         engine.add_instance(instance)
 
@@ -257,9 +281,10 @@ def main() -> int:
                    "verdicts": clip_rows(judgements)}
             rows.append(row)
 
-    source = "toy world ground truth" if args.ground_truth else card.model_id
+    source = (f"toy world through {card.model_id}'s VAE" if args.vae_roundtrip
+              else "toy world ground truth" if args.ground_truth else card.model_id)
     print(f"{source}: {args.n} held-out prompts (set {args.prompt_seed}), {geometry} (FxHxW), "
-          f"{'' if args.ground_truth else f'{steps} steps, '}{args.device}, {torch.get_num_threads()} threads\n")
+          f"{'' if args.ground_truth or args.vae_roundtrip else f'{steps} steps, '}{args.device}, {torch.get_num_threads()} threads\n")
     header = "| threshold | wall s | clips/s | speed-up | " + " | ".join(ACCURACIES) + " |"
     print(header)
     print("|" + "---|" * (4 + len(ACCURACIES)))

@@ -48,7 +48,7 @@ from fv_kernel.api import (
 )
 
 __all__ = ["FlowMatching", "FlowMatchingOptions", "VAEStage", "DiTStage", "flow_target", "sample_sigmas",
-           "context_length_of", "reconstruction_weight"]
+           "context_length_of", "continued_recipe", "reconstruction_weight"]
 
 TIMESTEP_SCALE = 1000.0  # the samplers' num_train_timesteps: the DiT sees t = 1000 sigma
 #: WanPipeline's default max_sequence_length (rows past a prompt's tokens are zeros); a card's
@@ -77,6 +77,9 @@ class VAEStage(_Options):
     warmup: int = Field(default=50, ge=0)
     #: Decode a posterior sample (a VAE proper) or the posterior mean (what serving's encode uses).
     sample_posterior: bool = False
+    #: Wall-clock budget of this stage, as the DiT stage's: the lr schedule runs on
+    #: max(step / steps, elapsed / budget) and the stage stops at the budget.
+    time_limit_s: float | None = Field(default=None, gt=0)
 
 
 class DiTStage(_Options):
@@ -93,7 +96,9 @@ class DiTStage(_Options):
     logit_std: float = Field(default=1.0, gt=0)
     #: Flow shift of the training sigmas; None: the card's default shift (what its sampler uses).
     shift: float | None = Field(default=None, gt=0)
-    #: EMA decay of the exported transformer and text encoder weights (0: export the raw weights).
+    #: EMA decay of the exported transformer and text encoder weights (0: export the raw weights). It
+    #: warms up as min(ema, (1 + step) / (10 + step)), so a short stage does not export mostly its
+    #: initial weights (at 0.999 from the start, 1,500 steps leave 22% of them in the average).
     ema: float = Field(default=0.999, ge=0, lt=1)
     #: Wall-clock budget of this stage: the lr schedule runs on max(step / steps, elapsed / budget) and
     #: the stage stops at the budget; the steps actually run are what the card's recipe records.
@@ -140,6 +145,21 @@ def reconstruction_weight(video: torch.Tensor, stage: VAEStage) -> torch.Tensor:
     return weight
 
 
+def continued_recipe(start: Any, output_model_id: str, stage: RecipeSpec) -> RecipeSpec:
+    """The recipe of weights trained from ``start`` by ``stage``.
+
+    A run that continues a card of the same id with the same method (a long recipe run in stages,
+    each from the last one's export) makes the same model, further trained: its parents are the
+    start's, and its data contract is the start's followed by this stage's, so the exported card
+    records every stage. Otherwise the start is the parent and the contract is this stage's.
+    """
+    earlier = start.recipe
+    if start.model_id != output_model_id or earlier.method != stage.method:
+        return stage
+    history = f"{earlier.data_contract}; then " if earlier.data_contract else ""
+    return stage.model_copy(update={"parents": earlier.parents, "data_contract": history + (stage.data_contract or "")})
+
+
 def context_length_of(card: Any) -> int:
     """The prompt context the card's serving loop builds (its ``text_encode`` loop's ``max_sequence_length``):
     training must see the same zero-padded rows, which Wan's cross-attention attends to, unmasked."""
@@ -153,16 +173,27 @@ def _embed_with_grad(text_encoder: Any) -> Callable[..., torch.Tensor]:
     return inspect.unwrap(type(text_encoder).embed_ids)
 
 
+def _budget_progress(step: int, steps: int, start: float, time_limit_s: float | None) -> float:
+    """A stage's schedule position: step / steps, or the share of its wall-clock budget spent if larger."""
+    progress = step / steps
+    if time_limit_s is not None:
+        progress = max(progress, (time.perf_counter() - start) / time_limit_s)
+    return progress
+
+
 class _EMA:
     def __init__(self, modules: list[torch.nn.Module], decay: float) -> None:
         self.decay = decay
+        self.updates = 0
         self.shadow = [copy.deepcopy(m).requires_grad_(False) for m in modules]
 
     @torch.no_grad()
     def update(self, modules: list[torch.nn.Module]) -> None:
+        self.updates += 1
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
         for shadow, module in zip(self.shadow, modules):
             for s, p in zip(shadow.parameters(), module.parameters()):
-                s.lerp_(p.detach(), 1 - self.decay)
+                s.lerp_(p.detach(), 1 - decay)
 
 
 class FlowMatching(RLMethod):
@@ -204,7 +235,7 @@ class FlowMatching(RLMethod):
         text_encoder = run.instance.component("text_encoder").to(device)
 
         vae_world = world_cls(frames=o.vae.frames, height=height, width=width, seed=o.data_seed)
-        self._train_vae(run, vae, vae_world, o.vae, autocast)
+        vae_steps = self._train_vae(run, vae, vae_world, o.vae, autocast)
         vae.eval().requires_grad_(False)
 
         world = world_cls(frames=frames, height=height, width=width, seed=o.data_seed + 1)
@@ -219,18 +250,20 @@ class FlowMatching(RLMethod):
         dit_steps = self.dit_steps_run
         for m in (vae, transformer_out, text_out):
             m.eval().requires_grad_(False)
-        recipe = RecipeSpec(
+        vae_part = (f"VAE {vae_steps} steps x {o.vae.batch} clips of {o.vae.frames} frames" if vae_steps
+                    else "VAE kept from the start (not trained)")
+        recipe = continued_recipe(card, run.recipe.output_model_id, RecipeSpec(
             method=self.name, parents=(card.model_id,), consistency_required=ParityLevel.C1,
             data_contract=(
                 f"{o.data} {version}, seed {o.data_seed} (VAE) / {o.data_seed + 1} (DiT), {frames}x{height}x{width}; "
-                f"VAE {o.vae.steps} steps x {o.vae.batch} clips of {o.vae.frames} frames; DiT {dit_steps} steps x "
+                f"{vae_part}; DiT {dit_steps} steps x "
                 f"{o.dit.batch} from {o.dit.clips} clips, shift {shift}, cfg dropout {o.dit.cfg_dropout}, "
                 f"text encoder {o.dit.text_encoder}, EMA {o.dit.ema}"
             ),
-        )  # fmt: skip
+        ))  # fmt: skip
         return TrainedModel(
             modules={"vae": vae.cpu(), "transformer": transformer_out.cpu(), "text_encoder": text_out.cpu()},
-            recipe=recipe, steps={"vae": o.vae.steps, "dit": dit_steps},
+            recipe=recipe, steps={"vae": vae_steps, "dit": dit_steps},
             defaults={**o.card_defaults, "frames": frames, "height": height, "width": width},
         )
 
@@ -250,16 +283,21 @@ class FlowMatching(RLMethod):
         videos, prompts = world.batch(index, size, device=device)
         return videos.permute(0, 2, 1, 3, 4).mul(2).sub(1).contiguous(), prompts  # (B, 3, F, H, W) in [-1, 1]
 
-    def _train_vae(self, run: TrainingRun, vae: Any, world: Any, stage: VAEStage, autocast: torch.dtype | None) -> None:
+    def _train_vae(self, run: TrainingRun, vae: Any, world: Any, stage: VAEStage, autocast: torch.dtype | None) -> int:
+        """Train the VAE; the steps it ran (fewer than ``stage.steps`` when its wall-clock budget ran out)."""
         if stage.steps == 0:
-            return
+            return 0
         vae.train().requires_grad_(True)
         optimizer = torch.optim.AdamW(vae.parameters(), lr=stage.lr, weight_decay=0.0, betas=(0.9, 0.99))
         generator = torch.Generator(device=run.device).manual_seed(run.recipe.seed)
         log_every = self.options.log_every  # type: ignore[attr-defined]
+        start, done = time.perf_counter(), 0
         for step in range(1, stage.steps + 1):
+            progress = _budget_progress(step, stage.steps, start, stage.time_limit_s)
+            if progress >= 1.0 and step < stage.steps:
+                break
             video, _ = self._clips(world, step, stage.batch, run.device)
-            lr = stage.lr * min(1.0, step / max(1, stage.warmup)) * 0.5 * (1 + math.cos(math.pi * step / stage.steps))
+            lr = stage.lr * min(1.0, step / max(1, stage.warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
             for group in optimizer.param_groups:
                 group["lr"] = lr
             with torch.autocast(run.device.type, dtype=autocast, enabled=autocast is not None):
@@ -278,8 +316,10 @@ class FlowMatching(RLMethod):
             loss.backward()
             torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
             optimizer.step()
+            done = step
             if step % log_every == 0 or step == stage.steps:
                 run.report("vae", step, stage.steps, {"l1": l1.item(), "l2": l2.item(), "kl": kl.item()})
+        return done
 
     @torch.no_grad()
     def _encode_dataset(self, run: TrainingRun, vae: Any, world: Any, clips: int) -> tuple[torch.Tensor, list[str]]:
@@ -318,11 +358,9 @@ class FlowMatching(RLMethod):
         n = latents.shape[0]
         start, done = time.perf_counter(), 0
         for step in range(1, stage.steps + 1):
-            progress = step / stage.steps
-            if stage.time_limit_s is not None:
-                progress = max(progress, (time.perf_counter() - start) / stage.time_limit_s)
-                if progress >= 1.0 and step < stage.steps:
-                    break
+            progress = _budget_progress(step, stage.steps, start, stage.time_limit_s)
+            if progress >= 1.0 and step < stage.steps:
+                break
             lr = stage.lr * min(1.0, step / max(1, stage.warmup))
             if step > stage.warmup:
                 warm = stage.warmup / stage.steps

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fv_kernel.api import CARD_FILE, ModelCard, RecipeError, SamplerBinding, TrainingRecipe, bound_sampler
+from fv_kernel.api import CARD_FILE, ModelCard, RecipeError, RecipeSpec, SamplerBinding, bound_sampler
 from fv_kernel.plugins import PluginHost
 from fv_kernel.training.recipe import load_recipe, parse_options
 from fv_kernel.training.runner import resolve_method, run_training
@@ -178,3 +178,62 @@ def test_the_vae_loss_weights_frame_zero_and_objects() -> None:
     assert plain[0, 0, 1, 2, 2] > plain[0, 0, 1, 0, 0] > 0  # object pixels count more than background
     torch.testing.assert_close(weighted[:, :, 0], 4 * plain[:, :, 0])
     torch.testing.assert_close(weighted[:, :, 1:], plain[:, :, 1:])
+
+
+def test_a_stage_stops_at_its_wall_clock_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``time_limit_s`` stops the VAE stage as it stops the DiT's, and the card records the steps that ran.
+    The clock is faked: each call advances it 1 s, so a 2.5 s budget lets a stage run 2 steps whatever the machine."""
+    now = iter(float(t) for t in range(10**6))
+    monkeypatch.setattr(flow_matching.time, "perf_counter", lambda: next(now))
+    recipe = load_recipe(RECIPES / "wan-toy-ci.yaml")
+    options = dict(recipe.options)
+    options["vae"] = {**options["vae"], "steps": 50, "time_limit_s": 2.5}
+    options["dit"] = {**options["dit"], "steps": 50, "time_limit_s": 2.5}
+    outcome = run_training(recipe.model_copy(update={"options": options}), tmp_path, PluginHost(), progress=False)
+    training = json.loads((tmp_path / "training.json").read_text())
+    assert training["steps"] == {"vae": 2, "dit": 2}
+    card = ModelCard.model_validate_json((outcome.checkpoint / CARD_FILE).read_text())
+    assert "VAE 2 steps" in card.recipe.data_contract and "DiT 2 steps" in card.recipe.data_contract
+
+
+def test_the_ema_warms_up() -> None:
+    """After one update the exported average is mostly the trained weights, not the initial ones
+    (a fixed 0.999 decay would leave it 99.9% initial: the control)."""
+    module = torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.zeros_(module.weight)
+    ema = flow_matching._EMA([module], decay=0.999)
+    with torch.no_grad():
+        module.weight.fill_(1.0)
+    ema.update([module])
+    averaged = ema.shadow[0].weight
+    assert torch.allclose(averaged, torch.full_like(averaged, 1 - 2 / 11))
+    for _ in range(10_000):
+        ema.update([module])
+    assert ema.decay == 0.999 and torch.allclose(ema.shadow[0].weight, module.weight)
+    fixed = torch.zeros(2, 2).lerp_(torch.ones(2, 2), 1 - 0.999)
+    assert float(fixed.max()) < 0.01 < float(averaged.min())
+
+
+def test_a_staged_run_records_every_stage(tmp_path: Path) -> None:
+    """Continuing an export under its own id keeps its parents and chains the data contracts, so the final
+    card names every stage; a stage that trains no VAE says so. The control: under a new id, the
+    export is the parent and the contract is the stage's alone (test_training_continues_from_an_earlier_export)."""
+    first = run_training(RECIPES / "wan-toy-ci.yaml", tmp_path / "first", PluginHost(), progress=False)
+    recipe = load_recipe(RECIPES / "wan-toy-ci.yaml").model_copy(update={"card": str(first.checkpoint)})
+    options = dict(recipe.options)
+    options["vae"] = {**options["vae"], "steps": 0}
+    options["dit"] = {**options["dit"], "steps": 3}
+    second = run_training(recipe.model_copy(update={"options": options}), tmp_path / "second", PluginHost(), progress=False)
+    before = ModelCard.model_validate_json((first.checkpoint / CARD_FILE).read_text()).recipe
+    after = ModelCard.model_validate_json((second.checkpoint / CARD_FILE).read_text()).recipe
+    assert after.parents == before.parents == ("wan-toy-init",)
+    assert after.data_contract.startswith(before.data_contract + "; then ")
+    last = after.data_contract.split("; then ")[-1]
+    assert "VAE kept from the start (not trained)" in last and "DiT 3 steps" in last
+    # Controls: under another id, or by another method, the start is the parent and the contract the stage's.
+    start = ModelCard.model_validate_json((first.checkpoint / CARD_FILE).read_text())
+    stage = RecipeSpec(method="flow-matching", parents=("wan-toy-ci",), data_contract="stage")
+    assert flow_matching.continued_recipe(start, "wan-toy-ci-2", stage) is stage
+    other = stage.model_copy(update={"method": "dmd2"})
+    assert flow_matching.continued_recipe(start, "wan-toy-ci", other) is other
+    assert flow_matching.continued_recipe(start, "wan-toy-ci", stage).parents == ("wan-toy-init",)
