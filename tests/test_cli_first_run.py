@@ -238,7 +238,7 @@ def _drive(progress: Any) -> None:
 def test_progress_off_a_terminal_is_plain_lines_one_per_stage() -> None:
     from io import StringIO
 
-    from fv_kernel.cli.progress import StageProgress
+    from fv_kernel.progress import StageProgress
 
     log = StringIO()
     _drive(StageProgress(True, log))

@@ -19,7 +19,7 @@ from fv_kernel.card.instance import build_instance
 from fv_kernel.card.preflight import preflight
 from fv_kernel.card.validate import resolve_request
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
-from fv_kernel.cli.progress import StageProgress
+from fv_kernel.progress import StageProgress
 from fv_kernel.errors import FvError, InvalidRequest
 from fv_kernel.io.media import MediaError, check_output_path, read_image, write_artifact
 from fv_kernel.plugins import PluginError

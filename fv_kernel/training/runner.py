@@ -2,7 +2,9 @@
 
 The runner is family-agnostic: it builds the recipe's card instance, hands it to the
 method found in the plugin host's ``rl_methods`` registry, shows per-stage progress with
-an ETA (tqdm), writes loss curves (``losses.json`` and ``losses.png``), and exports.
+an ETA and the latest losses (:class:`fv_kernel.progress.StageProgress`: a live tqdm line on
+a terminal; off one plain lines, no carriage returns, every tenth of a stage and at its
+end), writes loss curves (``losses.json`` and ``losses.png``), and exports.
 Export (:func:`export_model`) asks the family plugin to write a checkpoint directory
 (``fv_export_checkpoint``) into a staging folder, runs the card's parity check on it
 (``fv_check_parity``) and keeps it only when the check passes; the trained card goes
@@ -26,6 +28,7 @@ from fv_kernel.card.catalog import CARD_FILE, CardCatalog, read_card_file_beside
 from fv_kernel.card.instance import InstanceOptions, build_instance
 from fv_kernel.card.spec import ModelCard, RecipeSpec
 from fv_kernel.errors import FvError, InvalidRequest
+from fv_kernel.progress import StageProgress
 from fv_kernel.training import LossLog, ParityResult, RLMethod, TrainingRun
 from fv_kernel.training.recipe import RecipeError, TrainingRecipe, load_recipe, parse_options
 
@@ -38,6 +41,8 @@ __all__ = [
 ]
 
 _TRAIN_EXTRAS = ("tqdm", "matplotlib")
+#: Off a terminal (a log file, a pipe), a plain progress line each time a stage finishes another tenth.
+PROGRESS_LINES_PER_STAGE = 10
 
 
 class ExportError(FvError):
@@ -81,32 +86,6 @@ def pick_device(spec: str) -> torch.device:
     return device
 
 
-class _Progress:
-    """One tqdm bar per stage (steps, rate, ETA, latest losses); silent when disabled."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._bar: Any = None
-        self._stage: str | None = None
-
-    def __call__(self, stage: str, step: int, total: int, losses: Mapping[str, float]) -> None:
-        if not self.enabled:
-            return
-        from tqdm import tqdm
-
-        if stage != self._stage:
-            self.close()
-            self._bar = tqdm(total=total, desc=stage, unit="step", dynamic_ncols=True)
-            self._stage = stage
-        self._bar.update(step - self._bar.n)
-        self._bar.set_postfix({k: f"{v:.4g}" for k, v in losses.items()}, refresh=False)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-
 def write_loss_curves(log: LossLog, output: Path) -> tuple[Path, Path]:
     """``losses.json`` (every point) and ``losses.png`` (one panel per stage, log-scale y)."""
     import matplotlib
@@ -144,7 +123,10 @@ def _require_extras() -> None:
 def run_training(
     recipe: TrainingRecipe | Path, output: Path, host: "PluginHost", *, progress: bool = True
 ) -> TrainingOutcome:
-    """Train ``recipe``'s card with its method, write curves under ``output``, export to ``output/checkpoint``."""
+    """Train ``recipe``'s card with its method, write curves under ``output``, export to ``output/checkpoint``.
+
+    ``progress``: per-stage progress on stderr (off a terminal: plain lines, no ``\\r``).
+    """
     if isinstance(recipe, Path):
         recipe = load_recipe(recipe)
     method_cls = resolve_method(host, recipe.method)
@@ -159,12 +141,12 @@ def run_training(
         card, InstanceOptions(device=str(device), precision="fp32", registry=host.registry(), source=resolved.source)
     )
     output.mkdir(parents=True, exist_ok=True)
-    bar = _Progress(progress)
+    bar = StageProgress(progress, plain_parts=PROGRESS_LINES_PER_STAGE)
     log = LossLog()
 
     def report(stage: str, step: int, total: int, losses: Mapping[str, float]) -> None:
         log.add(stage, step, losses)
-        bar(stage, step, total, losses)
+        bar.update(stage, step, total, losses)
 
     run = TrainingRun(recipe=recipe, options=options, card=card, instance=instance, device=device, output=output,
                       report=report, log=log)

@@ -1,10 +1,14 @@
-"""Progress on stderr for the CLI, through tqdm: a ticking start-up line, then one line per stage.
+"""Progress on stderr, through tqdm: a ticking start-up line, then one line per stage.
 
-On a terminal each stage is a live tqdm line (elapsed, ETA, rate). When the stream is not a
-terminal (a log file, a pipe, CI) nothing is redrawn, so no carriage return is ever written:
-one plain line when loading starts and ends, and one line per finished stage.
+On a terminal each stage is a live tqdm line (elapsed, ETA, rate, and the caller's figures such
+as losses). When the stream is not a terminal (a log file, a pipe, CI, a remote job) nothing is
+redrawn, so no carriage return is ever written: plain lines only -- one when loading starts and
+ends, optionally one each time a stage completes another share of its steps (``plain_parts``),
+and one per finished stage (stopped early, it shows the last step reported).
 
-Light on purpose (tqdm only): ``fv`` shows a start-up spinner before it imports torch.
+Used by ``fv generate`` and ``fv train`` (:mod:`fv_kernel.training.runner`), so it lives outside
+``fv_kernel.cli``. Light on purpose (tqdm only, imported lazily): ``fv`` shows a start-up
+spinner before it imports torch.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, TextIO
+from typing import Any, Iterator, Mapping, TextIO
 
 __all__ = ["StageProgress", "LoadingStage", "spinner"]
 
@@ -77,21 +81,35 @@ class LoadingStage:
 
 
 class StageProgress:
-    """tqdm progress for one request: ``loading`` around start-up, :meth:`update` per loop step."""
+    """tqdm progress for one run: ``loading`` around start-up, :meth:`update` per loop step.
 
-    BAR = "{desc:>12}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
-    PLAIN = "{desc:>12}: {n_fmt}/{total_fmt} {unit}s in {elapsed} ({rate_fmt})"
-    UNBOUNDED = "{desc:>12}: {n_fmt} {unit}s [{elapsed}, {rate_fmt}]"
+    ``plain_parts`` (e.g. 10): off a terminal, also a plain line each time a stage completes
+    another 1/``plain_parts`` of its total (step/total, elapsed, ETA, rate, the latest
+    figures), so a long stage shows it is alive; None: only the line when the stage ends.
+    """
 
-    def __init__(self, enabled: bool, stream: TextIO | None = None) -> None:
+    BAR = "{desc:>12}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+    PLAIN = "{desc:>12}: {n_fmt}/{total_fmt} {unit}s in {elapsed} ({rate_fmt}){postfix}"
+    PLAIN_PROGRESS = "{desc:>12}: {n_fmt}/{total_fmt} {unit}s [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+    UNBOUNDED = "{desc:>12}: {n_fmt} {unit}s [{elapsed}, {rate_fmt}{postfix}]"
+
+    def __init__(self, enabled: bool, stream: TextIO | None = None, *, plain_parts: int | None = None) -> None:
+        if plain_parts is not None and plain_parts < 2:
+            raise ValueError(f"plain_parts must be at least 2 (or None), got {plain_parts!r}")
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.tty = _is_tty(self.stream)
+        self.plain_parts = plain_parts
         self._bar: Any = None
         self._stage: str | None = None
+        # Off a terminal a stage's clock starts at the previous event (construction, the end of
+        # loading, the last step of the previous stage), so its first step counts in its time and rate.
+        self._last_event = time.monotonic()
         self._started = 0.0
         self._step = 0
         self._total: int | None = None
+        self._postfix = ""
+        self._plain_part = 0  # off a terminal: how many parts of the stage the last plain line had done
 
     def write(self, line: str) -> None:
         self.stream.write(line + "\n")
@@ -112,22 +130,43 @@ class StageProgress:
             yield stage
         if bar is None and stage.what is not None:
             self.write(f"loaded {stage.what} in {tqdm.format_interval(time.monotonic() - stage.started)}")
+        self._last_event = time.monotonic()
 
-    def update(self, stage: str, step: int, total: int | None) -> None:
-        """Step ``step`` of ``total`` (None: unknown) of ``stage``; a new stage ends the previous one."""
+    def update(self, stage: str, step: int, total: int | None, figures: Mapping[str, float] | None = None) -> None:
+        """Step ``step`` of ``total`` (None: unknown) of ``stage``; a new stage ends the previous one.
+
+        ``figures`` (e.g. the latest losses) are shown beside the step count: the bar's postfix on
+        a terminal, the end of each plain line off one.
+        """
         if not self.enabled:
             return
         if stage != self._stage:
             self._end_stage()
-            self._stage, self._started, self._total = stage, time.monotonic(), total
+            self._stage, self._started, self._total = stage, self._last_event, total
+            self._plain_part = 0
             if self.tty:
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=total, desc=stage, unit="step", file=self.stream, leave=True,
+                self._bar = tqdm(total=total, desc=stage, unit="step", file=self.stream, leave=True, dynamic_ncols=True,
                                  bar_format=self.BAR if total else self.UNBOUNDED)
-        self._step = step
+        self._step, self._last_event = step, time.monotonic()
+        self._postfix = ", ".join(f"{k}={v:.4g}" for k, v in figures.items()) if figures else ""
         if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix, refresh=False)
             self._bar.update(step - self._bar.n)
+        elif self._total and self.plain_parts and step < self._total:  # the stage's end has its own line
+            part = step * self.plain_parts // self._total
+            if part > self._plain_part:
+                self._plain_part = part
+                self.write(self._meter(self.PLAIN_PROGRESS))
+
+    def _meter(self, bar_format: str) -> str:
+        from tqdm import tqdm
+
+        return tqdm.format_meter(
+            self._step, self._total, self._last_event - self._started, prefix=self._stage or "", unit="step",
+            postfix=self._postfix or None, bar_format=bar_format if self._total else self.UNBOUNDED,
+        )
 
     def _end_stage(self) -> None:
         if self._stage is None:
@@ -136,15 +175,10 @@ class StageProgress:
             self._bar.close()
             self._bar = None
         else:
-            from tqdm import tqdm
-
-            self.write(tqdm.format_meter(
-                self._step, self._total, time.monotonic() - self._started, prefix=self._stage, unit="step",
-                bar_format=self.PLAIN if self._total else self.UNBOUNDED,
-            ))
+            self.write(self._meter(self.PLAIN))
         self._stage = None
 
     def close(self) -> None:
-        """End the current stage (its line is complete)."""
+        """End the current stage (its line is complete; a stage stopped early shows its last step)."""
         if self.enabled:
             self._end_stage()
