@@ -21,6 +21,7 @@ from fv_kernel.plugins import PluginHost
 from fv_kernel.testing.toy import toy_card
 from fv_kernel.training import RLMethod, TrainedModel, TrainingRun
 from fv_kernel.training.recipe import TrainingRecipe
+from fv_kernel.training import runner
 from fv_kernel.training.runner import PROGRESS_LINES_PER_STAGE, run_training
 
 FULL, STOPPED_AT, TOTAL = 100, 37, 100
@@ -73,6 +74,9 @@ def _train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stderr: Any, *, prog
     host = PluginHost(discover=False)
     host.register(_Plugin(), name="progress-probe")
     recipe = TrainingRecipe(method=_Method.name, card=str(card), output_model_id="toy-trained", device="cpu")
+    # Progress only: no loss curves, so the kernel env needs no matplotlib (fv train's extra).
+    monkeypatch.setattr(runner, "_require_extras", lambda: None)
+    monkeypatch.setattr(runner, "write_loss_curves", lambda log, output: None)
     monkeypatch.setattr(sys, "stderr", stderr)  # where fv train draws, as the CLI runs it
     run_training(recipe, tmp_path / "run", host, progress=progress)
 
