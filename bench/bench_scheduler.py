@@ -2,8 +2,8 @@
 
 1. Overhead per WorkUnit at 1, 16 and 64 concurrent requests: steps cost nothing, so
    everything measured is the runtime (driver, scheduler, batching, executor hand-off).
-2. A mixed-load simulation whose step costs come from the H200 profile in
-   ``/work/shared/reference/gpu-baseline.md`` (scaled down in time by ``--time-scale``),
+2. A mixed-load simulation whose step costs come from the reference implementation's
+   measured H200 step times (the profile below; scaled down in time by ``--time-scale``),
    comparing step-level scheduling with request-level dispatch: long video jobs,
    single-frame image jobs and short AR jobs arriving as a seeded Poisson process.
    Besides throughput and latency, each class reports how its steps batched: the mean
