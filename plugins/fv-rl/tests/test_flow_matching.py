@@ -94,7 +94,7 @@ def test_recipe_geometry_is_checked_against_the_card(tmp_path: Path) -> None:
 
 
 def test_the_shipped_recipes_parse() -> None:
-    for name in ("wan-toy.yaml", "wan-toy-continue.yaml", "wan-toy-ci.yaml", "wan-toy-gpu-smoke.yaml"):
+    for name in ("wan-toy.yaml", "wan-toy-continue.yaml", "wan-toy-continue-2.yaml", "wan-toy-ci.yaml", "wan-toy-gpu-smoke.yaml"):
         recipe = load_recipe(RECIPES / name)
         assert isinstance(parse_options(recipe, FlowMatchingOptions), FlowMatchingOptions)
 
