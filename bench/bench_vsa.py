@@ -1,5 +1,5 @@
 """fv's ``vsa`` attention driver against dense cuDNN SDPA and FastVideo's Triton VSA, one layer's
-self-attention at FastWan's shape (issue 19 §1). NOT RUN YET: no figure from it is recorded.
+self-attention at FastWan's shape (issue 19 §1). Figures: docs/benchmarks.md.
 
     python bench/bench_vsa.py --json vsa.json      # needs CUDA; prints why and exits 0 without
 
