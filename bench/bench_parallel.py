@@ -549,6 +549,10 @@ def main() -> int:
         }
         if args.out is not None:
             args.out.write_text(json.dumps(report, indent=2))
+    # Every rank leaves its last collective before any tears the group down: a gloo rank that
+    # destroyed its group while rank 0 was still reporting aborted once under CI load
+    # ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
