@@ -179,6 +179,7 @@ def main() -> int:
     parser.add_argument("--prompt-seed", type=int, default=0, help="which held-out prompt set (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="diffusion seed of the first request; request i uses seed + i")
     parser.add_argument("--steps", type=int, default=None, help="denoise steps (default: the card's)")
+    parser.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale (default: the card's)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)")
     parser.add_argument("--ground-truth", action="store_true", help="score the toy world's own renders instead of the card")
@@ -211,7 +212,7 @@ def main() -> int:
     steps = args.steps or defaults.steps
     geometry = f"{defaults.frames}x{defaults.height}x{defaults.width}"
     meta: dict[str, Any] = {
-        "card": card.model_id, "prompts": args.n, "prompt_seed": args.prompt_seed, "seed": args.seed, "steps": steps,
+        "card": card.model_id, "prompts": args.n, "prompt_seed": args.prompt_seed, "seed": args.seed, "steps": steps, "guidance": args.guidance,
         "geometry_fhw": geometry, "device": args.device, "threads": torch.get_num_threads(),
         "generator_version": GENERATOR_VERSION, "ground_truth": args.ground_truth, "vae_roundtrip": args.vae_roundtrip,
     }
@@ -257,7 +258,7 @@ def main() -> int:
                 Request(
                     request_id=f"toy-{tag}-{i}", model=card.model_id, task=TaskType.TEXT_TO_VIDEO,
                     inputs=(TextPart(text=prompt),),
-                    diffusion=DiffusionParams(seed=args.seed + i, steps=steps),
+                    diffusion=DiffusionParams(seed=args.seed + i, steps=steps, guidance=args.guidance),
                     plugin_params=params,
                 )
                 for i, prompt in enumerate(prompts)
