@@ -15,9 +15,6 @@ and the math exactly; CUDA checks use bf16.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -32,10 +29,10 @@ from fv_kernel.compute.fused import (
     select_fused_ops,
     triton_available,
 )
+from fv_kernel.testing.triton_checks import run_kernel_checks
 
 CUDA = torch.cuda.is_available()
 #: Set by CI: the Triton kernels must run there, so a missing triton is a failure, not a skip.
-REQUIRE_KERNELS = os.environ.get("FV_REQUIRE_TRITON_KERNELS") == "1"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -120,18 +117,8 @@ def kernel_checks(device: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def kernels() -> dict[str, Any]:
     """:func:`kernel_checks` on CUDA, else in a fresh Python under Triton's interpreter."""
-    if not triton_available():
-        if REQUIRE_KERNELS:
-            pytest.fail("FV_REQUIRE_TRITON_KERNELS=1 but triton is not importable: the Triton kernels would not be tested")
-        pytest.skip("needs triton (on CUDA, or on CPU through its interpreter)")
-    if CUDA:
-        return kernel_checks("cuda")
-    proc = subprocess.run(
-        [sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results["interpreted"], "TRITON_INTERPRET=1 was set but Triton compiled the kernels for a GPU"
+    results = run_kernel_checks(__file__, lambda: kernel_checks("cuda"), what="the Triton kernels")
+    assert CUDA or results["interpreted"], "TRITON_INTERPRET=1 was set but Triton compiled the kernels for a GPU"
     return results
 
 

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -20,7 +17,6 @@ import torch.nn.functional as F
 
 from fv_kernel.card.spec import AttentionAssumption
 from fv_kernel.compute.attention import AttentionShapeError
-from fv_kernel.compute.fused import triton_available
 from fv_kernel.compute.video_sparse_attention import (
     VideoSparseAttention,
     block_sparse_attention_torch,
@@ -32,9 +28,9 @@ from fv_kernel.compute.video_sparse_attention import (
     vsa_reference,
 )
 from fv_kernel.plugins.registry import kernel_registry
+from fv_kernel.testing.triton_checks import run_kernel_checks
 
 CUDA = torch.cuda.is_available()
-REQUIRE_KERNELS = os.environ.get("FV_REQUIRE_TRITON_KERNELS") == "1"
 GRID = (5, 6, 7)  # pads to 8x8x8: 8 tiles of 4x4x4, none full
 TILE = (4, 4, 4)
 
@@ -229,18 +225,8 @@ def kernel_checks(device: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def kernels() -> dict[str, Any]:
-    if not triton_available():
-        if REQUIRE_KERNELS:
-            pytest.fail("FV_REQUIRE_TRITON_KERNELS=1 but triton is not importable: the VSA kernel would not be tested")
-        pytest.skip("needs triton (on CUDA, or on CPU through its interpreter)")
-    if CUDA:
-        return kernel_checks("cuda")
-    proc = subprocess.run(
-        [sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results["interpreted"], "TRITON_INTERPRET=1 was set but Triton compiled the kernel for a GPU"
+    results = run_kernel_checks(__file__, lambda: kernel_checks("cuda"), what="the VSA kernel")
+    assert CUDA or results["interpreted"], "TRITON_INTERPRET=1 was set but Triton compiled the kernel for a GPU"
     return results
 
 

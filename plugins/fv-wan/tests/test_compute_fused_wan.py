@@ -11,20 +11,17 @@ triton fails there instead of skipping.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 
-from fv_kernel.compute.fused import TorchFusedOps, TritonFusedOps, triton_available
+from fv_kernel.compute.fused import TorchFusedOps, TritonFusedOps
+from fv_kernel.testing.triton_checks import run_kernel_checks
 from fv_wan.models.transformer import WanTransformer, WanTransformerConfig, cast_for_inference
 
 CUDA = torch.cuda.is_available()
-REQUIRE_KERNELS = os.environ.get("FV_REQUIRE_TRITON_KERNELS") == "1"
 KERNEL_OPS = ("modulated_layer_norm", "residual_layer_norm", "gated_residual", "qk_rms_norm_rope")
 
 
@@ -80,18 +77,7 @@ def triton_model_check(device: str) -> dict[str, Any]:
 
 
 def test_triton_fused_model_matches_eager() -> None:
-    if not triton_available():
-        if REQUIRE_KERNELS:
-            pytest.fail("FV_REQUIRE_TRITON_KERNELS=1 but triton is not importable: the Triton kernels would not be tested")
-        pytest.skip("needs triton (on CUDA, or on CPU through its interpreter)")
-    if CUDA:
-        result = triton_model_check("cuda")
-    else:
-        proc = subprocess.run(
-            [sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600,
-        )
-        assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_kernel_checks(__file__, lambda: triton_model_check("cuda"), what="the Triton kernels")
     assert result["rel"] < result["tol"], result
     # The comparison means something only if the forward really went through every kernel.
     assert set(result["calls"]) == set(KERNEL_OPS), result["calls"]
