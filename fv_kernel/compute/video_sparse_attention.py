@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
-from fv_kernel.compute.attention import AttentionBackend, AttentionShapeError
+from fv_kernel.compute.attention import AttentionBackend, AttentionShapeError, SDPAAttention
 
 if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.card.spec import AttentionAssumption
@@ -302,10 +302,10 @@ def vsa_reference(
     return vsa_forward(q, k, v, grid=grid, gate=gate, sparsity=sparsity, tile=tile, scale=scale)
 
 
-class VideoSparseAttention(AttentionBackend):
+class VideoSparseAttention(SDPAAttention):
     """The ``vsa`` driver. Self-attention over a video token grid goes through :meth:`attend_video`
-    (the model passes the grid and its compression gate); :meth:`attend` without a grid is plain
-    dense attention (cross-attention to text), since there is no grid to tile.
+    (the model passes the grid and its compression gate); :meth:`attend` without a grid is
+    :class:`SDPAAttention`'s dense attention (cross-attention to text), since there is no grid to tile.
 
     ``sparsity`` / ``tile`` come from the card's ``recipe.assumes_attention`` (:meth:`for_assumption`);
     the defaults are VSA's published setting. ``implementation``: ``"triton"`` (CUDA, or CPU under
@@ -354,19 +354,3 @@ class VideoSparseAttention(AttentionBackend):
             pool=tile_means_triton if triton else None,
         )
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        scale: float | None = None,
-    ) -> torch.Tensor:
-        self.check_shapes(q, k, v)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
