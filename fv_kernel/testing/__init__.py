@@ -9,7 +9,9 @@ sessions. Each kit lives in its own module and is re-exported here:
 - :mod:`.admission`: the check that a loop's estimate prices the steps it runs;
 - :mod:`.resume_kit`: :class:`ResumeConformance`, every loop checkpointed and resumed in a fresh process;
 - :mod:`.serving`: following an ``fv serve`` job over HTTP (status, progress events);
-- :mod:`.toy`: tiny pure-torch cards used as fixtures and examples.
+- :mod:`.toy`: tiny pure-torch cards used as fixtures and examples;
+- :mod:`.triton_checks`: a Triton kernel check on CUDA, or on the CPU under Triton's interpreter
+  (imported from its module: it needs pytest and torch).
 
 PYTEST_DONT_REWRITE: this package is usually imported by the test module that
 declares it in ``pytest_plugins``, i.e. before pytest could rewrite it.
