@@ -1,11 +1,15 @@
 """Running the real ``fv serve`` as a process in a test: the entry script that keeps each job's
-final frames beside its MP4 (for bit-exact comparisons), and the wait for the server to come up."""
+final frames beside its MP4 (for bit-exact comparisons), the wait for the server to come up, and
+the server's whole life (start, wait, stop)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import time
+from typing import Iterator
 
 import httpx
 
@@ -43,3 +47,25 @@ def wait_until_healthy(process: subprocess.Popen[bytes], client: httpx.Client, t
                 return
         assert time.monotonic() < deadline, "fv serve did not come up"
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def serving_process(
+    command: list[str], env: dict[str, str], port: int, *, healthy_timeout_s: float
+) -> Iterator[tuple[subprocess.Popen[bytes], httpx.Client]]:
+    """``fv serve`` started as ``command`` (listening on ``port``) in a session of its own; yields it and
+    a client once ``/health`` answers. On exit it is stopped as Ctrl-C stops it, and its whole session
+    (the server and any ranks it started) is killed if it has not exited within 60 s."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
+            wait_until_healthy(process, client, timeout_s=healthy_timeout_s)
+            yield process, client
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(30)

@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 
 from fv_kernel.api import DiffusionParams, Request, TaskType, TextPart, build_instance, run_local  # noqa: E402
 from fv_kernel.testing import free_port, wait_for_job  # noqa: E402
-from fv_serve_process import KEEP_FRAMES_FV, wait_until_healthy  # noqa: E402
+from fv_serve_process import KEEP_FRAMES_FV, serving_process  # noqa: E402
 
 
 JOB = {"model": "wan-tiny", "prompt": "a paper boat on a river", "seed": 7, "steps": 4, "frames": 5, "size": "32x32"}
@@ -34,26 +34,19 @@ def served(data_dir: Path, launcher: list[str]) -> Iterator[tuple[subprocess.Pop
     script = data_dir / "fv_main.py"
     script.write_text(KEEP_FRAMES_FV)
     port = free_port()
-    process = subprocess.Popen(
-        [*launcher, str(script), "serve", "--config", str(config), "--port", str(port), "--log-level", "warning"],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )
+    command = [*launcher, str(script), "serve", "--config", str(config), "--port", str(port), "--log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
+    process: subprocess.Popen[bytes] | None = None
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
-            wait_until_healthy(process, client, timeout_s=400)  # a loaded CI machine starts two ranks slowly
+        # a loaded CI machine starts two ranks slowly
+        with serving_process(command, env, port, healthy_timeout_s=400) as (process, client):
             yield process, client
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # the session this test started: server and its ranks
-                process.wait(30)
         # No rank outlives the server (multiprocessing's resource tracker takes a moment to follow it).
         deadline = time.monotonic() + 20
-        while (leftover := subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True, text=True).stdout.split()):
+        while process is not None and (
+            leftover := subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True, text=True).stdout.split()
+        ):
             if time.monotonic() > deadline:
                 os.killpg(process.pid, signal.SIGKILL)
                 raise AssertionError(f"processes of the pool still running: {leftover}")

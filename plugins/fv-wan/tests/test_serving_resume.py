@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 
 from fv_kernel.api import ProgramCheckpoint, build_instance, run_local  # noqa: E402
 from fv_kernel.testing import free_port, job_progress, wait_for_job  # noqa: E402
-from fv_serve_process import KEEP_FRAMES_FV, wait_until_healthy  # noqa: E402
+from fv_serve_process import KEEP_FRAMES_FV, serving_process  # noqa: E402
 
 
 JOB = {"model": "wan-tiny", "prompt": "a paper boat on a river", "seed": 42, "steps": 8, "frames": 5}
@@ -39,23 +39,10 @@ def fv_serve(data_dir: Path, *cards: str, every: int = 1) -> Iterator[tuple[subp
         f"cards: [{', '.join(cards)}]\noutput_dir: {data_dir / 'out'}\nserver:\n  checkpoint_every_steps: {every}\n"
     )
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-c", KEEP_FRAMES_FV, "serve", "--config", str(config), "--port", str(port), "--log-level", "warning"],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "FV_TEST_THREADS": str(torch.get_num_threads())},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
-            wait_until_healthy(process, client, timeout_s=300)
-            yield process, client
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(30)
+    command = [sys.executable, "-c", KEEP_FRAMES_FV, "serve", "--config", str(config), "--port", str(port), "--log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "FV_TEST_THREADS": str(torch.get_num_threads())}
+    with serving_process(command, env, port, healthy_timeout_s=300) as (process, client):
+        yield process, client
 
 
 def test_fv_serve_killed_mid_denoise_resumes_bit_identically_after_restart(tmp_path: Path, wan_card: Any) -> None:
