@@ -11,18 +11,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
-from PIL import Image
+
+from fv_kernel.api import encode_png
 
 
-def strip(frames: torch.Tensor, every: int, scale: int) -> Image.Image:
-    """Frames (F, 3, H, W) in [0, 1] -> one RGB image of frames 0, every, 2*every, ... left to right."""
+def strip(frames: torch.Tensor, every: int, scale: int) -> torch.Tensor:
+    """Frames (F, 3, H, W) in [0, 1] -> one (3, H', W' * n) frame of frames 0, every, 2*every, ... left to right."""
     chosen = frames[::every].float().clamp(0, 1)
     if scale > 1:
         chosen = F.interpolate(chosen, scale_factor=scale, mode="bilinear", align_corners=False).clamp(0, 1)
-    row = torch.cat(list(chosen), dim=2)  # (3, H, W * n)
-    return Image.fromarray(row.mul(255).round().byte().permute(1, 2, 0).numpy(), "RGB")
+    return torch.cat(list(chosen), dim=2)
 
 
 def main() -> int:
@@ -37,7 +39,7 @@ def main() -> int:
     frames = torch.load(args.video, map_location="cpu")
     if not isinstance(frames, torch.Tensor) or frames.ndim != 4 or frames.shape[1] != 3:
         raise SystemExit(f"{args.video}: expected frames (F, 3, H, W), got {getattr(frames, 'shape', type(frames))}")
-    strip(frames, args.every, args.scale).save(args.output)
+    Path(args.output).write_bytes(encode_png(strip(frames, args.every, args.scale)))
     print(f"wrote {args.output}")
     return 0
 
