@@ -38,6 +38,11 @@ from fv_kernel.card.spec import (
     RecipeSpec,
     SamplerBinding,
     StepCostSpec,
+    TIER_PARITY_CONTRACTS,
+    TierParityContract,
+    TierParityMeasurement,
+    TierParityRecord,
+    TierVerdict,
     TokenGridRule,
 )
 from fv_kernel.card.validate import RequestLimits, frames_for_seconds, resolve_for_instance, resolve_request, select_denoise_loop
@@ -58,7 +63,17 @@ from fv_kernel.compute.attention import AttentionBackend, AttentionShapeError
 from fv_kernel.config import DeployConfig, DeployConfigError, load_deploy_config
 from fv_kernel.compute.attention_backends import attention_callable, load_attention_backend
 from fv_kernel.compute.video_sparse_attention import VideoSparseAttention
-from fv_kernel.compute.compile import CompileCache, CompileKey, ComputeOptions, GraphedStep, compile_blocks
+from fv_kernel.compute.compile import (
+    CompileCache,
+    CompileKey,
+    ComputeOptions,
+    GraphedStep,
+    ParityRecordError,
+    TierSelection,
+    compile_blocks,
+    load_parity_record,
+    select_compute_tiers,
+)
 from fv_kernel.compute.fused import select_fused_ops
 from fv_kernel.extend.hooks import BlockHooks, RequestHooks
 from fv_kernel.extend.interceptors import BlockCall, BlockInterceptor, BlockSequence, Interceptor, StepInterceptor

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -36,6 +37,12 @@ __all__ = [
     "RecipeSpec",
     "ParityTolerance",
     "ParitySpec",
+    "ComputeTierName",
+    "TierParityContract",
+    "TierParityMeasurement",
+    "TierParityRecord",
+    "TierVerdict",
+    "TIER_PARITY_CONTRACTS",
     "CacheContract",
     "ParallelismContract",
     "PrecisionContract",
@@ -347,6 +354,124 @@ class ParitySpec(_Spec):
     reference: str  # e.g. "diffusers==0.42.1:WanPipeline"
     tolerances: tuple[ParityTolerance, ...] = ()
     tests: tuple[str, ...] = ()
+
+
+#: The fast compute tiers that promise parity against eager (``ComputeOptions.tier`` parts, and the
+#: kernel's ``vsa`` attention driver). ``torch`` fused ops are eager's own formulas, not a tier.
+ComputeTierName = Literal["fused", "graphs", "blocks", "vsa"]
+
+
+class TierParityContract(_Spec):
+    """What a fast compute tier promises against eager at the card's precision (C1: one full
+    trajectory, fixed seed, the card's default steps and shape).
+
+    Judged by :meth:`check` on a :class:`TierParityMeasurement` read from the deployment's
+    ``ComputeOptions.parity_record`` (written by ``bench/bench_tier_parity.py --record``). The
+    floors are relative to eager's own cost at that precision, so the tier may lose no more
+    accuracy than running in the card's precision at all already does.
+    """
+
+    tier: ComputeTierName
+    #: Final-video PSNR of the tier against eager (both at the card's precision) must be at
+    #: least eager's own PSNR against eager fp32, minus this margin (0: no worse).
+    psnr_margin_db: float = Field(default=0.0, ge=0)
+    #: One denoise forward's relative L2 error against eager at the card's precision may be at
+    #: most this multiple of eager's own one-forward error against eager fp32; None: no per-step promise.
+    max_step_error_ratio: float | None = Field(default=None, gt=0)
+
+    def check(self, measurement: "TierParityMeasurement | None", *, model_id: str, precision: str,
+              defaults: GenerationDefaults | None) -> "TierVerdict":
+        """The verdict on ``measurement`` (None: nothing recorded) for ``model_id`` at ``precision``."""
+        where = f"tier {self.tier!r} of card {model_id!r} at {precision}"
+        if measurement is None:
+            return TierVerdict(tier=self.tier, passed=False, reason=(
+                f"{where}: no trajectory measurement recorded (bench/bench_tier_parity.py --record, "
+                "named by compute.parity_record)"))
+        if (measurement.tier, measurement.model_id, measurement.precision) != (self.tier, model_id, precision):
+            raise ValueError(f"{where}: measurement is of tier {measurement.tier!r}, card {measurement.model_id!r} "
+                             f"at {measurement.precision}")
+        if defaults is not None:
+            wanted = (defaults.steps, defaults.frames, defaults.height, defaults.width)
+            got = (measurement.steps, measurement.frames, measurement.height, measurement.width)
+            if got[0] < wanted[0] or got[1:] != wanted[1:]:
+                return TierVerdict(tier=self.tier, passed=False, reason=(
+                    f"{where}: measured over {got[0]} steps at {got[1]}x{got[2]}x{got[3]}; the contract needs the "
+                    f"card's full default trajectory ({wanted[0]} steps at {wanted[1]}x{wanted[2]}x{wanted[3]})"))
+        floor = measurement.reference_psnr_db - self.psnr_margin_db
+        if not measurement.psnr_db >= floor:  # NaN fails too
+            return TierVerdict(tier=self.tier, passed=False, reason=(
+                f"{where}: final video {measurement.psnr_db:.2f} dB PSNR against eager, below the floor "
+                f"{floor:.2f} dB (eager {precision} vs eager fp32: {measurement.reference_psnr_db:.2f} dB, "
+                f"margin {self.psnr_margin_db:g} dB); {measurement.source}"))
+        if self.max_step_error_ratio is not None:
+            if measurement.step_rel_error is None or measurement.reference_step_rel_error is None:
+                return TierVerdict(tier=self.tier, passed=False, reason=(
+                    f"{where}: the contract bounds one forward's error, which the measurement does not record"))
+            bound = self.max_step_error_ratio * measurement.reference_step_rel_error
+            if not measurement.step_rel_error <= bound:
+                return TierVerdict(tier=self.tier, passed=False, reason=(
+                    f"{where}: one forward differs from eager by {measurement.step_rel_error:.3g} relative, above "
+                    f"{bound:.3g} ({self.max_step_error_ratio:g} x eager {precision}'s own "
+                    f"{measurement.reference_step_rel_error:.3g} against fp32); {measurement.source}"))
+        return TierVerdict(tier=self.tier, passed=True, reason=(
+            f"{where}: {measurement.psnr_db:.2f} dB against eager >= floor {floor:.2f} dB; {measurement.source}"))
+
+
+class TierParityMeasurement(_Spec):
+    """One full-trajectory measurement of a tier against eager (``bench/bench_tier_parity.py``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+    tier: ComputeTierName
+    model_id: str
+    #: The precision the tier and its eager reference ran in (the card's).
+    precision: Precision
+    steps: int = Field(gt=0)
+    frames: int = Field(gt=0)
+    height: int = Field(gt=0)
+    width: int = Field(gt=0)
+    #: PSNR (dB, inf: identical) of the tier's final decoded video against eager's, both at ``precision``.
+    psnr_db: float
+    #: PSNR of eager at ``precision`` against eager fp32, same seed: the cost of the precision itself.
+    reference_psnr_db: float
+    #: Relative L2 error of one denoise forward (the first step's inputs) against eager at ``precision``.
+    step_rel_error: float | None = Field(default=None, ge=0)
+    #: The same for eager at ``precision`` against eager fp32.
+    reference_step_rel_error: float | None = Field(default=None, ge=0)
+    #: Where it was measured: date, machine, weights, seed and command (quoted in verdicts).
+    source: str
+
+
+class TierParityRecord(_Spec):
+    """The recorded measurements a deployment's tier selection reads (a JSON file)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+    measurements: tuple[TierParityMeasurement, ...] = ()
+
+    def find(self, tier: str, model_id: str, precision: str) -> TierParityMeasurement | None:
+        """The last measurement of ``tier`` for ``model_id`` at ``precision``, if any."""
+        found = [m for m in self.measurements if (m.tier, m.model_id, m.precision) == (tier, model_id, precision)]
+        return found[-1] if found else None
+
+    def merged(self, new: "tuple[TierParityMeasurement, ...] | list[TierParityMeasurement]") -> "TierParityRecord":
+        """This record with ``new`` replacing the measurements of the same (tier, card, precision)."""
+        keys = {(m.tier, m.model_id, m.precision) for m in new}
+        kept = [m for m in self.measurements if (m.tier, m.model_id, m.precision) not in keys]
+        return TierParityRecord(measurements=(*kept, *new))
+
+
+class TierVerdict(_Spec):
+    tier: ComputeTierName
+    passed: bool
+    reason: str
+
+
+#: Each fast tier's contract: no more accuracy lost over a trajectory, nor in one forward, than the
+#: card's precision itself loses against fp32 (issue 19, 2b). Read-only.
+TIER_PARITY_CONTRACTS: "MappingProxyType[str, TierParityContract]" = MappingProxyType({
+    tier: TierParityContract(tier=tier, max_step_error_ratio=1.0) for tier in ("fused", "graphs", "blocks", "vsa")
+})
 
 
 class CacheContract(_Spec):

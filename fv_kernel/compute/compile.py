@@ -13,23 +13,39 @@ Every tier is optional and eager is always available and correct:
   and tier), so nothing is compiled or captured twice and two different backends never
   share an artefact. ``CompileKey.digest()`` is the ``WorkPlan.graph_key`` a loop sets
   so the batch scheduler never fuses steps that would need different graphs.
+- :func:`select_compute_tiers` applies each fast tier's parity contract
+  (``fv_kernel.card.spec.TIER_PARITY_CONTRACTS``) to the measurements recorded in
+  ``ComputeOptions.parity_record``: a tier the options leave to fv (``fused_ops="auto"``) is
+  selected only when its recorded trajectory measurement passes; a tier asked for by name
+  still runs, with a warning naming why its contract is not met.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, TypeVar
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 from torch import nn
 
+if TYPE_CHECKING:  # pragma: no cover
+    # Imported where used: fv_kernel.card's package imports this module.
+    from fv_kernel.card.spec import ModelCard, TierParityRecord, TierVerdict
+
 __all__ = [
     "ComputeOptions",
+    "ParityRecordError",
+    "TierSelection",
+    "load_parity_record",
+    "select_compute_tiers",
     "CompileKey",
     "CompileCache",
     "CompileStats",
@@ -58,6 +74,10 @@ class ComputeOptions(BaseModel):
     #: Capture each denoise forward as a CUDA graph per batch bucket (CUDA only; eager elsewhere).
     cuda_graphs: bool = False
     graph_batch_buckets: tuple[PositiveInt, ...] = Field(default=(1, 2, 4, 8, 16, 32))
+    #: A JSON ``TierParityRecord`` (``bench/bench_tier_parity.py --record``): the trajectory
+    #: measurements :func:`select_compute_tiers` judges each tier's contract on. None: nothing
+    #: measured, so no fast tier is selected by default (``fused_ops="auto"`` stays eager).
+    parity_record: Path | None = None
 
     @field_validator("graph_batch_buckets")
     @classmethod
@@ -313,3 +333,87 @@ def _pad_batch(inputs: TensorDict, bucket: int) -> TensorDict:
             tensor = torch.cat([tensor, tensor[-1:].expand(missing, *tensor.shape[1:])], dim=0)
         padded[name] = tensor
     return padded
+
+
+log = logging.getLogger(__name__)
+
+
+class ParityRecordError(ValueError):
+    """``compute.parity_record`` names a file that is missing or not a ``TierParityRecord``."""
+
+    field = "compute.parity_record"
+
+
+def load_parity_record(path: Path | str) -> TierParityRecord:
+    """The ``TierParityRecord`` in the JSON file ``path`` (``Infinity`` stands for identical videos)."""
+    from fv_kernel.card.spec import TierParityRecord
+
+    path = Path(path)
+    try:
+        return TierParityRecord.model_validate(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ParityRecordError(f"compute.parity_record: {str(path)!r} does not exist") from None
+    except (ValueError, TypeError) as exc:  # bad JSON or a pydantic ValidationError (a ValueError)
+        raise ParityRecordError(f"compute.parity_record: {str(path)!r} is not a TierParityRecord: {exc}") from None
+
+
+@dataclass(frozen=True)
+class TierSelection:
+    """What :func:`select_compute_tiers` decided: the options to run and each active tier's verdict."""
+
+    #: The options to build with: ``fused_ops="auto"`` resolved to ``"off"`` when its contract fails.
+    compute: ComputeOptions | None
+    verdicts: Mapping[str, TierVerdict]
+    #: Tiers asked for by name although their contract is not met (run anyway, warned).
+    overridden: tuple[str, ...] = ()
+    #: Tiers left to fv that were not selected because their contract is not met.
+    declined: tuple[str, ...] = ()
+
+
+def select_compute_tiers(
+    compute: ComputeOptions | None, card: "ModelCard", *, device: str, precision: str, attention_backend: str,
+) -> TierSelection:
+    """Apply each fast tier's parity contract to ``compute`` for ``card`` at ``precision`` on ``device``.
+
+    Only ``fused_ops="auto"`` on CUDA with Triton is a default choice (the Triton kernels); it
+    resolves to ``"off"`` unless the fused tier's recorded measurement passes its contract. A
+    tier named explicitly (``fused_ops="triton"``, ``compile="blocks"``, ``cuda_graphs`` on CUDA,
+    attention ``vsa`` on a card whose recipe does not assume it) is the user's override: it is
+    kept, and a failing or missing measurement is logged as a warning. ``fused_ops="torch"`` is
+    eager's own formulas, not a tier.
+    """
+    from fv_kernel.card.spec import TIER_PARITY_CONTRACTS, TierParityRecord
+    from fv_kernel.compute.fused import triton_available
+
+    on_cuda = torch.device(device).type == "cuda"
+    explicit: dict[str, bool] = {}  # active tier -> asked for by name
+    if compute is not None:
+        if compute.fused_ops == "triton":
+            explicit["fused"] = True
+        elif compute.fused_ops == "auto" and on_cuda and triton_available():
+            explicit["fused"] = False
+        if compute.compile == "blocks":
+            explicit["blocks"] = True
+        if compute.cuda_graphs and on_cuda:  # off CUDA the step runs eagerly
+            explicit["graphs"] = True
+    assumed = card.recipe.assumes_attention
+    if attention_backend == "vsa" and (assumed is None or assumed.kind != "vsa"):
+        explicit["vsa"] = True  # the recipe's own attention is the card's reference, not a fast tier
+    if not explicit:
+        return TierSelection(compute=compute, verdicts=MappingProxyType({}))
+    record = load_parity_record(compute.parity_record) if compute is not None and compute.parity_record else TierParityRecord()
+    verdicts = {
+        tier: TIER_PARITY_CONTRACTS[tier].check(record.find(tier, card.model_id, precision), model_id=card.model_id,
+                                                precision=precision, defaults=card.capabilities.defaults)
+        for tier in explicit
+    }
+    overridden = tuple(t for t, named in explicit.items() if named and not verdicts[t].passed)
+    declined = tuple(t for t, named in explicit.items() if not named and not verdicts[t].passed)
+    for tier in overridden:
+        log.warning("compute tier %r was asked for by name and runs, outside its parity contract: %s", tier,
+                    verdicts[tier].reason)
+    if "fused" in declined:
+        assert compute is not None
+        log.info("fused_ops 'auto' leaves the Triton kernels off: %s", verdicts["fused"].reason)
+        compute = compute.model_copy(update={"fused_ops": "off"})
+    return TierSelection(compute=compute, verdicts=MappingProxyType(verdicts), overridden=overridden, declined=declined)

@@ -37,6 +37,7 @@ from fv_kernel.api import (
     parse_component_config,
     read_safetensors,
     resolve_source,
+    select_compute_tiers,
 )
 from fv_wan.checkpoint import is_original_layout, same_architecture, transformer_config_from_disk
 from fv_wan.component_configs import WanImageEncoderConfig, WanTextEncoderConfig
@@ -403,9 +404,15 @@ def build_wan_instance(
 
     ``compute`` (fused kernels, per-block compile, CUDA graphs; default ``options.compute``,
     which the deploy config sets per card) is optional; without it the instance runs the
-    eager code with ``options.attention_backend``.
+    eager code with ``options.attention_backend``. Each fast tier passes through its parity
+    contract (``select_compute_tiers``): ``fused_ops="auto"`` stays eager unless the tier's
+    recorded trajectory measurement passes; a tier named explicitly runs, warned when it does not.
     """
     compute = compute if compute is not None else options.compute
+    compute = select_compute_tiers(
+        compute, card, device=options.device, precision=options.precision or card.precision.default,
+        attention_backend=options.attention_backend,
+    ).compute
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise CheckpointNotFound(f"device {options.device!r} was asked for but CUDA is not available", param="device")
 
