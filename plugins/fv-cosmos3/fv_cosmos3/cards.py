@@ -177,9 +177,12 @@ def cosmos3_card(model_id: str) -> ModelCard:
                                 justification="3 UniPC steps compound C0 differences"),
                 ParityTolerance(name="interleaved_vs_serial", metric="bit_identical", value=0.0,
                                 justification="exact batching runs non-batch-invariant ops per sample"),
+                ParityTolerance(name="generator_batched_vs_one_row", metric="max_abs", value=5e-5,
+                                justification="fp32 GEMMs over B x N rows block differently from N rows; measured "
+                                              "<= 1e-5 on cosmos3-tiny outputs of magnitude ~5"),
             ),
             tests=("tests/test_c1_text.py", "tests/test_c1_video.py", "tests/test_shared_weights.py",
-                   "tests/test_interleave_gate.py"),
+                   "tests/test_interleave_gate.py", "tests/test_generator_batching.py"),
         ),
         caches={"text_kv": CacheContract(cache_class="paged_kv", key_fields=("request_id",), budget_bytes=budget)},
         precision=PrecisionContract(default="fp32" if tiny else "bf16",

@@ -7,7 +7,8 @@ that runs kernels; loops describe steps that name them:
   text-KV pool (``ar_token`` takes a group of requests with different context
   lengths and decodes them as one right-padded batch);
 * ``text_kv``: the prompt's per-layer K/V, computed once per request and guidance branch;
-* ``generate``: one generator-tower evaluation per guidance branch against that K/V;
+* ``generate``: the generator tower against that K/V for every row (request) and guidance
+  branch of the step, as one batched call per prompt length (``generator_groups``);
 * ``vae_decode`` / ``sound_decode``: the Wan 2.2 VAE and the AVAE sound decoder.
 """
 
@@ -36,12 +37,13 @@ from fv_kernel.api import (
     resolve_source,
 )
 from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT, TextKV, from_unified_state_dict
+from fv_cosmos3.models.mot import GeneratorOutput
 from fv_cosmos3.models.audio_vae import Cosmos3AudioDecoder, Cosmos3AudioDecoderConfig
 from fv_cosmos3.models.layers import MRoPE
 from fv_cosmos3.models.tokenizer import ByteTokenizer, HFChatTokenizer
 from fv_wan.models.vae import WanVAE, WanVAEConfig
 
-__all__ = ["Cosmos3Instance", "build_cosmos3_instance", "seeded_init", "text_pool_config"]
+__all__ = ["Cosmos3Instance", "build_cosmos3_instance", "cosmos3_ops", "generator_groups", "seeded_init", "text_pool_config"]
 
 
 
@@ -162,7 +164,22 @@ def _text_kv_from(keys: torch.Tensor, values: torch.Tensor, purpose: str = "gene
     return TextKV(tuple(keys.unbind(1)), tuple(values.unbind(1)), purpose)  # type: ignore[arg-type]
 
 
-def _ops(instance: ModelInstance) -> dict[str, StepOp]:
+def generator_groups(branches: tuple[str, ...], text_lengths: Mapping[str, int]) -> list[tuple[str, ...]]:
+    """The guidance branches that run as one generator call: those whose prompts have the same token count.
+
+    Rows of one call share every position and stack with no padding; branches of different
+    prompt lengths run as separate calls rather than padding the shorter prompt's K/V behind
+    a key mask (a mask takes the attention off the unmasked fused kernels at real size).
+    """
+    groups: dict[int, list[str]] = {}
+    for branch in branches:
+        groups.setdefault(int(text_lengths[branch]), []).append(branch)
+    return [tuple(group) for group in groups.values()]
+
+
+def cosmos3_ops(instance: ModelInstance) -> dict[str, StepOp]:
+    """The instance's executable steps over its components (the card factory's ops builder; a benchmark
+    that builds its components another way, e.g. random weights on the device, reuses it)."""
     assert isinstance(instance, Cosmos3Instance)
     comps = instance.components
     ops: dict[str, StepOp] = {}
@@ -199,30 +216,36 @@ def _ops(instance: ModelInstance) -> dict[str, StepOp]:
             return {"keys": keys, "values": values}
 
         def generate(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            """Every (row, guidance branch) of the batch, in as few generator calls as shapes allow."""
             branches: tuple[str, ...] = tuple(params["branches"])
             rows = inputs["video"].shape[0]
-            out: dict[str, list[torch.Tensor]] = {"v_video": [], "v_sound": [], "v_action": []}
-            for row in range(rows):
-                per_branch: dict[str, list[torch.Tensor]] = {"v_video": [], "v_sound": [], "v_action": []}
-                for branch in branches:
-                    kv = _text_kv_from(inputs[f"k_{branch}"][row : row + 1], inputs[f"v_{branch}"][row : row + 1])
-                    result = mot.generate_forward(
-                        kv, inputs["video"][row : row + 1], inputs["timestep"][row],
-                        fps=float(params["fps"]), video_noisy_frames=list(params["video_noisy"]),
-                        sound_latents=inputs["sound"][row] if "sound" in inputs else None,
-                        action=inputs["action"][row] if "action" in inputs else None,
-                        action_domain=params.get("action_domain"),
-                        action_noisy_frames=list(params["action_noisy"]) if "action" in inputs else None,
+            per_branch: dict[str, GeneratorOutput] = {}
+            for group in generator_groups(branches, {b: inputs[f"k_{b}"].shape[3] for b in branches}):
+                # One call over rows x branches of this group, branch-major: the rows of a fused batch share
+                # the shape signature, so only the text length (per branch) can differ.
+                kv = _text_kv_from(torch.cat([inputs[f"k_{b}"] for b in group]), torch.cat([inputs[f"v_{b}"] for b in group]))
+                repeat = len(group)
+                result = mot.generate_batch(
+                    kv, inputs["video"].repeat(repeat, 1, 1, 1, 1), inputs["timestep"].repeat(repeat),
+                    fps=float(params["fps"]), video_noisy_frames=list(params["video_noisy"]),
+                    sound_latents=inputs["sound"].repeat(repeat, 1, 1) if "sound" in inputs else None,
+                    action=inputs["action"].repeat(repeat, 1, 1) if "action" in inputs else None,
+                    action_domain=params.get("action_domain"),
+                    action_noisy_frames=list(params["action_noisy"]) if "action" in inputs else None,
+                )
+                for index, branch in enumerate(group):
+                    part = slice(index * rows, (index + 1) * rows)
+                    per_branch[branch] = GeneratorOutput(
+                        video=result.video[part], sound=None if result.sound is None else result.sound[part],
+                        action=None if result.action is None else result.action[part],
                     )
-                    per_branch["v_video"].append(result.video[0].float())
-                    if result.sound is not None:
-                        per_branch["v_sound"].append(result.sound.float())
-                    if result.action is not None:
-                        per_branch["v_action"].append(result.action.float())
-                for name, items in per_branch.items():
-                    if items:
-                        out[name].append(torch.stack(items))
-            return {name: torch.stack(items) for name, items in out.items() if items}
+            # (rows, branches, ...) in the plan's branch order, as the loop's guidance combine reads them.
+            out = {"v_video": torch.stack([per_branch[b].video.float() for b in branches], dim=1)}
+            if "sound" in inputs:
+                out["v_sound"] = torch.stack([per_branch[b].sound.float() for b in branches], dim=1)  # type: ignore[union-attr]
+            if "action" in inputs:
+                out["v_action"] = torch.stack([per_branch[b].action.float() for b in branches], dim=1)  # type: ignore[union-attr]
+            return out
 
         ops["ar_prefill"] = StepOp("ar_prefill", ar_prefill)
         ops["ar_token"] = StepOp("ar_token", ar_token)
@@ -263,6 +286,6 @@ def build_cosmos3_instance(card: ModelCard, options: InstanceOptions) -> Cosmos3
     )
     version = ("seeded:" + ",".join(seeds)) if seeds else f"source:{options.source or card.checkpoint.source}"
     return Cosmos3Instance(
-        card=card, options=options, component_loader=load, ops_builder=_ops, weights_version=version,
+        card=card, options=options, component_loader=load, ops_builder=cosmos3_ops, weights_version=version,
         text_kv_pool=PagedKVPool(text_pool_config(card, options)),
     )

@@ -58,6 +58,7 @@ from fv_kernel.api import (
 from fv_cosmos3.models.audio_vae import Cosmos3AudioDecoderConfig
 from fv_cosmos3.models.config import Cosmos3Config
 from fv_cosmos3.models.tokenizer import PromptSpec, build_generation_prompt
+from fv_cosmos3.instance import generator_groups
 from fv_wan import footprint
 from fv_wan.models.vae import WanVAEConfig
 
@@ -661,12 +662,15 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
                 tokens=latent_t * lat_h * lat_w, frames=latent_t, height=lat_h, width=lat_w, mode=mode,
                 text=",".join(str(lengths[b]) for b in branches), sound=sound, action=action_len),
         ))
-        # The generator runs one (row, branch) forward at a time over the patched video tokens (+ sound, action).
+        # The generator runs the guidance branches whose prompts have one length as one call (generator_groups)
+        # over the patched video tokens (+ sound, action); an upsampled prompt's length is not known yet, so it
+        # may equal the negative prompt's.
+        together = len(branches) if request.prompt_upsampling else max(len(g) for g in generator_groups(tuple(branches), lengths))
         patch = config.latent_patch_size
         generated = latent_t * (lat_h // patch) * (lat_w // patch) + sound + action_len
         latent_bytes = 4 * (config.latent_channel * latent_t * lat_h * lat_w + (config.sound_dim or 0) * sound
                             + (config.action_dim or 0) * action_len)
-        peaks.append(generated * _token_activation_bytes(config, e) + 2 * len(branches) * latent_bytes)
+        peaks.append(together * generated * _token_activation_bytes(config, e) + 2 * len(branches) * latent_bytes)
         # Per branch, the prompt's K/V over every layer, kept for every step; the latents and their solver history.
         text_kv = sum(2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * n * e
                       for n in lengths.values())

@@ -9,8 +9,6 @@ tolerance max abs <= 1e-5 (conftest.ATOL).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from cosmos3_testutils import assert_close, build_model
@@ -18,85 +16,18 @@ from cosmos3_testutils import assert_close, build_model
 from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT
 
 diffusers = pytest.importorskip("diffusers")
-from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import Cosmos3OmniPipeline  # noqa: E402
+from fv_cosmos3.diffusers_reference import diffusers_forward_kwargs, diffusers_transformer  # noqa: E402
 
 TIMESTEP = 937.5
 
 
 def _diffusers_model(config: Cosmos3Config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    model = diffusers.Cosmos3OmniTransformer(**config.to_diffusers_kwargs()).eval()
-    model.load_state_dict(state, strict=True)
-    return model
+    return diffusers_transformer(config, state)
 
 
-def _diffusers_forward(
-    model: torch.nn.Module,
-    config: Cosmos3Config,
-    input_ids: list[int],
-    video: torch.Tensor,
-    *,
-    fps: float,
-    video_condition_frames: list[int],
-    sound: torch.Tensor | None = None,
-    action: torch.Tensor | None = None,
-    action_domain: int = 0,
-    action_condition_frames: list[int] | None = None,
-):
-    """Pack exactly as Cosmos3OmniPipeline.__call__ does, then call the diffusers transformer."""
-    pipe = SimpleNamespace(transformer=SimpleNamespace(config=model.config), vae_scale_factor_temporal=4)
-    cpu = torch.device("cpu")
-    text = Cosmos3OmniPipeline._prepare_text_segment(pipe, input_ids, device=cpu)
-    offset = text["vision_start_temporal_offset"]
-    vision = Cosmos3OmniPipeline._prepare_vision_segment(
-        pipe, video, bool(video_condition_frames), offset, fps, text["und_len"], cpu,
-        condition_frame_indexes=video_condition_frames,
-    )
-    curr = text["und_len"] + vision["num_vision_tokens"]
-    sound_seg, action_seg = {}, {}
-    mrope = [text["text_mrope_ids"], vision["vision_mrope_ids"]]
-    if sound is not None:
-        sound_seg = Cosmos3OmniPipeline._prepare_sound_segment(pipe, sound, offset, config.sound_latent_fps, curr, cpu)
-        curr += sound_seg["sound_len"]
-        mrope.append(sound_seg["sound_mrope_ids"])
-    if action is not None:
-        action_seg = Cosmos3OmniPipeline._prepare_action_segment(
-            pipe, action, action_condition_frames or [], offset, fps, curr, cpu
-        )
-        curr += action_seg["action_len"]
-        mrope.append(action_seg["action_mrope_ids"])
-    kwargs = dict(
-        input_ids=text["input_ids"],
-        text_indexes=text["text_indexes"],
-        position_ids=torch.cat(mrope, dim=1),
-        und_len=text["und_len"],
-        sequence_length=curr,
-        vision_tokens=[video],
-        vision_token_shapes=vision["vision_token_shapes"],
-        vision_sequence_indexes=vision["vision_sequence_indexes"],
-        vision_mse_loss_indexes=vision["vision_mse_loss_indexes"],
-        vision_timesteps=torch.full((vision["num_noisy_vision_tokens"],), TIMESTEP),
-        vision_noisy_frame_indexes=vision["vision_noisy_frame_indexes"],
-        return_dict=False,
-    )
-    if sound is not None:
-        kwargs.update(
-            sound_tokens=[sound],
-            sound_token_shapes=sound_seg["sound_token_shapes"],
-            sound_sequence_indexes=sound_seg["sound_sequence_indexes"],
-            sound_mse_loss_indexes=sound_seg["sound_mse_loss_indexes"],
-            sound_timesteps=torch.full((sound_seg["sound_len"],), TIMESTEP),
-            sound_noisy_frame_indexes=sound_seg["sound_noisy_frame_indexes"],
-        )
-    if action is not None:
-        kwargs.update(
-            action_tokens=[action],
-            action_token_shapes=action_seg["action_token_shapes"],
-            action_sequence_indexes=action_seg["action_sequence_indexes"],
-            action_mse_loss_indexes=action_seg["action_mse_loss_indexes"],
-            action_timesteps=torch.full((action_seg["num_noisy_action_tokens"],), TIMESTEP),
-            action_noisy_frame_indexes=action_seg["action_noisy_frame_indexes"],
-            action_domain_ids=[torch.tensor([action_domain])],
-        )
+def _diffusers_forward(model: torch.nn.Module, config: Cosmos3Config, input_ids: list[int], video: torch.Tensor, **kw):
+    """Pack exactly as Cosmos3OmniPipeline.__call__ does (fv_cosmos3.diffusers_reference), then call the transformer."""
+    kwargs = diffusers_forward_kwargs(model, config, input_ids, video, timestep=TIMESTEP, **kw)
     with torch.no_grad():
         video_pred, sound_pred, action_pred = model(**kwargs)
     return video_pred[0], None if sound_pred is None else sound_pred[0], None if action_pred is None else action_pred[0]

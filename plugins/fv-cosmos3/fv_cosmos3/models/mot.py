@@ -6,7 +6,8 @@ explicit paths instead of one opaque forward:
 * reasoner (text) loop: ``text_prefill`` then ``text_decode_step`` with an explicit
   ``TextKV`` passed in and returned;
 * diffusion loop: ``text_kv_for_generation`` once per prompt (per guidance branch),
-  then ``generate_forward`` every step against that cached text K/V.
+  then ``generate_batch`` every step against that cached text K/V, for every row
+  (request x guidance branch) of one shape at once (``generate_forward``: one row).
 
 Parameter names equal diffusers' ``Cosmos3OmniTransformer`` so its checkpoints load
 with ``load_state_dict(strict=True)`` and no key map.
@@ -83,7 +84,8 @@ class Cosmos3MoTLayer(nn.Module):
 class GeneratorOutput:
     """Velocity predictions, zero at clean (conditioning) frames.
 
-    video: (1, C, T, H, W); sound: (sound_dim, T_sound) or None; action: (T_action, action_dim) or None.
+    From ``generate_forward``: video (1, C, T, H, W); sound (sound_dim, T_sound) or None; action
+    (T_action, action_dim) or None. From ``generate_batch``: the same with a leading batch on each.
     """
 
     video: torch.Tensor
@@ -301,32 +303,44 @@ class Cosmos3MoT(nn.Module):
     # ------------------------------------------------------------------ generator tower
 
     def _patchify(self, latents: torch.Tensor) -> torch.Tensor:
-        """(C, T, H, W) -> (T * h * w, p * p * C), zero-padding H, W up to a multiple of p."""
+        """(B, C, T, H, W) -> (B, T * h * w, p * p * C), zero-padding H, W up to a multiple of p."""
         p = self.config.latent_patch_size
-        c, t, h, w = latents.shape
+        b, c, t, h, w = latents.shape
         pad_h, pad_w = (-h) % p, (-w) % p
         if pad_h or pad_w:
             latents = nn.functional.pad(latents, (0, pad_w, 0, pad_h))
         hp, wp = (h + pad_h) // p, (w + pad_w) // p
-        x = latents.reshape(c, t, hp, p, wp, p).permute(1, 2, 4, 3, 5, 0)  # t, h, w, p, q, c
-        return x.reshape(t * hp * wp, p * p * c)
+        x = latents.reshape(b, c, t, hp, p, wp, p).permute(0, 2, 3, 5, 4, 6, 1)  # b, t, h, w, p, q, c
+        return x.reshape(b, t * hp * wp, p * p * c)
 
     def _unpatchify(self, tokens: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
-        """(frames * h * w, p * p * C) -> (C, frames, H, W), cropping the padding."""
+        """(B, frames * h * w, p * p * C) -> (B, C, frames, H, W), cropping the padding."""
         p = self.config.latent_patch_size
         c = self.config.latent_channel
         hp, wp = -(-height // p), -(-width // p)
-        x = tokens.reshape(frames, hp, wp, p, p, c).permute(5, 0, 1, 3, 2, 4)  # c, t, h, p, w, q
-        return x.reshape(c, frames, hp * p, wp * p)[:, :, :height, :width]
+        b = tokens.shape[0]
+        x = tokens.reshape(b, frames, hp, wp, p, p, c).permute(0, 6, 1, 2, 4, 3, 5)  # b, c, t, h, p, w, q
+        return x.reshape(b, c, frames, hp * p, wp * p)[:, :, :, :height, :width]
 
-    def _time_embedding(self, timestep: float | torch.Tensor, count: int, name: str) -> torch.Tensor:
-        """Embedding rows for ``count`` noisy tokens, from a scalar or a per-token timestep."""
+    def _time_embedding(self, timestep: float | torch.Tensor, batch: int, count: int, name: str) -> torch.Tensor:
+        """(B, count, hidden) embedding rows for ``count`` noisy tokens of each of ``batch`` rows, from a scalar
+        (every row), one timestep per row (B,), or one per token of each row (B, count)."""
         device = self.embed_tokens.weight.device
-        t = torch.as_tensor(timestep, dtype=torch.float32, device=device).reshape(-1)
-        if t.numel() not in (1, count):
-            raise ValueError(f"{name}: expected a scalar or {count} per-token timesteps, got {t.numel()}")
-        emb = self.time_embedder(t * self.config.timestep_scale).to(self._compute_dtype)
-        return emb.expand(count, -1) if t.numel() == 1 else emb
+        t = torch.as_tensor(timestep, dtype=torch.float32, device=device)
+        if t.numel() == 1:
+            t = t.reshape(1, 1).expand(batch, 1)
+        elif t.numel() == batch and t.ndim <= 1:
+            t = t.reshape(batch, 1)
+        elif t.numel() == batch * count:
+            t = t.reshape(batch, count)
+        else:
+            raise ValueError(
+                f"{name}: expected a scalar, {batch} per-row or {batch}x{count} per-token timesteps, got shape "
+                f"{tuple(t.shape)}"
+            )
+        per_row = t.shape[1]
+        emb = self.time_embedder(t.reshape(-1) * self.config.timestep_scale).to(self._compute_dtype)
+        return emb.reshape(batch, per_row, -1).expand(batch, count, -1)
 
     @staticmethod
     def _noisy_indexes(noisy: torch.Tensor | list[int] | None, total: int, name: str, device: torch.device) -> torch.Tensor:
@@ -353,7 +367,8 @@ class Cosmos3MoT(nn.Module):
         action_timestep: float | torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> GeneratorOutput:
-        """One generator (denoiser) evaluation against a cached prompt K/V.
+        """One generator (denoiser) evaluation of one item against a cached prompt K/V
+        (``generate_batch`` with a batch of one).
 
         text_kv: from ``text_kv_for_generation`` (batch 1); never recomputed here.
         video_latents: (1, C, T, H, W) normalised VAE latents (clean frames included).
@@ -366,14 +381,77 @@ class Cosmos3MoT(nn.Module):
         position_ids: (3, N_gen) override; default mirrors the diffusers pipeline
             (media start at text_len + margin, FPS-modulated temporal ids).
         """
-        c = self.config
         self._check_kv(text_kv, "generator")
         if text_kv.batch_size != 1:
-            raise ValueError(f"generate_forward runs one item at a time; text_kv batch is {text_kv.batch_size}")
-        if video_latents.ndim != 5 or video_latents.shape[0] != 1 or video_latents.shape[1] != c.latent_channel:
+            raise ValueError(f"generate_forward runs one item; text_kv batch is {text_kv.batch_size} (use generate_batch)")
+        c = self.config
+        if video_latents.ndim != 5 or video_latents.shape[0] != 1:
+            raise ValueError(f"video_latents must be (1, {c.latent_channel}, T, H, W), got {tuple(video_latents.shape)}")
+        if sound_latents is not None and not c.sound_gen:
+            raise ValueError("sound_latents given but the config has sound_gen=False")
+        if sound_latents is not None and (sound_latents.ndim != 2 or sound_latents.shape[0] != c.sound_dim):
+            raise ValueError(f"sound_latents must be ({c.sound_dim}, T_sound), got {tuple(sound_latents.shape)}")
+        if action is not None and not c.action_gen:
+            raise ValueError("action given but the config has action_gen=False")
+        if action is not None and (action.ndim != 2 or action.shape[1] != c.action_dim):
+            raise ValueError(f"action must be (T_action, {c.action_dim}) (zero-padded), got {tuple(action.shape)}")
+        if action_domain is not None and torch.as_tensor(action_domain).numel() != 1:
+            raise ValueError(f"action_domain must be a single id, got {torch.as_tensor(action_domain).tolist()}")
+
+        def one_row(t: float | torch.Tensor | None) -> float | torch.Tensor | None:
+            # A per-token timestep of the single item is one row of per-token timesteps.
+            return t.reshape(1, -1) if isinstance(t, torch.Tensor) and t.numel() > 1 else t
+
+        out = self.generate_batch(
+            text_kv, video_latents, one_row(timestep), fps=fps, video_noisy_frames=video_noisy_frames,  # type: ignore[arg-type]
+            sound_latents=None if sound_latents is None else sound_latents.unsqueeze(0),
+            sound_timestep=one_row(sound_timestep), action=None if action is None else action.unsqueeze(0),
+            action_domain=action_domain, action_noisy_frames=action_noisy_frames,
+            action_timestep=one_row(action_timestep), position_ids=position_ids,
+        )
+        return GeneratorOutput(
+            video=out.video, sound=None if out.sound is None else out.sound[0],
+            action=None if out.action is None else out.action[0],
+        )
+
+    def generate_batch(
+        self,
+        text_kv: TextKV,
+        video_latents: torch.Tensor,
+        timestep: float | torch.Tensor,
+        *,
+        fps: float = 24.0,
+        video_noisy_frames: torch.Tensor | list[int] | None = None,
+        sound_latents: torch.Tensor | None = None,
+        sound_timestep: float | torch.Tensor | None = None,
+        action: torch.Tensor | None = None,
+        action_domain: int | torch.Tensor | None = None,
+        action_noisy_frames: torch.Tensor | list[int] | None = None,
+        action_timestep: float | torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> GeneratorOutput:
+        """One generator evaluation of B items of one shape as one batch.
+
+        The items share the geometry (latent shape, text length, sound and action lengths,
+        noisy frames, fps), so they share positions and every tensor stacks on dim 0 with
+        no padding or mask; they differ in their prompt K/V (``text_kv``, batch B), latents,
+        timesteps and (per row) action domain. Items of different text lengths (guidance
+        branches with different prompts) are different shapes: run one call per shape.
+
+        video_latents: (B, C, T, H, W); timestep: scalar, (B,) or (B, noisy video tokens);
+        sound_latents: (B, sound_dim, T_sound); action: (B, T_action, action_dim) with
+        ``action_domain`` one id or (B,) ids. Returns video (B, C, T, H, W), sound
+        (B, sound_dim, T_sound), action (B, T_action, action_dim).
+        """
+        c = self.config
+        self._check_kv(text_kv, "generator")
+        if video_latents.ndim != 5 or video_latents.shape[1] != c.latent_channel:
             raise ValueError(
-                f"video_latents must be (1, {c.latent_channel}, T, H, W), got {tuple(video_latents.shape)}"
+                f"video_latents must be (B, {c.latent_channel}, T, H, W), got {tuple(video_latents.shape)}"
             )
+        batch = video_latents.shape[0]
+        if text_kv.batch_size != batch:
+            raise ValueError(f"text_kv batch {text_kv.batch_size} != video_latents batch {batch}")
         device = self.embed_tokens.weight.device
         dtype = self._compute_dtype
         _, _, frames, height, width = video_latents.shape
@@ -382,49 +460,52 @@ class Cosmos3MoT(nn.Module):
 
         # Video tokens; timestep embedding is added to noisy frames only (no AdaLN).
         video_noisy = self._noisy_indexes(video_noisy_frames, frames, "video_noisy_frames", device)
-        video_tokens = self.proj_in(self._patchify(video_latents[0].to(dtype)))
+        video_tokens = self.proj_in(self._patchify(video_latents.to(dtype)))
         noisy_video_rows = (video_noisy[:, None] * tokens_per_frame + torch.arange(tokens_per_frame, device=device)).reshape(-1)
         if noisy_video_rows.numel():
-            temb = self._time_embedding(timestep, noisy_video_rows.numel(), "timestep")
-            video_tokens = video_tokens.index_add(0, noisy_video_rows, temb)
+            temb = self._time_embedding(timestep, batch, noisy_video_rows.numel(), "timestep")
+            video_tokens = video_tokens.index_add(1, noisy_video_rows, temb)
         segments = [video_tokens]
 
         sound_len = 0
         if sound_latents is not None:
             if not c.sound_gen:
                 raise ValueError("sound_latents given but the config has sound_gen=False")
-            if sound_latents.ndim != 2 or sound_latents.shape[0] != c.sound_dim:
-                raise ValueError(f"sound_latents must be ({c.sound_dim}, T_sound), got {tuple(sound_latents.shape)}")
-            sound_len = sound_latents.shape[1]
-            sound_tokens = self.audio_proj_in(sound_latents.T.to(dtype)) + self.audio_modality_embed
+            if sound_latents.ndim != 3 or sound_latents.shape[:2] != (batch, c.sound_dim):
+                raise ValueError(f"sound_latents must be ({batch}, {c.sound_dim}, T_sound), got {tuple(sound_latents.shape)}")
+            sound_len = sound_latents.shape[2]
+            sound_tokens = self.audio_proj_in(sound_latents.transpose(1, 2).to(dtype)) + self.audio_modality_embed
             sound_t = timestep if sound_timestep is None else sound_timestep
-            sound_tokens = sound_tokens + self._time_embedding(sound_t, sound_len, "sound_timestep")
+            sound_tokens = sound_tokens + self._time_embedding(sound_t, batch, sound_len, "sound_timestep")
             segments.append(sound_tokens)
 
         action_len = 0
         action_noisy = torch.empty(0, dtype=torch.long, device=device)
-        action_domain_ids = torch.empty(0, dtype=torch.long, device=device)
+        domain_ids = torch.empty(batch, 0, dtype=torch.long, device=device)
         if action is not None:
             if not c.action_gen:
                 raise ValueError("action given but the config has action_gen=False")
-            if action.ndim != 2 or action.shape[1] != c.action_dim:
-                raise ValueError(f"action must be (T_action, {c.action_dim}) (zero-padded), got {tuple(action.shape)}")
+            if action.ndim != 3 or action.shape[0] != batch or action.shape[2] != c.action_dim:
+                raise ValueError(
+                    f"action must be ({batch}, T_action, {c.action_dim}) (zero-padded), got {tuple(action.shape)}"
+                )
             if action_domain is None:
                 raise ValueError("action_domain (embodiment id) is required with action")
-            action_len = action.shape[0]
+            action_len = action.shape[1]
             domain = torch.as_tensor(action_domain, dtype=torch.long, device=device).reshape(-1)
-            if domain.numel() != 1:
-                raise ValueError(f"action_domain must be a single id, got {domain.tolist()}")
-            action_domain_ids = domain.expand(action_len)
-            action_tokens = self.action_proj_in(action.to(dtype), action_domain_ids) + self.action_modality_embed
+            if domain.numel() not in (1, batch):
+                raise ValueError(f"action_domain must be one id or {batch} (one per row), got {domain.tolist()}")
+            domain_ids = domain.reshape(-1, 1).expand(batch, action_len)
+            action_tokens = self.action_proj_in(action.reshape(-1, c.action_dim).to(dtype), domain_ids.reshape(-1))
+            action_tokens = action_tokens.reshape(batch, action_len, -1) + self.action_modality_embed
             action_noisy = self._noisy_indexes(action_noisy_frames, action_len, "action_noisy_frames", device)
             if action_noisy.numel():
                 action_t = timestep if action_timestep is None else action_timestep
-                temb = self._time_embedding(action_t, action_noisy.numel(), "action_timestep")
-                action_tokens = action_tokens.index_add(0, action_noisy, temb)
+                temb = self._time_embedding(action_t, batch, action_noisy.numel(), "action_timestep")
+                action_tokens = action_tokens.index_add(1, action_noisy, temb)
             segments.append(action_tokens)
 
-        gen = torch.cat(segments, dim=0).unsqueeze(0)  # (1, N_gen, hidden)
+        gen = torch.cat(segments, dim=1)  # (B, N_gen, hidden)
         n_gen = gen.shape[1]
         if position_ids is None:
             position_ids = generation_positions(
@@ -432,7 +513,7 @@ class Cosmos3MoT(nn.Module):
             )
         if position_ids.shape != (3, n_gen):
             raise ValueError(f"position_ids must be (3, {n_gen}) for the generator tokens, got {tuple(position_ids.shape)}")
-        cos, sin = self._rope_tables(position_ids.unsqueeze(1))
+        cos, sin = self._rope_tables(position_ids.unsqueeze(1))  # (1, N_gen, D): one table for every row
 
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -442,32 +523,33 @@ class Cosmos3MoT(nn.Module):
             v = self._split_heads(attn.add_v_proj(x), c.num_key_value_heads).transpose(1, 2)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            # Bidirectional over [prompt K/V ; generator K/V].
+            # Bidirectional over [prompt K/V ; generator K/V], each row against its own prompt.
             k_all = torch.cat([text_kv.keys[i].to(k.dtype), k], dim=2)
             v_all = torch.cat([text_kv.values[i].to(v.dtype), v], dim=2)
             out = self.attention(q, k_all, v_all, is_causal=False, attn_mask=None)
-            gen = gen + attn.to_add_out(out.transpose(1, 2).reshape(1, n_gen, -1))
+            gen = gen + attn.to_add_out(out.transpose(1, 2).reshape(batch, n_gen, -1))
             gen = gen + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(gen))
-        gen = self.norm_moe_gen(gen)[0]
+        gen = self.norm_moe_gen(gen)
 
         num_video = frames * tokens_per_frame
-        video_pred = torch.zeros(c.latent_channel, frames, height, width, dtype=gen.dtype, device=device)
+        video_pred = torch.zeros(batch, c.latent_channel, frames, height, width, dtype=gen.dtype, device=device)
         if video_noisy.numel():
-            patches = self.proj_out(gen[noisy_video_rows])
-            video_pred[:, video_noisy] = self._unpatchify(patches, video_noisy.numel(), height, width)
+            patches = self.proj_out(gen[:, noisy_video_rows])
+            video_pred[:, :, video_noisy] = self._unpatchify(patches, video_noisy.numel(), height, width)
 
         sound_pred = None
         if sound_latents is not None:
-            sound_pred = self.audio_proj_out(gen[num_video : num_video + sound_len]).T
+            sound_pred = self.audio_proj_out(gen[:, num_video : num_video + sound_len]).transpose(1, 2)
 
         action_pred = None
         if action is not None:
             start = num_video + sound_len
-            action_pred = torch.zeros(action_len, c.action_dim, dtype=gen.dtype, device=device)  # type: ignore[arg-type]
+            action_pred = torch.zeros(batch, action_len, c.action_dim, dtype=gen.dtype, device=device)  # type: ignore[arg-type]
             if action_noisy.numel():
-                rows = gen[start + action_noisy]
-                action_pred[action_noisy] = self.action_proj_out(rows, action_domain_ids[: action_noisy.numel()])
-        return GeneratorOutput(video=video_pred.unsqueeze(0), sound=sound_pred, action=action_pred)
+                rows = gen[:, start + action_noisy].reshape(-1, c.hidden_size)
+                ids = domain_ids[:, : action_noisy.numel()].reshape(-1)
+                action_pred[:, action_noisy] = self.action_proj_out(rows, ids).reshape(batch, action_noisy.numel(), -1)
+        return GeneratorOutput(video=video_pred, sound=sound_pred, action=action_pred)
 
     def generate_forward_recompute(
         self,
