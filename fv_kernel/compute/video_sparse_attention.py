@@ -14,11 +14,19 @@ description, not its code), over self-attention of a video's (T, H, W) token gri
 5. **Combine.** ``compressed * gate + sparse``, ``gate`` being the model's ``to_gate_compress``
    projection of the hidden state, per head.
 
-Two implementations: :func:`vsa_reference`, torch throughout with a dense masked sparse branch
-(O(L^2) memory: tiny sizes and checking only); and Triton kernels (CUDA, or CPU under
-``TRITON_INTERPRET=1``) for the tile means of the compression (:func:`tile_means_triton`) and the
-block-sparse branch (:func:`block_sparse_attention_triton`, reading only the selected tiles), with
-the tile-level attention, top-k and combine in torch. GPU speed is not measured.
+Implementations:
+
+- :func:`vsa_reference`: torch throughout, with a dense masked sparse branch (O(L^2) memory: tiny
+  sizes and checking only).
+- :func:`vsa_triton`, what the driver runs on Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``):
+  kernels that read q/k/v/gate in their (B, H, L, D) raster layout, finding each tile's tokens by
+  index arithmetic and masking the padding of edge tiles, so nothing is padded, permuted or copied.
+  :func:`tile_means_raster` pools the tiles; :func:`block_sparse_attention_raster` attends over the
+  selected key tiles and adds ``gate * compressed`` in its epilogue, writing the output once in q's
+  dtype and layout. The tile-level attention (N x N tiles) and top-k stay in torch.
+- :func:`vsa_forward` with :func:`block_sparse_attention_triton` / :func:`tile_means_triton`: the
+  earlier Triton path over a padded, permuted copy of the tiles (:func:`tile_partition`) with the
+  combine in torch; kept as ``bench/bench_vsa.py``'s baseline.
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ __all__ = [
     "selected_tile_count",
     "tile_means_torch",
     "tile_means_triton",
+    "tile_means_raster",
+    "block_sparse_attention_raster",
+    "vsa_triton",
     "triton_interpreted",
 ]
 
@@ -117,7 +128,13 @@ def select_tiles(
     selected key-tile indices (B, H, N, k) int64, highest compressed score first). ``pool``: the
     per-tile mean (torch by default, or :func:`tile_means_triton`); tile attention and top-k are torch."""
     pool = pool or tile_means_torch
-    q_c, k_c, v_c = pool(q), pool(k), pool(v)
+    return _attend_tiles(pool(q), pool(k), pool(v), sparsity, scale)
+
+
+def _attend_tiles(
+    q_c: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, sparsity: float, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention over (B, H, N, D) fp32 tile means and the top-k key tiles per query tile."""
     scores = torch.einsum("bhnd,bhmd->bhnm", q_c, k_c) * scale
     compressed = torch.softmax(scores, dim=-1) @ v_c
     keep = selected_tile_count(scores.shape[-1], sparsity)
@@ -261,6 +278,200 @@ def block_sparse_attention_triton(
     return out
 
 
+# --------------------------------------------------------------------------- raster-layout kernels
+
+
+@functools.cache
+def _raster_kernels() -> tuple[Any, Any]:
+    """Build (once per process) the kernels that read tiles straight from the (B, H, L, D) raster
+    layout: the tile means, and the block-sparse attention with the gated combine as its epilogue."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tile_means(
+        x_ptr, out_ptr, s_b, s_h, s_l, s_d, heads, n_tiles, head_dim, grid_t, grid_h, grid_w, tiles_h, tiles_w,
+        TILE_T: tl.constexpr, TILE_H: tl.constexpr, TILE_W: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        tile = tl.program_id(0)
+        bh = tl.program_id(1)
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < head_dim
+        # The tile's (t, h, w) box and each row's token in it (tiles and rows in raster order);
+        # rows past the grid are an edge tile's padding. (Repeated in block_sparse: the
+        # interpreter cannot call a nested jit function defined in a builder.)
+        t = (tile // (tiles_h * tiles_w)) * TILE_T + rows // (TILE_H * TILE_W)
+        h = ((tile // tiles_w) % tiles_h) * TILE_H + (rows // TILE_W) % TILE_H
+        w = (tile % tiles_w) * TILE_W + rows % TILE_W
+        real = (rows < TILE_T * TILE_H * TILE_W) & (t < grid_t) & (h < grid_h) & (w < grid_w)
+        token = (t * grid_h + h) * grid_w + w
+        base = (bh // heads).to(tl.int64) * s_b + (bh % heads).to(tl.int64) * s_h
+        x = tl.load(x_ptr + base + token[:, None] * s_l + cols[None, :] * s_d, mask=real[:, None] & col_ok[None, :], other=0.0)
+        count = tl.sum(real.to(tl.float32), 0)
+        mean = tl.sum(x.to(tl.float32), 0) / count
+        tl.store(out_ptr + (bh.to(tl.int64) * n_tiles + tile) * head_dim + cols, mean, mask=col_ok)
+
+    @triton.jit
+    def block_sparse(
+        q_ptr, k_ptr, v_ptr, g_ptr, c_ptr, o_ptr, sel_ptr,
+        sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
+        sg_b, sg_h, sg_l, sg_d, so_b, so_h, so_l, so_d,
+        scale_log2, heads, n_tiles, n_selected, head_dim, grid_t, grid_h, grid_w, tiles_h, tiles_w,
+        HAS_GATE: tl.constexpr, TILE_T: tl.constexpr, TILE_H: tl.constexpr, TILE_W: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        q_tile = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // heads).to(tl.int64)
+        head = (bh % heads).to(tl.int64)
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < head_dim
+        # Each row's offset inside its tile's (t, h, w) box; a tile adds its box's corner (as tile_means).
+        row_t = rows // (TILE_H * TILE_W)
+        row_h = (rows // TILE_W) % TILE_H
+        row_w = rows % TILE_W
+        row_ok = rows < TILE_T * TILE_H * TILE_W
+        t = (q_tile // (tiles_h * tiles_w)) * TILE_T + row_t
+        hh = ((q_tile // tiles_w) % tiles_h) * TILE_H + row_h
+        w = (q_tile % tiles_w) * TILE_W + row_w
+        q_real = row_ok & (t < grid_t) & (hh < grid_h) & (w < grid_w)
+        q_token = (t * grid_h + hh) * grid_w + w
+        q_mask = q_real[:, None] & col_ok[None, :]
+        q = tl.load(q_ptr + b * sq_b + head * sq_h + q_token[:, None] * sq_l + cols[None, :] * sq_d, mask=q_mask, other=0.0)
+        k_base = k_ptr + b * sk_b + head * sk_h
+        v_base = v_ptr + b * sv_b + head * sv_h
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        sel_base = sel_ptr + (bh.to(tl.int64) * n_tiles + q_tile) * n_selected
+        for s in range(0, n_selected):
+            kv_tile = tl.load(sel_base + s)
+            t = (kv_tile // (tiles_h * tiles_w)) * TILE_T + row_t
+            hh = ((kv_tile // tiles_w) % tiles_h) * TILE_H + row_h
+            w = (kv_tile % tiles_w) * TILE_W + row_w
+            kv_real = row_ok & (t < grid_t) & (hh < grid_h) & (w < grid_w)
+            kv_token = (t * grid_h + hh) * grid_w + w
+            kv_mask = kv_real[:, None] & col_ok[None, :]
+            k = tl.load(k_base + kv_token[:, None] * sk_l + cols[None, :] * sk_d, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + kv_token[:, None] * sv_l + cols[None, :] * sv_d, mask=kv_mask, other=0.0)
+            # Scores in log2 units (scale folded with log2 e) so the softmax uses exp2.
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            qk = tl.where(kv_real[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        # Epilogue: the gated combine, sparse + gate * compressed[tile], then one store in o's dtype.
+        compressed = tl.load(c_ptr + (bh.to(tl.int64) * n_tiles + q_tile) * head_dim + cols, mask=col_ok, other=0.0)
+        out = acc / l_i[:, None]
+        if HAS_GATE:
+            g_offs = b * sg_b + head * sg_h + q_token[:, None] * sg_l + cols[None, :] * sg_d
+            gate = tl.load(g_ptr + g_offs, mask=q_mask, other=0.0).to(tl.float32)
+            out = out + gate * compressed[None, :]
+        else:
+            out = out + compressed[None, :]
+        o_offs = b * so_b + head * so_h + q_token[:, None] * so_l + cols[None, :] * so_d
+        tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+    return tile_means, block_sparse
+
+
+def _raster_geometry(x: torch.Tensor, grid: Grid, tile: Grid) -> dict[str, int]:
+    """The grid and tile-count arguments of the raster kernels; checks the grid is the sequence and
+    that token offsets within one (batch, head) fit the kernels' 32-bit arithmetic."""
+    length, dim = x.shape[2], x.shape[3]
+    if len(grid) != 3 or math.prod(grid) != length:
+        raise AttentionShapeError(f"token grid {list(grid)} holds {math.prod(grid)} tokens, the sequence has {length}")
+    if (length - 1) * x.stride(2) + (dim - 1) * x.stride(3) >= 2**31:
+        raise AttentionShapeError(f"one head's tokens span over 2**31 elements (strides {x.stride()}): too long for the kernels")
+    _, tiles_h, tiles_w = _tile_counts(grid, tile)
+    return {"grid_t": grid[0], "grid_h": grid[1], "grid_w": grid[2], "tiles_h": tiles_h, "tiles_w": tiles_w}
+
+
+def _tile_blocks(tile: Grid, dim: int) -> dict[str, int]:
+    return {
+        "TILE_T": tile[0], "TILE_H": tile[1], "TILE_W": tile[2],
+        "BLOCK_M": max(16, _next_pow2(math.prod(tile))), "BLOCK_D": max(16, _next_pow2(dim)),
+    }
+
+
+def tile_means_raster(x: torch.Tensor, grid: Grid, tile: Grid) -> torch.Tensor:
+    """Each tile's mean over its real tokens, read from ``x`` (B, H, L, D) in (t, h, w) raster order
+    (any strides): (B, H, N, D) fp32, tiles in raster order, as :func:`tile_means_torch` of the partition."""
+    _require_runnable(x)
+    batch, heads, _, dim = x.shape
+    geometry = _raster_geometry(x, grid, tile)
+    n_tiles = math.prod(_tile_counts(grid, tile))
+    out = torch.empty(batch, heads, n_tiles, dim, dtype=torch.float32, device=x.device)
+    _raster_kernels()[0][(n_tiles, batch * heads)](
+        x, out, *x.stride(), heads, n_tiles, dim, **geometry, **_tile_blocks(tile, dim),
+    )
+    return out
+
+
+def block_sparse_attention_raster(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grid: Grid, tile: Grid, selected: torch.Tensor,
+    compressed: torch.Tensor, gate: torch.Tensor | None, scale: float,
+) -> torch.Tensor:
+    """The sparse branch and the combine in one kernel over (B, H, L, D) raster-layout q/k/v/gate
+    (any strides): each query tile attends over the real tokens of its ``selected`` (B, H, N, k) key
+    tiles, then ``+ gate * compressed[tile]`` (``compressed`` (B, H, N, D); gate None: weight 1).
+    Returns (B, H, L, D) in q's dtype, laid out like q where q is dense."""
+    _require_runnable(q)
+    batch, heads, _, dim = q.shape
+    geometry = _raster_geometry(q, grid, tile)
+    for name, x in (("k", k), ("v", v), ("gate", gate)):
+        if x is not None and x.shape != q.shape:
+            raise AttentionShapeError(f"{name} {tuple(x.shape)} must have q's shape {tuple(q.shape)}")
+        if x is not None:
+            _raster_geometry(x, grid, tile)
+    n_tiles = math.prod(_tile_counts(grid, tile))
+    if selected.shape[:3] != (batch, heads, n_tiles) or compressed.shape != (batch, heads, n_tiles, dim):
+        raise AttentionShapeError(
+            f"selected {tuple(selected.shape)} / compressed {tuple(compressed.shape)} must be "
+            f"({batch}, {heads}, {n_tiles}, k) / ({batch}, {heads}, {n_tiles}, {dim})"
+        )
+    out = torch.empty_like(q)  # q's strides when q is dense (a transposed (B, L, H, D) stays so)
+    sel = selected.to(torch.int32).contiguous()
+    gate_strides = gate.stride() if gate is not None else (0, 0, 0, 0)
+    _raster_kernels()[1][(n_tiles, batch * heads)](
+        q, k, v, gate if gate is not None else q, compressed.float().contiguous(), out, sel,
+        *q.stride(), *k.stride(), *v.stride(), *gate_strides, *out.stride(),
+        float(scale) * math.log2(math.e), heads, n_tiles, sel.shape[-1], dim, **geometry,
+        HAS_GATE=gate is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **_tile_blocks(tile, dim), num_warps=4, num_stages=3,
+    )
+    return out
+
+
+def vsa_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grid: Grid, gate: torch.Tensor | None,
+    sparsity: float, tile: Grid, scale: float | None = None,
+) -> torch.Tensor:
+    """VSA over (B, H, L, D) q/k/v (any strides) of a (T, H, W) token grid with no tiled copies:
+    tile means from the raster layout, tile-level attention and top-k in torch, then the fused
+    block-sparse + gated-combine kernel. Same contract as :func:`vsa_reference`."""
+    _check_vsa_inputs(q, k, v, gate)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    compressed, selected = _attend_tiles(*(tile_means_raster(x, grid, tile) for x in (q, k, v)), sparsity, scale)
+    return block_sparse_attention_raster(
+        q, k, v, grid=grid, tile=tile, selected=selected, compressed=compressed, gate=gate, scale=scale
+    )
+
+
+def _check_vsa_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None) -> None:
+    AttentionBackend.check_shapes(q, k, v)
+    if q.shape != k.shape:
+        raise AttentionShapeError(f"VSA is self-attention: q {tuple(q.shape)} and k {tuple(k.shape)} must match")
+    if gate is not None and gate.shape != q.shape:
+        raise AttentionShapeError(f"gate {tuple(gate.shape)} must have q's shape {tuple(q.shape)}")
+
+
 def vsa_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -279,11 +490,7 @@ def vsa_forward(
     ``sparse_branch`` computes step 4 (:func:`block_sparse_attention_torch` or the Triton kernel),
     ``pool`` the compression's tile means (:func:`tile_means_torch` or :func:`tile_means_triton`).
     """
-    AttentionBackend.check_shapes(q, k, v)
-    if q.shape != k.shape:
-        raise AttentionShapeError(f"VSA is self-attention: q {tuple(q.shape)} and k {tuple(k.shape)} must match")
-    if gate is not None and gate.shape != q.shape:
-        raise AttentionShapeError(f"gate {tuple(gate.shape)} must have q's shape {tuple(q.shape)}")
+    _check_vsa_inputs(q, k, v, gate)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     tq, tk, tv = (tile_partition(t, grid, tile) for t in (q, k, v))
     compressed, selected = select_tiles(tq, tk, tv, sparsity, scale, pool)
@@ -308,9 +515,9 @@ class VideoSparseAttention(SDPAAttention):
     :class:`SDPAAttention`'s dense attention (cross-attention to text), since there is no grid to tile.
 
     ``sparsity`` / ``tile`` come from the card's ``recipe.assumes_attention`` (:meth:`for_assumption`);
-    the defaults are VSA's published setting. ``implementation``: ``"triton"`` (CUDA, or CPU under
-    Triton's interpreter), ``"torch"`` (the dense masked reference), ``"auto"`` (Triton on CUDA when
-    importable, else torch).
+    the defaults are VSA's published setting. ``implementation``: ``"triton"`` (:func:`vsa_triton`,
+    the raster-layout kernels; CUDA, or CPU under Triton's interpreter), ``"torch"`` (the dense
+    masked reference), ``"auto"`` (Triton on CUDA when importable, else torch).
     """
 
     name: ClassVar[str] = "vsa"
@@ -347,10 +554,6 @@ class VideoSparseAttention(SDPAAttention):
         scale: float | None = None,
     ) -> torch.Tensor:
         """VSA self-attention of (B, H, L, D) tensors over the (T, H, W) token ``grid``."""
-        triton = self._uses_triton(q.device)
-        return vsa_forward(
-            q, k, v, grid=grid, gate=gate, sparsity=self.sparsity, tile=self.tile, scale=scale,
-            sparse_branch=block_sparse_attention_triton if triton else block_sparse_attention_torch,
-            pool=tile_means_triton if triton else None,
-        )
+        run = vsa_triton if self._uses_triton(q.device) else vsa_reference
+        return run(q, k, v, grid=grid, gate=gate, sparsity=self.sparsity, tile=self.tile, scale=scale)
 
