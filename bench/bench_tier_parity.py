@@ -1,0 +1,275 @@
+"""What each fast compute tier costs in accuracy over a whole trajectory (issue 19, 2b).
+
+    python bench/bench_tier_parity.py                      # wan-tiny on CPU, bf16, the card's 8 steps
+    python bench/bench_tier_parity.py --card fastwan2.1-t2v-1.3b --device cuda --tiers vsa  # VSA needs its gates
+    python bench/bench_tier_parity.py --card wan2.1-t2v-1.3b --device cuda \\
+        --json out/tier_parity.json --record out/tier_parity_record.json   # 480x832x81, 50 steps
+
+One text-to-video request (fixed seed and prompt, the card's default steps and shape unless
+given) runs end to end through the card's loops, on a fresh instance per configuration:
+eager fp32, eager at ``--precision`` (bf16) and each tier at ``--precision``. Reported per
+tier: PSNR of its final decoded video against eager's, the relative L2 error of its first
+denoise forward against eager's (same inputs), and the verdict of the tier's parity contract
+(``fv_kernel.card.spec.TIER_PARITY_CONTRACTS``), whose floors are eager-at-precision's own
+PSNR and first-forward error against eager fp32. ``--record`` merges the measurements into a
+``TierParityRecord`` file, which a deployment names as ``compute.parity_record``: only then can
+``fused_ops: auto`` select the Triton kernels.
+
+Tiers: ``fused`` (Triton kernels; CUDA), ``graphs`` (CUDA graphs; CUDA), ``blocks``
+(``torch.compile`` per block; anywhere with a C++ compiler, slow to build on CPU), ``vsa``
+(the kernel's VSA attention driver; needs a card whose DiT has the VSA gates,
+``to_gate_compress``). A tier that cannot run here is reported as skipped with the reason.
+Real-size cards are built with seeded random weights (``random_weights.py``: the card's own
+transformer and VAE, a one-layer random text encoder). Without CUDA, ``--device cuda``
+prints why and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp, build_instance
+from fv_kernel.card.spec import TIER_PARITY_CONTRACTS, ModelCard, TierParityMeasurement, TierParityRecord
+from fv_kernel.compute.compile import ComputeOptions, load_parity_record
+from fv_kernel.compute.fused import triton_available
+from fv_kernel.request.request import DiffusionParams, Request, TextPart
+from fv_kernel.request.types import TaskType
+from fv_kernel.runtime.local import run_local
+from random_weights import random_weight_card  # bench/, beside this script
+
+TIERS = ("fused", "graphs", "blocks", "vsa")
+PROMPT = "a red fox runs through fresh snow at dawn"
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One run's final video and its first denoise forward (inputs and output)."""
+
+    frames: torch.Tensor
+    first_forward: torch.Tensor
+    seconds: float
+
+
+def load_card(model_id: str) -> tuple[ModelCard, bool]:
+    """The card on random weights, and whether it is real-size (a downloadable card)."""
+    from fv_wan.cards import wan_cards
+
+    cards = {c.model_id: c for c in wan_cards()}
+    if model_id not in cards:
+        raise SystemExit(f"--card: unknown card {model_id!r}; allowed: {', '.join(sorted(cards))}")
+    card = cards[model_id]
+    return random_weight_card(card), card.checkpoint.source is not None
+
+
+def tier_setup(tier: str, card: ModelCard, device: torch.device) -> tuple[dict[str, Any] | None, str | None]:
+    """The InstanceOptions fields that turn ``tier`` on, or None and why it cannot run here."""
+    if tier == "fused":
+        if device.type != "cuda":
+            return None, "the Triton kernels need CUDA; off CUDA only the torch reference runs, which is eager's own formulas"
+        if not triton_available():
+            return None, "triton is not importable"
+        return {"compute": ComputeOptions(fused_ops="triton")}, None
+    if tier == "graphs":
+        if device.type != "cuda":
+            return None, "CUDA graphs need a CUDA device; off CUDA the step runs eagerly"
+        return {"compute": ComputeOptions(cuda_graphs=True)}, None
+    if tier == "blocks":
+        return {"compute": ComputeOptions(compile="blocks")}, None
+    if tier == "vsa":
+        if not card.components["transformer"].config.get("has_gate_compress"):
+            return None, (f"card {card.model_id!r} has no VSA gates (to_gate_compress); VSA runs on a card trained for "
+                          "it: --card fastwan2.1-t2v-1.3b --device cuda")
+        return {"attention_backend": "vsa"}, None
+    raise ValueError(f"unknown tier {tier!r}; allowed: {list(TIERS)}")
+
+
+def capture_first_forward(instance: ModelInstance, sink: dict[str, torch.Tensor]) -> None:
+    """Keep the output of the instance's first denoise forward (``dit_forward:*``) in ``sink``."""
+    build = instance.ops_builder
+
+    def wrapped_builder(inst: ModelInstance) -> dict[str, StepOp]:
+        ops = build(inst)
+        for name, op in ops.items():
+            if name.startswith("dit_forward:"):
+                ops[name] = dataclasses.replace(op, fn=_first_call(op.fn, sink))
+        return ops
+
+    instance.ops_builder = wrapped_builder
+
+
+def _first_call(fn: Callable[..., Mapping[str, torch.Tensor]], sink: dict[str, torch.Tensor]) -> Callable[..., Any]:
+    def call(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:
+        out = fn(inputs, params)
+        if "v" not in sink:
+            sink["v"] = out["v"].detach().float().cpu()
+        return out
+
+    return call
+
+
+def run_trajectory(card: ModelCard, request: Request, device: torch.device, precision: str, **fields: Any) -> Trajectory:
+    # allow_recipe_mismatch: the eager references of a VSA-trained card run dense attention and fp32.
+    instance = build_instance(card, InstanceOptions(device=str(device), precision=precision, allow_recipe_mismatch=True,
+                                                    **fields))
+    sink: dict[str, torch.Tensor] = {}
+    capture_first_forward(instance, sink)
+    started = time.perf_counter()
+    artifacts = run_local(request, instance)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    frames = artifacts[0].frames.detach().float().cpu()
+    del instance, artifacts
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if "v" not in sink:
+        raise RuntimeError(f"card {card.model_id!r} ran no dit_forward op: nothing to compare one forward on")
+    return Trajectory(frames=frames, first_forward=sink["v"], seconds=seconds)
+
+
+def psnr(reference: torch.Tensor, test: torch.Tensor) -> float:
+    """PSNR in dB of two videos with values in [0, 1] (inf when identical)."""
+    if reference.shape != test.shape:
+        raise ValueError(f"video shapes differ: {tuple(reference.shape)} vs {tuple(test.shape)}")
+    mse = torch.mean((reference.double() - test.double()) ** 2).item()
+    return math.inf if mse == 0.0 else 10.0 * math.log10(1.0 / mse)
+
+
+def rel_error(test: torch.Tensor, reference: torch.Tensor) -> float:
+    """Relative L2 error of ``test`` against ``reference`` (0 when equal)."""
+    diff = (test.double() - reference.double()).norm()
+    return 0.0 if diff == 0 else float(diff / reference.double().norm().clamp_min(1e-30))
+
+
+def measure_tier_parity(
+    card: ModelCard, *, device: torch.device, precision: str, tiers: tuple[str, ...], steps: int, frames: int,
+    height: int, width: int, seed: int, source: str, log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Eager fp32, eager at ``precision`` and each tier over one trajectory; PSNRs, errors, verdicts.
+
+    Returns ``{"reference": {...}, "tiers": {tier: {...}}, "record": TierParityRecord}``; a tier
+    that cannot run here has ``status: skipped`` and a reason, and no measurement.
+    """
+    request = Request(request_id="tier-parity", model=card.model_id, task=TaskType.TEXT_TO_VIDEO,
+                      inputs=(TextPart(text=PROMPT),),
+                      diffusion=DiffusionParams(seed=seed, steps=steps, height=height, width=width, frames=frames))
+    log(f"eager fp32: {steps} steps at {frames}x{height}x{width} on {device}")
+    fp32 = run_trajectory(card, request, device, "fp32")
+    if precision == "fp32":
+        eager = fp32
+    else:
+        log(f"eager {precision}")
+        eager = run_trajectory(card, request, device, precision)
+    reference = {"psnr_db": psnr(fp32.frames, eager.frames),
+                 "step_rel_error": rel_error(eager.first_forward, fp32.first_forward),
+                 "fp32_seconds": round(fp32.seconds, 3), "eager_seconds": round(eager.seconds, 3)}
+    results: dict[str, Any] = {}
+    measurements: list[TierParityMeasurement] = []
+    for tier in tiers:
+        fields, why_not = tier_setup(tier, card, device)
+        if fields is None:
+            log(f"{tier}: skipped ({why_not})")
+            results[tier] = {"status": "skipped", "reason": why_not}
+            continue
+        log(f"{tier} {precision}")
+        got = run_trajectory(card, request, device, precision, **fields)
+        measurement = TierParityMeasurement(
+            tier=tier, model_id=card.model_id, precision=precision, steps=steps, frames=frames, height=height, width=width,
+            psnr_db=psnr(eager.frames, got.frames), reference_psnr_db=reference["psnr_db"],
+            step_rel_error=rel_error(got.first_forward, eager.first_forward),
+            reference_step_rel_error=reference["step_rel_error"], source=source,
+        )
+        verdict = TIER_PARITY_CONTRACTS[tier].check(measurement, model_id=card.model_id, precision=precision,
+                                                    defaults=card.capabilities.defaults)
+        measurements.append(measurement)
+        results[tier] = {"status": "measured", "psnr_db": measurement.psnr_db, "step_rel_error": measurement.step_rel_error,
+                         "seconds": round(got.seconds, 3), "passed": verdict.passed, "verdict": verdict.reason}
+    return {"reference": reference, "tiers": results, "record": TierParityRecord(measurements=tuple(measurements))}
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"CPU {platform.machine()} ({torch.get_num_threads()} threads), torch {torch.__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--card", default="wan-tiny", help="an fv-wan card id (real sizes get seeded random weights)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"),
+                        help="the precision eager and the tiers run in (the card's serving precision)")
+    parser.add_argument("--tiers", nargs="+", default=list(TIERS), choices=TIERS)
+    parser.add_argument("--steps", type=int, help="default: the card's (a shorter run cannot pass a contract)")
+    parser.add_argument("--height", type=int), parser.add_argument("--width", type=int), parser.add_argument("--frames", type=int)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
+    parser.add_argument("--json", type=Path, help="write the full report here")
+    parser.add_argument("--record", type=Path, help="merge the measurements into this TierParityRecord file")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"skipped: --device {args.device} asked for CUDA, which this machine does not have")
+        return 0
+    card, real_size = load_card(args.card)
+    if real_size and device.type != "cuda":
+        print(f"skipped: {args.card} is real-size; run it with --device cuda")
+        return 0
+    if args.precision not in card.precision.supported:
+        raise SystemExit(f"--precision: card {card.model_id!r} supports {sorted(card.precision.supported)}, not {args.precision!r}")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    d = card.capabilities.defaults
+    assert d is not None
+    steps, frames = args.steps or d.steps, args.frames or d.frames
+    height, width = args.height or d.height, args.width or d.width
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    weights = "seeded random weights" if real_size or card.checkpoint.source is None else "checkpoint"
+    command = "python bench/bench_tier_parity.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    source = f"{date}, {machine(device)}, {weights}, seed {args.seed}: {command}"
+
+    report = measure_tier_parity(card, device=device, precision=args.precision, tiers=tuple(args.tiers), steps=steps,
+                                 frames=frames, height=height, width=width, seed=args.seed, source=source)
+    ref = report["reference"]
+    print(f"\n{card.model_id}, {steps} steps at {frames}x{height}x{width}, seed {args.seed}, {args.precision}; {source}\n")
+    print(f"eager {args.precision} vs eager fp32: {ref['psnr_db']:.2f} dB, first forward {ref['step_rel_error']:.3g} relative\n")
+    print(f"| tier | PSNR vs eager {args.precision} (dB) | first forward rel. error | contract |")
+    print("|---|---|---|---|")
+    for tier, row in report["tiers"].items():
+        if row["status"] == "skipped":
+            print(f"| {tier} | skipped | | {row['reason']} |")
+        else:
+            print(f"| {tier} | {row['psnr_db']:.2f} | {row['step_rel_error']:.3g} | {'pass' if row['passed'] else 'FAIL'} |")
+    record: TierParityRecord = report["record"]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"card": card.model_id, "device": str(device), "machine": machine(device), "precision": args.precision,
+                "steps": steps, "frames": frames, "height": height, "width": width, "seed": args.seed, "weights": weights,
+                "date": date, "command": command}
+        payload = {"meta": meta, "reference": ref, "tiers": report["tiers"], "record": record.model_dump(mode="json")}
+        args.json.write_text(json.dumps(payload, indent=2))  # inf stays Infinity, as TierParityRecord files hold it
+    if args.record:
+        previous = load_parity_record(args.record) if args.record.exists() else TierParityRecord()
+        args.record.parent.mkdir(parents=True, exist_ok=True)
+        args.record.write_text(previous.merged(record.measurements).model_dump_json(indent=2))
+        print(f"\nrecorded {len(record.measurements)} measurement(s) in {args.record} (name it as compute.parity_record)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""``bench/bench_tier_parity.py`` on CPU at wan-tiny size: the report, the skips, the record and the verdicts.
+
+The GPU-only tiers (Triton fused kernels, CUDA graphs) and VSA (no tiny card has its gates)
+are reported as skipped with a reason, never measured. ``blocks`` does run on CPU, but its
+compile takes most of a minute there, so the in-process cases stand a cheap configuration in
+for it (the torch fused ops: eager's own formulas, so the video is bitwise eager's) to check
+the measurement, the record and the verdict end to end.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fv_kernel.api import ComputeOptions, load_parity_record, select_compute_tiers
+from fv_wan.cards import wan_cards
+
+BENCH_DIR = Path(__file__).resolve().parents[3] / "bench"
+
+
+def test_the_bench_reports_cpu_skips_and_the_precision_floor(tmp_path: Path) -> None:
+    out, record = tmp_path / "tier_parity.json", tmp_path / "record.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "bench_tier_parity.py"), "--tiers", "fused", "graphs", "vsa", "--steps", "2",
+         "--json", str(out), "--record", str(record)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["card"] == "wan-tiny" and report["meta"]["precision"] == "bf16" and report["meta"]["steps"] == 2
+    assert 20 < report["reference"]["psnr_db"] < math.inf  # bf16 really differs from fp32
+    assert 0 < report["reference"]["step_rel_error"] < 0.1
+    assert {tier: row["status"] for tier, row in report["tiers"].items()} == dict.fromkeys(("fused", "graphs", "vsa"), "skipped")
+    assert "CUDA" in report["tiers"]["fused"]["reason"] and "to_gate_compress" in report["tiers"]["vsa"]["reason"]
+    assert report["record"] == {"measurements": []} and load_parity_record(record).measurements == ()
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    module = importlib.import_module("bench_tier_parity")
+    # "blocks" stands for a configuration that is bitwise eager (see the module docstring).
+    monkeypatch.setattr(module, "tier_setup", lambda tier, card, device: ({"compute": ComputeOptions(fused_ops="torch")}, None))
+    return module
+
+
+def run_bench(bench, tmp_path: Path, *extra: str) -> tuple[dict, Path]:
+    out, record = tmp_path / "report.json", tmp_path / "record.json"
+    args = ["--tiers", "blocks", "--frames", "5", "--json", str(out), "--record", str(record),
+            "--threads", str(torch.get_num_threads()), *extra]
+    assert bench.main(args) == 0
+    return json.loads(out.read_text()), record
+
+
+def test_a_measured_tier_is_recorded_and_its_verdict_drives_selection(bench, tmp_path: Path) -> None:
+    report, record = run_bench(bench, tmp_path)
+    row = report["tiers"]["blocks"]
+    assert row["status"] == "measured" and row["psnr_db"] == math.inf and row["step_rel_error"] == 0.0
+    # wan-tiny's default trajectory is 9 frames: 5 frames is not the contract's trajectory.
+    assert not row["passed"] and "full default trajectory" in row["verdict"]
+    measurement = load_parity_record(record).find("blocks", "wan-tiny", "bf16")
+    assert measurement is not None and measurement.frames == 5 and "bench_tier_parity.py" in measurement.source
+
+
+def test_the_full_default_trajectory_passes_and_a_deployment_reads_it(bench, tmp_path: Path) -> None:
+    report, record = run_bench(bench, tmp_path, "--frames", "9")
+    assert report["tiers"]["blocks"]["passed"], report["tiers"]["blocks"]["verdict"]
+    card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+    selection = select_compute_tiers(ComputeOptions(compile="blocks", parity_record=record), card, device="cpu",
+                                     precision="bf16", attention_backend="sdpa")
+    assert selection.verdicts["blocks"].passed and selection.overridden == ()
