@@ -5,13 +5,22 @@ self-attention at FastWan's shape (issue 19 §1). Figures: docs/benchmarks.md.
 
 Shape: 448x832x61 -> a 16x28x52 token grid (23,296 tokens, exactly 364 tiles of 4x4x4),
 12 heads x 128, bf16, random q/k/v/gate. For each sparsity (0.8, 0.9) it times, with
-``triton.testing.do_bench``, fv's driver end to end (tile partition, compression, top-k,
-block-sparse Triton kernel, gated combine, un-tiling) and its Triton block-sparse kernel alone,
-next to dense cuDNN SDPA and, when ``fastvideo_kernel`` imports, FastVideo's
-``ops.video_sparse_attn`` with ``FASTVIDEO_VSA_TRITON=1`` on the same tiles (given pre-tiled
-inputs, as its model tiles once per forward; fv's figure includes tiling q/k/v/gate). Parity: fv's output
-against FastVideo's (max abs and relative error), and against fv's own fp32 torch reference on
-a 4,096-token crop (the dense masked reference does not fit at full size).
+``triton.testing.do_bench``, in the same run:
+
+- ``ms``: fv's driver end to end (:func:`vsa_triton`: raster-layout tile means, tile-level
+  attention and top-k, the block-sparse kernel with the gated combine fused), on contiguous
+  (B, H, L, D) inputs; ``model_layout_ms`` the same on the (B, L, H, D)-transposed views the Wan
+  model passes; ``fused_kernel_ms`` its block-sparse + combine kernel alone;
+- ``partitioned_ms``: the previous Triton path (tile partition copies of q/k/v/gate, its
+  block-sparse kernel, the combine and un-tiling in torch), and ``partitioned_kernel_ms`` its
+  block-sparse kernel alone;
+- dense cuDNN SDPA, and, when ``fastvideo_kernel`` imports, FastVideo's ``ops.video_sparse_attn``
+  with ``FASTVIDEO_VSA_TRITON=1`` on the same tiles (given pre-tiled inputs, as its model tiles
+  once per forward; fv's figures include all layout work).
+
+Parity: fv's output against FastVideo's (max abs and relative error), against the partitioned
+path, and against fv's own fp32 torch reference on a 4,096-token crop (the dense masked reference
+does not fit at full size).
 """
 
 from __future__ import annotations
@@ -28,16 +37,21 @@ import torch.nn.functional as F
 
 from fv_kernel.compute.video_sparse_attention import (
     VideoSparseAttention,
+    block_sparse_attention_raster,
     block_sparse_attention_triton,
     select_tiles,
     selected_tile_count,
+    tile_means_raster,
+    tile_means_triton,
     tile_partition,
+    vsa_forward,
     vsa_reference,
 )
 
 GRID = (16, 28, 52)
 TILE = (4, 4, 4)
 HEADS, DIM = 12, 128
+CROP = (4, 16, 64)  # 4,096 tokens: the fp32 dense masked reference fits
 
 
 def _bench(fn: Any) -> float:
@@ -72,9 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_vsa needs a CUDA device; nothing measured", file=sys.stderr)
         return 0
+    from fv_kernel.compute.fused import triton_available
+
+    if not triton_available():
+        print("bench_vsa needs triton; nothing measured", file=sys.stderr)
+        return 0
     torch.manual_seed(0)
-    length = math.prod(GRID)
+    length, scale = math.prod(GRID), DIM**-0.5
     q, k, v, gate = (torch.randn(1, HEADS, length, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    # The Wan model's layout: (B, L, H, D) activations handed over as (B, H, L, D) views.
+    mq, mk, mv, mg = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, gate))
     rows: list[dict[str, Any]] = []
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -85,11 +106,23 @@ def main(argv: list[str] | None = None) -> int:
         driver = VideoSparseAttention(sparsity, TILE, "triton")
         fv_out = driver.attend_video(q, k, v, grid=GRID, gate=gate)
         row: dict[str, Any] = {"case": f"fv vsa {sparsity}", "ms": _bench(lambda: driver.attend_video(q, k, v, grid=GRID, gate=gate))}
+        row["model_layout_ms"] = _bench(lambda: driver.attend_video(mq, mk, mv, grid=GRID, gate=mg))
         tq, tk, tv = (tile_partition(t, GRID, TILE) for t in (q, k, v))
-        _, selected = select_tiles(tq, tk, tv, sparsity, DIM**-0.5)
-        row["sparse_kernel_ms"] = _bench(
-            lambda: block_sparse_attention_triton(tq.tiles, tk.tiles, tv.tiles, tq.valid, selected, DIM**-0.5)
+        compressed, selected = select_tiles(tq, tk, tv, sparsity, scale, tile_means_triton)
+        row["fused_kernel_ms"] = _bench(lambda: block_sparse_attention_raster(
+            q, k, v, grid=GRID, tile=TILE, selected=selected, compressed=compressed, gate=gate, scale=scale))
+        row["tile_means_ms"] = _bench(lambda: [tile_means_raster(t, GRID, TILE) for t in (q, k, v)])
+
+        def partitioned() -> torch.Tensor:
+            return vsa_forward(q, k, v, grid=GRID, gate=gate, sparsity=sparsity, tile=TILE,
+                               sparse_branch=block_sparse_attention_triton, pool=tile_means_triton)
+
+        row["partitioned_ms"] = _bench(partitioned)
+        row["partitioned_kernel_ms"] = _bench(
+            lambda: block_sparse_attention_triton(tq.tiles, tk.tiles, tv.tiles, tq.valid, selected, scale)
         )
+        old = partitioned().float()
+        row["max_abs_vs_partitioned"] = float((fv_out.float() - old).abs().max())
         reference = _fastvideo(q, k, v, gate, sparsity)
         if reference is not None:
             run, _ = reference
@@ -98,10 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             row["fastvideo_ms"] = _bench(run)
             row["max_abs_vs_fastvideo"] = float((ours.float() - theirs.float()).abs().max())
             row["rel_vs_fastvideo"] = float((ours.float() - theirs.float()).norm() / theirs.float().norm())
-        crop = (4, 16, 64)  # 4,096 tokens: the fp32 dense masked reference fits
-        cq, ck, cv, cg = (t[:, :, : math.prod(crop)].float() for t in (q, k, v, gate))
-        ref = vsa_reference(cq, ck, cv, grid=crop, gate=cg, sparsity=sparsity, tile=TILE)
-        got = driver.attend_video(cq.bfloat16(), ck.bfloat16(), cv.bfloat16(), grid=crop, gate=cg.bfloat16())
+        cq, ck, cv, cg = (t[:, :, : math.prod(CROP)].float() for t in (q, k, v, gate))
+        ref = vsa_reference(cq, ck, cv, grid=CROP, gate=cg, sparsity=sparsity, tile=TILE)
+        got = driver.attend_video(cq.bfloat16(), ck.bfloat16(), cv.bfloat16(), grid=CROP, gate=cg.bfloat16())
         row["rel_vs_fp32_reference_crop"] = float((got.float() - ref).norm() / ref.norm())
         rows.append(row)
     for row in rows:

@@ -349,11 +349,12 @@ def _raster_kernels() -> tuple[Any, Any]:
         sel_base = sel_ptr + (bh.to(tl.int64) * n_tiles + q_tile) * n_selected
         for s in range(0, n_selected):
             kv_tile = tl.load(sel_base + s)
-            t = (kv_tile // (tiles_h * tiles_w)) * TILE_T + row_t
-            hh = ((kv_tile // tiles_w) % tiles_h) * TILE_H + row_h
-            w = (kv_tile % tiles_w) * TILE_W + row_w
-            kv_real = row_ok & (t < grid_t) & (hh < grid_h) & (w < grid_w)
-            kv_token = (t * grid_h + hh) * grid_w + w
+            # Own names: reusing t/hh/w would make them values the loop carries.
+            kv_t = (kv_tile // (tiles_h * tiles_w)) * TILE_T + row_t
+            kv_h = ((kv_tile // tiles_w) % tiles_h) * TILE_H + row_h
+            kv_w = (kv_tile % tiles_w) * TILE_W + row_w
+            kv_real = row_ok & (kv_t < grid_t) & (kv_h < grid_h) & (kv_w < grid_w)
+            kv_token = (kv_t * grid_h + kv_h) * grid_w + kv_w
             kv_mask = kv_real[:, None] & col_ok[None, :]
             k = tl.load(k_base + kv_token[:, None] * sk_l + cols[None, :] * sk_d, mask=kv_mask, other=0.0)
             v = tl.load(v_base + kv_token[:, None] * sv_l + cols[None, :] * sv_d, mask=kv_mask, other=0.0)
