@@ -1,17 +1,31 @@
-"""Cosmos 3 benchmarks on CPU with ``cosmos3-tiny`` (plus weight arithmetic for the real sizes).
+"""Cosmos 3 benchmark: fv against diffusers' ``Cosmos3OmniTransformer`` on the same weights, in one run.
 
-    python bench/bench_cosmos3.py out.json [--repeats 20]
+    python bench/bench_cosmos3.py out.json                    # cosmos3-nano, random weights built on the GPU, bf16
+    python bench/bench_cosmos3.py out.json --card cosmos3-tiny --device cpu   # the tiny card on the CPU
+    python bench/bench_cosmos3.py out.json --smoke            # tiny, CPU, one repeat, small counts (CI)
 
-1. Text K/V reuse: one denoise step (cond + uncond generator passes) with the prompt
-   K/V cached once per request vs recomputed every step (what diffusers does).
-2. Batched decode: ``ar_token`` throughput of 8 concurrent decode requests through the
-   Engine, batched (``batching="throughput"``) vs serial (one request at a time).
-3. Memory: one instance serving text + video vs two separate instances (a reasoner-only
-   engine + a generator engine that must hold the reasoner tower too for the text K/V):
-   resident weight bytes (tiny measured; Nano/Super counted on the meta device) and the
-   peak RSS of a process doing one text decode and one T2V request.
+One resident instance of the card is built with random weights on the device (no checkpoint;
+the byte tokenizer stands in for Qwen's: its ids are a subset of the real vocabulary, so the
+model's cost is the real one). diffusers' transformer is built beside it holding the *same*
+weight tensors (``load_state_dict(assign=True)``: no second copy of a real-size model).
 
-Prints a markdown table and writes the numbers as JSON to the given path.
+1. ``step``: one denoise step (cond + uncond) at the card's default size. fv: the instance's
+   ``generate`` op against the prompt K/V computed once per request. fv recomputing the text
+   K/V every step (the text tower's cost inside each step, as diffusers pays it). diffusers:
+   the transformer called as ``Cosmos3OmniPipeline`` calls it (one forward per branch over the
+   packed text + video sequence). Also the text K/V itself, and how far fv's velocity is from
+   diffusers' (same weights, same inputs).
+2. ``omni``: one request with prompt upsampling (the reasoner decodes the rewrite, then T2V
+   on the same instance) through the Engine: wall time and device time per op.
+3. ``concurrent``: ``--concurrent`` omni requests submitted together with step batching
+   (``batching="throughput"``) against the same requests one at a time; and the same for plain
+   T2V requests of one prompt length, whose generator steps fuse across requests.
+4. ``decode``: ``ar_token`` throughput of 8 concurrent chat requests, fused vs one at a time.
+5. ``memory``: weights of one instance serving text and video vs two engines (counted on the
+   meta device for Nano and Super); with ``--card cosmos3-tiny`` also the peak RSS of a process doing both.
+
+Without CUDA a real-size card's sections 1-4 are reported as skipped (exit 0). Prints a
+markdown table and writes every number as JSON to the given path.
 """
 
 from __future__ import annotations
@@ -23,91 +37,292 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from collections import defaultdict
+from typing import Any, Callable
 
 import torch
 
 from fv_cosmos3.cards import cosmos3_card
+from fv_cosmos3.diffusers_reference import diffusers_forward_kwargs, diffusers_transformer
+from fv_cosmos3.instance import Cosmos3Instance, cosmos3_ops, text_pool_config
 from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT
+from fv_cosmos3.models.audio_vae import Cosmos3AudioDecoder, Cosmos3AudioDecoderConfig
+from fv_cosmos3.models.layers import MRoPE
 from fv_cosmos3.models.state_dict import is_reasoner_key
-from fv_cosmos3.models.tokenizer import PromptSpec, build_generation_prompt
+from fv_cosmos3.models.tokenizer import ByteTokenizer, PromptSpec, build_generation_prompt
 from fv_kernel.api import (
-    ARParams, DiffusionParams, Engine, Request, SchedulerConfig, TaskType, TextPart, build_instance,
+    ARParams, DiffusionParams, Engine, InstanceOptions, ModelCard, Observer, PagedKVPool, Request, SchedulerConfig,
+    StepRecord, TaskType, TextPart, torch_dtype,
 )
+from fv_kernel.runtime.engine import run_concurrently, run_serially
+from fv_wan.models.vae import WanVAE, WanVAEConfig
+
+PROMPT = "a red fox runs through deep snow at dawn, low sun, long shadows"
+TIMESTEP = 937.5
 
 
-def _median_ms(fn: Any, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+class Bench:
+    """The run's settings, resolved once from the command line."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.smoke: bool = args.smoke
+        self.card_id: str = "cosmos3-tiny" if args.smoke else args.card
+        wanted = "cpu" if args.smoke else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(wanted)
+        self.cuda = self.device.type == "cuda"
+        self.precision = "fp32" if self.card_id == "cosmos3-tiny" else "bf16"
+        self.dtype = torch_dtype(self.precision)
+        self.repeats: int = 1 if args.smoke else args.repeats
+        self.concurrent: int = 2 if args.smoke else args.concurrent
+        self.decode_tokens: int = 4 if args.smoke else 32
+        self.args = args
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def time_ms(self, fn: Callable[[], Any]) -> float:
+        """Median wall ms of ``repeats`` calls after one warm-up, the device synchronised around each."""
         fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+        times = []
+        for _ in range(self.repeats):
+            self.sync()
+            start = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - start)
+        return 1000 * statistics.median(times)
+
+    def peak_gib(self, fn: Callable[[], Any]) -> float | None:
+        """Peak device memory above what was allocated before one call (CUDA only)."""
+        if not self.cuda:
+            return None
+        self.sync()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        fn()
+        self.sync()
+        return (torch.cuda.max_memory_allocated(self.device) - base) / 2**30
 
 
-def bench_text_kv_reuse(repeats: int) -> dict[str, float]:
-    instance = build_instance(cosmos3_card("cosmos3-tiny"))
+# --------------------------------------------------------------------------- the instance (random weights on the device)
+
+
+def _randomise_(module: torch.nn.Module, seed: int) -> None:
+    """Every parameter redrawn on its own device: N(0, 1/fan_in) for matrices, norm gains near 1, small vectors."""
+    device = next(module.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
+            if p.dim() > 1:
+                p.copy_(noise * p[0].numel() ** -0.5)
+            elif "norm" in name:
+                p.copy_(1 + 0.02 * noise)
+            else:
+                p.copy_(0.02 * noise)
+
+
+def random_instance(b: Bench, card: ModelCard) -> Cosmos3Instance:
+    """The card made resident with random weights built on the device, in the card's precision policy,
+    with the plugin's own ops and text-KV pool."""
+    options = InstanceOptions(device=str(b.device), precision=b.precision)
+    config = Cosmos3Config(**card.components["transformer"].config)
+
+    def load(component_id: str) -> Any:
+        spec = card.components[component_id]
+        if spec.kind == "tokenizer":
+            return ByteTokenizer(vocab_size=config.vocab_size)
+        builders: dict[str, Callable[[], torch.nn.Module]] = {
+            "transformer": lambda: Cosmos3MoT(config),
+            "vae": lambda: WanVAE(WanVAEConfig(**spec.config)),
+            "sound_decoder": lambda: Cosmos3AudioDecoder(Cosmos3AudioDecoderConfig(**spec.config)),
+        }
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(b.dtype)  # built in the final dtype: no fp32 copy of a 16B model
+        try:
+            with torch.device(b.device):
+                module = builders[component_id]()
+        finally:
+            torch.set_default_dtype(previous)
+        for name in spec.precision_policy.keep_fp32_modules:
+            getattr(module, name).float()
+        _randomise_(module, seed=len(component_id))
+        if isinstance(module, Cosmos3MoT):  # RoPE tables in fp32, as the card's loader rebuilds them
+            module.rotary_emb = MRoPE(config.head_dim, config.rope_theta, config.rope_axes_dim).to(b.device)
+        return module.eval().requires_grad_(False)
+
+    return Cosmos3Instance(card=card, options=options, component_loader=load, ops_builder=cosmos3_ops,
+                           weights_version="random-on-device", text_kv_pool=PagedKVPool(text_pool_config(card, options)))
+
+
+def _latent_shape(card: ModelCard, height: int, width: int, frames: int) -> tuple[int, int, int, int, int]:
+    vae = WanVAEConfig(**card.components["vae"].config)
+    config = Cosmos3Config(**card.components["transformer"].config)
+    return (1, config.latent_channel, (frames - 1) // vae.temporal_compression + 1, height // vae.spatial_compression,
+            width // vae.spatial_compression)
+
+
+# --------------------------------------------------------------------------- 1. the denoise step, fv vs diffusers
+
+
+def bench_step(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
+    card = instance.card
+    d = card.capabilities.defaults
+    assert d is not None and d.height and d.width and d.frames and d.fps
+    instance.load_for_task(TaskType.TEXT_TO_VIDEO)
     mot: Cosmos3MoT = instance.component("transformer")
-    tok = instance.component("tokenizer")
-    spec = PromptSpec(num_frames=5, height=32, width=64, fps=24.0)
-    cond = torch.tensor([build_generation_prompt("a red fox runs through deep snow at dawn", tok, spec)])
-    uncond = torch.tensor([build_generation_prompt("", tok, spec, negative=True)])
-    video = torch.randn(1, 4, 2, 2, 4, generator=torch.Generator().manual_seed(0))
+    tokenizer = instance.component("tokenizer")
+    spec = PromptSpec(num_frames=d.frames, height=d.height, width=d.width, fps=d.fps)
+    ids = {"cond": build_generation_prompt(PROMPT, tokenizer, spec),
+           "uncond": build_generation_prompt("", tokenizer, spec, negative=True)}
+    shape = _latent_shape(card, d.height, d.width, d.frames)
+    video = torch.randn(shape, generator=torch.Generator(device=b.device).manual_seed(1), device=b.device)
+    text_kv_op, generate_op = instance.op("text_kv").fn, instance.op("generate").fn
+    params = {"branches": ("cond", "uncond"), "fps": d.fps, "video_noisy": tuple(range(shape[2]))}
+
+    def text_kv() -> dict[str, torch.Tensor]:
+        inputs: dict[str, torch.Tensor] = {}
+        for branch, branch_ids in ids.items():
+            out = text_kv_op({"ids": torch.tensor([branch_ids], device=b.device)}, {})
+            inputs[f"k_{branch}"], inputs[f"v_{branch}"] = out["keys"], out["values"]
+        return inputs
+
     with torch.inference_mode():
-        kv = {b: mot.text_kv_for_generation(ids) for b, ids in (("cond", cond), ("uncond", uncond))}
+        cached = {"video": video, "timestep": torch.tensor([TIMESTEP], device=b.device), **text_kv()}
+        fv_out = generate_op(cached, params)["v_video"][0]  # (branches, C, T, H, W)
+        out: dict[str, Any] = {
+            "height": d.height, "width": d.width, "frames": d.frames, "latent_shape": list(shape),
+            "video_tokens": shape[2] * (shape[3] // mot.config.latent_patch_size) * (shape[4] // mot.config.latent_patch_size),
+            "text_tokens": {k: len(v) for k, v in ids.items()}, "precision": b.precision,
+            "fv_step_ms": b.time_ms(lambda: generate_op(cached, params)),
+            "fv_step_text_recomputed_ms": b.time_ms(lambda: generate_op({**cached, **text_kv()}, params)),
+            "text_kv_once_ms": b.time_ms(text_kv),
+            "fv_step_peak_gib": b.peak_gib(lambda: generate_op(cached, params)),
+        }
+        twin = diffusers_transformer(mot.config, mot.state_dict(), device=b.device, dtype=b.dtype, share=True)
+        shared = all(p.data_ptr() == q.data_ptr() for p, q in zip(twin.state_dict().values(), mot.state_dict().values()))
+        kwargs = {branch: diffusers_forward_kwargs(twin, mot.config, branch_ids, video.to(b.dtype), timestep=TIMESTEP,
+                                                   fps=d.fps, video_condition_frames=[])
+                  for branch, branch_ids in ids.items()}
 
-        def cached() -> None:
-            for branch in ("cond", "uncond"):
-                mot.generate_forward(kv[branch], video, 500.0)
+        def diffusers_step() -> list[torch.Tensor]:
+            # The pipeline's two forwards; each returns per-item lists, the video item being (1, C, T, H, W).
+            return [twin(**kwargs[branch])[0][0][0] for branch in ("cond", "uncond")]
 
-        def recomputed() -> None:
-            for ids in (cond, uncond):
-                mot.generate_forward_recompute(ids, video, 500.0)
+        reference = torch.stack(diffusers_step()).float()
+        assert reference.shape == fv_out.shape, (tuple(reference.shape), tuple(fv_out.shape))
+        out.update({
+            "diffusers_weights_shared": shared,
+            "diffusers_step_ms": b.time_ms(diffusers_step),
+            "diffusers_step_peak_gib": b.peak_gib(diffusers_step),
+            "fv_vs_diffusers_max_abs": (fv_out.float() - reference).abs().max().item(),
+            "velocity_max_abs": reference.abs().max().item(),
+        })
+        del twin
+    out["fv_vs_diffusers"] = out["fv_step_ms"] / out["diffusers_step_ms"]
+    out["text_kv_reuse_speedup"] = out["fv_step_text_recomputed_ms"] / out["fv_step_ms"]
+    return out
 
-        c, r = _median_ms(cached, repeats), _median_ms(recomputed, repeats)
-    return {"text_tokens_cond": cond.shape[1], "text_tokens_uncond": uncond.shape[1], "video_tokens": 4,
-            "step_ms_cached": c, "step_ms_recomputed": r, "speedup": r / c}
+
+# --------------------------------------------------------------------------- 2-4. requests through the Engine
 
 
-def _decode_requests(prefix: str, n: int, tokens: int) -> list[Request]:
-    prompts = ["a fox", "a boat drifting on a calm lake", "snow", "city lights at night in the rain", "a dog",
-               "waves", "a bird over a field of wheat", "a slow train"]
-    return [Request(request_id=f"{prefix}{i}", model="cosmos3-tiny", task=TaskType.TEXT_GENERATION,
-                    inputs=(TextPart(text=prompts[i % len(prompts)]),),
-                    ar=ARParams(max_tokens=tokens, temperature=0.8, top_k=20, seed=i, stop_token_ids=()))
+class OpTimes(Observer):
+    """Device (else wall) seconds and the largest batch of every op the Engine executed."""
+
+    name = "bench-op-times"
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.largest: dict[str, int] = defaultdict(int)
+
+    def on_step(self, record: StepRecord) -> None:
+        seconds = record.device_seconds if record.device_seconds is not None else record.wall_seconds
+        self.seconds[record.op] += seconds
+        self.largest[record.op] = max(self.largest[record.op], record.batch_size)
+
+
+def _engine_run(b: Bench, instance: Cosmos3Instance, requests: list[Request], *, batched: bool) -> dict[str, Any]:
+    config = (SchedulerConfig(batching="throughput", max_queue=4096) if batched
+              else SchedulerConfig(scheduling="request", max_queue=4096))
+    times = OpTimes()
+    engine = Engine(config, observers=[times])
+    engine.add_instance(instance)
+    b.sync()
+    start = time.perf_counter()
+    results = (run_concurrently if batched else run_serially)(engine, requests)
+    b.sync()
+    seconds = time.perf_counter() - start
+    failed = [(r.request_id, r.error) for r in results if r.status != "completed"]
+    if failed:
+        raise RuntimeError(f"requests failed: {failed}")
+    texts = [a for r in results for a in r.artifacts if a.kind == "text"]
+    return {
+        "seconds": seconds, "requests": len(requests), "requests_per_s": len(requests) / seconds,
+        "op_seconds": dict(times.seconds), "largest_batch": dict(times.largest),
+        "text_tokens": [len(a.token_ids) for a in texts],  # upsampled prompts, or chat answers
+    }
+
+
+def _t2v(b: Bench, prefix: str, n: int, *, upsample: bool, height: int, width: int, frames: int, steps: int) -> list[Request]:
+    # One prompt length for the plain requests (byte tokenizer: equal character counts), so their steps share a shape.
+    subjects = ["a red fox", "a grey owl", "a tall tree", "a blue boat", "an old bell", "a white cat", "a long road",
+                "a dark cave"]
+    return [Request(request_id=f"{prefix}{i}", model=b.card_id, task=TaskType.TEXT_TO_VIDEO,
+                    inputs=(TextPart(text=f"{subjects[i % len(subjects)]:<12}in the snow at dawn"),),
+                    prompt_upsampling=upsample,
+                    diffusion=DiffusionParams(height=height, width=width, frames=frames, steps=steps, seed=i))
             for i in range(n)]
 
 
-def _run_engine(config: SchedulerConfig, requests: list[Request]) -> tuple[float, int, dict[int, int]]:
-    engine = Engine(config)
-    engine.add_instance(build_instance(cosmos3_card("cosmos3-tiny")))
-
-    async def go() -> list[Any]:
-        async with engine.running():
-            start = time.perf_counter()
-            handles = [engine.submit(r) for r in requests]
-            results = await asyncio.gather(*(h.result() for h in handles))
-            return [time.perf_counter() - start, results]
-
-    seconds, results = asyncio.run(go())
-    tokens = sum(len(r.artifacts[0].token_ids) for r in results)
-    return seconds, tokens, dict(engine.metrics.batches_by_size)
+def _omni_size(b: Bench, card: ModelCard) -> dict[str, int]:
+    d = card.capabilities.defaults
+    assert d is not None and d.height and d.width and d.frames and d.steps
+    a = b.args
+    return {"height": a.omni_height or d.height, "width": a.omni_width or d.width,
+            "frames": a.omni_frames or (d.frames if card.model_id == "cosmos3-tiny" else 29),
+            "steps": a.omni_steps or d.steps}
 
 
-def bench_batched_decode(n: int = 8, tokens: int = 32) -> dict[str, Any]:
-    out: dict[str, Any] = {"requests": n, "max_tokens": tokens}
-    for name, config in (
-        ("batched", SchedulerConfig(batching="throughput")),
-        ("interleaved_exact", SchedulerConfig(batching="exact")),
-        ("serial", SchedulerConfig(scheduling="request")),
-    ):
-        _run_engine(config, _decode_requests(f"warm-{name}-", 2, 4))
-        seconds, produced, batches = _run_engine(config, _decode_requests(f"{name}-", n, tokens))
-        out[name] = {"seconds": seconds, "tokens": produced, "tokens_per_s": produced / seconds,
-                     "largest_batch": max(batches)}
-    out["speedup_batched_vs_serial"] = out["batched"]["tokens_per_s"] / out["serial"]["tokens_per_s"]
+def bench_omni(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
+    size = _omni_size(b, instance.card)
+    _engine_run(b, instance, _t2v(b, "warm-omni-", 1, upsample=True, **{**size, "steps": 1}), batched=False)
+    run = _engine_run(b, instance, _t2v(b, "omni-", 1, upsample=True, **size), batched=False)
+    return {**size, **run}
+
+
+def bench_concurrent(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
+    size = _omni_size(b, instance.card)
+    n = b.concurrent
+    out: dict[str, Any] = {**size, "requests": n}
+    for name, upsample in (("omni", True), ("t2v_one_prompt_length", False)):
+        serial = _engine_run(b, instance, _t2v(b, f"s-{name}-", n, upsample=upsample, **size), batched=False)
+        batched = _engine_run(b, instance, _t2v(b, f"b-{name}-", n, upsample=upsample, **size), batched=True)
+        out[name] = {"one_at_a_time": serial, "batched": batched,
+                     "speedup": batched["requests_per_s"] / serial["requests_per_s"]}
     return out
+
+
+def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
+    prompts = ["a fox", "a boat drifting on a calm lake", "snow", "city lights at night in the rain", "a dog",
+               "waves", "a bird over a field of wheat", "a slow train"]
+
+    def requests(prefix: str) -> list[Request]:
+        return [Request(request_id=f"{prefix}{i}", model=b.card_id, task=TaskType.TEXT_GENERATION,
+                        inputs=(TextPart(text=prompts[i]),),
+                        ar=ARParams(max_tokens=b.decode_tokens, temperature=0.8, top_k=20, seed=i, stop_token_ids=()))
+                for i in range(len(prompts))]
+
+    out: dict[str, Any] = {"requests": len(prompts), "max_tokens": b.decode_tokens}
+    for name, batched in (("batched", True), ("one_at_a_time", False)):
+        run = _engine_run(b, instance, requests(f"{name}-"), batched=batched)
+        out[name] = {**run, "tokens_per_s": sum(run["text_tokens"]) / run["seconds"]}
+    out["speedup"] = out["batched"]["tokens_per_s"] / out["one_at_a_time"]["tokens_per_s"]
+    return out
+
+
+# --------------------------------------------------------------------------- 5. memory (counted; RSS on the CPU)
 
 
 def _weight_bytes(config: Cosmos3Config, dtype: torch.dtype) -> dict[str, int]:
@@ -136,56 +351,112 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
-def bench_memory() -> dict[str, Any]:
+def bench_memory(b: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, factory in (("tiny_fp32", lambda: (Cosmos3Config.tiny(), torch.float32)),
-                          ("nano_bf16", lambda: (Cosmos3Config.nano(), torch.bfloat16)),
-                          ("super_bf16", lambda: (Cosmos3Config.super_(), torch.bfloat16))):
-        config, dtype = factory()
+    for name, config, dtype in (("tiny_fp32", Cosmos3Config.tiny(), torch.float32),
+                                ("nano_bf16", Cosmos3Config.nano(), torch.bfloat16),
+                                ("super_bf16", Cosmos3Config.super_(), torch.bfloat16)):
         out[name] = _weight_bytes(config, dtype)
-    for mode in ("one", "two"):
-        rss = subprocess.run([sys.executable, "-c", _RSS_CHILD, mode], capture_output=True, text=True, check=True)
-        out[f"tiny_peak_rss_kib_{mode}"] = int(rss.stdout.strip().splitlines()[-1])
+    if b.card_id == "cosmos3-tiny" and not b.smoke:
+        for mode in ("one", "two"):
+            rss = subprocess.run([sys.executable, "-c", _RSS_CHILD, mode], capture_output=True, text=True, check=True)
+            out[f"tiny_peak_rss_kib_{mode}"] = int(rss.stdout.strip().splitlines()[-1])
     return out
 
 
-def main() -> None:
+# --------------------------------------------------------------------------- report
+
+
+def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    step = results.get("step")
+    if step:
+        rows += [
+            (f"denoise step cond+uncond at {step['height']}x{step['width']}x{step['frames']} "
+             f"({step['video_tokens']} video tokens), fv, text K/V once per request (ms)", f"{step['fv_step_ms']:.1f}"),
+            ("same step, diffusers Cosmos3OmniTransformer, same weights (ms)", f"{step['diffusers_step_ms']:.1f}"),
+            ("  fv / diffusers", f"{step['fv_vs_diffusers']:.2f}x"),
+            ("same step, fv recomputing the text K/V every step (ms)", f"{step['fv_step_text_recomputed_ms']:.1f}"),
+            ("  text K/V once vs every step", f"{step['text_kv_reuse_speedup']:.2f}x"),
+            ("text K/V of both prompts, once per request (ms)", f"{step['text_kv_once_ms']:.1f}"),
+            ("fv vs diffusers velocity, max abs (of max |v|)",
+             f"{step['fv_vs_diffusers_max_abs']:.2e} (of {step['velocity_max_abs']:.2f})"),
+        ]
+        if step["fv_step_peak_gib"] is not None:
+            rows.append(("step peak above weights, fv / diffusers (GiB)",
+                         f"{step['fv_step_peak_gib']:.2f} / {step['diffusers_step_peak_gib']:.2f}"))
+    omni = results.get("omni")
+    if omni:
+        ops = ", ".join(f"{k} {v:.2f}" for k, v in sorted(omni["op_seconds"].items()))
+        rows.append((f"one omni request (upsample {omni['text_tokens'][0]} tokens, then "
+                     f"{omni['height']}x{omni['width']}x{omni['frames']}, {omni['steps']} steps), end to end (s)",
+                     f"{omni['seconds']:.2f} (op seconds: {ops})"))
+    conc = results.get("concurrent")
+    if conc:
+        for name in ("omni", "t2v_one_prompt_length"):
+            c = conc[name]
+            rows.append((f"{conc['requests']} concurrent {name.replace('_', ' ')} requests: batched / one at a time (s)",
+                         f"{c['batched']['seconds']:.2f} / {c['one_at_a_time']['seconds']:.2f} = {c['speedup']:.2f}x "
+                         f"(largest generate batch {c['batched']['largest_batch'].get('generate', 0)})"))
+    dec = results.get("decode")
+    if dec:
+        rows.append((f"ar_token, {dec['requests']} concurrent chat requests: batched / one at a time (tok/s)",
+                     f"{dec['batched']['tokens_per_s']:.1f} / {dec['one_at_a_time']['tokens_per_s']:.1f} = {dec['speedup']:.2f}x"))
+    mem = results["memory"]
+    gib = 2**30
+    rows += [
+        ("weights, one instance vs two engines: tiny fp32 (KiB)",
+         f"{mem['tiny_fp32']['one_instance'] / 1024:.0f} / {mem['tiny_fp32']['two_instances'] / 1024:.0f}"),
+        ("same, Nano bf16 / Super bf16, counted (GiB)",
+         f"{mem['nano_bf16']['one_instance'] / gib:.1f} vs {mem['nano_bf16']['two_instances'] / gib:.1f} / "
+         f"{mem['super_bf16']['one_instance'] / gib:.1f} vs {mem['super_bf16']['two_instances'] / gib:.1f}"),
+    ]
+    if "tiny_peak_rss_kib_one" in mem:
+        rows.append(("tiny process peak RSS, one / two instances (MiB)",
+                     f"{mem['tiny_peak_rss_kib_one'] / 1024:.0f} / {mem['tiny_peak_rss_kib_two'] / 1024:.0f}"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", help="path of the JSON file to write")
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    results = {
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "text_kv_reuse": bench_text_kv_reuse(args.repeats),
-        "batched_decode": bench_batched_decode(),
-        "memory": bench_memory(),
+    parser.add_argument("--card", default="cosmos3-nano", choices=["cosmos3-tiny", "cosmos3-nano", "cosmos3-super"])
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--smoke", action="store_true", help="cosmos3-tiny on the CPU, one repeat, small counts")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--concurrent", type=int, default=4, help="requests submitted together (section 3)")
+    parser.add_argument("--omni-height", type=int, default=None, help="default: the card's")
+    parser.add_argument("--omni-width", type=int, default=None, help="default: the card's")
+    parser.add_argument("--omni-frames", type=int, default=None, help="omni/concurrent frames; default: 29 at real "
+                        "size (the card's 189 is minutes per request), the card's for cosmos3-tiny")
+    parser.add_argument("--omni-steps", type=int, default=None, help="default: the card's")
+    args = parser.parse_args(argv)
+    b = Bench(args)
+    if b.device.type == "cpu":
+        torch.set_num_threads(1)
+    results: dict[str, Any] = {
+        "card": b.card_id, "device": str(b.device), "precision": b.precision, "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(b.device) if b.cuda else None,
+        "threads": torch.get_num_threads(), "repeats": b.repeats,
     }
-    kv, dec, mem = results["text_kv_reuse"], results["batched_decode"], results["memory"]
-    gib = 2**30
-    rows = [
-        ("denoise step, text K/V cached once (ms)", f"{kv['step_ms_cached']:.2f}"),
-        ("denoise step, text K/V recomputed each step (ms)", f"{kv['step_ms_recomputed']:.2f}"),
-        ("  speedup", f"{kv['speedup']:.2f}x"),
-        ("ar_token, 8 requests batched (tok/s)", f"{dec['batched']['tokens_per_s']:.1f} (largest batch {dec['batched']['largest_batch']})"),
-        ("ar_token, 8 requests interleaved, exact mode (tok/s)", f"{dec['interleaved_exact']['tokens_per_s']:.1f}"),
-        ("ar_token, 8 requests serial (tok/s)", f"{dec['serial']['tokens_per_s']:.1f}"),
-        ("  speedup batched vs serial", f"{dec['speedup_batched_vs_serial']:.2f}x"),
-        ("tiny weights: one instance / two instances (KiB)",
-         f"{mem['tiny_fp32']['one_instance'] / 1024:.0f} / {mem['tiny_fp32']['two_instances'] / 1024:.0f}"),
-        ("tiny process peak RSS: one / two instances (MiB)",
-         f"{mem['tiny_peak_rss_kib_one'] / 1024:.0f} / {mem['tiny_peak_rss_kib_two'] / 1024:.0f}"),
-        ("Nano bf16 weights: one / two instances (GiB)",
-         f"{mem['nano_bf16']['one_instance'] / gib:.1f} / {mem['nano_bf16']['two_instances'] / gib:.1f}"),
-        ("Super bf16 weights: one / two instances (GiB)",
-         f"{mem['super_bf16']['one_instance'] / gib:.1f} / {mem['super_bf16']['two_instances'] / gib:.1f}"),
-    ]
-    print("| measurement (CPU, cosmos3-tiny, 1 thread) | value |\n|---|---|")
-    for name, value in rows:
+    if b.card_id != "cosmos3-tiny" and not b.cuda:
+        results["skipped"] = f"{b.card_id} at real size needs a CUDA device (sections step, omni, concurrent, decode)"
+        print(f"skipped: {results['skipped']}")
+    else:
+        instance = random_instance(b, cosmos3_card(b.card_id))
+        results["step"] = bench_step(b, instance)
+        results["omni"] = bench_omni(b, instance)
+        results["concurrent"] = bench_concurrent(b, instance)
+        results["decode"] = bench_decode(b, instance)
+    results["memory"] = bench_memory(b)
+    where = results["gpu"] or f"CPU, {results['threads']} thread(s)"
+    print(f"| measurement ({b.card_id}, {b.precision}, {where}) | value |\n|---|---|")
+    for name, value in _rows(results):
         print(f"| {name} | {value} |")
     with open(args.output, "w") as handle:
         json.dump(results, handle, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
