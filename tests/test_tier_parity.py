@@ -206,6 +206,11 @@ def test_vsa_is_a_tier_unless_the_recipe_trained_under_it(card: ModelCard) -> No
     assert select(vsa_card, None, attention="vsa").verdicts == {}  # the card's own attention
 
 
+def test_a_wrong_record_path_fails_at_selection_even_with_no_tier_on(tmp_path: Path, card: ModelCard) -> None:
+    with pytest.raises(ParityRecordError, match="compute.parity_record"):
+        select(card, ComputeOptions(parity_record=tmp_path / "typo.json"), device="cpu")
+
+
 def test_the_deploy_config_carries_the_record_path(tmp_path: Path) -> None:
     deployment = CardDeployment.model_validate({"model": "toy-dit", "compute": {"fused_ops": "auto", "parity_record": str(tmp_path)}})
     assert deployment.compute is not None and deployment.compute.parity_record == tmp_path

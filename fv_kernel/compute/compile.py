@@ -399,9 +399,10 @@ def select_compute_tiers(
     assumed = card.recipe.assumes_attention
     if attention_backend == "vsa" and (assumed is None or assumed.kind != "vsa"):
         explicit["vsa"] = True  # the recipe's own attention is the card's reference, not a fast tier
+    # Read even when no tier is active, so a wrong path fails at deploy, not when a tier is first turned on.
+    record = load_parity_record(compute.parity_record) if compute is not None and compute.parity_record else TierParityRecord()
     if not explicit:
         return TierSelection(compute=compute, verdicts=MappingProxyType({}))
-    record = load_parity_record(compute.parity_record) if compute is not None and compute.parity_record else TierParityRecord()
     verdicts = {
         tier: TIER_PARITY_CONTRACTS[tier].check(record.find(tier, card.model_id, precision), model_id=card.model_id,
                                                 precision=precision, defaults=card.capabilities.defaults)
