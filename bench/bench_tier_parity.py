@@ -21,7 +21,9 @@ Tiers: ``fused`` (Triton kernels; CUDA), ``graphs`` (CUDA graphs; CUDA), ``block
 ``to_gate_compress``). A tier that cannot run here is reported as skipped with the reason.
 Real-size cards are built with seeded random weights (``random_weights.py``: the card's own
 transformer and VAE, a one-layer random text encoder). Without CUDA, ``--device cuda``
-prints why and exits 0.
+prints why and exits 0. ``--cache-dir`` keeps each run's final video and first forward, so
+a run split over several invocations (``--tiers`` a few at a time, under a wall-clock limit)
+computes the eager references once.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def rel_error(test: torch.Tensor, reference: torch.Tensor) -> float:
 
 def measure_tier_parity(
     card: ModelCard, *, device: torch.device, precision: str, tiers: tuple[str, ...], steps: int, frames: int,
-    height: int, width: int, seed: int, source: str, log: Callable[[str], None] = print,
+    height: int, width: int, seed: int, source: str, log: Callable[[str], None] = print, cache_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Eager fp32, eager at ``precision`` and each tier over one trajectory; PSNRs, errors, verdicts.
 
@@ -167,13 +169,26 @@ def measure_tier_parity(
     request = Request(request_id="tier-parity", model=card.model_id, task=TaskType.TEXT_TO_VIDEO,
                       inputs=(TextPart(text=PROMPT),),
                       diffusion=DiffusionParams(seed=seed, steps=steps, height=height, width=width, frames=frames))
+
+    def run(label: str, run_precision: str, **fields: Any) -> Trajectory:
+        if cache_dir is None:
+            return run_trajectory(card, request, device, run_precision, **fields)
+        path = cache_dir / f"{card.model_id}_{label}_{run_precision}_{steps}x{frames}x{height}x{width}_seed{seed}.pt"
+        if path.exists():
+            log(f"  (reusing {path})")
+            return Trajectory(**torch.load(path))
+        got = run_trajectory(card, request, device, run_precision, **fields)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(dataclasses.asdict(got), path)
+        return got
+
     log(f"eager fp32: {steps} steps at {frames}x{height}x{width} on {device}")
-    fp32 = run_trajectory(card, request, device, "fp32")
+    fp32 = run("eager", "fp32")
     if precision == "fp32":
         eager = fp32
     else:
         log(f"eager {precision}")
-        eager = run_trajectory(card, request, device, precision)
+        eager = run("eager", precision)
     reference = {"psnr_db": psnr(fp32.frames, eager.frames),
                  "step_rel_error": rel_error(eager.first_forward, fp32.first_forward),
                  "fp32_seconds": round(fp32.seconds, 3), "eager_seconds": round(eager.seconds, 3)}
@@ -186,7 +201,7 @@ def measure_tier_parity(
             results[tier] = {"status": "skipped", "reason": why_not}
             continue
         log(f"{tier} {precision}")
-        got = run_trajectory(card, request, device, precision, **fields)
+        got = run(tier, precision, **fields)
         measurement = TierParityMeasurement(
             tier=tier, model_id=card.model_id, precision=precision, steps=steps, frames=frames, height=height, width=width,
             psnr_db=psnr(eager.frames, got.frames), reference_psnr_db=reference["psnr_db"],
@@ -213,13 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"),
                         help="the precision eager and the tiers run in (the card's serving precision)")
-    parser.add_argument("--tiers", nargs="+", default=list(TIERS), choices=TIERS)
+    parser.add_argument("--tiers", nargs="*", default=list(TIERS), choices=TIERS,
+                        help="tiers to measure (none: only the eager references, e.g. to fill --cache-dir)")
     parser.add_argument("--steps", type=int, help="default: the card's (a shorter run cannot pass a contract)")
     parser.add_argument("--height", type=int), parser.add_argument("--width", type=int), parser.add_argument("--frames", type=int)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--record", type=Path, help="merge the measurements into this TierParityRecord file")
+    parser.add_argument("--cache-dir", type=Path, help="keep (and reuse) each run's final video and first forward here")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -244,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     source = f"{date}, {machine(device)}, {weights}, seed {args.seed}: {command}"
 
     report = measure_tier_parity(card, device=device, precision=args.precision, tiers=tuple(args.tiers), steps=steps,
-                                 frames=frames, height=height, width=width, seed=args.seed, source=source)
+                                 frames=frames, height=height, width=width, seed=args.seed, source=source,
+                                 cache_dir=args.cache_dir)
     ref = report["reference"]
     print(f"\n{card.model_id}, {steps} steps at {frames}x{height}x{width}, seed {args.seed}, {args.precision}; {source}\n")
     print(f"eager {args.precision} vs eager fp32: {ref['psnr_db']:.2f} dB, first forward {ref['step_rel_error']:.3g} relative\n")

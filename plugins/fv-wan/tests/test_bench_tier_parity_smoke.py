@@ -76,3 +76,14 @@ def test_the_full_default_trajectory_passes_and_a_deployment_reads_it(bench, tmp
     selection = select_compute_tiers(ComputeOptions(compile="blocks", parity_record=record), card, device="cpu",
                                      precision="bf16", attention_backend="sdpa")
     assert selection.verdicts["blocks"].passed and selection.overridden == ()
+
+
+def test_a_split_run_reuses_the_eager_references(bench, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cache = tmp_path / "runs"
+    first, _ = run_bench(bench, tmp_path, "--tiers", "--cache-dir", str(cache))  # the references only
+    assert first["tiers"] == {} and len(list(cache.glob("wan-tiny_eager_*.pt"))) == 2
+    capsys.readouterr()
+    second, _ = run_bench(bench, tmp_path, "--tiers", "blocks", "--cache-dir", str(cache))
+    assert capsys.readouterr().out.count("reusing") == 2
+    assert second["reference"]["psnr_db"] == first["reference"]["psnr_db"]
+    assert second["tiers"]["blocks"]["status"] == "measured"
