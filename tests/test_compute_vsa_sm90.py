@@ -1,0 +1,103 @@
+"""VSA's raster-layout block-sparse kernel compiled for an H100/H200 (sm_90) on the CPU, without a GPU:
+Triton's compiler and the ptxas its wheel ships. At FastWan's bf16 shape, specialised as Triton's
+JIT specialises a launch (16-byte aligned pointers, integer arguments divisible by 16 marked, unit
+strides constant), it must compile, use Hopper's tensor-core instruction (wgmma), load q/k/v in
+16-byte vectors (a row gather that fell back to 2-byte loads would be many times slower) and not
+spill registers. What this cannot say: how fast it runs (``bench/bench_vsa.py``, on a GPU).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from typing import Any
+
+import pytest
+
+from fv_kernel.compute.fused import triton_available
+from fv_kernel.testing.triton_checks import REQUIRE_KERNELS
+
+if not triton_available():
+    if REQUIRE_KERNELS:
+        pytest.fail("FV_REQUIRE_TRITON_KERNELS=1 but triton is not importable", pytrace=False)
+    pytest.skip("needs triton", allow_module_level=True)
+
+LENGTH, HEADS, DIM = 23_296, 12, 128  # 16x28x52 tokens: 364 tiles of 4x4x4
+CONSTEXPRS = {"HAS_GATE": True, "TILE_T": 4, "TILE_H": 4, "TILE_W": 4, "BLOCK_M": 64, "BLOCK_D": 128, "PRECISION": "tf32"}
+
+
+def compile_sm90(strides: dict[str, int], head_dim: int = DIM) -> dict[str, Any]:
+    """PTX facts and ptxas's register report for the kernel specialised to (B, H, L, D) ``strides``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fv_kernel.compute.video_sparse_attention import _raster_kernels, triton_interpreted
+
+    if triton_interpreted():
+        pytest.skip("TRITON_INTERPRET=1 in this process: nothing is compiled")
+    kernel = _raster_kernels()[1]
+    values: dict[str, Any] = {
+        **{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "o_ptr")}, "c_ptr": "*fp32", "sel_ptr": "*i32",
+        "scale_log2": "fp32", "heads": HEADS, "n_tiles": 364, "n_selected": 73, "head_dim": head_dim,
+        "grid_t": 16, "grid_h": 28, "grid_w": 52, "tiles_h": 7, "tiles_w": 13,
+    }
+    for tensor in "qkvgo":
+        values.update({f"s{tensor}_{axis}": stride for axis, stride in strides.items()})
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = dict(CONSTEXPRS)
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for index, name in enumerate(kernel.arg_names):  # as the JIT specialises a launch's arguments
+        value = values.get(name)
+        if name in CONSTEXPRS:
+            signature[name] = "constexpr"
+        elif isinstance(value, str):
+            signature[name] = value
+            attrs[(index,)] = [["tt.divisibility", 16]] if value.startswith("*") else []
+        elif value == 1:
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            attrs[(index,)] = [["tt.divisibility", 16]] if value % 16 == 0 else []
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 4, "num_stages": 3},
+    )
+    ptx = compiled.asm["ptx"]
+    arch = re.search(r"\.target (\S+)", ptx).group(1)  # type: ignore[union-attr]
+    report = subprocess.run(
+        [triton.knobs.nvidia.ptxas.path, f"-arch={arch}", "-v", "-", "-o", "/dev/null"], input=ptx,
+        capture_output=True, text=True, check=True,
+    ).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills is not None, report
+    return {
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "wide_loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32|cp\.async\.cg\.shared\.global.*16;", ptx)),
+        "narrow_loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b16", ptx)),
+        "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
+    }
+
+
+@pytest.fixture(scope="module")
+def contiguous() -> dict[str, Any]:
+    return compile_sm90({"b": HEADS * LENGTH * DIM, "h": LENGTH * DIM, "l": DIM, "d": 1})
+
+
+@pytest.mark.parametrize(
+    "layout", ["contiguous (B, H, L, D)", "the model's (B, L, H, D) views"],
+)
+def test_the_fused_kernel_compiles_for_sm90_with_wgmma_wide_loads_and_no_spills(contiguous: dict[str, Any], layout: str) -> None:
+    facts = contiguous if layout.startswith("contiguous") else compile_sm90(
+        {"b": LENGTH * HEADS * DIM, "h": DIM, "l": HEADS * DIM, "d": 1}
+    )
+    assert facts["wgmma"] > 0, facts
+    assert facts["wide_loads"] > 0 and facts["narrow_loads"] == 0, facts
+    assert facts["spill_bytes"] == 0, facts
+
+
+def test_negative_control_rows_not_16_byte_aligned_fall_back_to_narrow_loads(contiguous: dict[str, Any]) -> None:
+    # head_dim 120: the row stride (120 elements) is not a multiple of 16, so Triton cannot prove
+    # the gathered rows 16-byte aligned and loads them 2 bytes at a time.
+    facts = compile_sm90({"b": HEADS * LENGTH * 120, "h": LENGTH * 120, "l": 120, "d": 1}, head_dim=120)
+    assert facts["narrow_loads"] > 0, facts
