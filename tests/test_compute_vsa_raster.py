@@ -101,6 +101,11 @@ def kernel_checks(device: str) -> dict[str, Any]:
     except AttentionShapeError as exc:
         out["short_v_refused"] = str(exc)
     try:
+        vsa_triton(q, k.half(), v, grid=grid, gate=gate, sparsity=0.75, tile=tile)
+        out["mixed_dtype_refused"] = ""
+    except AttentionShapeError as exc:
+        out["mixed_dtype_refused"] = str(exc)
+    try:
         tile_means_raster(k, (5, 6, 8), tile)
         out["wrong_grid_refused"] = ""
     except AttentionShapeError as exc:
@@ -158,6 +163,7 @@ def test_negative_control_dropping_the_gate_fails_the_comparison(kernels: dict[s
 def test_raster_vsa_refuses_mismatched_inputs(kernels: dict[str, Any]) -> None:
     assert "differ in batch/heads/seq" in kernels["short_v_refused"], kernels
     assert "token grid [5, 6, 8]" in kernels["wrong_grid_refused"], kernels
+    assert "must share a dtype" in kernels["mixed_dtype_refused"], kernels
 
 
 if __name__ == "__main__":  # the interpreter run (see the module docstring)

@@ -431,6 +431,8 @@ def block_sparse_attention_raster(
             raise AttentionShapeError(f"{name} {tuple(x.shape)} must have q's shape {tuple(q.shape)}")
         if x is not None:
             _raster_geometry(x, grid, tile)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise AttentionShapeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     n_tiles = math.prod(_tile_counts(grid, tile))
     if selected.shape[:3] != (batch, heads, n_tiles) or compressed.shape != (batch, heads, n_tiles, dim):
         raise AttentionShapeError(
