@@ -10,7 +10,8 @@ Shape: 448x832x61 -> a 16x28x52 token grid (23,296 tokens, exactly 364 tiles of 
 - ``ms``: fv's driver end to end (:func:`vsa_triton`: raster-layout tile means, tile-level
   attention and top-k, the block-sparse kernel with the gated combine fused), on contiguous
   (B, H, L, D) inputs; ``model_layout_ms`` the same on the (B, L, H, D)-transposed views the Wan
-  model passes; ``fused_kernel_ms`` its block-sparse + combine kernel alone;
+  model passes; ``fused_kernel_ms_<warps>w<stages>s`` its block-sparse + combine kernel alone at
+  each of ``LAUNCH_CONFIGS`` (the driver's first), ``tile_means_ms`` its three tile-mean launches;
 - ``partitioned_ms``: the previous Triton path (tile partition copies of q/k/v/gate, its
   block-sparse kernel, the combine and un-tiling in torch), and ``partitioned_kernel_ms`` its
   block-sparse kernel alone;
@@ -51,6 +52,8 @@ from fv_kernel.compute.video_sparse_attention import (
 GRID = (16, 28, 52)
 TILE = (4, 4, 4)
 HEADS, DIM = 12, 128
+#: (num_warps, num_stages) launches of the fused kernel timed alone; the first is what the driver uses.
+LAUNCH_CONFIGS = ((4, 3), (4, 2), (4, 4), (8, 2), (8, 3))
 CROP = (4, 16, 64)  # 4,096 tokens: the fp32 dense masked reference fits
 
 
@@ -109,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         row["model_layout_ms"] = _bench(lambda: driver.attend_video(mq, mk, mv, grid=GRID, gate=mg))
         tq, tk, tv = (tile_partition(t, GRID, TILE) for t in (q, k, v))
         compressed, selected = select_tiles(tq, tk, tv, sparsity, scale, tile_means_triton)
-        row["fused_kernel_ms"] = _bench(lambda: block_sparse_attention_raster(
-            q, k, v, grid=GRID, tile=TILE, selected=selected, compressed=compressed, gate=gate, scale=scale))
+        for warps, stages in LAUNCH_CONFIGS:  # the first is the driver's; the rest, for tuning it
+            row[f"fused_kernel_ms_{warps}w{stages}s"] = _bench(lambda: block_sparse_attention_raster(
+                q, k, v, grid=GRID, tile=TILE, selected=selected, compressed=compressed, gate=gate, scale=scale,
+                num_warps=warps, num_stages=stages))
         row["tile_means_ms"] = _bench(lambda: [tile_means_raster(t, GRID, TILE) for t in (q, k, v)])
 
         def partitioned() -> torch.Tensor:

@@ -166,5 +166,16 @@ def test_raster_vsa_refuses_mismatched_inputs(kernels: dict[str, Any]) -> None:
     assert "must share a dtype" in kernels["mixed_dtype_refused"], kernels
 
 
+def test_a_bad_launch_configuration_is_refused_by_name() -> None:
+    from fv_kernel.compute.video_sparse_attention import block_sparse_attention_raster
+
+    q = torch.zeros(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="num_warps"):
+        block_sparse_attention_raster(
+            q, q, q, grid=(2, 2, 2), tile=(2, 2, 2), selected=torch.zeros(1, 1, 1, 1, dtype=torch.long),
+            compressed=torch.zeros(1, 1, 1, 16), gate=None, scale=0.25, num_warps=3,
+        )
+
+
 if __name__ == "__main__":  # the interpreter run (see the module docstring)
     print(json.dumps(kernel_checks("cuda" if CUDA else "cpu")))

@@ -417,12 +417,16 @@ def tile_means_raster(x: torch.Tensor, grid: Grid, tile: Grid) -> torch.Tensor:
 
 def block_sparse_attention_raster(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grid: Grid, tile: Grid, selected: torch.Tensor,
-    compressed: torch.Tensor, gate: torch.Tensor | None, scale: float,
+    compressed: torch.Tensor, gate: torch.Tensor | None, scale: float, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
     """The sparse branch and the combine in one kernel over (B, H, L, D) raster-layout q/k/v/gate
     (any strides): each query tile attends over the real tokens of its ``selected`` (B, H, N, k) key
     tiles, then ``+ gate * compressed[tile]`` (``compressed`` (B, H, N, D); gate None: weight 1).
-    Returns (B, H, L, D) in q's dtype, laid out like q where q is dense."""
+    Returns (B, H, L, D) in q's dtype, laid out like q where q is dense. ``num_warps`` /
+    ``num_stages``: the launch configuration (``bench/bench_vsa.py`` times several; the driver
+    uses the defaults, not tuned on a GPU yet)."""
+    if num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
+        raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16 and num_stages >= 1, got {num_warps}, {num_stages}")
     _require_runnable(q)
     batch, heads, _, dim = q.shape
     geometry = _raster_geometry(q, grid, tile)
@@ -447,7 +451,7 @@ def block_sparse_attention_raster(
         *q.stride(), *k.stride(), *v.stride(), *gate_strides, *out.stride(),
         float(scale) * math.log2(math.e), heads, n_tiles, sel.shape[-1], dim, **geometry,
         HAS_GATE=gate is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **_tile_blocks(tile, dim), num_warps=4, num_stages=3,
+        **_tile_blocks(tile, dim), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
