@@ -128,6 +128,25 @@ class FusedOps(abc.ABC):
         """
 
 
+    @abc.abstractmethod
+    def channel_rms_norm_silu(
+        self, x: torch.Tensor, gamma: torch.Tensor, scale: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``silu(x / max(||x||_2 over dim 1, 1e-12) * (gamma * scale))`` for a (B, C, T, H, W) video tensor.
+
+        The channel RMS norm of a causal video VAE (L2 over channels times ``scale`` = sqrt(C)
+        and a per-channel ``gamma`` of C elements, no bias), then SiLU. The norm is taken in
+        fp32; the quotient, the gain product and the SiLU each round to ``x.dtype`` as the
+        eager three-pass code does. ``out`` (same shape and dtype, any strides: a view into a
+        conv's padded input buffer) receives the result, else a new tensor does.
+
+        Predicted gain: eager reads x twice (norm, divide) and makes two more read-write
+        passes (gain, SiLU) over the output, about 14 bytes per bf16 element; fused reads 2
+        and writes 2. The Wan 2.1 decode of 81 frames runs this on about 3.4e10 elements
+        (norm1 and norm2 of 15 residual blocks, and norm_out, over 21 latent steps), so at
+        about 4 TB/s roughly 115 ms -> 33 ms (not measured).
+        """
+
 class TorchFusedOps(FusedOps):
     """The reference: exactly the eager model's formulas (bitwise equal to the unfused code)."""
 
@@ -184,6 +203,30 @@ class TorchFusedOps(FusedOps):
         return rotated.flatten(-2)
 
 
+    def channel_rms_norm_silu(
+        self, x: torch.Tensor, gamma: torch.Tensor, scale: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        _check_video(x, gamma, out)
+        low_precision = x.dtype in (torch.float16, torch.bfloat16)
+        norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32 if low_precision else None)
+        out = torch.empty_like(x) if out is None else out
+        torch.div(x, norm.clamp_min_(1e-12), out=out)
+        out.mul_((gamma * scale).to(out.dtype).reshape(-1, 1, 1, 1))
+        return F.silu(out, inplace=True)
+
+
+def _check_video(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor | None) -> None:
+    if x.dim() != 5:
+        raise ValueError(f"channel_rms_norm_silu: x must be a (B, C, T, H, W) video tensor, got shape {tuple(x.shape)}")
+    if gamma.numel() != x.shape[1]:
+        raise ValueError(f"channel_rms_norm_silu: gamma has {gamma.numel()} elements, x has {x.shape[1]} channels")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        raise ValueError(
+            f"channel_rms_norm_silu: out must match x (shape {tuple(x.shape)}, {x.dtype}); "
+            f"got {tuple(out.shape)}, {out.dtype}"
+        )
+
+
 def _row_block(width: int) -> int:
     return max(16, 1 << (width - 1).bit_length())
 
@@ -192,7 +235,7 @@ def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def _build_kernels() -> tuple[object, object]:
+def _build_kernels() -> tuple[object, object, object]:
     """Compile-on-first-use Triton kernels (imported lazily: Triton is optional)."""
     import triton
     import triton.language as tl
@@ -266,7 +309,39 @@ def _build_kernels() -> tuple[object, object]:
         tl.store(out_ptr + base + 2 * pairs, even.to(low), mask=mask)
         tl.store(out_ptr + base + 2 * pairs + 1, odd.to(low), mask=mask)
 
-    return residual_norm_kernel, rms_rope_kernel
+    @triton.jit
+    def channel_rms_silu_kernel(
+        x_ptr, out_ptr, gain_ptr,
+        voxels, channels, frames, height, width,
+        sx_b, sx_c, sx_t, sx_h, sx_w, so_b, so_c, so_t, so_h, so_w,
+        BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # A block of voxels x all channels: channels-last activations read each voxel's
+        # channels contiguously; any strides work (the output is often a padded buffer's view).
+        v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        v_mask = v < voxels
+        w = v % width
+        rest = v // width
+        h = rest % height
+        rest = rest // height
+        t = rest % frames
+        b = rest // frames
+        c = tl.arange(0, BLOCK_C)
+        c_mask = c < channels
+        mask = v_mask[:, None] & c_mask[None, :]
+        x_at = b * sx_b + t * sx_t + h * sx_h + w * sx_w
+        x = tl.load(x_ptr + x_at[:, None] + c[None, :] * sx_c, mask=mask, other=0.0).to(tl.float32)
+        norm = tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)
+        # The eager passes' roundings: quotient, gain product and SiLU each land in the activation dtype.
+        low = out_ptr.dtype.element_ty
+        n = (x / norm[:, None]).to(low).to(tl.float32)
+        gain = tl.load(gain_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+        n = (n * gain[None, :]).to(low).to(tl.float32)
+        n = n / (1.0 + tl.exp(-n))
+        out_at = b * so_b + t * so_t + h * so_h + w * so_w
+        tl.store(out_ptr + out_at[:, None] + c[None, :] * so_c, n.to(low), mask=mask)
+
+    return residual_norm_kernel, rms_rope_kernel, channel_rms_silu_kernel
 
 
 class TritonFusedOps(FusedOps):
@@ -277,7 +352,7 @@ class TritonFusedOps(FusedOps):
     def __init__(self) -> None:
         if not triton_available():
             raise FusedOpsUnavailable("fused_ops='triton' needs the triton package, which is not importable")
-        self._residual_norm, self._rms_rope = _build_kernels()
+        self._residual_norm, self._rms_rope, self._channel_rms_silu = _build_kernels()
         import triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -394,6 +469,32 @@ class TritonFusedOps(FusedOps):
             HAS_ROPE=rotary is not None, BLOCK_PAIRS=block, num_warps=_warps(block),
         )  # fmt: skip
         return out.unflatten(-1, (heads, -1))
+
+    def channel_rms_norm_silu(
+        self, x: torch.Tensor, gamma: torch.Tensor, scale: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        _check_video(x, gamma, out)
+        if x.device.type != "cuda" and not self.interpreted:
+            raise FusedOpsUnavailable(
+                f"TritonFusedOps got a {x.device.type} tensor: the kernels run on CUDA, or on CPU only when "
+                "built under Triton's interpreter (TRITON_INTERPRET=1 set before TritonFusedOps() is created)"
+            )
+        if out is None:
+            out = torch.empty_like(x)  # keeps x's memory format (channels-last stays channels-last)
+        batch, channels, frames, height, width = x.shape
+        voxels = batch * frames * height * width
+        gain = (gamma * scale).to(x.dtype).reshape(-1).contiguous()  # rounded as the eager gain is
+        block_c = _row_block(channels)
+        block_v = max(1, 4096 // block_c)
+        self._channel_rms_silu[(_cdiv(voxels, block_v),)](  # type: ignore[index]
+            x, out, gain, voxels, channels, frames, height, width, *x.stride(), *out.stride(),
+            BLOCK_V=block_v, BLOCK_C=block_c, num_warps=4,
+        )  # fmt: skip
+        return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def select_fused_ops(device: torch.device | str, mode: str = "auto") -> FusedOps | None:

@@ -420,7 +420,13 @@ def build_wan_instance(
         kind = card.components[component_id].kind
         if kind == "dit":
             return load_transformer(card, component_id, options, compute)
-        return _LOADERS[kind](card, component_id, options)
+        component = _LOADERS[kind](card, component_id, options)
+        if kind == "vae" and component_id == "vae_decoder" and compute is not None:
+            from fv_kernel.api import select_fused_ops
+
+            # The DiT's switch: the decoder's norm + SiLU passes fuse exactly when the blocks' glue does.
+            component.set_fused_ops(select_fused_ops(options.device, compute.fused_ops))
+        return component
 
     source = options.source or card.checkpoint.source
     version = f"seeded:{card.model_id}" if source is None else f"checkpoint:{Path(source).name if Path(source).exists() else source}"

@@ -374,6 +374,15 @@ class WanVAE(nn.Module):
         self.num_encoder_slots = encoder_slots.count
         self.num_decoder_slots = decoder_slots.count
 
+    def set_fused_ops(self, fused_ops: Any) -> None:
+        """Decode with each norm + SiLU as one fused pass (a kernel ``FusedOps``); None: the eager code.
+
+        Only the decoder uses them; the encoder stays eager.
+        """
+        if self.decoder is None:
+            raise ValueError("set_fused_ops: this WanVAE holds no decoder (it was loaded as the encoder half)")
+        self.decoder.set_fused_ops(fused_ops)
+
     # ------------------------------------------------------------------ helpers
 
     @property

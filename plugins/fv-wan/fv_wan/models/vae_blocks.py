@@ -16,6 +16,13 @@ from the reference, not copied, and differs in *how* it computes:
   copy; the 2.2 duplicate-upsample shortcut is added in place without
   materialising it; SiLU and residual adds are in place. This keeps the peak
   working set and memory traffic well below the reference's.
+* Peak memory of the decode: a residual block frees conv1's padded input before
+  conv2's is allocated; the decoder runs each 2.1 stage's layers itself, so no
+  caller frame keeps a stage's input alive through the whole stage; the output
+  norm writes straight into conv_out's padded input. All exact (same ops, same
+  values), only lifetimes change.
+* With fused ops (``Decoder3d.set_fused_ops``, the DiT's ``FusedOps`` switch) each
+  norm + SiLU of the decoder is one fused pass (``channel_rms_norm_silu``).
 
 Slot semantics (``CACHE_T = 2``): a slot holds the last two (time-padded) input
 frames of a causal conv, which stand in for its left zero padding on the next
@@ -27,9 +34,15 @@ reference's ``"Rep"`` marker with a serialisable value.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+#: A ``fv_kernel.compute.fused.FusedOps`` (duck-typed: the model never imports the kernel's compute
+#: module) or None for the eager code.
+FusedOps = Any
 
 CACHE_T = 2
 
@@ -168,6 +181,15 @@ class RMSNorm(nn.Module):
         gain = (self.gamma * self.scale).to(out.dtype).reshape(-1, *([1] * (x.dim() - 2)))
         return out.mul_(gain)
 
+    def silu_into(self, x: Tensor, out: Tensor | None, fused_ops: FusedOps = None) -> Tensor:
+        """``silu(self(x))`` written into ``out`` (or a new tensor): one fused pass when ``fused_ops`` is given.
+
+        Training (autograd recording) always takes the eager path: the fused kernels record no gradient.
+        """
+        if fused_ops is not None and not (torch.is_grad_enabled() and (x.requires_grad or self.gamma.requires_grad)):
+            return fused_ops.channel_rms_norm_silu(x, self.gamma, self.scale, out=out)  # type: ignore[attr-defined]
+        return F.silu(self(x, out=out), inplace=True)
+
 
 def _frame_conv2d(x: Tensor, conv: nn.Conv2d) -> Tensor:
     """Apply a 2D conv to every frame of a 5D tensor without folding time into batch."""
@@ -194,11 +216,14 @@ def _nearest_up2x(x: Tensor, channel_halves_are_frames: bool = False) -> Tensor:
 class ResidualBlock(nn.Module):
     """RMSNorm-SiLU-CausalConv twice, plus a (1x1x1 conv) shortcut.
 
-    Each norm writes straight into its conv's padded input buffer.
+    Each norm writes straight into its conv's padded input buffer, and conv1's buffer is
+    freed before conv2's is allocated (the block's peak is its input, one buffer and one
+    conv output). ``fused_ops`` (None: eager) fuses each norm with its SiLU.
     """
 
     def __init__(self, in_dim: int, out_dim: int, dropout: float, slots: SlotAllocator) -> None:
         super().__init__()
+        self.fused_ops: FusedOps = None
         self.dropout_p = dropout
         self.norm1 = RMSNorm(in_dim, images=False)
         self.conv1 = CachedCausalConv3d(in_dim, out_dim, 3, padding=1, slots=slots)
@@ -209,13 +234,16 @@ class ResidualBlock(nn.Module):
     def forward(self, x: Tensor, cache: SlotList) -> Tensor:
         shortcut = self.conv_shortcut(x)
         buffer, new_frames = self.conv1.input_buffer(x, cache)
-        F.silu(self.norm1(x, out=new_frames), inplace=True)
+        self.norm1.silu_into(x, new_frames, self.fused_ops)
+        del new_frames
         h = self.conv1.run_buffer(buffer, cache)
+        del buffer  # before conv2's buffer exists: the two never live together
         buffer, new_frames = self.conv2.input_buffer(h, cache)
-        F.silu(self.norm2(h, out=new_frames), inplace=True)
+        self.norm2.silu_into(h, new_frames, self.fused_ops)
         del h
         if self.dropout_p > 0 and self.training:
             new_frames.copy_(F.dropout(new_frames, self.dropout_p, training=True))
+        del new_frames
         return self.conv2.run_buffer(buffer, cache).add_(shortcut)
 
 
@@ -454,11 +482,13 @@ class UpBlock(nn.Module):
         self.resnets = nn.ModuleList(resnets)
         self.upsamplers = nn.ModuleList([Resample(out_dim, upsample_mode, slots)]) if upsample_mode else None
 
+    def layers(self) -> list[nn.Module]:
+        """The stage in order: residual blocks, then the upsampler (each called as ``layer(x, cache)``)."""
+        return [*self.resnets, *(self.upsamplers or [])]
+
     def forward(self, x: Tensor, cache: SlotList, first_chunk: bool) -> Tensor:
-        for resnet in self.resnets:
-            x = resnet(x, cache)
-        if self.upsamplers is not None:
-            x = self.upsamplers[0](x, cache)
+        for layer in self.layers():
+            x = layer(x, cache)
         return x
 
 
@@ -583,10 +613,27 @@ class Decoder3d(nn.Module):
                 self.up_blocks.append(UpBlock(stage_in, out_dim, num_res_blocks, dropout, mode, slots))
         self.norm_out = RMSNorm(dims[-1], images=False)
         self.conv_out = CachedCausalConv3d(dims[-1], out_channels, 3, padding=1, slots=slots)
+        self.fused_ops: FusedOps = None
+
+    def set_fused_ops(self, fused_ops: FusedOps) -> None:
+        """Fuse every norm + SiLU of the decoder (a ``FusedOps`` with ``channel_rms_norm_silu``); None: eager."""
+        self.fused_ops = fused_ops
+        for module in self.modules():
+            if isinstance(module, ResidualBlock):
+                module.fused_ops = fused_ops
 
     def forward(self, x: Tensor, cache: SlotList, first_chunk: bool) -> Tensor:
         x = self.conv_in(x, cache)
         x = self.mid_block(x, cache)
         for up_block in self.up_blocks:
-            x = up_block(x, cache, first_chunk)
-        return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
+            if isinstance(up_block, UpBlock):
+                # The stage's layers run from this frame, so no caller keeps the stage's input
+                # alive while later layers run (2.2 stages need theirs for the shortcut).
+                for layer in up_block.layers():
+                    x = layer(x, cache)
+            else:
+                x = up_block(x, cache, first_chunk)
+        buffer, new_frames = self.conv_out.input_buffer(x, cache)
+        self.norm_out.silu_into(x, new_frames, self.fused_ops)
+        del x, new_frames  # only conv_out's padded input lives through conv_out
+        return self.conv_out.run_buffer(buffer, cache)

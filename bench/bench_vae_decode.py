@@ -1,0 +1,205 @@
+"""Wan 2.1 VAE decode: fv eager, fv fused (Triton norm + SiLU) and diffusers, side by side (issue 19 §2).
+
+On CUDA (the H200 run): the real Wan 2.1 VAE with random weights, decoding the 81-frame
+latent 21x60x104 in bf16; for each path the median wall time over ``--iters`` decodes and
+the peak allocated memory (``torch.cuda.max_memory_allocated`` after a reset, weights
+included), the fused path's max abs difference to eager and fv's to diffusers, and the
+ratios fv/diffusers the issue's targets are stated in (time <= 0.6x, peak <= 0.5x).
+
+Without CUDA the script prints that it skipped and exits 0, unless ``--smoke``: then it runs
+every path at tiny size on CPU (fused = the torch reference ops; times mean nothing) and
+reports the decode's *activation* peak, the most bytes of tensor storage alive at once while
+decoding, counted op by op (weights and the pre-allocated latent excluded; conv workspace
+inside an op is not seen). That CPU figure is what the memory changes can be checked on
+without a GPU.
+
+    python bench/bench_vae_decode.py out/vae             # on a CUDA machine
+    python bench/bench_vae_decode.py /tmp/vae --smoke    # CPU, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fv_kernel.compute.fused import FusedOps, TorchFusedOps, TritonFusedOps
+from fv_wan.models.vae import WanVAE, WanVAEConfig
+
+GiB = 2**30
+
+#: Structurally the Wan 2.1 decoder (2 temporal and 3 spatial upsamplings, channel halving,
+#: 1x1x1 shortcuts, mid attention) at small widths.
+SMOKE_CONFIG = WanVAEConfig(base_dim=8, z_dim=4, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
+                            latents_mean=(0.0,) * 4, latents_std=(1.0,) * 4)  # fmt: skip
+
+
+class LiveStorageBytes(TorchDispatchMode):
+    """Bytes of tensor storage created inside the mode and still alive, and their peak, op by op.
+
+    Frees are seen through weak references to the storages before each op runs, so the peak is
+    taken after each op's outputs exist and with every earlier free accounted for.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.bytes = 0
+        self.peak = 0
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.bytes -= self.live.pop(key)[1]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._sweep()
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            known = self.live.get(key)
+            if not key or (known is not None and not known[0].expired()):
+                continue
+            if known is not None:  # an address freed and reused inside this op
+                self.bytes -= known[1]
+            self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+            self.bytes += storage.nbytes()
+        self.peak = max(self.peak, self.bytes)
+        return out
+
+
+def activation_peak_bytes(decode: Callable[[], Any]) -> int:
+    """The most storage bytes alive at once while ``decode()`` runs (the output included)."""
+    counter = LiveStorageBytes()
+    with counter:
+        decode()
+    return counter.peak
+
+
+def _randomise_(vae: WanVAE, seed: int) -> None:
+    """Non-trivial weights (default init has unit gammas and zero biases, which hide mistakes)."""
+    g = torch.Generator(device=next(vae.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            noise = torch.randn(p.shape, generator=g, device=p.device)
+            if name.endswith("gamma"):
+                p.copy_(1 + 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.05 * noise)
+            else:
+                p.copy_(noise * (2.0 / max(1, p[0].numel())) ** 0.5)
+
+
+def _time(device: torch.device, fn: Callable[[], Any], iters: int) -> dict[str, Any]:
+    """Median ms over ``iters`` calls after one warm-up, and the peak allocated GiB on CUDA."""
+    fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    peak = round(torch.cuda.max_memory_allocated() / GiB, 3) if device.type == "cuda" else None
+    return {"ms": round(statistics.median(times), 1), "peak_gib": peak}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype if device.type == "cuda" else "fp32"]
+    config = WanVAEConfig.wan21() if device.type == "cuda" else SMOKE_CONFIG
+    latent = tuple(args.latent) if device.type == "cuda" else (2, 4, 6)
+    with torch.device(device):
+        vae = WanVAE(config)
+    _randomise_(vae, 2)
+    vae.encoder = None  # type: ignore[assignment]
+    vae.quant_conv = None  # type: ignore[assignment]
+    vae = vae.to(dtype).eval().requires_grad_(False)
+    g = torch.Generator(device=device).manual_seed(4)
+    z = torch.randn(1, config.z_dim, *latent, generator=g, device=device).to(dtype)
+    fused: FusedOps = TritonFusedOps() if device.type == "cuda" else TorchFusedOps()
+    iters = args.iters if device.type == "cuda" else 1
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                           "latent": "x".join(map(str, latent)), "dtype": str(dtype).removeprefix("torch."),
+                           "fused_ops": fused.name, "torch": torch.__version__}  # fmt: skip
+
+    with torch.no_grad():
+        vae.set_fused_ops(None)
+        eager_video = vae.decode(z)
+        out["fv_eager"] = _time(device, lambda: vae.decode(z), iters)
+        vae.set_fused_ops(fused)
+        fused_video = vae.decode(z)
+        out["fv_fused"] = _time(device, lambda: vae.decode(z), iters)
+        out["fused_max_abs_diff_vs_eager"] = float((fused_video.float() - eager_video.float()).abs().max())
+        if device.type == "cpu":
+            for label, ops in (("fv_eager", None), ("fv_fused", fused)):
+                vae.set_fused_ops(ops)
+                out[label]["activation_peak_mib"] = round(activation_peak_bytes(lambda: vae.decode(z)) / 2**20, 3)
+        vae.set_fused_ops(None)
+        del fused_video
+        try:
+            from diffusers import AutoencoderKLWan
+        except Exception as exc:  # noqa: BLE001
+            out["diffusers"] = f"skipped: {type(exc).__name__}: {exc}"
+            return out
+        with torch.device(device):
+            ref = AutoencoderKLWan(**config.to_diffusers_config())
+        ref.encoder = None
+        ref.quant_conv = None
+        missing, unexpected = ref.load_state_dict(vae.state_dict(), strict=False)
+        if unexpected or any(not k.startswith(("encoder.", "quant_conv.")) for k in missing):
+            raise RuntimeError(f"diffusers decoder keys differ: missing {missing}, unexpected {unexpected}")
+        ref = ref.to(dtype).eval()
+        ref_video = ref.decode(z, return_dict=False)[0]
+        out["diffusers"] = _time(device, lambda: ref.decode(z, return_dict=False), iters)
+        out["fv_max_abs_diff_vs_diffusers"] = float((eager_video.float() - ref_video.float()).abs().max())
+        if device.type == "cpu":
+            out["diffusers"]["activation_peak_mib"] = round(
+                activation_peak_bytes(lambda: ref.decode(z, return_dict=False)) / 2**20, 3)
+    for label in ("fv_eager", "fv_fused"):
+        out[f"{label}_time_ratio"] = round(out[label]["ms"] / out["diffusers"]["ms"], 3)
+        if out[label]["peak_gib"] and out["diffusers"]["peak_gib"]:
+            out[f"{label}_peak_ratio"] = round(out[label]["peak_gib"] / out["diffusers"]["peak_gib"], 3)
+        if "activation_peak_mib" in out[label]:
+            out[f"{label}_activation_peak_ratio"] = round(
+                out[label]["activation_peak_mib"] / out["diffusers"]["activation_peak_mib"], 3)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny config on CPU (times mean nothing)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="CUDA only; CPU runs fp32")
+    parser.add_argument("--latent", type=int, nargs=3, default=(21, 60, 104), metavar=("T", "H", "W"))
+    parser.add_argument("--iters", type=int, default=3)
+    args = parser.parse_args()
+    if not torch.cuda.is_available() and not args.smoke:
+        print("bench_vae_decode: no CUDA device; skipped (use --smoke for the CPU dry run)")
+        return 0
+    if args.smoke:
+        torch.set_num_threads(1)  # tiny convs: more threads only contend on a shared CPU
+    result = run(args)
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "vae_decode.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

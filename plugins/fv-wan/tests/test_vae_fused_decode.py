@@ -1,0 +1,297 @@
+"""The Wan VAE decoder's fused norm + SiLU and its memory-lean decode.
+
+- ``channel_rms_norm_silu``: the torch reference equals the decoder's eager norm then SiLU bit
+  for bit; the Triton kernel equals the reference (fp32 under Triton's interpreter, rel < 1e-6;
+  bf16 on CUDA, rel < 1e-2) on channels-last, contiguous and padded-buffer-view layouts, and
+  the comparison catches a norm over the wrong axis and a dropped SiLU (negative controls).
+- The whole decoder with fused ops equals eager: bitwise with the torch reference, within
+  1e-5 relative with the Triton kernel (every norm + SiLU going through it).
+- The decode's activation peak (storage bytes alive at once, counted op by op) stays below
+  the residual block that holds conv1's padded input while conv2's is built (negative control).
+
+The Triton checks run on CUDA when there is one, else in a fresh Python under
+``TRITON_INTERPRET=1`` (see ``fv_kernel.testing.triton_checks``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fv_kernel.compute.fused import FusedOps, TorchFusedOps, TritonFusedOps
+from fv_kernel.testing.triton_checks import run_kernel_checks
+from fv_wan.models import vae_blocks
+from fv_wan.models.vae import WanVAE, WanVAEConfig
+
+BENCH = Path(__file__).resolve().parents[3] / "bench"
+
+# Small but structurally complete (as in test_parity_vae): 1x1x1 shortcuts, channel-halving
+# 2.1 upsamplers, two temporal and three spatial upsamplings, mid attention.
+CFG21 = WanVAEConfig(
+    base_dim=4, z_dim=4, dim_mult=(1, 2, 2, 2), num_res_blocks=1,
+    latents_mean=(0.1, -0.2, 0.3, -0.4), latents_std=(1.5, 0.5, 2.0, 0.8),
+)  # fmt: skip
+CFG22 = WanVAEConfig(
+    base_dim=4, decoder_base_dim=6, z_dim=8, dim_mult=(1, 2, 2, 2), num_res_blocks=1, is_residual=True,
+    in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
+    latents_mean=tuple(0.1 * i for i in range(8)), latents_std=tuple(0.5 + 0.1 * i for i in range(8)),
+)  # fmt: skip
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape and torch.isfinite(a).all()
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _vae(cfg: WanVAEConfig, dtype: torch.dtype = torch.float32, device: str = "cpu") -> WanVAE:
+    torch.manual_seed(0)
+    vae = WanVAE(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # non-trivial gammas and biases (defaults are ones / zeros)
+        for name, p in vae.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if name.endswith("gamma") else 0.1 * noise if name.endswith("bias") else p)
+    return vae.to(device, dtype)
+
+
+def _latent(cfg: WanVAEConfig, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(1, cfg.z_dim, 3, 4, 6, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+
+
+def _norm_calls(cfg: WanVAEConfig, latent_frames: int) -> int:
+    """Norm + SiLU passes of one decode: two per residual block and the output norm, per latent frame."""
+    blocks = sum(isinstance(m, vae_blocks.ResidualBlock) for m in WanVAE(cfg).decoder.modules())
+    return (2 * blocks + 1) * latent_frames
+
+
+# --------------------------------------------------------------------------- eager = torch reference
+
+
+@pytest.mark.parametrize("cfg", [CFG21, CFG22], ids=["2.1", "2.2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_fused_decode_is_bitwise_eager(cfg: WanVAEConfig, dtype: torch.dtype) -> None:
+    vae = _vae(cfg, dtype)
+    z = _latent(cfg, dtype=dtype)
+    with torch.no_grad():
+        eager = vae.decode(z)
+        vae.set_fused_ops(TorchFusedOps())
+        fused = vae.decode(z)
+    assert torch.equal(eager, fused)
+
+
+def test_eager_is_the_default_and_training_stays_eager() -> None:
+    vae = _vae(CFG21)
+    assert vae.decoder.fused_ops is None
+    assert all(m.fused_ops is None for m in vae.decoder.modules() if isinstance(m, vae_blocks.ResidualBlock))
+
+    class Refuses(TorchFusedOps):
+        def channel_rms_norm_silu(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise AssertionError("a fused kernel ran while autograd was recording")
+
+    vae.set_fused_ops(Refuses())
+    vae.requires_grad_(True)
+    video = vae.decode(_latent(CFG21))  # autograd records: the eager (differentiable) path
+    video.sum().backward()
+    assert vae.decoder.conv_in.weight.grad is not None
+
+
+def test_instance_fuses_the_decoder_with_the_dits_switch() -> None:
+    from fv_kernel.card.instance import InstanceOptions
+    from fv_kernel.compute.compile import ComputeOptions
+    from fv_wan.cards import wan_cards
+    from fv_wan.instance import build_wan_instance
+
+    card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+    inputs = {"z": torch.randn(1, 16, 1, 4, 6, generator=torch.Generator().manual_seed(3))}
+    videos = {}
+    for label, compute in (("default", None), ("off", ComputeOptions(fused_ops="off")),
+                           ("torch", ComputeOptions(fused_ops="torch"))):
+        instance = build_wan_instance(card, InstanceOptions(), compute)
+        decoder = instance.component("vae_decoder").decoder
+        assert isinstance(decoder.fused_ops, TorchFusedOps) == (label == "torch"), label
+        assert label == "torch" or decoder.fused_ops is None
+        with torch.no_grad():
+            videos[label] = instance.op("vae_decode_frame").fn(inputs, {"last": True})["frames"]
+    assert torch.equal(videos["torch"], videos["default"]) and torch.equal(videos["off"], videos["default"])
+
+
+def test_encoder_half_refuses_fused_ops() -> None:
+    vae = _vae(CFG21)
+    vae.decoder = None  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="no decoder"):
+        vae.set_fused_ops(TorchFusedOps())
+
+
+def test_op_refuses_bad_shapes_by_name() -> None:
+    ops = TorchFusedOps()
+    x = torch.randn(1, 4, 2, 3, 3)
+    with pytest.raises(ValueError, match=r"\(B, C, T, H, W\)"):
+        ops.channel_rms_norm_silu(x[0], torch.ones(4), 2.0)
+    with pytest.raises(ValueError, match="gamma has 3 elements, x has 4 channels"):
+        ops.channel_rms_norm_silu(x, torch.ones(3), 2.0)
+    with pytest.raises(ValueError, match="out must match x"):
+        ops.channel_rms_norm_silu(x, torch.ones(4), 2.0, out=torch.empty(1, 4, 2, 3, 3, dtype=torch.float64))
+
+
+# --------------------------------------------------------------------------- Triton kernel
+
+
+class _NormOverWidth(TorchFusedOps):
+    """Wrong reference: L2 norm over the last (W) axis instead of channels."""
+
+    def channel_rms_norm_silu(self, x, gamma, scale, out=None):  # type: ignore[no-untyped-def]
+        y = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12) * (gamma * scale).reshape(-1, 1, 1, 1)
+        return F.silu(y)
+
+
+class _SiluDropped(TorchFusedOps):
+    """Wrong reference: the norm without its SiLU."""
+
+    def channel_rms_norm_silu(self, x, gamma, scale, out=None):  # type: ignore[no-untyped-def]
+        y = x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(1e-12) * (gamma * scale).reshape(-1, 1, 1, 1)
+        return y
+
+
+def _op_mismatches(fused: FusedOps, ref: FusedOps, device: str) -> dict[str, float]:
+    """Each layout whose kernel output differs from ``ref`` beyond tolerance, with its relative error."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    g = torch.Generator().manual_seed(7)
+    errors: dict[str, float] = {}
+    for channels in (12, 5):  # a power of two's worth of lanes masked, and an odd count
+        x = (3 * torch.randn(2, channels, 3, 5, 7, generator=g)).to(device, dtype)
+        gamma = (1 + 0.3 * torch.randn(channels, 1, 1, 1, generator=g)).to(device, dtype)
+        scale = channels**0.5
+        want = ref.channel_rms_norm_silu(x, gamma, scale)
+        cl = x.to(memory_format=torch.channels_last_3d)
+        errors[f"c{channels}.channels_last"] = _rel(fused.channel_rms_norm_silu(cl, gamma, scale), want)
+        errors[f"c{channels}.contiguous"] = _rel(fused.channel_rms_norm_silu(x.contiguous(), gamma, scale), want)
+        # The decoder's use: write into the new-frame view of a conv's time-padded channels-last buffer.
+        buffer = torch.full((2, channels, 5, 5, 7), 7.0, device=device, dtype=dtype).to(memory_format=torch.channels_last_3d)
+        fused.channel_rms_norm_silu(cl, gamma, scale, out=buffer[:, :, 2:])
+        errors[f"c{channels}.buffer_view"] = _rel(buffer[:, :, 2:], want)
+        errors[f"c{channels}.buffer_padding_untouched"] = float((buffer[:, :, :2] != 7.0).sum())
+    return {name: err for name, err in errors.items() if not err < tol}
+
+
+def kernel_checks(device: str) -> dict[str, Any]:
+    """The kernel against the reference and the wrong references, and the decoders with it against eager."""
+    triton_ops = TritonFusedOps()
+    out: dict[str, Any] = {"interpreted": triton_ops.interpreted}
+    out["reference"] = _op_mismatches(triton_ops, TorchFusedOps(), device)
+    out["norm_over_width"] = _op_mismatches(triton_ops, _NormOverWidth(), device)
+    out["silu_dropped"] = _op_mismatches(triton_ops, _SiluDropped(), device)
+
+    calls: Counter[str] = Counter()
+    run = triton_ops.channel_rms_norm_silu
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["channel_rms_norm_silu"] += 1
+        return run(*args, **kwargs)
+
+    triton_ops.channel_rms_norm_silu = counted  # type: ignore[method-assign]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    for label, cfg in (("2.1", CFG21), ("2.2", CFG22)):
+        vae = _vae(cfg, dtype, device)
+        z = _latent(cfg, device, dtype)
+        with torch.no_grad():
+            eager = vae.decode(z)
+            vae.set_fused_ops(triton_ops)
+            calls.clear()
+            fused = vae.decode(z)
+        out[f"decoder[{label}]"] = {"rel": _rel(fused, eager), "calls": calls["channel_rms_norm_silu"],
+                                    "expected_calls": _norm_calls(cfg, z.shape[2]),
+                                    "tol": 2e-2 if dtype == torch.bfloat16 else 1e-5}  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def kernels() -> dict[str, Any]:
+    results = run_kernel_checks(__file__, lambda: kernel_checks("cuda"), what="the VAE norm + SiLU kernel")
+    assert torch.cuda.is_available() or results["interpreted"], "TRITON_INTERPRET=1 was set but Triton compiled for a GPU"
+    return results
+
+
+def test_triton_kernel_matches_reference(kernels: dict[str, Any]) -> None:
+    assert kernels["reference"] == {}
+
+
+@pytest.mark.parametrize("wrong", ["norm_over_width", "silu_dropped"])
+def test_kernel_comparison_catches_a_wrong_formula(kernels: dict[str, Any], wrong: str) -> None:
+    # Every layout of both channel counts differs from the wrong reference (padding is untouched either way).
+    mismatched = {k for k in kernels[wrong] if not k.endswith("padding_untouched")}
+    assert len(mismatched) == 6, kernels[wrong]
+
+
+@pytest.mark.parametrize("label", ["2.1", "2.2"])
+def test_triton_fused_decoder_matches_eager(kernels: dict[str, Any], label: str) -> None:
+    result = kernels[f"decoder[{label}]"]
+    assert result["rel"] < result["tol"], result
+    # Meaningful only if every norm + SiLU of the decode really went through the kernel.
+    assert result["calls"] == result["expected_calls"], result
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _activation_peak(vae: WanVAE, z: torch.Tensor) -> int:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from bench_vae_decode import activation_peak_bytes
+    finally:
+        sys.path.remove(str(BENCH))
+    with torch.no_grad():
+        return activation_peak_bytes(lambda: vae.decode(z))
+
+
+def _holds_conv1_buffer(self: vae_blocks.ResidualBlock, x: torch.Tensor, cache: vae_blocks.SlotList) -> torch.Tensor:
+    """The earlier residual block: conv1's padded input still referenced while conv2's is built."""
+    shortcut = self.conv_shortcut(x)
+    buffer, new_frames = self.conv1.input_buffer(x, cache)
+    self.norm1.silu_into(x, new_frames)
+    h = self.conv1.run_buffer(buffer, cache)
+    buffer, new_frames = self.conv2.input_buffer(h, cache)
+    self.norm2.silu_into(h, new_frames)
+    del h
+    return self.conv2.run_buffer(buffer, cache).add_(shortcut)
+
+
+def test_residual_blocks_never_hold_two_padded_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    vae = _vae(CFG21)
+    z = _latent(CFG21)
+    lean = _activation_peak(vae, z)
+    monkeypatch.setattr(vae_blocks.ResidualBlock, "forward", _holds_conv1_buffer)
+    held = _activation_peak(vae, z)
+    assert lean < 0.95 * held, (lean, held)
+
+
+def test_decoder_releases_stage_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: running each 2.1 stage through ``UpBlock.forward`` (the caller keeps the
+    stage's input alive) raises the peak; the decoder's own loop over the stage's layers does not."""
+    vae = _vae(CFG21)
+    z = _latent(CFG21)
+    lean = _activation_peak(vae, z)
+    monkeypatch.setattr(vae_blocks.UpBlock, "layers", lambda self: [lambda x, cache, _f=self._stage: _f(x, cache)])
+    monkeypatch.setattr(vae_blocks.UpBlock, "_stage", lambda self, x, cache: _run_stage(self, x, cache), raising=False)
+    held = _activation_peak(vae, z)
+    assert lean < held, (lean, held)
+
+
+def _run_stage(stage: vae_blocks.UpBlock, x: torch.Tensor, cache: vae_blocks.SlotList) -> torch.Tensor:
+    for resnet in stage.resnets:
+        x = resnet(x, cache)
+    if stage.upsamplers is not None:
+        x = stage.upsamplers[0](x, cache)
+    return x
+
+
+if __name__ == "__main__":  # the fresh-process interpreter run (TRITON_INTERPRET=1 set by the caller)
+    torch.set_num_threads(1)
+    print(json.dumps(kernel_checks("cpu")))
