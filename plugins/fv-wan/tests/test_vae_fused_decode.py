@@ -295,3 +295,23 @@ def _run_stage(stage: vae_blocks.UpBlock, x: torch.Tensor, cache: vae_blocks.Slo
 if __name__ == "__main__":  # the fresh-process interpreter run (TRITON_INTERPRET=1 set by the caller)
     torch.set_num_threads(1)
     print(json.dumps(kernel_checks("cpu")))
+
+
+# --------------------------------------------------------------------------- the bench script
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on CUDA the script measures for real")
+def test_bench_skips_without_cuda_and_its_smoke_run_compares_all_three(tmp_path: Path) -> None:
+    import subprocess
+
+    script = str(BENCH / "bench_vae_decode.py")
+    skipped = subprocess.run([sys.executable, script, str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
+    assert skipped.returncode == 0 and "skipped" in skipped.stdout and not (tmp_path / "none").exists()
+    smoke = subprocess.run([sys.executable, script, str(tmp_path), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert smoke.returncode == 0, smoke.stderr[-3000:]
+    result = json.loads((tmp_path / "vae_decode.json").read_text())
+    assert result["fused_max_abs_diff_vs_eager"] == 0.0  # the torch reference ops on CPU
+    assert result["fv_max_abs_diff_vs_diffusers"] < 1e-4
+    # fv keeps less alive at once than diffusers (the figure docs/performance.md quotes)
+    assert result["fv_eager"]["activation_peak_mib"] < result["diffusers"]["activation_peak_mib"]
+    assert 0 < result["resident_mib"]["causal_cache"] < result["fv_eager"]["activation_peak_mib"]
