@@ -1,7 +1,8 @@
 """Wan 2.1 VAE decode: fv eager, fv fused (Triton norm + SiLU) and diffusers, side by side (issue 19 §2).
 
 On CUDA (the H200 run): the real Wan 2.1 VAE with random weights, decoding the 81-frame
-latent 21x60x104 in bf16; for each path the median wall time over ``--iters`` decodes and
+latent 21x60x104 in bf16; paths: eager, fused, and each again with the full-resolution
+stages run ``--frame-chunk`` frames at a time (``WanVAE.set_decode_frame_chunk``); for each path the median wall time over ``--iters`` decodes and
 the peak allocated memory (``torch.cuda.max_memory_allocated`` after a reset, weights
 included), the fused path's max abs difference to eager and fv's to diffusers, and the
 ratios fv/diffusers the issue's targets are stated in (time <= 0.6x, peak <= 0.5x). What
@@ -153,8 +154,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for label, ops in (("fv_eager", None), ("fv_fused", fused)):
                 vae.set_fused_ops(ops)
                 out[label]["activation_peak_mib"] = round(activation_peak_bytes(lambda: vae.decode(z)) / 2**20, 3)
+        # The full-resolution stages ``--frame-chunk`` frames at a time (exact; fewer live activations).
+        chunk = f"chunk{args.frame_chunk}"
+        vae.set_decode_frame_chunk(args.frame_chunk)
+        out[f"fv_fused_{chunk}"] = _time(device, lambda: vae.decode(z), iters)
         vae.set_fused_ops(None)
-        del fused_video
+        chunked_video = vae.decode(z)
+        out[f"fv_eager_{chunk}"] = _time(device, lambda: vae.decode(z), iters)
+        out[f"eager_{chunk}_max_abs_diff_vs_eager"] = float((chunked_video.float() - eager_video.float()).abs().max())
+        if device.type == "cpu":
+            for label, ops in ((f"fv_eager_{chunk}", None), (f"fv_fused_{chunk}", fused)):
+                vae.set_fused_ops(ops)
+                out[label]["activation_peak_mib"] = round(activation_peak_bytes(lambda: vae.decode(z)) / 2**20, 3)
+        vae.set_decode_frame_chunk(None)
+        vae.set_fused_ops(None)
+        del fused_video, chunked_video
         # What the peak is made of: what must live (weights, the output video, the causal history
         # at its largest) and, by difference on CUDA, the transient activations and conv workspace.
         cache = vae.new_decode_cache()
@@ -187,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cpu":
             out["diffusers"]["activation_peak_mib"] = round(
                 activation_peak_bytes(lambda: ref.decode(z, return_dict=False)) / 2**20, 3)
-    for label in ("fv_eager", "fv_fused"):
+    for label in ("fv_eager", "fv_fused", f"fv_eager_chunk{args.frame_chunk}", f"fv_fused_chunk{args.frame_chunk}"):
         out[f"{label}_time_ratio"] = round(out[label]["ms"] / out["diffusers"]["ms"], 3)
         if out[label]["peak_gib"] and out["diffusers"]["peak_gib"]:
             out[f"{label}_peak_ratio"] = round(out[label]["peak_gib"] / out["diffusers"]["peak_gib"], 3)
@@ -204,6 +218,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="CUDA only; CPU runs fp32")
     parser.add_argument("--latent", type=int, nargs=3, default=(21, 60, 104), metavar=("T", "H", "W"))
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--frame-chunk", type=int, default=1,
+                        help="frames per chunk for the chunked rows (the decoder's full-resolution stages)")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.smoke:
         print("bench_vae_decode: no CUDA device; skipped (use --smoke for the CPU dry run)")

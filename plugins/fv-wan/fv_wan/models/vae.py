@@ -383,6 +383,15 @@ class WanVAE(nn.Module):
             raise ValueError("set_fused_ops: this WanVAE holds no decoder (it was loaded as the encoder half)")
         self.decoder.set_fused_ops(fused_ops)
 
+    def set_decode_frame_chunk(self, frames: int | None) -> None:
+        """Run the decoder's full-resolution stages (after its last temporal upsampler) ``frames``
+        frames at a time; None (the default) runs a step's frames at once. Exact: only the live
+        activations shrink, the video is the same.
+        """
+        if self.decoder is None:
+            raise ValueError("set_decode_frame_chunk: this WanVAE holds no decoder (it was loaded as the encoder half)")
+        self.decoder.set_frame_chunk(frames)
+
     # ------------------------------------------------------------------ helpers
 
     @property

@@ -580,6 +580,12 @@ class Encoder3d(nn.Module):
         return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
 
 
+def _upsamples_time(stage: nn.Module) -> bool:
+    if isinstance(stage, UpBlock):
+        return stage.upsamplers is not None and stage.upsamplers[0].mode == "upsample3d"
+    return isinstance(stage, ResidualUpBlock) and stage.upsampler is not None and stage.upsampler.mode == "upsample3d"
+
+
 class Decoder3d(nn.Module):
     """Causal video decoder: z_dim channels -> video (or patchified video)."""
 
@@ -614,6 +620,12 @@ class Decoder3d(nn.Module):
         self.norm_out = RMSNorm(dims[-1], images=False)
         self.conv_out = CachedCausalConv3d(dims[-1], out_channels, 3, padding=1, slots=slots)
         self.fused_ops: FusedOps = None
+        #: Run the stages after the last temporal upsampler on this many frames at a time (None: all).
+        self.frame_chunk: int | None = None
+        temporal = [i for i, block in enumerate(self.up_blocks) if _upsamples_time(block)]
+        #: Index of the first stage that only works frame by frame (causal convs with history,
+        #: spatial upsampling): chunking from there on is exact.
+        self.framewise_from = temporal[-1] + 1 if temporal else 0
 
     def set_fused_ops(self, fused_ops: FusedOps) -> None:
         """Fuse every norm + SiLU of the decoder (a ``FusedOps`` with ``channel_rms_norm_silu``); None: eager."""
@@ -622,18 +634,59 @@ class Decoder3d(nn.Module):
             if isinstance(module, ResidualBlock):
                 module.fused_ops = fused_ops
 
+    def set_frame_chunk(self, frames: int | None) -> None:
+        """Decode the full-resolution stages ``frames`` frames at a time (None: a step's frames at once).
+
+        Exact: those stages are causal in time with their history in the cache, so chunked
+        processing computes the same convolutions; only the live activations shrink.
+        """
+        if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
+            raise ValueError(f"frame_chunk must be a positive int or None, got {frames!r}")
+        self.frame_chunk = frames
+
     def forward(self, x: Tensor, cache: SlotList, first_chunk: bool) -> Tensor:
         x = self.conv_in(x, cache)
         x = self.mid_block(x, cache)
-        for up_block in self.up_blocks:
+        for index, up_block in enumerate(self.up_blocks):
+            if index == self.framewise_from and self.frame_chunk is not None and x.shape[2] > self.frame_chunk:
+                return self._framewise_chunked(x, cache, first_chunk)
+            # Stage layers run from this frame (no helper's caller may keep the stage's input alive
+            # while later layers run); 2.2 stages keep theirs for the shortcut anyway.
             if isinstance(up_block, UpBlock):
-                # The stage's layers run from this frame, so no caller keeps the stage's input
-                # alive while later layers run (2.2 stages need theirs for the shortcut).
                 for layer in up_block.layers():
                     x = layer(x, cache)
             else:
                 x = up_block(x, cache, first_chunk)
+        buffer = self._output_buffer(x, cache)
+        del x  # only conv_out's padded input lives through conv_out
+        return self.conv_out.run_buffer(buffer, cache)
+
+    def _framewise_chunked(self, x: Tensor, cache: SlotList, first_chunk: bool) -> Tensor:
+        """The frame-wise stages and the output conv over ``frame_chunk`` frames at a time."""
+        assert self.frame_chunk is not None
+        out: Tensor | None = None
+        start = 0
+        for chunk in x.split(self.frame_chunk, dim=2):
+            y = chunk
+            for up_block in self.up_blocks[self.framewise_from :]:
+                if isinstance(up_block, UpBlock):
+                    for layer in up_block.layers():
+                        y = layer(y, cache)
+                else:
+                    y = up_block(y, cache, first_chunk)
+            buffer = self._output_buffer(y, cache)
+            del y
+            y = self.conv_out.run_buffer(buffer, cache)
+            del buffer
+            if out is None:  # the output has few channels: one small buffer for the step
+                out = _empty_activation((y.shape[0], y.shape[1], x.shape[2], *y.shape[3:]), y)
+            out[:, :, start : start + y.shape[2]].copy_(y)
+            start += y.shape[2]
+        assert out is not None
+        return out
+
+    def _output_buffer(self, x: Tensor, cache: SlotList) -> Tensor:
+        """conv_out's padded input with the output norm + SiLU of ``x`` written straight into it."""
         buffer, new_frames = self.conv_out.input_buffer(x, cache)
         self.norm_out.silu_into(x, new_frames, self.fused_ops)
-        del x, new_frames  # only conv_out's padded input lives through conv_out
-        return self.conv_out.run_buffer(buffer, cache)
+        return buffer
