@@ -6,8 +6,13 @@
   the comparison catches a norm over the wrong axis and a dropped SiLU (negative controls).
 - The whole decoder with fused ops equals eager: bitwise with the torch reference, within
   1e-5 relative with the Triton kernel (every norm + SiLU going through it).
+- The kernel compiles for sm_90 (Triton's compiler and its wheel's ptxas, no GPU) at the
+  decoder's widths with 16-byte loads and stores and no spills; a 5-channel layout gets no
+  wide accesses (negative control). How fast it runs needs a GPU (bench/bench_vae_decode.py).
 - The decode's activation peak (storage bytes alive at once, counted op by op) stays below
-  the residual block that holds conv1's padded input while conv2's is built (negative control).
+  the residual block that holds conv1's padded input while conv2's is built, and below the
+  stage loop that keeps a stage's input alive (negative controls); frame-chunked decoding is
+  bitwise the whole-step decode in fp32 and lowers that peak.
 
 The Triton checks run on CUDA when there is one, else in a fresh Python under
 ``TRITON_INTERPRET=1`` (see ``fv_kernel.testing.triton_checks``).
@@ -236,6 +241,86 @@ def test_triton_fused_decoder_matches_eager(kernels: dict[str, Any], label: str)
     assert result["rel"] < result["tol"], result
     # Meaningful only if every norm + SiLU of the decode really went through the kernel.
     assert result["calls"] == result["expected_calls"], result
+
+
+# --------------------------------------------------------------------------- compiled for sm_90 (no GPU)
+
+
+def compile_sm90(channels: int, frames: int = 4, height: int = 480, width: int = 832) -> dict[str, int]:
+    """PTX facts and ptxas's spill report for the kernel built for an H100/H200 (sm_90) on the CPU.
+
+    Specialised as Triton's JIT specialises a launch on the decoder's bf16 channels-last
+    activations at 480x832 (16-byte aligned pointers, integers divisible by 16 marked, the unit
+    channel stride constant), writing into a padded conv buffer's new-frame view.
+    """
+    import os
+    import re
+    import subprocess
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fv_kernel.compute.fused import _build_kernels, triton_available
+
+    if not triton_available():
+        pytest.skip("needs triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 in this process: nothing is compiled")
+    kernel = _build_kernels()[2]
+    pixels = height * width
+    values: dict[str, Any] = {
+        "x_ptr": "*bf16", "out_ptr": "*bf16", "gain_ptr": "*bf16", "voxels": frames * pixels, "channels": channels,
+        "frames": frames, "height": height, "width": width,
+        "sx_b": channels * frames * pixels, "sx_c": 1, "sx_t": channels * pixels, "sx_h": channels * width, "sx_w": channels,
+        "so_b": channels * (frames + 2) * pixels, "so_c": 1, "so_t": channels * pixels, "so_h": channels * width,
+        "so_w": channels,
+    }  # fmt: skip
+    block_c = max(16, 1 << (channels - 1).bit_length())
+    constexprs: dict[str, Any] = {"BLOCK_V": max(1, 4096 // block_c), "BLOCK_C": block_c}
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for index, name in enumerate(kernel.arg_names):
+        value = values.get(name)
+        if name in ("BLOCK_V", "BLOCK_C"):
+            signature[name] = "constexpr"
+        elif isinstance(value, str):
+            signature[name] = value
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif value == 1:
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            attrs[(index,)] = [["tt.divisibility", 16]] if value % 16 == 0 else []
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+    )
+    ptx = compiled.asm["ptx"]
+    arch = re.search(r"\.target (\S+)", ptx).group(1)  # type: ignore[union-attr]
+    report = subprocess.run(
+        [triton.knobs.nvidia.ptxas.path, f"-arch={arch}", "-v", "-", "-o", "/dev/null"], input=ptx,
+        capture_output=True, text=True, check=True,
+    ).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills is not None, report
+    return {
+        "wide_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v4\.b32", ptx)),
+        "wide_stores": len(re.findall(r"st\.global(?:\.[a-z0-9]+)*\.v4\.b32", ptx)),
+        "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
+    }
+
+
+@pytest.mark.parametrize("channels", [96, 192, 384])  # the Wan 2.1 decoder's widths
+def test_kernel_compiles_for_sm90_with_16_byte_accesses_and_no_spills(channels: int) -> None:
+    facts = compile_sm90(channels)
+    assert facts["wide_loads"] > 0 and facts["wide_stores"] > 0, facts
+    assert facts["spill_bytes"] == 0, facts
+
+
+def test_negative_control_a_voxel_stride_not_16_byte_aligned_gets_no_wide_accesses() -> None:
+    # 5 channels: a voxel's channels start at 10-byte steps, so nothing can be loaded 16 bytes at a time.
+    facts = compile_sm90(5)
+    assert facts["wide_loads"] == 0 and facts["wide_stores"] == 0, facts
 
 
 # --------------------------------------------------------------------------- memory
