@@ -30,26 +30,14 @@ import torch
 from fv_cachedit import DBCache, FBCache, TaylorSeer, block_cache_stats
 from fv_cachedit.quality import psnr, ssim
 from fv_kernel.card.instance import InstanceOptions, ModelInstance, build_instance
-from fv_kernel.card.spec import ModelCard
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.loop.contract import LoopState
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.local import run_local
-from random_weights import random_weight_card  # bench/, beside this script
+from random_weights import load_wan_card  # bench/, beside this script
 
 CACHES = {"dbcache": DBCache, "fbcache": FBCache, "taylorseer": TaylorSeer}
-
-
-def load_card(model_id: str) -> tuple[ModelCard, bool]:
-    """The card on random weights, and whether it is real-size (a downloadable card)."""
-    from fv_wan.cards import wan_cards
-
-    cards = {c.model_id: c for c in wan_cards()}
-    if model_id not in cards:
-        raise SystemExit(f"--card: unknown card {model_id!r}; allowed: {', '.join(sorted(cards))}")
-    card = cards[model_id]
-    return random_weight_card(card), card.checkpoint.source is not None
 
 
 class DenoiseTimer:
@@ -111,7 +99,7 @@ def main() -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"skipped: --device {args.device} asked for CUDA, which this machine does not have")
         return 0
-    card, real_size = load_card(args.card)
+    card, real_size = load_wan_card(args.card)
     if real_size and device.type != "cuda":
         print(f"skipped: {args.card} is real-size; run it with --device cuda")
         return 0

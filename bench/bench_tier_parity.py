@@ -50,7 +50,7 @@ from fv_kernel.compute.fused import triton_available
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.local import run_local
-from random_weights import random_weight_card  # bench/, beside this script
+from random_weights import load_wan_card  # bench/, beside this script
 
 TIERS = ("fused", "graphs", "blocks", "vsa")
 PROMPT = "a red fox runs through fresh snow at dawn"
@@ -63,17 +63,6 @@ class Trajectory:
     frames: torch.Tensor
     first_forward: torch.Tensor
     seconds: float
-
-
-def load_card(model_id: str) -> tuple[ModelCard, bool]:
-    """The card on random weights, and whether it is real-size (a downloadable card)."""
-    from fv_wan.cards import wan_cards
-
-    cards = {c.model_id: c for c in wan_cards()}
-    if model_id not in cards:
-        raise SystemExit(f"--card: unknown card {model_id!r}; allowed: {', '.join(sorted(cards))}")
-    card = cards[model_id]
-    return random_weight_card(card), card.checkpoint.source is not None
 
 
 def tier_setup(tier: str, card: ModelCard, device: torch.device) -> tuple[dict[str, Any] | None, str | None]:
@@ -243,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"skipped: --device {args.device} asked for CUDA, which this machine does not have")
         return 0
-    card, real_size = load_card(args.card)
+    card, real_size = load_wan_card(args.card)
     if real_size and device.type != "cuda":
         print(f"skipped: {args.card} is real-size; run it with --device cuda")
         return 0

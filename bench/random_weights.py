@@ -1,11 +1,12 @@
 """A downloadable card rebuilt on seeded random weights of the same architecture, for the benches
-that time real-size models without their checkpoints (``bench_cachedit.py``, ``bench_rl_rollout.py``)."""
+that time real-size models without their checkpoints (``bench_cachedit.py``, ``bench_rl_rollout.py``,
+``bench_tier_parity.py``)."""
 
 from __future__ import annotations
 
 from fv_kernel.card.spec import ModelCard
 
-__all__ = ["random_weight_card"]
+__all__ = ["random_weight_card", "load_wan_card"]
 
 
 def random_weight_card(card: ModelCard) -> ModelCard:
@@ -20,3 +21,15 @@ def random_weight_card(card: ModelCard) -> ModelCard:
     # The real UMT5-XXL is 5.7B parameters of text encoding that the benchmarks do not time.
     specs["text_encoder"] = specs["text_encoder"].model_copy(update={"config": {"tiny": {"d_model": text_dim, "num_layers": 1}}})
     return card.model_copy(update={"checkpoint": checkpoint, "components": specs})
+
+
+def load_wan_card(model_id: str) -> tuple[ModelCard, bool]:
+    """fv-wan's card ``model_id`` on random weights, and whether it is real-size (a downloadable card).
+    An unknown id exits naming the ``--card`` flag and the allowed ids."""
+    from fv_wan.cards import wan_cards
+
+    cards = {c.model_id: c for c in wan_cards()}
+    if model_id not in cards:
+        raise SystemExit(f"--card: unknown card {model_id!r}; allowed: {', '.join(sorted(cards))}")
+    card = cards[model_id]
+    return random_weight_card(card), card.checkpoint.source is not None
