@@ -34,20 +34,10 @@ from fv_kernel.compute.fused import FusedOps, TorchFusedOps, TritonFusedOps
 from fv_kernel.testing.triton_checks import run_kernel_checks
 from fv_wan.models import vae_blocks
 from fv_wan.models.vae import WanVAE, WanVAEConfig
+from tiny_vae_configs import CFG21, CFG22
 
 BENCH = Path(__file__).resolve().parents[3] / "bench"
 
-# Small but structurally complete (as in test_parity_vae): 1x1x1 shortcuts, channel-halving
-# 2.1 upsamplers, two temporal and three spatial upsamplings, mid attention.
-CFG21 = WanVAEConfig(
-    base_dim=4, z_dim=4, dim_mult=(1, 2, 2, 2), num_res_blocks=1,
-    latents_mean=(0.1, -0.2, 0.3, -0.4), latents_std=(1.5, 0.5, 2.0, 0.8),
-)  # fmt: skip
-CFG22 = WanVAEConfig(
-    base_dim=4, decoder_base_dim=6, z_dim=8, dim_mult=(1, 2, 2, 2), num_res_blocks=1, is_residual=True,
-    in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
-    latents_mean=tuple(0.1 * i for i in range(8)), latents_std=tuple(0.5 + 0.1 * i for i in range(8)),
-)  # fmt: skip
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
