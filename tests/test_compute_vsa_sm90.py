@@ -9,13 +9,12 @@ spill registers. What this cannot say: how fast it runs (``bench/bench_vsa.py``,
 from __future__ import annotations
 
 import re
-import subprocess
 from typing import Any
 
 import pytest
 
 from fv_kernel.compute.fused import triton_available
-from fv_kernel.testing.triton_checks import REQUIRE_KERNELS
+from fv_kernel.testing.triton_checks import REQUIRE_KERNELS, compile_for_sm90
 
 if not triton_available():
     if REQUIRE_KERNELS:
@@ -28,15 +27,8 @@ CONSTEXPRS = {"HAS_GATE": True, "TILE_T": 4, "TILE_H": 4, "TILE_W": 4, "BLOCK_M"
 
 def compile_sm90(strides: dict[str, int], head_dim: int = DIM) -> dict[str, Any]:
     """PTX facts and ptxas's register report for the kernel specialised to (B, H, L, D) ``strides``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from fv_kernel.compute.video_sparse_attention import _raster_kernels
 
-    from fv_kernel.compute.video_sparse_attention import _raster_kernels, triton_interpreted
-
-    if triton_interpreted():
-        pytest.skip("TRITON_INTERPRET=1 in this process: nothing is compiled")
-    kernel = _raster_kernels()[1]
     values: dict[str, Any] = {
         **{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "o_ptr")}, "c_ptr": "*fp32", "sel_ptr": "*i32",
         "scale_log2": "fp32", "heads": HEADS, "n_tiles": 364, "n_selected": 73, "head_dim": head_dim,
@@ -44,38 +36,13 @@ def compile_sm90(strides: dict[str, int], head_dim: int = DIM) -> dict[str, Any]
     }
     for tensor in "qkvgo":
         values.update({f"s{tensor}_{axis}": stride for axis, stride in strides.items()})
-    signature: dict[str, str] = {}
-    constexprs: dict[str, Any] = dict(CONSTEXPRS)
-    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for index, name in enumerate(kernel.arg_names):  # as the JIT specialises a launch's arguments
-        value = values.get(name)
-        if name in CONSTEXPRS:
-            signature[name] = "constexpr"
-        elif isinstance(value, str):
-            signature[name] = value
-            attrs[(index,)] = [["tt.divisibility", 16]] if value.startswith("*") else []
-        elif value == 1:
-            signature[name], constexprs[name] = "constexpr", 1
-        else:
-            signature[name] = "i32"
-            attrs[(index,)] = [["tt.divisibility", 16]] if value % 16 == 0 else []
-    compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 4, "num_stages": 3},
-    )
-    ptx = compiled.asm["ptx"]
-    arch = re.search(r"\.target (\S+)", ptx).group(1)  # type: ignore[union-attr]
-    report = subprocess.run(
-        [triton.knobs.nvidia.ptxas.path, f"-arch={arch}", "-v", "-", "-o", "/dev/null"], input=ptx,
-        capture_output=True, text=True, check=True,
-    ).stderr
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert spills is not None, report
+    build = compile_for_sm90(_raster_kernels()[1], values, CONSTEXPRS, num_warps=4, num_stages=3)
+    ptx = build.ptx
     return {
         "wgmma": ptx.count("wgmma.mma_async"),
         "wide_loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32|cp\.async\.cg\.shared\.global.*16;", ptx)),
         "narrow_loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b16", ptx)),
-        "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
+        "spill_bytes": build.spill_bytes,
     }
 
 

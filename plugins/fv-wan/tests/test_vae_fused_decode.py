@@ -21,6 +21,7 @@ The Triton checks run on CUDA when there is one, else in a fresh Python under
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from fv_kernel.compute.fused import FusedOps, TorchFusedOps, TritonFusedOps
-from fv_kernel.testing.triton_checks import run_kernel_checks
+from fv_kernel.testing.triton_checks import compile_for_sm90, run_kernel_checks
 from fv_wan.models import vae_blocks
 from fv_wan.models.vae import WanVAE, WanVAEConfig
 from tiny_vae_configs import CFG21, CFG22
@@ -243,21 +244,10 @@ def compile_sm90(channels: int, frames: int = 4, height: int = 480, width: int =
     activations at 480x832 (16-byte aligned pointers, integers divisible by 16 marked, the unit
     channel stride constant), writing into a padded conv buffer's new-frame view.
     """
-    import os
-    import re
-    import subprocess
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from fv_kernel.compute.fused import _build_kernels, triton_available
 
     if not triton_available():
         pytest.skip("needs triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 in this process: nothing is compiled")
-    kernel = _build_kernels()[2]
     pixels = height * width
     values: dict[str, Any] = {
         "x_ptr": "*bf16", "out_ptr": "*bf16", "gain_ptr": "*bf16", "voxels": frames * pixels, "channels": channels,
@@ -267,36 +257,11 @@ def compile_sm90(channels: int, frames: int = 4, height: int = 480, width: int =
         "so_w": channels,
     }  # fmt: skip
     block_c = max(16, 1 << (channels - 1).bit_length())
-    constexprs: dict[str, Any] = {"BLOCK_V": max(1, 4096 // block_c), "BLOCK_C": block_c}
-    signature: dict[str, str] = {}
-    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for index, name in enumerate(kernel.arg_names):
-        value = values.get(name)
-        if name in ("BLOCK_V", "BLOCK_C"):
-            signature[name] = "constexpr"
-        elif isinstance(value, str):
-            signature[name] = value
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif value == 1:
-            signature[name], constexprs[name] = "constexpr", 1
-        else:
-            signature[name] = "i32"
-            attrs[(index,)] = [["tt.divisibility", 16]] if value % 16 == 0 else []
-    compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
-    )
-    ptx = compiled.asm["ptx"]
-    arch = re.search(r"\.target (\S+)", ptx).group(1)  # type: ignore[union-attr]
-    report = subprocess.run(
-        [triton.knobs.nvidia.ptxas.path, f"-arch={arch}", "-v", "-", "-o", "/dev/null"], input=ptx,
-        capture_output=True, text=True, check=True,
-    ).stderr
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert spills is not None, report
+    build = compile_for_sm90(_build_kernels()[2], values, {"BLOCK_V": max(1, 4096 // block_c), "BLOCK_C": block_c})
     return {
-        "wide_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v4\.b32", ptx)),
-        "wide_stores": len(re.findall(r"st\.global(?:\.[a-z0-9]+)*\.v4\.b32", ptx)),
-        "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
+        "wide_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v4\.b32", build.ptx)),
+        "wide_stores": len(re.findall(r"st\.global(?:\.[a-z0-9]+)*\.v4\.b32", build.ptx)),
+        "spill_bytes": build.spill_bytes,
     }
 
 
