@@ -35,7 +35,7 @@ from fv_kernel.loop.contract import LoopState
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.local import run_local
-from random_weights import load_wan_card  # bench/, beside this script
+from random_weights import wan_card_for_device  # bench/, beside this script
 
 CACHES = {"dbcache": DBCache, "fbcache": FBCache, "taylorseer": TaylorSeer}
 
@@ -96,12 +96,8 @@ def main() -> int:
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"skipped: --device {args.device} asked for CUDA, which this machine does not have")
-        return 0
-    card, real_size = load_wan_card(args.card)
-    if real_size and device.type != "cuda":
-        print(f"skipped: {args.card} is real-size; run it with --device cuda")
+    card = wan_card_for_device(args.card, device)
+    if card is None:
         return 0
     if device.type == "cpu":
         torch.set_num_threads(args.threads)  # tiny CPU models: more intra-op threads only add contention

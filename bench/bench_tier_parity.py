@@ -50,7 +50,7 @@ from fv_kernel.compute.fused import triton_available
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.local import run_local
-from random_weights import load_wan_card  # bench/, beside this script
+from random_weights import wan_card_for_device  # bench/, beside this script
 
 TIERS = ("fused", "graphs", "blocks", "vsa")
 PROMPT = "a red fox runs through fresh snow at dawn"
@@ -229,12 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"skipped: --device {args.device} asked for CUDA, which this machine does not have")
-        return 0
-    card, real_size = load_wan_card(args.card)
-    if real_size and device.type != "cuda":
-        print(f"skipped: {args.card} is real-size; run it with --device cuda")
+    card = wan_card_for_device(args.card, device)
+    if card is None:
         return 0
     if args.precision not in card.precision.supported:
         raise SystemExit(f"--precision: card {card.model_id!r} supports {sorted(card.precision.supported)}, not {args.precision!r}")
@@ -245,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     steps, frames = args.steps or d.steps, args.frames or d.frames
     height, width = args.height or d.height, args.width or d.width
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    weights = "seeded random weights" if real_size or card.checkpoint.source is None else "checkpoint"
+    weights = "seeded random weights"  # every card here (wan_card_for_device; the embedded cards have no others)
     command = "python bench/bench_tier_parity.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     source = f"{date}, {machine(device)}, {weights}, seed {args.seed}: {command}"
 

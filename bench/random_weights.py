@@ -4,9 +4,11 @@ that time real-size models without their checkpoints (``bench_cachedit.py``, ``b
 
 from __future__ import annotations
 
+import torch
+
 from fv_kernel.card.spec import ModelCard
 
-__all__ = ["random_weight_card", "load_wan_card"]
+__all__ = ["random_weight_card", "wan_card_for_device"]
 
 
 def random_weight_card(card: ModelCard) -> ModelCard:
@@ -23,13 +25,20 @@ def random_weight_card(card: ModelCard) -> ModelCard:
     return card.model_copy(update={"checkpoint": checkpoint, "components": specs})
 
 
-def load_wan_card(model_id: str) -> tuple[ModelCard, bool]:
-    """fv-wan's card ``model_id`` on random weights, and whether it is real-size (a downloadable card).
+def wan_card_for_device(model_id: str, device: torch.device) -> ModelCard | None:
+    """fv-wan's card ``model_id`` on random weights for a bench run on ``device``; None, after printing
+    why, when this machine cannot run it (CUDA asked for but absent, or a real-size card off CUDA).
     An unknown id exits naming the ``--card`` flag and the allowed ids."""
     from fv_wan.cards import wan_cards
 
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"skipped: --device {device} asked for CUDA, which this machine does not have")
+        return None
     cards = {c.model_id: c for c in wan_cards()}
     if model_id not in cards:
         raise SystemExit(f"--card: unknown card {model_id!r}; allowed: {', '.join(sorted(cards))}")
     card = cards[model_id]
-    return random_weight_card(card), card.checkpoint.source is not None
+    if card.checkpoint.source is not None and device.type != "cuda":
+        print(f"skipped: {model_id} is real-size; run it with --device cuda")
+        return None
+    return random_weight_card(card)
