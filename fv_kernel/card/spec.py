@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -387,7 +387,7 @@ class TierParityContract(_Spec):
             return TierVerdict(tier=self.tier, passed=False, reason=(
                 f"{where}: no trajectory measurement recorded (bench/bench_tier_parity.py --record, "
                 "named by compute.parity_record)"))
-        if (measurement.tier, measurement.model_id, measurement.precision) != (self.tier, model_id, precision):
+        if measurement.key != (self.tier, model_id, precision):
             raise ValueError(f"{where}: measurement is of tier {measurement.tier!r}, card {measurement.model_id!r} "
                              f"at {measurement.precision}")
         if defaults is not None:
@@ -441,6 +441,11 @@ class TierParityMeasurement(_Spec):
     #: Where it was measured: date, machine, weights, seed and command (quoted in verdicts).
     source: str
 
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """What a record keeps one measurement per: (tier, card, precision)."""
+        return (self.tier, self.model_id, self.precision)
+
 
 class TierParityRecord(_Spec):
     """The recorded measurements a deployment's tier selection reads (a JSON file)."""
@@ -451,13 +456,13 @@ class TierParityRecord(_Spec):
 
     def find(self, tier: str, model_id: str, precision: str) -> TierParityMeasurement | None:
         """The last measurement of ``tier`` for ``model_id`` at ``precision``, if any."""
-        found = [m for m in self.measurements if (m.tier, m.model_id, m.precision) == (tier, model_id, precision)]
+        found = [m for m in self.measurements if m.key == (tier, model_id, precision)]
         return found[-1] if found else None
 
     def merged(self, new: "tuple[TierParityMeasurement, ...] | list[TierParityMeasurement]") -> "TierParityRecord":
         """This record with ``new`` replacing the measurements of the same (tier, card, precision)."""
-        keys = {(m.tier, m.model_id, m.precision) for m in new}
-        kept = [m for m in self.measurements if (m.tier, m.model_id, m.precision) not in keys]
+        keys = {m.key for m in new}
+        kept = [m for m in self.measurements if m.key not in keys]
         return TierParityRecord(measurements=(*kept, *new))
 
 
@@ -470,7 +475,7 @@ class TierVerdict(_Spec):
 #: Each fast tier's contract: no more accuracy lost over a trajectory, nor in one forward, than the
 #: card's precision itself loses against fp32 (issue 19, 2b). Read-only.
 TIER_PARITY_CONTRACTS: "MappingProxyType[str, TierParityContract]" = MappingProxyType({
-    tier: TierParityContract(tier=tier, max_step_error_ratio=1.0) for tier in ("fused", "graphs", "blocks", "vsa")
+    tier: TierParityContract(tier=tier, max_step_error_ratio=1.0) for tier in get_args(ComputeTierName)
 })
 
 
