@@ -34,7 +34,8 @@ reference's ``"Rep"`` marker with a serialisable value.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -650,13 +651,8 @@ class Decoder3d(nn.Module):
         for index, up_block in enumerate(self.up_blocks):
             if index == self.framewise_from and self.frame_chunk is not None and x.shape[2] > self.frame_chunk:
                 return self._framewise_chunked(x, cache, first_chunk)
-            # Stage layers run from this frame (no helper's caller may keep the stage's input alive
-            # while later layers run); 2.2 stages keep theirs for the shortcut anyway.
-            if isinstance(up_block, UpBlock):
-                for layer in up_block.layers():
-                    x = layer(x, cache)
-            else:
-                x = up_block(x, cache, first_chunk)
+            for step in self._stage_steps(up_block, cache, first_chunk):
+                x = step(x)
         buffer = self._output_buffer(x, cache)
         del x  # only conv_out's padded input lives through conv_out
         return self.conv_out.run_buffer(buffer, cache)
@@ -669,11 +665,8 @@ class Decoder3d(nn.Module):
         for chunk in x.split(self.frame_chunk, dim=2):
             y = chunk
             for up_block in self.up_blocks[self.framewise_from :]:
-                if isinstance(up_block, UpBlock):
-                    for layer in up_block.layers():
-                        y = layer(y, cache)
-                else:
-                    y = up_block(y, cache, first_chunk)
+                for step in self._stage_steps(up_block, cache, first_chunk):
+                    y = step(y)
             buffer = self._output_buffer(y, cache)
             del y
             y = self.conv_out.run_buffer(buffer, cache)
@@ -684,6 +677,15 @@ class Decoder3d(nn.Module):
             start += y.shape[2]
         assert out is not None
         return out
+
+    @staticmethod
+    def _stage_steps(stage: nn.Module, cache: SlotList, first_chunk: bool) -> list[Callable[[Tensor], Tensor]]:
+        """A stage as the steps its caller runs, ``x = step(x)``: a 2.1 stage layer by layer, so no
+        frame but the caller's holds the stage's input while later layers run; a 2.2 stage whole
+        (it keeps its input for the shortcut anyway)."""
+        if isinstance(stage, UpBlock):
+            return [functools.partial(layer, cache=cache) for layer in stage.layers()]
+        return [functools.partial(stage, cache=cache, first_chunk=first_chunk)]
 
     def _output_buffer(self, x: Tensor, cache: SlotList) -> Tensor:
         """conv_out's padded input with the output norm + SiLU of ``x`` written straight into it."""
