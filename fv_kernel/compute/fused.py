@@ -367,14 +367,17 @@ class TritonFusedOps(FusedOps):
                 "diffusers import it): set it in the environment before the process imports triton"
             )
 
-    def _rows(self, x: torch.Tensor) -> tuple[int, int, int]:
-        if x.dim() != 3:
-            raise ValueError(f"expected a (B, L, D) token tensor, got shape {tuple(x.shape)}")
+    def _require_device(self, x: torch.Tensor) -> None:
         if x.device.type != "cuda" and not self.interpreted:
             raise FusedOpsUnavailable(
                 f"TritonFusedOps got a {x.device.type} tensor: the kernels run on CUDA, or on CPU only when "
                 "built under Triton's interpreter (TRITON_INTERPRET=1 set before TritonFusedOps() is created)"
             )
+
+    def _rows(self, x: torch.Tensor) -> tuple[int, int, int]:
+        if x.dim() != 3:
+            raise ValueError(f"expected a (B, L, D) token tensor, got shape {tuple(x.shape)}")
+        self._require_device(x)
         batch, tokens, width = x.shape
         return batch, tokens, width
 
@@ -474,11 +477,7 @@ class TritonFusedOps(FusedOps):
         self, x: torch.Tensor, gamma: torch.Tensor, scale: float, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         _check_video(x, gamma, out)
-        if x.device.type != "cuda" and not self.interpreted:
-            raise FusedOpsUnavailable(
-                f"TritonFusedOps got a {x.device.type} tensor: the kernels run on CUDA, or on CPU only when "
-                "built under Triton's interpreter (TRITON_INTERPRET=1 set before TritonFusedOps() is created)"
-            )
+        self._require_device(x)
         if out is None:
             out = torch.empty_like(x)  # keeps x's memory format (channels-last stays channels-last)
         batch, channels, frames, height, width = x.shape
