@@ -38,6 +38,7 @@ from fv_kernel.api import (
     read_safetensors,
     resolve_source,
     select_compute_tiers,
+    select_fused_ops,
 )
 from fv_wan.checkpoint import is_original_layout, same_architecture, transformer_config_from_disk
 from fv_wan.component_configs import WanImageEncoderConfig, WanTextEncoderConfig
@@ -118,8 +119,6 @@ def configure_transformer(
             model.set_attention_fn(attention_callable(backend))
     if compute is None:
         return model
-    from fv_kernel.api import select_fused_ops
-
     device = model.patch_embedding.weight.device
     model.set_fused_ops(select_fused_ops(device, compute.fused_ops))
     if compute.compile == "blocks":
@@ -422,8 +421,6 @@ def build_wan_instance(
             return load_transformer(card, component_id, options, compute)
         component = _LOADERS[kind](card, component_id, options)
         if kind == "vae" and component_id == "vae_decoder" and compute is not None:
-            from fv_kernel.api import select_fused_ops
-
             # The DiT's switch: the decoder's norm + SiLU passes fuse exactly when the blocks' glue does.
             component.set_fused_ops(select_fused_ops(options.device, compute.fused_ops))
         return component
