@@ -35,6 +35,7 @@ __all__ = [
     "FlashAttention2",
     "load_attention_backend",
     "attention_callable",
+    "pinned_sdpa",
 ]
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -43,6 +44,31 @@ _HALF = (torch.float16, torch.bfloat16)
 
 class AttentionBackendUnavailable(RuntimeError):
     """The selected attention backend cannot run here (missing package, device or dtype)."""
+
+
+@torch.library.custom_op("fv::pinned_sdpa", mutates_args=())
+def pinned_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+    scale: float | None, backend: str,
+) -> torch.Tensor:
+    """SDPA under one pinned kernel (``backend``: an ``SDPBackend`` member name) as one opaque op.
+
+    What a pinned driver runs inside ``torch.compile``: traced as a plain SDPA call, the kernel is
+    re-chosen at compile time, not by the ``sdpa_kernel`` context the eager path uses.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    return out.contiguous()  # the strides the fake below promises the compiler
+
+
+@pinned_sdpa.register_fake
+def _pinned_sdpa_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+    scale: float | None, backend: str,
+) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 class _PinnedSDPA(AttentionBackend):
@@ -92,6 +118,9 @@ class _PinnedSDPA(AttentionBackend):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            # Inference under torch.compile: the pinned kernel as one opaque op (no backward is registered).
+            return pinned_sdpa(q, k, v, attn_mask, is_causal, scale, self.sdpa_backend)
         with self._sdpa_kernel(self._backend):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
