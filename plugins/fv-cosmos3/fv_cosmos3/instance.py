@@ -218,6 +218,9 @@ def cosmos3_ops(instance: ModelInstance) -> dict[str, StepOp]:
         def generate(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
             """Every (row, guidance branch) of the batch, in as few generator calls as shapes allow."""
             branches: tuple[str, ...] = tuple(params["branches"])
+            # The loop's latents live on the host (its state is device-free); the step runs on the weights' device.
+            device = mot.embed_tokens.weight.device
+            inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
             rows = inputs["video"].shape[0]
             per_branch: dict[str, GeneratorOutput] = {}
             for group in generator_groups(branches, {b: inputs[f"k_{b}"].shape[3] for b in branches}):
@@ -255,12 +258,12 @@ def cosmos3_ops(instance: ModelInstance) -> dict[str, StepOp]:
         vae: WanVAE = comps["vae"]
 
         def vae_decode(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-            z = inputs["latents"].to(next(vae.parameters()).dtype)
+            z = inputs["latents"].to(next(vae.parameters()))  # the weights' device and dtype
             video = vae.decode(vae.denormalize_latents(z))  # (B, 3, F, H, W) in [-1, 1]
             return {"frames": (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).contiguous()}
 
         def vae_encode(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-            mean, _ = vae.encode(inputs["video"].to(next(vae.parameters()).dtype))
+            mean, _ = vae.encode(inputs["video"].to(next(vae.parameters())))
             return {"latents": vae.normalize_latents(mean).float()}
 
         ops["vae_decode"] = StepOp("vae_decode", vae_decode)
@@ -269,7 +272,7 @@ def cosmos3_ops(instance: ModelInstance) -> dict[str, StepOp]:
         sound: Cosmos3AudioDecoder = comps["sound_decoder"]
 
         def sound_decode(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-            return {"samples": sound(inputs["latents"].to(next(sound.parameters()).dtype)).float()}
+            return {"samples": sound(inputs["latents"].to(next(sound.parameters()))).float()}
 
         ops["sound_decode"] = StepOp("sound_decode", sound_decode)
     return ops

@@ -570,7 +570,7 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
 
     def advance(self, state: DenoiseState, result: StepResult) -> DenoiseState:
         if state.condition_pixels is not None:
-            x0 = result.outputs["latents"]
+            x0 = result.outputs["latents"].to(state.video.device)
             mask = torch.zeros(x0.shape[2], dtype=torch.bool)
             mask[state.video_clean] = True
             video = torch.where(mask.view(1, 1, -1, 1, 1), x0, state.video)
@@ -581,7 +581,8 @@ class Cosmos3DenoiseLoop(Loop[DenoiseState]):
                     "text_keys": {**state.text_keys, branch: result.outputs["keys"][0]},
                     "text_values": {**state.text_values, branch: result.outputs["values"][0]},
                 })
-        out = result.outputs
+        # The state's latents stay on the host; the step's velocities come back from the device.
+        out = {name: tensor.to(state.video.device) for name, tensor in result.outputs.items()}
         sampler = sampler_from_state(state.video_sampler)
         video_sampler, video = sampler.step(state.video_sampler, self._combine(state, out["v_video"][0]).unsqueeze(0), state.video)
         if state.video_x0 is not None and state.video_clean:

@@ -177,6 +177,10 @@ class Cosmos3MoT(nn.Module):
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (B, T), got {tuple(input_ids.shape)}")
         batch, length = input_ids.shape
+        # Loop plans build ids on the host; the tower runs where its weights are (masks too).
+        device = self.embed_tokens.weight.device
+        input_ids = input_ids.to(device)
+        past_valid = None if past_valid is None else past_valid.to(device)
         past_len = 0 if past is None else past.length
         if past is not None and past.batch_size != batch:
             raise ValueError(f"TextKV batch {past.batch_size} != input batch {batch}")
