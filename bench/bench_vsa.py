@@ -82,6 +82,35 @@ def _fastvideo(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Te
     return run, tiles
 
 
+def _same_selection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, sparsity: float,
+                    fv_selected: torch.Tensor, theirs: torch.Tensor) -> dict[str, float]:
+    """Where fv and FastVideo differ: the top-k choice or the attention math.
+
+    FastVideo pools and scores the tiles in bf16, fv in fp32, so near-tied tiles can be chosen
+    differently, and one different tile moves a whole query tile's output. Reported: the share
+    of fv's (query tile, key tile) choices FastVideo also made, and fv's fused kernel run on
+    FastVideo's own choice and compressed output, against FastVideo's result (the math alone).
+    """
+    from fastvideo_kernel.ops import fused_block_mean, fused_topk_mask
+
+    tq, tk, tv = (tile_partition(t, GRID, TILE).tiles.flatten(2, 3).contiguous() for t in (q, k, v))
+    tiles = tq.shape[2] // 64
+    sizes = torch.full((tiles,), 64, dtype=torch.int32, device=q.device)
+    q_c, k_c, v_c = (fused_block_mean(t, sizes, 64) for t in (tq, tk, tv))
+    scores = torch.matmul(q_c, k_c.transpose(-2, -1)) / DIM**0.5
+    compressed = torch.matmul(torch.softmax(scores, dim=-1), v_c)
+    keep = selected_tile_count(tiles, sparsity)
+    mask = fused_topk_mask(scores, keep)
+    agreement = float(mask.gather(-1, fv_selected).float().mean())
+    their_selected = mask.float().topk(keep, dim=-1).indices
+    ours = block_sparse_attention_raster(q, k, v, grid=GRID, tile=TILE, selected=their_selected, compressed=compressed.float(),
+                                         gate=gate, scale=DIM**-0.5)
+    ours = tile_partition(ours, GRID, TILE).tiles.flatten(2, 3).float()
+    return {"selection_agreement_with_fastvideo": agreement,
+            "rel_vs_fastvideo_same_selection": float((ours - theirs.float()).norm() / theirs.float().norm()),
+            "max_abs_vs_fastvideo_same_selection": float((ours - theirs.float()).abs().max())}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the figures here")
@@ -136,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             row["fastvideo_ms"] = _bench(run)
             row["max_abs_vs_fastvideo"] = float((ours.float() - theirs.float()).abs().max())
             row["rel_vs_fastvideo"] = float((ours.float() - theirs.float()).norm() / theirs.float().norm())
+            row.update(_same_selection(q, k, v, gate, sparsity, selected, theirs))
         cq, ck, cv, cg = (t[:, :, : math.prod(CROP)].float() for t in (q, k, v, gate))
         ref = vsa_reference(cq, ck, cv, grid=CROP, gate=cg, sparsity=sparsity, tile=TILE)
         got = driver.attend_video(cq.bfloat16(), ck.bfloat16(), cv.bfloat16(), grid=CROP, gate=cg.bfloat16())
