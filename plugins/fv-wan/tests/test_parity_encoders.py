@@ -96,3 +96,30 @@ def test_builtin_clip_preprocessing_matches_clip_image_processor() -> None:
     assert (tiny.encode(image) - with_processor.encode(image)).abs().max().item() <= FP32_TOLERANCE
     with pytest.raises(TypeError, match="unsupported image type"):
         tiny.encode("not an image")  # type: ignore[arg-type]
+
+
+def test_text_encoder_runs_over_the_longest_prompt_only_and_matches_the_full_padding() -> None:
+    # Wan pads to 512 tokens; the encoder runs over the longest real prompt of the batch, and the
+    # result still matches diffusers' full-length encode (the test above, and here at 512).
+    encoder = WanTextEncoder.tiny(seed=0)
+    seen: list[tuple[int, ...]] = []
+    encoder.model.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+    pipeline_like = SimpleNamespace(text_encoder=encoder.model, tokenizer=encoder.tokenizer)
+    expected = WanPipeline._get_t5_prompt_embeds(pipeline_like, prompt=PROMPTS, max_sequence_length=512,
+                                                 device=torch.device("cpu"))
+    assert seen == [(3, 512)]
+    actual = encoder.encode(PROMPTS, max_sequence_length=512)
+    longest = int(encoder.tokenizer([clean_prompt(p) for p in PROMPTS], max_length=512).attention_mask.sum(1).max())
+    assert seen[1] == (3, longest) and longest < 512
+    assert actual.shape == expected.shape
+    assert (actual - expected).abs().max().item() <= FP32_TOLERANCE
+
+
+def test_text_encoder_keeps_the_full_width_when_padding_is_not_on_the_right() -> None:
+    encoder = WanTextEncoder.tiny(seed=0)
+    seen: list[tuple[int, ...]] = []
+    encoder.model.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+    ids = torch.tensor([[0, 0, 5, 6, 7, 1], [8, 9, 1, 0, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])  # row 0 is left-padded
+    encoder.embed_ids(ids, mask, 8)
+    assert seen == [(2, 6)]  # trimming to 4 columns would cut row 0's real tokens

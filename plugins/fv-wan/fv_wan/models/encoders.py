@@ -133,6 +133,12 @@ class WanTextEncoder(nn.Module):
     ) -> torch.Tensor:
         """Already-tokenised prompts -> (B, max_sequence_length, dim), zero past each prompt's real length."""
         model_device, model_dtype = _module_device_dtype(self.model)
+        # Right padding past the longest prompt cannot change a real token's output (its keys are
+        # masked; T5's position bias is relative; every other layer is per token), so the encoder
+        # runs over the longest prompt only: Wan pads to 512 tokens, a prompt is often ~30.
+        width = max(int(mask.gt(0).sum(dim=1).max()), 1) if mask.numel() else mask.shape[1]
+        if not mask[:, width:].gt(0).any():
+            input_ids, mask = input_ids[:, :width], mask[:, :width]
         input_ids, mask = input_ids.to(model_device), mask.to(model_device)
         seq_lens = mask.gt(0).sum(dim=1)
         hidden = self.model(input_ids, mask).last_hidden_state.to(dtype or model_dtype)
