@@ -433,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--omni-frames", type=int, default=None, help="omni/concurrent frames; default: 29 at real "
                         "size (the card's 189 is minutes per request), the card's for cosmos3-tiny")
     parser.add_argument("--omni-steps", type=int, default=None, help="default: the card's")
+    parser.add_argument("--sections", nargs="+", default=["step", "omni", "concurrent", "decode"],
+                        choices=["step", "omni", "concurrent", "decode"], help="which of sections 1-4 to run (5 always runs)")
     args = parser.parse_args(argv)
     b = Bench(args)
     if b.device.type == "cpu":
@@ -450,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         sections: list[tuple[str, Callable[[Bench, Cosmos3Instance], dict[str, Any]]]] = [
             ("step", bench_step), ("omni", bench_omni), ("concurrent", bench_concurrent), ("decode", bench_decode)]
         for name, section in sections:
+            if name not in args.sections:
+                continue
             # One section failing on a device leaves the others' figures (written as they come) and its error.
             try:
                 results[name] = section(b, instance)

@@ -487,9 +487,13 @@ def _real_text_encoder(b: Bench, dtype: torch.dtype) -> WanTextEncoder:
     return WanTextEncoder(model.to(dtype).eval().requires_grad_(False), ByteTokenizer())
 
 
-def build_engine_instance(b: Bench, compute: ComputeOptions | None) -> ModelInstance:
+def build_engine_instance(b: Bench, compute: ComputeOptions | None, attention: str | None = None) -> ModelInstance:
+    """The engine card on random weights. ``attention``: the DiT's driver (default ``--attention``); ``vsa``
+    takes the card's recipe (``assumes_attention``: sparsity, tile) and the DiT's gates, as a deployment does."""
     card = engine_card(b)
-    fn, backend = attention_fn(b, b.args.attention)
+    attention = attention or b.args.attention
+    sparse = attention == "vsa" and b.device.type == "cuda"
+    fn, backend = attention_fn(b, "sdpa_cudnn" if sparse else attention)
     options = InstanceOptions(device=str(b.device), precision="fp32" if b.smoke else "bf16",
                               attention_backend=backend.split(" ")[0])
     # The driver was resolved above (registry, or the manifest when this checkout is not installed).
@@ -503,8 +507,12 @@ def build_engine_instance(b: Bench, compute: ComputeOptions | None) -> ModelInst
             if model is None or model.config != WanTransformerConfig.from_diffusers_config(spec.config):
                 model = build_dit(b, WanTransformerConfig.from_diffusers_config(spec.config))
             model.set_fused_ops(None)
+            model.set_video_attention(None)
             model = configure_transformer(model, plain, compute)
-            model.set_attention_fn(fn)
+            model.set_attention_fn(fn)  # cross-attention (and, dense, self-attention)
+            if sparse:
+                model = configure_transformer(model, plain.model_copy(update={"attention_backend": "vsa"}), None,
+                                              assumption=card.recipe.assumes_attention)
             return model
         if spec.kind == "vae":
             with torch.device(b.device):
@@ -550,7 +558,8 @@ def _run_engine(b: Bench, instance: ModelInstance, requests: list[Any], *, batch
     return {"requests": len(requests), "wall_s": round(wall, 3), "throughput_rps": round(len(requests) / wall, 3),
             "failed": failed[:3], "batches_by_size": dict(sorted(m.batches_by_size.items())),
             "scheduler_s": round(m.scheduler_seconds, 4), "execute_s": round(m.execute_seconds, 4),
-            "scheduler_share_of_execute": round(m.scheduler_seconds / m.execute_seconds, 5) if m.execute_seconds else None}
+            "scheduler_share_of_execute": round(m.scheduler_seconds / m.execute_seconds, 5) if m.execute_seconds else None,
+            "mean_batch_ms": round(1000 * m.execute_seconds / max(1, sum(m.batches_by_size.values())), 2)}
 
 
 def section_engine_throughput(b: Bench) -> dict[str, Any]:
@@ -571,14 +580,17 @@ def section_engine_throughput(b: Bench) -> dict[str, Any]:
 
 
 def section_e2e(b: Bench) -> dict[str, Any]:
-    instance = b.cache.get("engine_instance") or build_engine_instance(b, None)
-    b.cache["engine_instance"] = instance
+    # The card as its recipe made it: fastwan's DiT under VSA (--e2e-attention), not the dense --attention.
+    b.cache.pop("engine_instance", None)  # the throughput section's (dense) instance: its memory back first
+    b.free()
+    instance = build_engine_instance(b, None, attention=b.args.e2e_attention)
     defaults = engine_card(b).capabilities.defaults
     h, w, f = defaults.height, defaults.width, defaults.frames
     warm = _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e-warm"), batched=False)
     b.reset_peak()
     timed = _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e"), batched=False)
-    return {"card": instance.model_id, "shape": f"{h}x{w}x{f}", "steps": defaults.steps, "warm_wall_s": warm["wall_s"],
+    return {"card": instance.model_id, "shape": f"{h}x{w}x{f}", "steps": defaults.steps, "attention": b.args.e2e_attention,
+            "warm_wall_s": warm["wall_s"],
             **timed, "peak_gib": b.peak_gib()}
 
 
@@ -655,12 +667,14 @@ def table(b: Bench) -> str:
     if "wall_s" in e2e:
         extra.append(f"| end to end {e2e['card']} {e2e['shape']}, {e2e['steps']} steps | {e2e['wall_s']} s "
                      f"(peak {e2e['peak_gib']} GiB) |")
-    shares = [v["scheduler_share_of_execute"] for k, v in thr.items() if isinstance(v, dict) and v.get("scheduler_share_of_execute")]
-    if "scheduler_share_of_execute" in e2e and e2e["scheduler_share_of_execute"] is not None:
-        shares.append(e2e["scheduler_share_of_execute"])
-    if shares:
-        extra.append(f"| Engine scheduling overhead (scheduler_seconds / execute_seconds) | max {max(shares) * 100:.3f}% "
-                     f"over {len(shares)} runs |")
+    runs = [v for v in [*thr.values(), e2e] if isinstance(v, dict) and v.get("scheduler_share_of_execute") is not None]
+    for label, chosen in (("mean step >= 30 ms", [r for r in runs if r["mean_batch_ms"] >= 30]),
+                          ("mean step < 30 ms", [r for r in runs if r["mean_batch_ms"] < 30])):
+        if chosen:  # the issue's bar (< 2%) is for steps of 30 ms or more
+            shares = [r["scheduler_share_of_execute"] for r in chosen]
+            extra.append(f"| Engine scheduling overhead (scheduler_seconds / execute_seconds), runs with {label} | "
+                         f"max {max(shares) * 100:.3f}% over {len(shares)} runs (mean steps "
+                         f"{min(r['mean_batch_ms'] for r in chosen)}-{max(r['mean_batch_ms'] for r in chosen)} ms) |")
     for name, data in s.items():
         if isinstance(data, dict) and "skipped" in data:
             extra.append(f"| {name} | {data['skipped']} |")
@@ -677,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output", type=Path, help="folder for results.json, table.md and errors.log")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU: checks every section's code path")
     parser.add_argument("--attention", default="sdpa_cudnn", help="attention driver for fv rows (default sdpa_cudnn)")
+    parser.add_argument("--e2e-attention", default="vsa", help="the end-to-end fastwan request's DiT attention "
+                        "(default vsa: the card's recipe; on CPU the smoke run stays dense)")
     parser.add_argument("--iters", type=int, default=3, help="timed iterations per denoise-step row")
     parser.add_argument("--budget-s", type=float, default=470.0, help="total wall budget; sections left out when it runs out")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
