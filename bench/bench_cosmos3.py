@@ -56,6 +56,7 @@ from fv_kernel.api import (
 )
 from fv_kernel.runtime.engine import run_concurrently, run_serially
 from fv_wan.models.vae import WanVAE, WanVAEConfig
+from random_weights import seeded_manifest  # bench/, beside this script
 
 PROMPT = "a red fox runs through deep snow at dawn, low sun, long shadows"
 TIMESTEP = 937.5
@@ -128,9 +129,7 @@ def random_instance(b: Bench, card: ModelCard) -> Cosmos3Instance:
     with the plugin's own ops and text-KV pool."""
     options = InstanceOptions(device=str(b.device), precision=b.precision)
     config = Cosmos3Config(**card.components["transformer"].config)
-    # The manifest says what ``load`` below does (seeded random weights), so preflight asks for no checkpoint.
-    seeded = {cid: entry.model_copy(update={"random_init_seed": len(cid)}) for cid, entry in card.checkpoint.components.items()}
-    card = card.model_copy(update={"checkpoint": card.checkpoint.model_copy(update={"components": seeded})})
+    card = seeded_manifest(card)  # what ``load`` below does: no checkpoint for preflight to look for
 
     def load(component_id: str) -> Any:
         spec = card.components[component_id]

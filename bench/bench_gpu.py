@@ -42,6 +42,7 @@ from fv_wan.instance import _component_dtype, configure_transformer, wan_ops
 from fv_wan.models.encoders import ByteTokenizer, WanTextEncoder
 from fv_wan.models.transformer import WanTransformer, WanTransformerConfig, cast_for_inference, count_forward_flops
 from fv_wan.models.vae import WanVAE, WanVAEConfig
+from random_weights import seeded_manifest  # bench/, beside this script
 
 GiB = 2**30
 
@@ -464,7 +465,8 @@ def section_graphs(b: Bench) -> dict[str, Any]:
 
 def engine_card(b: Bench) -> ModelCard:
     wanted = "fastwan-tiny" if b.smoke else "fastwan2.1-t2v-1.3b"
-    return next(c for c in wan_cards() if c.model_id == wanted)
+    # build_engine_instance's loader makes every component on random weights: no checkpoint to look for.
+    return seeded_manifest(next(c for c in wan_cards() if c.model_id == wanted))
 
 
 def _real_text_encoder(b: Bench, dtype: torch.dtype) -> WanTextEncoder:

@@ -8,7 +8,7 @@ import torch
 
 from fv_kernel.card.spec import ModelCard
 
-__all__ = ["random_weight_card", "wan_card_for_device"]
+__all__ = ["random_weight_card", "seeded_manifest", "wan_card_for_device"]
 
 
 def random_weight_card(card: ModelCard) -> ModelCard:
@@ -23,6 +23,14 @@ def random_weight_card(card: ModelCard) -> ModelCard:
     # The real UMT5-XXL is 5.7B parameters of text encoding that the benchmarks do not time.
     specs["text_encoder"] = specs["text_encoder"].model_copy(update={"config": {"tiny": {"d_model": text_dim, "num_layers": 1}}})
     return card.model_copy(update={"checkpoint": checkpoint, "components": specs})
+
+
+def seeded_manifest(card: ModelCard) -> ModelCard:
+    """``card`` with every checkpoint component marked as seeded random weights: for a bench whose own
+    loader builds every component on random weights, so preflight asks for no checkpoint."""
+    seeded = {cid: entry.model_copy(update={"random_init_seed": i + 1})
+              for i, (cid, entry) in enumerate(card.checkpoint.components.items())}
+    return card.model_copy(update={"checkpoint": card.checkpoint.model_copy(update={"components": seeded})})
 
 
 def wan_card_for_device(model_id: str, device: torch.device) -> ModelCard | None:
