@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from typing import Any, Callable
 
 import torch
@@ -51,12 +50,13 @@ from fv_cosmos3.models.layers import MRoPE
 from fv_cosmos3.models.state_dict import is_reasoner_key
 from fv_cosmos3.models.tokenizer import ByteTokenizer, PromptSpec, build_generation_prompt
 from fv_kernel.api import (
-    ARParams, DiffusionParams, Engine, InstanceOptions, ModelCard, Observer, PagedKVPool, Request, SchedulerConfig,
-    StepRecord, TaskType, TextPart, torch_dtype,
+    ARParams, DiffusionParams, Engine, InstanceOptions, ModelCard, PagedKVPool, Request, SchedulerConfig,
+    TaskType, TextPart, torch_dtype,
 )
 from fv_kernel.runtime.engine import run_concurrently, run_serially
 from fv_wan.models.vae import WanVAE, WanVAEConfig
-from random_weights import seeded_manifest  # bench/, beside this script
+from op_times import OpTimes  # bench/, beside this script
+from random_weights import seeded_manifest
 
 PROMPT = "a red fox runs through deep snow at dawn, low sun, long shadows"
 TIMESTEP = 937.5
@@ -228,21 +228,6 @@ def bench_step(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- 2-4. requests through the Engine
-
-
-class OpTimes(Observer):
-    """Device (else wall) seconds and the largest batch of every op the Engine executed."""
-
-    name = "bench-op-times"
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.largest: dict[str, int] = defaultdict(int)
-
-    def on_step(self, record: StepRecord) -> None:
-        seconds = record.device_seconds if record.device_seconds is not None else record.wall_seconds
-        self.seconds[record.op] += seconds
-        self.largest[record.op] = max(self.largest[record.op], record.batch_size)
 
 
 def _engine_run(b: Bench, instance: Cosmos3Instance, requests: list[Request], *, batched: bool) -> dict[str, Any]:

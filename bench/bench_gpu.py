@@ -42,7 +42,8 @@ from fv_wan.instance import _component_dtype, configure_transformer, wan_ops
 from fv_wan.models.encoders import ByteTokenizer, WanTextEncoder
 from fv_wan.models.transformer import WanTransformer, WanTransformerConfig, cast_for_inference, count_forward_flops
 from fv_wan.models.vae import WanVAE, WanVAEConfig
-from random_weights import seeded_manifest  # bench/, beside this script
+from op_times import OpTimes  # bench/, beside this script
+from random_weights import seeded_manifest
 
 GiB = 2**30
 
@@ -548,7 +549,8 @@ def _run_engine(b: Bench, instance: ModelInstance, requests: list[Any], *, batch
 
     config = (SchedulerConfig(scheduling="step", batching="throughput", device_thread=False, max_queue=4096)
               if batched else SchedulerConfig(scheduling="request", device_thread=False, max_queue=4096))
-    engine = Engine(config)
+    times = OpTimes()
+    engine = Engine(config, observers=[times])
     engine.add_instance(instance)
     b.sync()
     t0 = time.perf_counter()
@@ -561,7 +563,8 @@ def _run_engine(b: Bench, instance: ModelInstance, requests: list[Any], *, batch
             "failed": failed[:3], "batches_by_size": dict(sorted(m.batches_by_size.items())),
             "scheduler_s": round(m.scheduler_seconds, 4), "execute_s": round(m.execute_seconds, 4),
             "scheduler_share_of_execute": round(m.scheduler_seconds / m.execute_seconds, 5) if m.execute_seconds else None,
-            "mean_batch_ms": round(1000 * m.execute_seconds / max(1, sum(m.batches_by_size.values())), 2)}
+            "mean_batch_ms": round(1000 * m.execute_seconds / max(1, sum(m.batches_by_size.values())), 2),
+            "op_device_ms": {op: round(1000 * s, 1) for op, s in sorted(times.seconds.items())}}
 
 
 def section_engine_throughput(b: Bench) -> dict[str, Any]:

@@ -345,8 +345,10 @@ def _dit_op(expert: str, model: WanTransformer, graphs: GraphedStep | None = Non
     def dit_forward(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """One denoise forward over N rows (guidance branches, and requests when fused).
 
-        ``dispatch="sequential"`` runs each row alone (diffusers' two-forward CFG);
-        ``"batched"`` runs all rows as one batch. Same math, different kernels.
+        ``dispatch="sequential"`` runs one forward per guidance branch (diffusers' two-forward CFG):
+        the rows are request-major, ``params["branches"]`` per request, and the requests fused
+        into this step share their branch's forward. ``"batched"`` runs all rows as one batch.
+        Same math, different kernels.
         """
         x, t, context, image = dit_inputs(model, inputs)
         hooks = params.get("block_hooks")
@@ -359,12 +361,16 @@ def _dit_op(expert: str, model: WanTransformer, graphs: GraphedStep | None = Non
                 rows.append(model.finish(hidden, inputs_i))
             return {"v": torch.cat(rows).float()}
         runner = None
-        if params.get("dispatch", "batched") == "sequential" and x.shape[0] > 1:
-            rows = [
-                model(x[i : i + 1], t[i : i + 1], context[i : i + 1], None if image is None else image[i : i + 1], block_runner=runner)
-                for i in range(x.shape[0])
+        branches = int(params.get("branches", x.shape[0]))  # without it: every row is its own branch
+        if params.get("dispatch", "batched") == "sequential" and x.shape[0] > 1 and branches > 0:
+            if x.shape[0] % branches:
+                raise ValueError(f"dit_forward: {x.shape[0]} rows are not whole requests of {branches} branches")
+            parts = [
+                model(x[j::branches], t[j::branches], context[j::branches], None if image is None else image[j::branches],
+                      block_runner=runner)
+                for j in range(branches)
             ]
-            out = torch.cat(rows)
+            out = torch.stack(parts, dim=1).flatten(0, 1)  # back to request-major rows
         elif graphs is not None:
             batch = {"x": x, "t": t.float(), "context": context}
             if image is not None:

@@ -490,7 +490,7 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         tokens = int(x.shape[2] * (x.shape[3] // 2) * (x.shape[4] // 2))
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.DIFFUSION_STEP, op=f"dit_forward:{expert}",
-            inputs=inputs, params={"dispatch": self.spec.config.get("cfg_dispatch", "sequential")},
+            inputs=inputs, params={"dispatch": self.spec.config.get("cfg_dispatch", "sequential"), "branches": n},
             shape_sig=ShapeSignature.of(tokens=tokens, branches=n, expert=expert, per_token_t=int(state.expand_timesteps)),
             precision=state.precision, tag="+".join(branches),
             resources=ResourceRequest(peak_bytes=self._rows(n) * state.row_peak_bytes),

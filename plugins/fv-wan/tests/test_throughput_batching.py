@@ -4,8 +4,8 @@
 into one ``op.run_fused`` call. With ``cfg_dispatch: batched`` the DiT then runs all rows
 (2 CFG branches x N requests) as one batch, which is what the test checks on the model
 itself (a forward pre-hook counts the rows of every forward). Under the card's default
-``cfg_dispatch: sequential`` the fused call still loops over the rows inside the op, one
-forward each, as diffusers' two-forward CFG does, so nothing is gained there.
+``cfg_dispatch: sequential`` each guidance branch keeps its own forward, as diffusers'
+two-forward CFG runs them, and the fused requests share it: two forwards of N rows per step.
 
 A fused batch is not bit-identical to per-request forwards: the matmuls of a batch of 8
 rows reduce in another order than a batch of 2. The fused videos must stay within
@@ -110,3 +110,18 @@ def test_exact_mode_stays_bit_identical_to_serial_runs(instance: ModelInstance) 
         engine.add_instance(instance)
         alone = engine.generate(request.model_copy(update={"request_id": f"{request.request_id}-alone"}))
         assert_artifacts_identical(alone.artifacts, result.artifacts, what=f"{request.request_id}: exact batch vs alone")
+
+
+def test_sequential_dispatch_shares_each_branch_forward_across_fused_requests(wan_card: Any) -> None:
+    sequential = build_instance(wan_card("wan-tiny", cfg_dispatch="sequential"))
+    requests = _requests()
+    exact, _, exact_forwards = _run(sequential, "exact", requests)
+    fused, fused_batches, fused_forwards = _run(sequential, "throughput", requests)
+    assert fused_batches == [N_REQUESTS] * STEPS
+    # Exact mode: each request's branches one by one. Throughput: one forward per branch over the N requests
+    # (before, the op ran every row alone here too: 2N forwards of one row per step).
+    assert exact_forwards == [1] * (2 * N_REQUESTS * STEPS)
+    assert fused_forwards == [N_REQUESTS] * (2 * STEPS)
+    diff = _max_diff(exact, fused)
+    # Rows go back to their own request and branch (a mix-up is far outside the tolerance).
+    assert 0 < diff <= FUSED_ATOL, f"fused sequential batch drifted {diff:.3g} from exact mode (allowed {FUSED_ATOL})"
