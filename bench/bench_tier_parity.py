@@ -23,7 +23,9 @@ Real-size cards are built with seeded random weights (``random_weights.py``: the
 transformer and VAE, a one-layer random text encoder). Without CUDA, ``--device cuda``
 prints why and exits 0. ``--cache-dir`` keeps each run's final video and first forward, so
 a run split over several invocations (``--tiers`` a few at a time, under a wall-clock limit)
-computes the eager references once.
+computes the eager references once. ``--budget-s`` goes further: it stops a trajectory between two
+steps when the time is up and saves its checkpoint there (the request's ``ProgramCheckpoint``),
+so one trajectory longer than a wall-clock limit (eager fp32 at 81 frames) spans invocations.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp, buil
 from fv_kernel.card.spec import TIER_PARITY_CONTRACTS, ModelCard, TierParityMeasurement, TierParityRecord
 from fv_kernel.compute.compile import ComputeOptions, load_parity_record
 from fv_kernel.compute.fused import triton_available
+from fv_kernel.api import ProgramCheckpoint, ProgramRun
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.local import run_local
@@ -111,17 +114,58 @@ def _first_call(fn: Callable[..., Mapping[str, torch.Tensor]], sink: dict[str, t
     return call
 
 
-def run_trajectory(card: ModelCard, request: Request, device: torch.device, precision: str, **fields: Any) -> Trajectory:
+class Paused(Exception):
+    """A trajectory stopped between two steps; ``partial`` is where it was saved (``--budget-s``)."""
+
+    def __init__(self, partial: Path) -> None:
+        super().__init__(f"paused; its checkpoint is {partial}")
+        self.partial = partial
+
+
+#: Decides, after each step, whether to stop there: (steps run in this process, seconds elapsed in it).
+PauseRule = Callable[[int, float], bool]
+
+
+def run_trajectory(card: ModelCard, request: Request, device: torch.device, precision: str, *,
+                   partial: Path | None = None, pause: PauseRule | None = None, **fields: Any) -> Trajectory:
+    """One request end to end on a fresh instance. With ``partial`` and ``pause``: continues the
+    checkpoint at ``partial`` if there is one, and when ``pause`` says so after a step, saves the
+    request's :class:`ProgramCheckpoint` (with the first forward and the seconds so far) there
+    and raises :class:`Paused`. A resumed trajectory is the uninterrupted one (the loops' state
+    is the whole state of a request)."""
     # allow_recipe_mismatch: the eager references of a VSA-trained card run dense attention and fp32.
     instance = build_instance(card, InstanceOptions(device=str(device), precision=precision, allow_recipe_mismatch=True,
                                                     **fields))
     sink: dict[str, torch.Tensor] = {}
+    resume_from, earlier = None, 0.0
+    if partial is not None and partial.exists():
+        saved = torch.load(partial, weights_only=True)
+        resume_from = ProgramCheckpoint.from_bytes(saved["checkpoint"])
+        earlier = float(saved["seconds"])
+        if saved["first_forward"] is not None:  # None: paused before the first denoise forward
+            sink["v"] = saved["first_forward"]
     capture_first_forward(instance, sink)
     started = time.perf_counter()
-    artifacts = run_local(request, instance)
+    steps = 0
+
+    def on_step(run: ProgramRun) -> None:
+        nonlocal steps
+        steps += 1
+        if partial is None or pause is None or not pause(steps, time.perf_counter() - started):
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"checkpoint": run.checkpoint().to_bytes(), "first_forward": sink.get("v"),
+                    "seconds": earlier + time.perf_counter() - started}, partial)
+        raise Paused(partial)
+
+    artifacts = run_local(request, instance, resume_from=resume_from, on_step=on_step)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - started
+    seconds = earlier + time.perf_counter() - started
+    if partial is not None and partial.exists():
+        partial.unlink()
     frames = artifacts[0].frames.detach().float().cpu()
     del instance, artifacts
     gc.collect()
@@ -149,11 +193,14 @@ def rel_error(test: torch.Tensor, reference: torch.Tensor) -> float:
 def measure_tier_parity(
     card: ModelCard, *, device: torch.device, precision: str, tiers: tuple[str, ...], steps: int, frames: int,
     height: int, width: int, seed: int, source: str, log: Callable[[str], None] = print, cache_dir: Path | None = None,
+    pause: PauseRule | None = None,
 ) -> dict[str, Any]:
     """Eager fp32, eager at ``precision`` and each tier over one trajectory; PSNRs, errors, verdicts.
 
     Returns ``{"reference": {...}, "tiers": {tier: {...}}, "record": TierParityRecord}``; a tier
-    that cannot run here has ``status: skipped`` and a reason, and no measurement.
+    that cannot run here has ``status: skipped`` and a reason, and no measurement. With ``cache_dir``,
+    ``pause`` (see :func:`run_trajectory`) may stop a run between steps: :class:`Paused` is raised and
+    the next call with the same ``cache_dir`` continues it.
     """
     request = Request(request_id="tier-parity", model=card.model_id, task=TaskType.TEXT_TO_VIDEO,
                       inputs=(TextPart(text=PROMPT),),
@@ -166,7 +213,7 @@ def measure_tier_parity(
         if path.exists():
             log(f"  (reusing {path})")
             return Trajectory(**torch.load(path))
-        got = run_trajectory(card, request, device, run_precision, **fields)
+        got = run_trajectory(card, request, device, run_precision, partial=path.with_suffix(".partial"), pause=pause, **fields)
         cache_dir.mkdir(parents=True, exist_ok=True)
         torch.save(dataclasses.asdict(got), path)
         return got
@@ -226,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--record", type=Path, help="merge the measurements into this TierParityRecord file")
     parser.add_argument("--cache-dir", type=Path, help="keep (and reuse) each run's final video and first forward here")
+    parser.add_argument("--budget-s", type=float, help="stop this invocation between two steps once this many seconds "
+                        "have passed, saving the trajectory in flight to --cache-dir; the same command continues it")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -245,9 +294,20 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/bench_tier_parity.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     source = f"{date}, {machine(device)}, {weights}, seed {args.seed}: {command}"
 
-    report = measure_tier_parity(card, device=device, precision=args.precision, tiers=tuple(args.tiers), steps=steps,
-                                 frames=frames, height=height, width=width, seed=args.seed, source=source,
-                                 cache_dir=args.cache_dir)
+    if args.budget_s is not None and args.cache_dir is None:
+        raise SystemExit("--budget-s needs --cache-dir: a paused trajectory is continued from there")
+    deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
+
+    def out_of_time(steps_run: int, seconds: float) -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
+    try:
+        report = measure_tier_parity(card, device=device, precision=args.precision, tiers=tuple(args.tiers), steps=steps,
+                                     frames=frames, height=height, width=width, seed=args.seed, source=source,
+                                     cache_dir=args.cache_dir, pause=out_of_time)
+    except Paused as paused:
+        print(f"\n--budget-s reached: {paused}. Run the same command again to continue (nothing is recorded yet).")
+        return 0
     ref = report["reference"]
     print(f"\n{card.model_id}, {steps} steps at {frames}x{height}x{width}, seed {args.seed}, {args.precision}; {source}\n")
     print(f"eager {args.precision} vs eager fp32: {ref['psnr_db']:.2f} dB, first forward {ref['step_rel_error']:.3g} relative\n")

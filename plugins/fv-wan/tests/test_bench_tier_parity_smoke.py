@@ -87,3 +87,42 @@ def test_a_split_run_reuses_the_eager_references(bench, tmp_path: Path, capsys: 
     assert capsys.readouterr().out.count("reusing") == 2
     assert second["reference"]["psnr_db"] == first["reference"]["psnr_db"]
     assert second["tiers"]["blocks"]["status"] == "measured"
+
+
+def test_a_paused_trajectory_continues_across_invocations_to_the_uninterrupted_video(tmp_path: Path, monkeypatch) -> None:
+    # --budget-s: a trajectory longer than one invocation's wall-clock limit is stopped between two steps,
+    # saved, and continued by the next invocation (the fp32 reference at 81 frames needs this on the H200).
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    module = importlib.import_module("bench_tier_parity")
+    card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+    request = module.Request(request_id="p", model="wan-tiny", task=module.TaskType.TEXT_TO_VIDEO,
+                             inputs=(module.TextPart(text=module.PROMPT),),
+                             diffusion=module.DiffusionParams(seed=0, steps=4, height=32, width=32, frames=5))
+    cpu = torch.device("cpu")
+    whole_steps: list[int] = []
+    whole = module.run_trajectory(card, request, cpu, "fp32", partial=tmp_path / "unused.partial",
+                                  pause=lambda n, s: whole_steps.append(n) or False)
+    partial = tmp_path / "run.partial"
+    hops: list[int] = []
+    for _ in range(10):  # every invocation runs 2 steps, then pauses
+        ran: list[int] = []
+        try:
+            got = module.run_trajectory(card, request, cpu, "fp32", partial=partial,
+                                        pause=lambda n, s: ran.append(n) or n >= 2)
+        except module.Paused as paused:
+            assert paused.partial == partial and partial.exists()
+            hops.append(len(ran))
+            continue
+        hops.append(len(ran))
+        break
+    # Each invocation continued where the last stopped (a fresh start would run every step again)...
+    assert len(hops) > 2 and sum(hops) == len(whole_steps) and max(hops) <= 2
+    # ...and the resumed trajectory is the uninterrupted one, bit for bit, with the first forward carried over.
+    assert torch.equal(got.frames, whole.frames) and torch.equal(got.first_forward, whole.first_forward)
+    assert not partial.exists()  # spent once finished
+
+
+def test_budget_needs_a_cache_dir() -> None:
+    done = subprocess.run([sys.executable, str(BENCH_DIR / "bench_tier_parity.py"), "--budget-s", "5"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--budget-s needs --cache-dir" in done.stderr
