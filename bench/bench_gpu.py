@@ -594,9 +594,18 @@ def section_e2e(b: Bench) -> dict[str, Any]:
     warm = _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e-warm"), batched=False)
     b.reset_peak()
     timed = _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e"), batched=False)
-    return {"card": instance.model_id, "shape": f"{h}x{w}x{f}", "steps": defaults.steps, "attention": b.args.e2e_attention,
-            "warm_wall_s": warm["wall_s"],
-            **timed, "peak_gib": b.peak_gib()}
+    attention = b.args.e2e_attention if b.args.e2e_attention != "vsa" or b.device.type == "cuda" else "dense (vsa needs CUDA)"
+    out = {"card": instance.model_id, "shape": f"{h}x{w}x{f}", "steps": defaults.steps, "attention": attention,
+           "warm_wall_s": warm["wall_s"], **timed, "peak_gib": b.peak_gib()}
+    fused = select_fused_ops(b.device, "triton") if b.device.type == "cuda" else None
+    if fused is not None:
+        # The same request with the fused tier on (DiT glue and the VAE decoder's norm + SiLU), as a deployment
+        # whose parity record passes the tier runs it.
+        for component_id in ("transformer", "vae_decoder"):
+            instance.component(component_id).set_fused_ops(fused)
+        _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e-fused-warm"), batched=False)
+        out["fused"] = _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e-fused"), batched=False)
+    return out
 
 
 def section_vae(b: Bench) -> dict[str, Any]:
@@ -670,8 +679,10 @@ def table(b: Bench) -> str:
                      f"{dtxt}; time x{vae.get('time_ratio', '-')}, peak x{vae.get('peak_ratio', '-')} |")
     e2e = s.get("e2e", {})
     if "wall_s" in e2e:
-        extra.append(f"| end to end {e2e['card']} {e2e['shape']}, {e2e['steps']} steps | {e2e['wall_s']} s "
-                     f"(peak {e2e['peak_gib']} GiB) |")
+        fused = e2e.get("fused")
+        extra.append(f"| end to end {e2e['card']} {e2e['shape']}, {e2e['steps']} steps, {e2e['attention']} attention | "
+                     f"eager {e2e['wall_s']} s (peak {e2e['peak_gib']} GiB)"
+                     + (f"; fused tier {fused['wall_s']} s" if fused else "") + f"; device ms per op {e2e['op_device_ms']} |")
     runs = [v for v in [*thr.values(), e2e] if isinstance(v, dict) and v.get("scheduler_share_of_execute") is not None]
     for label, chosen in (("mean step >= 30 ms", [r for r in runs if r["mean_batch_ms"] >= 30]),
                           ("mean step < 30 ms", [r for r in runs if r["mean_batch_ms"] < 30])):
