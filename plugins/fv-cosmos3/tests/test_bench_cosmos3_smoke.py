@@ -71,3 +71,20 @@ def test_real_size_card_without_cuda_is_skipped_cleanly(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert "needs a CUDA device" in r["skipped"] and "skipped:" in printed
     assert "step" not in r and r["memory"]["nano_bf16"]["one_instance"] > 20 * 2**30  # counted on meta, not built
+
+
+def test_the_real_size_random_instance_needs_no_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the H200 the first run failed here: cosmos3-nano has no default checkpoint, and the bench,
+    # which builds random weights, did not say so to preflight.
+    import argparse
+    import importlib
+
+    from fv_kernel.api import TaskType
+    from fv_kernel.card.preflight import check_checkpoint_source
+
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    bench = importlib.import_module("bench_cosmos3")
+    b = bench.Bench(argparse.Namespace(smoke=False, card="cosmos3-nano", device="cpu", repeats=1, concurrent=2))
+    instance = bench.random_instance(b, bench.cosmos3_card("cosmos3-nano"))
+    needed = instance.card.checkpoint.components_for(TaskType.TEXT_TO_VIDEO)
+    assert check_checkpoint_source(instance.card, instance.options, needed) is None
