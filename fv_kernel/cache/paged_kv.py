@@ -152,7 +152,9 @@ class PagedKVPool:
     def _storage(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._keys is None or self._values is None:
             c = self.config
-            shape = (c.num_layers, c.num_blocks, c.num_kv_heads, c.block_size, c.head_dim)
+            # Head-major, blocks inside: the blocks of several sequences gathered along dim 2 read back as
+            # (layer, head, sequence, token, dim) with no further copy (``gather_padded``).
+            shape = (c.num_layers, c.num_kv_heads, c.num_blocks, c.block_size, c.head_dim)
             self._keys = torch.zeros(shape, dtype=c.torch_dtype, device=c.device)
             self._values = torch.zeros(shape, dtype=c.torch_dtype, device=c.device)
         return self._keys, self._values
@@ -231,9 +233,9 @@ class PagedKVPool:
         self._check_table(table)
         store_k, store_v = self._storage()
         blocks, offsets = self._slots(table, start, start + n)
-        # Two separated index tensors put the token axis first: storage[:, b, :, o] is (n, L, H, D).
-        store_k[:, blocks, :, offsets, :] = keys.permute(2, 0, 1, 3).to(store_k.dtype)
-        store_v[:, blocks, :, offsets, :] = values.permute(2, 0, 1, 3).to(store_v.dtype)
+        # Two adjacent index tensors keep the token axis in place: storage[:, :, b, o] is (L, H, n, D).
+        store_k[:, :, blocks, offsets] = keys.to(store_k.dtype)
+        store_v[:, :, blocks, offsets] = values.to(store_v.dtype)
         return table.model_copy(update={"length": max(table.length, start + n)})
 
     def append(self, table: KVBlockTable, keys: torch.Tensor, values: torch.Tensor) -> KVBlockTable:
@@ -254,29 +256,60 @@ class PagedKVPool:
         used = torch.tensor(table.blocks[: self.blocks_for(length)], dtype=torch.long, device=c.device)
 
         def contiguous(store: torch.Tensor) -> torch.Tensor:
-            # (L, nb, H, bs, D) -> (L, H, nb * bs, D), cropped to the written tokens.
-            picked = store[:, used].permute(0, 2, 1, 3, 4)
-            return picked.reshape(c.num_layers, c.num_kv_heads, -1, c.head_dim)[:, :, :length].contiguous()
+            # (L, H, nb, bs, D) -> (L, H, nb * bs, D), cropped to the written tokens.
+            picked = store.index_select(2, used).view(c.num_layers, c.num_kv_heads, -1, c.head_dim)
+            return picked[:, :, :length].contiguous()
 
         return contiguous(store_k), contiguous(store_v)
 
     def gather_padded(
-        self, tables: Sequence[KVBlockTable], lengths: Sequence[int] | None = None
+        self, tables: Sequence[KVBlockTable], lengths: Sequence[int] | None = None, *, extra: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K, V as (num_layers, B, num_kv_heads, T_max, head_dim), right-padded with zeros,
-        and a boolean (B, T_max) mask of the real tokens (for batched attention)."""
+        """K, V as (num_layers, B, num_kv_heads, T_max + extra, head_dim), right-padded with zeros,
+        and a boolean (B, T_max) mask of the real tokens (for batched attention).
+
+        ``extra`` zeroed token slots follow ``T_max`` in every row: room a decode step writes its
+        new tokens' K/V into, so attention reads one buffer instead of concatenating per layer.
+
+        One gather for every row and layer: each row's blocks (padded to the widest row with its
+        own first block) are read out of the pool once, straight into the returned layout; only
+        the slots past each row's length are zeroed. K and V are strided views of that buffer
+        (``[layer]`` is a (B, H, T, D) view with unit stride along head_dim), not contiguous tensors.
+        """
         lengths = [t.length for t in tables] if lengths is None else list(lengths)
+        if len(lengths) != len(tables):
+            raise ValueError(f"{len(tables)} tables but {len(lengths)} lengths")
+        if extra < 0:
+            raise ValueError(f"extra must be >= 0, got {extra}")
         c = self.config
+        rows = len(tables)
         t_max = max(lengths, default=0)
-        keys = torch.zeros((c.num_layers, len(tables), c.num_kv_heads, t_max, c.head_dim), dtype=c.torch_dtype, device=c.device)
-        values = torch.zeros_like(keys)
-        valid = torch.zeros((len(tables), t_max), dtype=torch.bool, device=c.device)
-        for row, (table, length) in enumerate(zip(tables, lengths)):
-            k, v = self.gather(table, length)
-            keys[:, row, :, :length] = k
-            values[:, row, :, :length] = v
-            valid[row, :length] = True
-        return keys, values, valid
+        width = t_max + extra
+        valid = torch.arange(t_max, device=c.device)[None, :] < torch.tensor(lengths, dtype=torch.long, device=c.device).view(-1, 1)
+        if rows == 0 or width == 0:
+            empty = torch.zeros((c.num_layers, rows, c.num_kv_heads, width, c.head_dim), dtype=c.torch_dtype, device=c.device)
+            return empty, empty.clone(), valid
+        per_row = self.blocks_for(width)
+        ids: list[int] = []
+        for table, length in zip(tables, lengths):
+            if not 0 <= length <= table.length:
+                raise ValueError(f"gather length {length} outside [0, {table.length}]")
+            self._check_table(table)
+            used = list(table.blocks[: self.blocks_for(length)])
+            # Slots past a row's own blocks read any block (its own first, else block 0), then are zeroed.
+            ids += used + [table.blocks[0] if table.blocks else 0] * (per_row - len(used))
+        index = torch.tensor(ids, dtype=torch.long, device=c.device)
+        store_k, store_v = self._storage()
+
+        def padded(store: torch.Tensor) -> torch.Tensor:
+            # (L, H, B * per_row, bs, D) -> (L, H, B, per_row * bs, D) -> (L, B, H, width, D), one copy.
+            picked = store.index_select(2, index).view(c.num_layers, c.num_kv_heads, rows, per_row * c.block_size, c.head_dim)
+            for row, length in enumerate(lengths):
+                if length < width:
+                    picked[:, :, row, length:width].zero_()
+            return picked.transpose(1, 2)[:, :, :, :width]
+
+        return padded(store_k), padded(store_v), valid
 
     # -- tables as tensors (for WorkPlan inputs) ------------------------------------------
     def table_tensor(self, table: KVBlockTable) -> torch.Tensor:

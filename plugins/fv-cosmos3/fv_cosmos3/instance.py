@@ -201,11 +201,14 @@ def cosmos3_ops(instance: ModelInstance) -> dict[str, StepOp]:
             tokens, lengths = inputs["token"], inputs["length"]
             tables = [pool.table_from_tensor(inputs["table"][row], int(lengths[row])) for row in range(tokens.shape[0])]
             ragged = len({t.length for t in tables}) > 1
-            keys, values, valid = pool.gather_padded(tables)
+            # The history is read out of the pool once per step (every row and layer), into a buffer with a
+            # free slot per new token that the tower writes and attends over in place (no per-layer concat).
+            keys, values, valid = pool.gather_padded(tables, extra=tokens.shape[1])
             past = TextKV(tuple(keys.unbind(0)), tuple(values.unbind(0)), "reasoner")
             # Positions continue each row's own sequence; padding is masked only when rows differ.
             positions = lengths.view(-1, 1).to(torch.long)
-            logits, new_kv = mot.text_extend(tokens, past, positions, past_valid=valid if ragged else None)
+            logits, new_kv = mot.text_extend(tokens, past, positions, past_valid=valid if ragged else None,
+                                             past_has_room=True)
             new_keys, new_values = _text_kv_tensors(new_kv)
             for row, table in enumerate(tables):
                 pool.write(table, table.length, new_keys[row], new_values[row])

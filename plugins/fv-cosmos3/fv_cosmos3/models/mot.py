@@ -173,6 +173,7 @@ class Cosmos3MoT(nn.Module):
         purpose: KVPurpose,
         skip_last_mlp: bool,
         past_valid: torch.Tensor | None = None,
+        past_has_room: bool = False,
     ) -> _TextTowerResult:
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (B, T), got {tuple(input_ids.shape)}")
@@ -182,6 +183,11 @@ class Cosmos3MoT(nn.Module):
         input_ids = input_ids.to(device)
         past_valid = None if past_valid is None else past_valid.to(device)
         past_len = 0 if past is None else past.length
+        if past_has_room:
+            # ``past`` ends in ``length`` free slots: the new tokens' K/V goes there, attention reads it in place.
+            if past is None or past_len < length:
+                raise ValueError(f"past_has_room needs a past with room for {length} new token(s)")
+            past_len -= length
         if past is not None and past.batch_size != batch:
             raise ValueError(f"TextKV batch {past.batch_size} != input batch {batch}")
         if position_ids is None:
@@ -226,7 +232,12 @@ class Cosmos3MoT(nn.Module):
             if skip_last_mlp and i == last:
                 # The K/V of the last layer is all the generator needs from it.
                 return _TextTowerResult(hidden=None, kv=TextKV(tuple(new_keys), tuple(new_values), purpose))
-            if past is not None:
+            if past is not None and past_has_room:
+                # Same keys, same order as the concatenation below; no copy of the history per layer.
+                k_all, v_all = past.keys[i], past.values[i]
+                k_all[:, :, past_len:].copy_(k_rot)
+                v_all[:, :, past_len:].copy_(v)
+            elif past is not None:
                 k_all = torch.cat([past.keys[i], k_rot], dim=2)
                 v_all = torch.cat([past.values[i], v], dim=2)
             else:
@@ -283,14 +294,21 @@ class Cosmos3MoT(nn.Module):
         positions: torch.Tensor | None = None,
         *,
         past_valid: torch.Tensor | None = None,
+        past_has_room: bool = False,
     ) -> tuple[torch.Tensor, TextKV]:
         """Like ``text_decode_step`` but returns only the new tokens' K/V (for a paged cache
         that stores them itself), and accepts right-padded caches: ``past_valid`` (B, past_len)
         marks each row's real cached tokens, so rows of different lengths decode as one batch.
         Returns logits (B, n, V) and the new tokens' ``TextKV``.
+
+        ``past_has_room``: ``past`` is a buffer the caller owns whose last n token slots are free
+        (``past.length`` = past_len + n, e.g. ``PagedKVPool.gather_padded(..., extra=n)``). Each
+        layer writes the new tokens' K/V into those slots and attends over the buffer as it is,
+        instead of concatenating a copy of the whole history per layer; the result is the same.
         """
         self._check_kv(past, "reasoner")
-        result = self._text_tower(token_ids, positions, past, "reasoner", skip_last_mlp=False, past_valid=past_valid)
+        result = self._text_tower(token_ids, positions, past, "reasoner", skip_last_mlp=False, past_valid=past_valid,
+                                  past_has_room=past_has_room)
         assert result.hidden is not None
         return self._logits(result.hidden, True), result.kv
 

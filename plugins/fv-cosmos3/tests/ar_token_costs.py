@@ -1,0 +1,175 @@
+"""What one ``ar_token`` step costs on the host, by history length and rows (not a test module).
+
+Shared by ``test_ar_token_costs.py`` (counts) and runnable as a CPU micro-benchmark (times)::
+
+    python plugins/fv-cosmos3/tests/ar_token_costs.py            # tiny and kvnano, 1 and 8 rows, history 32/256/512
+
+``kvnano`` keeps Cosmos 3 Nano's K/V geometry (36 layers x 8 KV heads x head_dim 128) with a small hidden
+size, so a step's history traffic is Nano's (fp32 here) while its weights are cheap. Rows of an 8-row batch
+have different lengths (history, history - 3, ...), as fused chat requests do, so the padded/masked path runs.
+Times are single-threaded (``torch.set_num_threads(1)``): the benchmark machine's 2 cores are shared.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fv_kernel.api import InstanceOptions, PagedKVConfig, PagedKVPool
+from fv_cosmos3.cards import cosmos3_card
+from fv_cosmos3.instance import Cosmos3Instance, cosmos3_ops
+from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT
+
+CONFIGS: dict[str, Cosmos3Config] = {
+    "tiny": Cosmos3Config.tiny(),
+    "kvnano": Cosmos3Config.tiny(hidden_size=256, intermediate_size=512, num_hidden_layers=36, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, rope_axes_dim=(24, 20, 20), vocab_size=1024),
+}
+
+# Ops that only move or fill memory (no arithmetic): what a decode step copies besides its matmuls and attention.
+_MOVES = {"index", "index_select", "cat", "copy_", "fill_", "zero_", "zeros", "zeros_like", "new_zeros", "clone",
+          "_to_copy", "index_put_", "_index_put_impl_", "stack", "contiguous", "empty_like", "masked_fill",
+          "masked_fill_", "gather", "index_copy", "index_copy_", "where"}
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+class MoveCounter(TorchDispatchMode):
+    """Counts every aten op of a region, and the bytes the memory-moving ones write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.moved: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        if name in _MOVES:
+            if name in ("index_put_", "_index_put_impl_"):
+                written = _nbytes(args[2])  # the values, not the whole destination
+            elif name.endswith("_"):
+                written = _nbytes(args[0])
+            else:
+                written = sum(_nbytes(o) for o in (out if isinstance(out, (tuple, list)) else (out,)))
+            self.moved[name] += written
+        return out
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(self.moved.values())
+
+    @property
+    def op_count(self) -> int:
+        return sum(self.ops.values())
+
+
+def kv_bytes_per_token(config: Cosmos3Config, dtype: torch.dtype) -> int:
+    """K and V of one token, every layer."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+
+
+@dataclass
+class DecodeBench:
+    """A reasoner with random weights, a pool and ``rows`` sequences already holding ``history`` tokens (row r:
+    ``history - 3 r``), and the plugin's own ``ar_token`` op over them."""
+
+    config: Cosmos3Config
+    mot: Cosmos3MoT
+    pool: PagedKVPool
+    ar_token: Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]]
+    table_ids: torch.Tensor
+    lengths: list[int]
+    token: torch.Tensor
+
+    @classmethod
+    def build(cls, config: Cosmos3Config, rows: int, history: int, steps: int, *, seed: int = 0,
+              dtype: torch.dtype = torch.float32, stride: int = 3) -> "DecodeBench":
+        gen = torch.Generator().manual_seed(seed)
+        mot = Cosmos3MoT(config).to(dtype).eval().requires_grad_(False)
+        with torch.no_grad():
+            for name, p in mot.named_parameters():
+                noise = torch.randn(p.shape, generator=gen).to(dtype)
+                p.copy_(noise * p[0].numel() ** -0.5 if p.dim() > 1 else (1 + 0.02 * noise if "norm" in name else 0.02 * noise))
+        block = 16
+        per_row = -(-(history + steps + 1) // block)
+        pool = PagedKVPool(PagedKVConfig(
+            num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            block_size=block, num_blocks=per_row * rows + 3, max_blocks_per_sequence=per_row,
+            dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype],
+        ))
+        pool.allocate("someone-else", tokens=3 * block)  # rows' blocks do not start at block 0
+        lengths = [max(history - stride * r, 1) for r in range(rows)]
+        tables = []
+        for row, length in enumerate(lengths):
+            table = pool.allocate(f"row{row}", tokens=history + steps + 1)
+            shape = (config.num_hidden_layers, config.num_key_value_heads, length, config.head_dim)
+            keys = torch.randn(shape, generator=gen).to(dtype)
+            tables.append(pool.write(table, 0, keys, torch.randn(shape, generator=gen).to(dtype)))
+        instance = Cosmos3Instance(card=cosmos3_card("cosmos3-tiny"), options=InstanceOptions(),
+                                   component_loader=lambda component_id: None, ops_builder=cosmos3_ops,
+                                   components={"transformer": mot}, text_kv_pool=pool)
+        return cls(config=config, mot=mot, pool=pool, ar_token=cosmos3_ops(instance)["ar_token"].fn,
+                   table_ids=torch.stack([pool.table_tensor(t) for t in tables]), lengths=lengths,
+                   token=torch.randint(0, config.vocab_size, (rows, 1), generator=gen))
+
+    def step(self) -> torch.Tensor:
+        """One ``ar_token`` over every row; feeds back the greedy token and returns the logits."""
+        inputs = {"token": self.token, "table": self.table_ids, "length": torch.tensor(self.lengths, dtype=torch.long)}
+        with torch.inference_mode():
+            logits = self.ar_token(inputs, {})["logits"]
+        self.token = logits.argmax(-1, keepdim=True)
+        self.lengths = [length + 1 for length in self.lengths]
+        return logits
+
+
+def time_steps(config: Cosmos3Config, rows: int, history: int, steps: int = 6) -> float:
+    """Median ms of ``steps - 1`` ar_token steps (after one warm-up)."""
+    bench = DecodeBench.build(config, rows, history, steps)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        bench.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+def count_step(config: Cosmos3Config, rows: int, history: int) -> MoveCounter:
+    """The ops and moved bytes of the second ar_token step (the first warms up nothing, but keep it out)."""
+    bench = DecodeBench.build(config, rows, history, steps=2)
+    bench.step()
+    with MoveCounter() as counter:
+        bench.step()
+    return counter
+
+
+def main(argv: list[str]) -> int:
+    torch.set_num_threads(1)
+    names = argv or list(CONFIGS)
+    for name in names:
+        config = CONFIGS[name]
+        per_token = kv_bytes_per_token(config, torch.float32)
+        for rows in (1, 8):
+            for history in (32, 256, 512):
+                ms = time_steps(config, rows, history)
+                counted = count_step(config, rows, history)
+                history_bytes = per_token * sum(max(history - 3 * r, 1) for r in range(rows))
+                print(f"{name:7s} rows={rows} history={history:4d}: {ms:8.2f} ms/step  moved {counted.bytes_moved / 2**20:8.1f} MiB "
+                      f"= {counted.bytes_moved / history_bytes:5.2f} x history K/V  ops {counted.op_count}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
