@@ -1,7 +1,7 @@
 """What each fast compute tier costs in accuracy over a whole trajectory (issue 19, 2b).
 
     python bench/bench_tier_parity.py                      # wan-tiny on CPU, bf16, the card's 8 steps
-    python bench/bench_tier_parity.py --card fastwan2.1-t2v-1.3b --device cuda --tiers vsa  # VSA needs its gates
+    python bench/bench_tier_parity.py --card fastwan2.1-t2v-1.3b --device cuda --tiers fused graphs  # on its VSA
     python bench/bench_tier_parity.py --card wan2.1-t2v-1.3b --device cuda \\
         --json out/tier_parity.json --record out/tier_parity_record.json   # 480x832x81, 50 steps
 
@@ -18,7 +18,9 @@ PSNR and first-forward error against eager fp32. ``--record`` merges the measure
 Tiers: ``fused`` (Triton kernels; CUDA), ``graphs`` (CUDA graphs; CUDA), ``blocks``
 (``torch.compile`` per block; anywhere with a C++ compiler, slow to build on CPU), ``vsa``
 (the kernel's VSA attention driver; needs a card whose DiT has the VSA gates,
-``to_gate_compress``). A tier that cannot run here is reported as skipped with the reason.
+``to_gate_compress``; on a card whose recipe assumes VSA, FastWan's, it is the card's own
+attention and every run uses it, eager included). A tier that cannot run here is reported as
+skipped with the reason.
 Real-size cards are built with seeded random weights (``random_weights.py``: the card's own
 transformer and VAE, a one-layer random text encoder). Without CUDA, ``--device cuda``
 prints why and exits 0. ``--cache-dir`` keeps each run's final video and first forward, so
@@ -83,6 +85,9 @@ def tier_setup(tier: str, card: ModelCard, device: torch.device) -> tuple[dict[s
     if tier == "blocks":
         return {"compute": ComputeOptions(compile="blocks")}, None
     if tier == "vsa":
+        if card.recipe.assumes_attention is not None and card.recipe.assumes_attention.kind == "vsa":
+            return None, (f"VSA is card {card.model_id!r}'s own attention (its recipe assumes it), not a tier: every run "
+                          "here, the eager references included, uses it")
         if not card.components["transformer"].config.get("has_gate_compress"):
             return None, (f"card {card.model_id!r} has no VSA gates (to_gate_compress); VSA runs on a card trained for "
                           "it: --card fastwan2.1-t2v-1.3b --device cuda")
@@ -206,10 +211,17 @@ def measure_tier_parity(
                       inputs=(TextPart(text=PROMPT),),
                       diffusion=DiffusionParams(seed=seed, steps=steps, height=height, width=width, frames=frames))
 
+    # Every run uses the attention the card's recipe assumes (FastWan: VSA), so eager is the card as trained
+    # and a tier is judged on top of it.
+    assumed = card.recipe.assumes_attention
+    recipe_fields = {} if assumed is None else {"attention_backend": assumed.kind}
+    attention = "" if assumed is None else f"_{assumed.kind}"
+
     def run(label: str, run_precision: str, **fields: Any) -> Trajectory:
+        fields = {**recipe_fields, **fields}
         if cache_dir is None:
             return run_trajectory(card, request, device, run_precision, **fields)
-        path = cache_dir / f"{card.model_id}_{label}_{run_precision}_{steps}x{frames}x{height}x{width}_seed{seed}.pt"
+        path = cache_dir / f"{card.model_id}_{label}{attention}_{run_precision}_{steps}x{frames}x{height}x{width}_seed{seed}.pt"
         if path.exists():
             log(f"  (reusing {path})")
             return Trajectory(**torch.load(path))

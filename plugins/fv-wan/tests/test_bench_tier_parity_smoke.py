@@ -126,3 +126,35 @@ def test_budget_needs_a_cache_dir() -> None:
     done = subprocess.run([sys.executable, str(BENCH_DIR / "bench_tier_parity.py"), "--budget-s", "5"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--budget-s needs --cache-dir" in done.stderr
+
+
+def test_a_vsa_trained_card_runs_every_trajectory_under_its_own_attention(tmp_path: Path, monkeypatch) -> None:
+    # FastWan's recipe assumes VSA: its eager references are the card as trained (VSA), a tier is judged on top of
+    # them, and "vsa" is no tier of it. A tiny stand-in: fastwan-tiny with the gates and FastWan's recipe attention.
+    from fv_wan.cards import FASTWAN_VSA
+
+    tiny = next(c for c in wan_cards() if c.model_id == "fastwan-tiny")
+    components = dict(tiny.components)
+    components["transformer"] = components["transformer"].model_copy(
+        update={"config": {**components["transformer"].config, "has_gate_compress": True}})
+    card = tiny.model_copy(update={"components": components,
+                                   "recipe": tiny.recipe.model_copy(update={"assumes_attention": FASTWAN_VSA})})
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    bench = importlib.import_module("bench_tier_parity")
+    real_setup = bench.tier_setup
+    # "blocks" stands for a cheap configuration (see the module docstring); "vsa" goes through the real setup.
+    monkeypatch.setattr(bench, "tier_setup", lambda tier, card_, device: (
+        ({"compute": ComputeOptions(fused_ops="torch")}, None) if tier == "blocks" else real_setup(tier, card_, device)))
+    attentions: list[tuple[str, str]] = []
+    real_build = bench.build_instance
+
+    def build(card_, options):
+        attentions.append((options.precision, options.attention_backend))
+        return real_build(card_, options)
+
+    monkeypatch.setattr(bench, "build_instance", build)
+    report = bench.measure_tier_parity(card, device=torch.device("cpu"), precision="bf16", tiers=("vsa", "blocks"),
+                                       steps=3, frames=5, height=32, width=32, seed=0, source="test", log=lambda _: None)
+    assert report["tiers"]["vsa"]["status"] == "skipped" and "own attention" in report["tiers"]["vsa"]["reason"]
+    assert report["tiers"]["blocks"]["status"] == "measured"
+    assert attentions == [("fp32", "vsa"), ("bf16", "vsa"), ("bf16", "vsa")]  # eager fp32, eager bf16, the tier
