@@ -926,7 +926,7 @@ class Engine:
             else:
                 outcomes = self._per_sample(op, batch)
         if self.config.check_finite:
-            outcomes = [self._check_finite(o, u) for o, u in zip(outcomes, batch)]
+            outcomes = self._check_finite(outcomes, batch)
         device_s = None
         if cuda and start_evt is not None and end_evt is not None:
             end_evt.record()
@@ -947,16 +947,34 @@ class Engine:
         return outcomes
 
     @staticmethod
-    def _check_finite(outcome: StepResult | BaseException, unit: WorkUnit) -> StepResult | BaseException:
-        if isinstance(outcome, BaseException):
-            return outcome
-        for name, tensor in outcome.outputs.items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                return NonFiniteOutput(
-                    f"step {unit.plan.op!r} of loop {unit.plan.loop_id!r} produced NaN/Inf in output {name!r} "
-                    f"at step {unit.plan.step_index if unit.plan.step_index is not None else '?'}"
-                )
-        return outcome
+    def _check_finite(
+        outcomes: list[StepResult | BaseException], batch: list[WorkUnit]
+    ) -> list[StepResult | BaseException]:
+        """Each unit's outcome, or NonFiniteOutput naming its first floating output with NaN/Inf.
+
+        One host sync per device for the whole batch: a step can return dozens of tensors (a
+        causal VAE decode returns its cache), and checking each alone waited on the device each time.
+        """
+        checked = [(index, name, tensor) for index, outcome in enumerate(outcomes) if not isinstance(outcome, BaseException)
+                   for name, tensor in outcome.outputs.items() if tensor.is_floating_point()]
+        by_device: dict[torch.device, list[int]] = {}
+        for position, (_, _, tensor) in enumerate(checked):
+            by_device.setdefault(tensor.device, []).append(position)
+        finite = [True] * len(checked)
+        for positions in by_device.values():
+            flags = torch.stack([torch.isfinite(checked[p][2]).all() for p in positions]).tolist()
+            for position, ok in zip(positions, flags):
+                finite[position] = bool(ok)
+        result = list(outcomes)
+        for position, (index, name, _) in enumerate(checked):
+            if finite[position] or isinstance(result[index], BaseException):
+                continue  # finite, or an earlier output of this unit already failed it
+            plan = batch[index].plan
+            result[index] = NonFiniteOutput(
+                f"step {plan.op!r} of loop {plan.loop_id!r} produced NaN/Inf in output {name!r} "
+                f"at step {plan.step_index if plan.step_index is not None else '?'}"
+            )
+        return result
 
 
 def run_serially(engine: Engine, requests: Iterable[Request]) -> list[GenerationResult]:

@@ -1,0 +1,65 @@
+"""The Engine's NaN/Inf check of a batch's outputs: same verdicts, one host read per device.
+
+A step can return dozens of tensors (a causal VAE decode returns its 35-tensor cache with the
+frames); checked one by one, each check waited on the device. Now the whole batch's flags are
+gathered on the device and read once.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from fv_kernel.errors import NonFiniteOutput
+from fv_kernel.loop.contract import StepResult
+from fv_kernel.runtime.engine import Engine
+
+
+def _unit(op: str, step: int) -> Any:
+    return SimpleNamespace(plan=SimpleNamespace(op=op, loop_id="denoise", step_index=step))
+
+
+def _outcomes() -> tuple[list[Any], list[Any]]:
+    healthy = StepResult(outputs={"v": torch.ones(4), "ids": torch.tensor([1, 2]), "cache.a": torch.zeros(2, 2)})
+    nan_second = StepResult(outputs={"v": torch.ones(4), "cache.a": torch.tensor([1.0, float("nan")]),
+                                     "cache.b": torch.tensor([float("inf")])})
+    failed = RuntimeError("the step raised")
+    inf_int_ok = StepResult(outputs={"ids": torch.tensor([3]), "v": torch.tensor([-float("inf")])})
+    return [healthy, nan_second, failed, inf_int_ok], [_unit("a", 0), _unit("b", 1), _unit("c", 2), _unit("d", 3)]
+
+
+def test_each_unit_is_judged_on_its_own_outputs_and_names_the_first_bad_one() -> None:
+    outcomes, batch = _outcomes()
+    checked = Engine._check_finite(outcomes, batch)
+    assert checked[0] is outcomes[0]
+    assert isinstance(checked[1], NonFiniteOutput)
+    assert "'cache.a'" in checked[1].message and "step 'b'" in checked[1].message and "at step 1" in checked[1].message
+    assert checked[2] is outcomes[2]  # an exception passes through untouched
+    assert isinstance(checked[3], NonFiniteOutput) and "'v'" in checked[3].message
+
+
+def test_the_batch_is_read_from_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = {"tolist": 0, "bool": 0}
+    real_tolist, real_bool = torch.Tensor.tolist, torch.Tensor.__bool__
+
+    def tolist(self: torch.Tensor) -> Any:
+        reads["tolist"] += 1
+        return real_tolist(self)
+
+    def to_bool(self: torch.Tensor) -> bool:
+        reads["bool"] += 1
+        return real_bool(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    monkeypatch.setattr(torch.Tensor, "__bool__", to_bool)
+    outcomes, batch = _outcomes()
+    Engine._check_finite(outcomes, batch)
+    assert reads == {"tolist": 1, "bool": 0}  # one read for the whole batch (all on one device), no per-tensor sync
+
+
+def test_a_batch_with_nothing_to_check_reads_nothing() -> None:
+    outcomes = [RuntimeError("x"), StepResult(outputs={"ids": torch.tensor([1])})]
+    assert Engine._check_finite(outcomes, [_unit("a", 0), _unit("b", 1)]) == outcomes
