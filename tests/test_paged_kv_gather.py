@@ -95,3 +95,52 @@ def test_rejects_bad_lengths_and_foreign_tables():
     pool.free(a)
     with pytest.raises(ValueError, match="not held"):
         pool.gather_padded([a])
+
+
+def test_allocation_prefers_consecutive_blocks_and_window_views_them_in_place():
+    pool = _pool(num_blocks=10, width=6)
+    a = pool.allocate("a", tokens=8)  # blocks 0, 1
+    b = pool.allocate("b", tokens=8)  # 2, 3
+    pool.allocate("c", tokens=4)  # 4
+    pool.free(a)
+    pool.free(b)  # free list now [5..9] + [0, 1] + [2, 3]: the first four free ids are not a run
+    d = pool.allocate("d", tokens=16)
+    assert d.blocks == (0, 1, 2, 3)  # the lowest run that fits, not the head of the free list
+    grown = pool.reserve(pool.allocate("e", tokens=4), 12)
+    assert grown.blocks == (5, 6, 7)  # growth continues right after the table's last block
+    d = pool.append(d, *_kv(13, 7))
+    keys, values = pool.window(d, 14)
+    assert keys.shape == (3, 1, 2, 14, 4)
+    assert torch.equal(keys[:, 0, :, :13], _kv(13, 7)[0]) and torch.equal(values[:, 0, :, :13], _kv(13, 7)[1])
+    keys[:, 0, :, 13] = 5.0  # writes through the view land in the pool
+    assert torch.equal(pool.gather(d.model_copy(update={"length": 14}))[0][:, :, 13], torch.full((3, 2, 4), 5.0))
+    assert pool.window(d, 17) is None  # past the table's blocks
+
+
+def test_fragmented_pool_still_allocates_and_window_declines_scattered_blocks():
+    pool = _pool(num_blocks=6, width=6)
+    tables = [pool.allocate(name, tokens=4) for name in "abcdef"]
+    for table in tables[::2]:
+        pool.free(table)  # free ids 0, 2, 4: no run of two
+    g = pool.append(pool.allocate("g", tokens=8), *_kv(8, 8))
+    assert len(g.blocks) == 2 and g.blocks[1] != g.blocks[0] + 1
+    assert pool.window(g, 8) is None
+    assert torch.equal(pool.gather(g)[0], _kv(8, 8)[0])
+
+
+def test_write_rows_equals_one_write_per_row():
+    pool, one_by_one = _pool(), _pool()
+    tables, singles = [], []
+    for i, n in enumerate([5, 2, 9]):
+        tables.append(pool.append(pool.allocate(f"r{i}", tokens=12), *_kv(n, 20 + i)))
+        singles.append(one_by_one.append(one_by_one.allocate(f"r{i}", tokens=12), *_kv(n, 20 + i)))
+    g = torch.Generator().manual_seed(9)
+    keys, values = torch.randn(3, 3, 2, 2, 4, generator=g), torch.randn(3, 3, 2, 2, 4, generator=g)
+    written = pool.write_rows(tables, [t.length for t in tables], keys, values)
+    for row, table in enumerate(singles):
+        singles[row] = one_by_one.write(table, table.length, keys[:, row], values[:, row])
+    assert [t.length for t in written] == [7, 4, 11]
+    for a, b in zip(written, singles):
+        assert all(torch.equal(x, y) for x, y in zip(pool.gather(a), one_by_one.gather(b)))
+    with pytest.raises(ValueError, match="no holes"):
+        pool.write_rows(written, [0, 0, 12], keys, values)

@@ -16,6 +16,11 @@ so the loop's allocation cannot fail: a request that does not fit waits in the q
 The pool itself still refuses an allocation beyond ``num_blocks`` with
 :class:`CacheFull` (a loop that allocates more than it estimated).
 
+Reading K/V back for a decode step: the pool hands a sequence consecutive block ids when its
+free list has such a run, and ``window`` then views that sequence's K/V in the storage itself (no
+copy; the step writes its new tokens through the view). ``gather_padded`` copies any set of
+sequences once, every layer, into one right-padded buffer (a batch, or blocks that are scattered).
+
 The pool is model-agnostic: it knows layers, KV heads and head size, nothing else.
 Storage is allocated on the first allocation, so building a pool costs nothing.
 """
@@ -181,10 +186,36 @@ class PagedKVPool:
                     f"{self.config.num_blocks}",
                     param="cache_blocks",
                 )
-            taken, self._free = self._free[:need], self._free[need:]
+            taken = self._take(need, after=table.blocks[-1] if table.blocks else None)
             for block in taken:
                 self._owner_of[block] = table.owner
         return table.model_copy(update={"blocks": table.blocks + tuple(taken)})
+
+    def _take(self, need: int, after: int | None) -> list[int]:
+        """``need`` free blocks, consecutive ids when the free list allows (under the lock).
+
+        A sequence whose blocks are consecutive ids can be read in place (``window``) instead of
+        gathered, so: the ids right after the table's last block when they are all free, else the
+        lowest run of ``need`` consecutive free ids, else (a fragmented pool) the first ``need`` free.
+        """
+        free = set(self._free)
+        run: list[int] | None = None
+        if after is not None and all(after + 1 + i in free for i in range(need)):
+            run = [after + 1 + i for i in range(need)]
+        else:
+            ordered = sorted(free)
+            start = 0
+            for i in range(1, len(ordered) + 1):
+                if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
+                    if i - start >= need:
+                        run = ordered[start : start + need]
+                        break
+                    start = i
+        if run is None:
+            run = self._free[:need]
+        taken = set(run)
+        self._free = [b for b in self._free if b not in taken]
+        return run
 
     def free(self, table: KVBlockTable) -> None:
         """Return ``table``'s blocks to the pool (blocks already freed are ignored)."""
@@ -209,11 +240,6 @@ class PagedKVPool:
                 raise ValueError(f"block {block} of {table.owner!r}'s table is not held by it (freed or foreign)")
 
     # -- data --------------------------------------------------------------------------
-    def _slots(self, table: KVBlockTable, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, end)
-        blocks = torch.tensor(table.blocks, dtype=torch.long)[positions // self.config.block_size]
-        return blocks.to(self.config.device), (positions % self.config.block_size).to(self.config.device)
-
     def write(self, table: KVBlockTable, start: int, keys: torch.Tensor, values: torch.Tensor) -> KVBlockTable:
         """Write tokens [start, start + n) of ``table`` and return it with ``length`` covering them.
 
@@ -221,22 +247,64 @@ class PagedKVPool:
         again writes the same slots (idempotent), so a retried step is harmless. The
         table grows if it lacks room.
         """
+        return self.write_rows([table], [start], keys.unsqueeze(1), values.unsqueeze(1))[0]
+
+    def write_rows(
+        self, tables: Sequence[KVBlockTable], starts: Sequence[int], keys: torch.Tensor, values: torch.Tensor
+    ) -> list[KVBlockTable]:
+        """``write`` for several sequences at once: tokens [starts[r], starts[r] + n) of ``tables[r]`` from
+        keys/values (num_layers, B, num_kv_heads, n, head_dim), as one indexed store each for K and V."""
         c = self.config
-        expected = (c.num_layers, c.num_kv_heads, keys.shape[2], c.head_dim)
-        if tuple(keys.shape) != expected or keys.shape != values.shape:
-            raise ValueError(f"keys/values must be (layers, kv_heads, n, head_dim) = {expected}, got "
-                             f"{tuple(keys.shape)} / {tuple(values.shape)}")
-        if not 0 <= start <= table.length:
-            raise ValueError(f"write start {start} must be within [0, {table.length}] (no holes)")
-        n = keys.shape[2]
-        table = self.reserve(table, start + n)
+        rows = len(tables)
+        expected = (c.num_layers, rows, c.num_kv_heads, keys.shape[3] if keys.ndim == 5 else -1, c.head_dim)
+        if tuple(keys.shape) != expected or keys.shape != values.shape or len(starts) != rows:
+            raise ValueError(f"keys/values must be (layers, kv_heads, n, head_dim) per row = {expected}, got "
+                             f"{tuple(keys.shape)} / {tuple(values.shape)} for {len(starts)} start(s)")
+        n = keys.shape[3]
+        out: list[KVBlockTable] = []
+        blocks: list[int] = []
+        offsets: list[int] = []
+        for table, start in zip(tables, starts):
+            if not 0 <= start <= table.length:
+                raise ValueError(f"write start {start} must be within [0, {table.length}] (no holes)")
+            table = self.reserve(table, start + n)
+            self._check_table(table)
+            for position in range(start, start + n):
+                blocks.append(table.blocks[position // c.block_size])
+                offsets.append(position % c.block_size)
+            out.append(table.model_copy(update={"length": max(table.length, start + n)}))
+        if rows == 0 or n == 0:
+            return out
+        store_k, store_v = self._storage()
+        slots = torch.tensor([blocks, offsets], dtype=torch.long).to(c.device)  # one host-to-device copy
+        # Two adjacent index tensors keep the token axis in place: storage[:, :, b, o] is (L, H, B * n, D),
+        # token-major within each row, as the (L, H, B, n, D) values flatten.
+        shape = (c.num_layers, c.num_kv_heads, rows * n, c.head_dim)
+        store_k[:, :, slots[0], slots[1]] = keys.transpose(1, 2).reshape(shape).to(store_k.dtype)
+        store_v[:, :, slots[0], slots[1]] = values.transpose(1, 2).reshape(shape).to(store_v.dtype)
+        return out
+
+    def window(self, table: KVBlockTable, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V of the first ``tokens`` slots of ``table`` as (num_layers, 1, num_kv_heads, tokens, head_dim)
+        views of the pool's own storage (no copy), or None when those slots' blocks are not consecutive ids
+        (then ``gather_padded`` copies them) or the table lacks them. Writes through the views land in the pool;
+        slots past ``table.length`` hold whatever was there (a decode step writes them before reading)."""
+        c = self.config
+        used = self.blocks_for(tokens)
+        if tokens <= 0 or used > len(table.blocks):
+            return None
+        first = table.blocks[0]
+        if any(table.blocks[i] != first + i for i in range(used)):
+            return None
         self._check_table(table)
         store_k, store_v = self._storage()
-        blocks, offsets = self._slots(table, start, start + n)
-        # Two adjacent index tensors keep the token axis in place: storage[:, :, b, o] is (L, H, n, D).
-        store_k[:, :, blocks, offsets] = keys.to(store_k.dtype)
-        store_v[:, :, blocks, offsets] = values.to(store_v.dtype)
-        return table.model_copy(update={"length": max(table.length, start + n)})
+
+        def view(store: torch.Tensor) -> torch.Tensor:
+            # (L, H, used, bs, D) -> (L, H, used * bs, D): the blocks are adjacent, so the token axes merge.
+            run = store[:, :, first : first + used].view(c.num_layers, c.num_kv_heads, used * c.block_size, c.head_dim)
+            return run[:, :, :tokens].unsqueeze(1)
+
+        return view(store_k), view(store_v)
 
     def append(self, table: KVBlockTable, keys: torch.Tensor, values: torch.Tensor) -> KVBlockTable:
         """Write tokens after the last written one."""

@@ -199,19 +199,26 @@ def cosmos3_ops(instance: ModelInstance) -> dict[str, StepOp]:
 
         def ar_token(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
             tokens, lengths = inputs["token"], inputs["length"]
+            n = tokens.shape[1]
             tables = [pool.table_from_tensor(inputs["table"][row], int(lengths[row])) for row in range(tokens.shape[0])]
             ragged = len({t.length for t in tables}) > 1
-            # The history is read out of the pool once per step (every row and layer), into a buffer with a
-            # free slot per new token that the tower writes and attends over in place (no per-layer concat).
-            keys, values, valid = pool.gather_padded(tables, extra=tokens.shape[1])
-            past = TextKV(tuple(keys.unbind(0)), tuple(values.unbind(0)), "reasoner")
             # Positions continue each row's own sequence; padding is masked only when rows differ.
             positions = lengths.view(-1, 1).to(torch.long)
+            weight = mot.embed_tokens.weight
+            window = pool.window(tables[0], tables[0].length + n) if len(tables) == 1 else None
+            if window is not None and window[0].dtype == weight.dtype and window[0].device == weight.device:
+                # One sequence on consecutive blocks: the tower attends over the pool's storage in place and
+                # writes the new tokens' K/V straight into their slots. Nothing is copied but the new tokens.
+                past = TextKV(tuple(window[0].unbind(0)), tuple(window[1].unbind(0)), "reasoner")
+                logits, _ = mot.text_extend(tokens, past, positions, past_has_room=True)
+                return {"logits": logits[:, -1].float()}
+            # Otherwise the history is read out of the pool once per step (every row and layer), into a buffer
+            # with a free slot per new token that the tower writes and attends over (no per-layer concat).
+            keys, values, valid = pool.gather_padded(tables, extra=n)
+            past = TextKV(tuple(keys.unbind(0)), tuple(values.unbind(0)), "reasoner")
             logits, new_kv = mot.text_extend(tokens, past, positions, past_valid=valid if ragged else None,
                                              past_has_room=True)
-            new_keys, new_values = _text_kv_tensors(new_kv)
-            for row, table in enumerate(tables):
-                pool.write(table, table.length, new_keys[row], new_values[row])
+            pool.write_rows(tables, [t.length for t in tables], torch.stack(new_kv.keys), torch.stack(new_kv.values))
             return {"logits": logits[:, -1].float()}
 
         def text_kv(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -1,10 +1,12 @@
-"""``ar_token``: the history is read out of the pool once per step, and the tokens are today's.
+"""``ar_token`` no longer copies the history every step, and its tokens are the previous implementation's.
 
 Before, every decode step copied each row's whole history about five times (an index out of the
 pool, a contiguous permute, a zero-filled padded buffer, a copy into it, and a per-layer
 ``torch.cat`` with the new token): at 512 tokens of Cosmos 3 Nano's K/V geometry that was 727 MiB
-per step for one row (fp32). Now the pool gathers every row and layer once into a buffer with a
-free slot per new token, and the tower writes the new K/V there and attends over it in place.
+per step for one row (fp32). Now one sequence on consecutive blocks (what the pool allocates when it
+can) is attended in the pool's storage, the new K/V written straight into its slots; a batch (or a
+row on scattered blocks) is gathered once, every row and layer, into a buffer with a free slot per
+new token that the tower writes and attends over in place.
 """
 
 from __future__ import annotations
@@ -65,18 +67,47 @@ def test_decode_is_bit_identical_to_the_copying_step(rows):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("rows", [1, 8])
-def test_a_step_copies_the_history_once_and_its_op_count_does_not_grow_with_it(rows):
-    """Counted, not timed: the aten ops of one step are the same number at history 32 and 512, and the
-    bytes the memory-moving ops write grow by one copy of the (padded) history K/V, not five."""
+def test_one_sequence_decodes_in_place_and_copies_nothing_that_grows_with_its_history():
+    """Counted, not timed: one row on consecutive blocks (what the pool allocates when it can) is attended
+    in the pool's own storage; at history 32 and 512 a step runs the same ops and moves the same bytes
+    (the new token's K/V and the logits), no gather at all."""
     config = CONFIGS["tiny"]
+    short, long = count_step(config, 1, 32), count_step(config, 1, 512)
+    assert short.op_count == long.op_count and short.ops == long.ops
+    assert short.bytes_moved == long.bytes_moved, (dict(short.moved), dict(long.moved))
+    assert "index_select" not in long.ops and "index" not in long.ops
+    # Less than one token's worth of K/V per layer beyond the new token itself.
+    assert long.bytes_moved < 4 * kv_bytes_per_token(config, torch.float32)
+
+
+def test_a_batch_copies_the_history_once_and_its_op_count_does_not_grow_with_it():
+    """Counted: 8 ragged rows gather once (one index_select each for K and V, every row and layer), so the
+    ops of a step are the same number at history 32 and 512 and the bytes moved grow by one copy of the
+    (padded) history, not five."""
+    config = CONFIGS["tiny"]
+    rows = 8
     short, long = count_step(config, rows, 32), count_step(config, rows, 512)
     assert short.op_count == long.op_count, (short.ops - long.ops) + (long.ops - short.ops)
-    per_token = kv_bytes_per_token(config, torch.float32)
-    # Each row is gathered at the widest row's length (right-padded batch) plus the new token's slot.
-    growth = rows * (512 - 32) * per_token
+    assert long.ops["index_select"] == 2 and long.ops["index_put_"] == 2  # one gather, one write, K and V
+    growth = rows * (512 - 32) * kv_bytes_per_token(config, torch.float32)
     moved = long.bytes_moved - short.bytes_moved
     assert moved <= 1.1 * growth, f"{moved / growth:.2f}x the history growth moved per step ({dict(long.moved)})"
+
+
+def test_a_row_on_scattered_blocks_is_gathered_and_decodes_the_same():
+    """A fragmented pool hands out non-consecutive blocks: the step falls back to the gather, same tokens."""
+    config = CONFIGS["tiny"]
+    new = DecodeBench.build(config, 1, history=20, steps=12, seed=5)
+    old = DecodeBench.build(config, 1, history=20, steps=12, seed=5)
+    for bench in (new, old):  # the same K/V, moved to blocks in reverse order
+        table = bench.pool.table_from_tensor(bench.table_ids[0], bench.lengths[0])
+        keys, values = bench.pool.gather(table)
+        scattered = table.model_copy(update={"blocks": tuple(reversed(table.blocks))})
+        bench.pool.write(scattered, 0, keys, values)
+        bench.table_ids = bench.pool.table_tensor(scattered).unsqueeze(0)
+    assert new.pool.window(new.pool.table_from_tensor(new.table_ids[0], 21), 21) is None
+    for _ in range(12):
+        assert torch.equal(new.step(), _legacy_step(old))
 
 
 def test_counter_sees_the_copies_of_the_previous_step():
