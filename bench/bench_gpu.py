@@ -369,6 +369,77 @@ def section_dit(b: Bench) -> dict[str, Any]:
     return out
 
 
+#: What each part of a denoise step is made of, as lower-case substrings of kernel names (CUDA) or op
+#: names (CPU); the first part that matches takes the kernel. cuDNN's SDPA kernels carry "sdpa" / "fprop".
+STEP_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("sdpa", "fprop", "fmha", "flash", "attention")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
+    ("other", ("",)),
+)
+
+
+def step_parts(b: Bench, fn: Callable[[], Any]) -> dict[str, Any]:
+    """Device milliseconds of one call of ``fn`` split into STEP_PARTS (CPU: self time of the aten ops),
+    beside its wall time: the difference is time the device sat idle."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = b.device.type == "cuda"
+    fn()
+    b.sync()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        b.sync()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    parts = {label: 0.0 for label, _ in STEP_PARTS}
+    by_name: dict[tuple[str, str], float] = {}
+    kernels = 0
+    for event in prof.events():
+        if cuda and event.device_type != DeviceType.CUDA:
+            continue
+        if not cuda and not event.name.startswith("aten::"):
+            continue
+        name = event.name.lower()
+        label = next(label for label, keys in STEP_PARTS if any(key in name for key in keys))
+        ms = (event.time_range.elapsed_us() if cuda else event.self_cpu_time_total) / 1e3
+        parts[label] += ms
+        by_name[(event.name[:80], label)] = by_name.get((event.name[:80], label), 0.0) + ms
+        kernels += 1
+    busy = sum(parts.values())
+    # The largest kernels with the part each was counted in, so a misread name shows.
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:8]
+    return {**{f"{k}_ms": round(v, 2) for k, v in parts.items()}, "busy_ms": round(busy, 2), "wall_ms": round(wall_ms, 2),
+            "kernels": kernels, "profiled": "CUDA kernels" if cuda else "CPU aten ops (self time)",
+            "top": [{"name": name, "part": label, "ms": round(ms, 2)} for (name, label), ms in top]}
+
+
+def section_step_parts(b: Bench) -> dict[str, Any]:
+    """One batch-1 denoise step at 480x832x81, fv eager, fv fused (Triton glue) and diffusers eager,
+    split into attention, matmul and the rest (issue 19: what bounds the step, against cuDNN attention)."""
+    model: WanTransformer = b.cache["dit"]
+    fn, backend = attention_fn(b, b.args.attention)
+    model.set_attention_fn(fn)
+    inputs = dit_inputs(b, 1)
+    out: dict[str, Any] = {"backend": backend}
+    with torch.no_grad():
+        model.set_fused_ops(None)
+        out["fv eager"] = step_parts(b, lambda: model(*inputs))
+        fused = select_fused_ops(b.device, "auto" if b.device.type == "cuda" else "torch")
+        if fused is not None:
+            model.set_fused_ops(fused)
+            out[f"fv fused[{fused.name}]"] = step_parts(b, lambda: model(*inputs))
+            model.set_fused_ops(None)
+        try:
+            twin = build_diffusers_twin(b, model)
+        except Exception as exc:  # noqa: BLE001
+            out["diffusers eager"] = f"skipped: {type(exc).__name__}: {exc}"
+        else:
+            out["diffusers eager"] = step_parts(b, lambda: twin(*inputs, return_dict=False))
+            del twin
+    return out
+
+
 def section_diffusers(b: Bench) -> dict[str, Any]:
     try:
         import diffusers  # noqa: F401
@@ -664,6 +735,10 @@ def table(b: Bench) -> str:
         if isinstance(row, dict) and "fused_ms" in row:
             extra.append(f"| {n} single-frame {batching['shape']} DiT steps fused vs one at a time | {row['fused_ms']} ms vs "
                          f"{row['one_at_a_time_ms']} ms = {row['throughput_x']}x throughput |")
+    for impl, parts in s.get("step_parts", {}).items():
+        if isinstance(parts, dict):
+            extra.append(f"| one step's parts, {impl} ({parts['profiled']}) | attention {parts['attention_ms']} ms, matmul "
+                         f"{parts['matmul_ms']} ms, other {parts['other_ms']} ms; busy {parts['busy_ms']} of {parts['wall_ms']} ms wall |")
     thr = s.get("engine_throughput", {})
     for key, value in thr.items():
         if key.endswith(":speedup"):
@@ -723,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         ("dit", 90, lambda: section_dit(b)),
         ("diffusers", 200 if args.diffusers_compile else 60, lambda: section_diffusers(b)),
         ("graphs", 60, lambda: section_graphs(b)),
+        ("step_parts", 60, lambda: section_step_parts(b)),
         ("vae", 60, lambda: section_vae(b)),
         ("step_batching", 60, lambda: section_step_batching(b)),
         ("engine_throughput", 100, lambda: section_engine_throughput(b)),
@@ -733,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         if name in args.skip:
             b.results["errors"][name] = "skipped by --skip"
             continue
-        if name in ("diffusers", "graphs", "compiled") and "dit" not in b.results["sections"]:
+        if name in ("diffusers", "graphs", "step_parts", "compiled") and "dit" not in b.results["sections"]:
             b.results["errors"][name] = "skipped: the dit section failed"
             continue
         b.section(name, budget, fn)

@@ -31,8 +31,8 @@ def test_the_real_size_engine_card_needs_no_checkpoint(monkeypatch: pytest.Monke
     assert check_checkpoint_source(card, InstanceOptions(device="cpu"), list(card.checkpoint.components)) is None
 
 
-def test_engine_sections_run_at_tiny_size(tmp_path: Path) -> None:
-    skip = ["matmul", "dit", "diffusers", "graphs", "vae", "step_batching", "compiled"]
+def test_engine_sections_and_step_parts_run_at_tiny_size(tmp_path: Path) -> None:
+    skip = ["matmul", "diffusers", "graphs", "vae", "step_batching", "compiled"]
     done = subprocess.run([sys.executable, str(BENCH_DIR / "bench_gpu.py"), str(tmp_path), "--smoke", "--skip", *skip],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -44,3 +44,10 @@ def test_engine_sections_run_at_tiny_size(tmp_path: Path) -> None:
             assert set(run["op_device_ms"]) == {"encode_text", "dit_forward:transformer", "vae_decode_frame"}
     assert throughput["4:batched"]["batches_by_size"] == {"4": 5}  # text, 3 DiT steps, decode: each fused across the 4
     assert e2e["attention"] == "dense (vsa needs CUDA)"
+    # One step split into attention, matmul and the rest, for fv and for diffusers (CPU: aten ops' self time).
+    parts = sections["step_parts"]
+    for impl in ("fv eager", "fv fused[torch]", "diffusers eager"):
+        row = parts[impl]
+        assert row["attention_ms"] > 0 and row["matmul_ms"] > 0
+        assert abs(row["attention_ms"] + row["matmul_ms"] + row["other_ms"] - row["busy_ms"]) < 0.05
+        assert {t["part"] for t in row["top"]} <= {"attention", "matmul", "other"}
