@@ -301,10 +301,10 @@ class Cosmos3MoT(nn.Module):
         marks each row's real cached tokens, so rows of different lengths decode as one batch.
         Returns logits (B, n, V) and the new tokens' ``TextKV``.
 
-        ``past_has_room``: ``past`` is a buffer the caller owns whose last n token slots are free
-        (``past.length`` = past_len + n, e.g. ``PagedKVPool.gather_padded(..., extra=n)``). Each
-        layer writes the new tokens' K/V into those slots and attends over the buffer as it is,
-        instead of concatenating a copy of the whole history per layer; the result is the same.
+        ``past_has_room``: ``past``'s last n token slots are free (``past.length`` = past_len + n): a
+        buffer from ``PagedKVPool.gather_padded(..., extra=n)``, or the pool's own storage viewed by
+        ``PagedKVPool.window``. Each layer writes the new tokens' K/V into those slots and attends over
+        ``past`` as it is, instead of concatenating a copy of the whole history per layer; same result.
         """
         self._check_kv(past, "reasoner")
         result = self._text_tower(token_ids, positions, past, "reasoner", skip_last_mlp=False, past_valid=past_valid,
