@@ -11,9 +11,14 @@ new token that the tower writes and attends over in place.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from ar_token_costs import CONFIGS, DecodeBench, MoveCounter, kv_bytes_per_token, count_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+from bench_ar_token import CONFIGS, DecodeBench, MoveCounter, count_step, kv_bytes_per_token  # noqa: E402
 
 from fv_cosmos3.instance import _text_kv_tensors
 from fv_cosmos3.models import TextKV

@@ -1,8 +1,9 @@
-"""What one ``ar_token`` step costs on the host, by history length and rows (not a test module).
+"""What one ``ar_token`` step costs on the host, by history length and rows.
 
-Shared by ``test_ar_token_costs.py`` (counts) and runnable as a CPU micro-benchmark (times)::
+Shared by ``plugins/fv-cosmos3/tests/test_ar_token_costs.py`` (counts) and runnable as a CPU
+micro-benchmark (times); figures in docs/benchmarks.md::
 
-    python plugins/fv-cosmos3/tests/ar_token_costs.py            # tiny and kvnano, 1 and 8 rows, history 32/256/512
+    python bench/bench_ar_token.py            # tiny and kvnano, 1 and 8 rows, history 32/256/512
 
 ``kvnano`` keeps Cosmos 3 Nano's K/V geometry (36 layers x 8 KV heads x head_dim 128) with a small hidden
 size, so a step's history traffic is Nano's (fp32 here) while its weights are cheap. Rows of an 8-row batch
