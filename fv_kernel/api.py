@@ -182,6 +182,7 @@ from fv_kernel.request.request import (
     VideoPart,
 )
 from fv_kernel.request.types import Precision, TaskType, torch_dtype
+from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.runtime.cost import CostKey, CostModel
 from fv_kernel.runtime.deploy import build_engine
 from fv_kernel.runtime.engine import Engine, GenerationResult, RequestHandle, SchedulerConfig, run_concurrently, run_serially

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal, Sequenc
 import torch
 from pydantic import ValidationError
 
+from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.card.instance import ModelInstance, build_instance
 from fv_kernel.card.preflight import preflight
 from fv_kernel.card.spec import ModelCard
@@ -416,7 +417,7 @@ class VideoGenerator:
 
         def work() -> None:
             try:
-                asyncio.run(pump())
+                run_blocking(pump())
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer's thread
                 events.put(("error", exc))
             else:
@@ -495,6 +496,6 @@ def _blocking(coroutine: Any) -> Any:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coroutine)
+        return run_blocking(coroutine)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fv-generate") as pool:
-        return pool.submit(asyncio.run, coroutine).result()
+        return pool.submit(run_blocking, coroutine).result()

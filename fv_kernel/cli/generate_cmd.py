@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -212,10 +211,11 @@ def _run_until_interrupted(coro: Any) -> Any:
     shutdown cancels what is left and logs what fails on the way, which would follow the one
     ``fv: interrupted`` line."""
     from fv_kernel.cli.app import _quiet_teardown
+    from fv_kernel.runtime.blocking import run_in_runner
 
     with asyncio.Runner() as runner:
         try:
-            return runner.run(coro)
+            return run_in_runner(runner, coro)
         except KeyboardInterrupt:
             _quiet_teardown()
             raise

@@ -54,6 +54,7 @@ from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.events import TERMINAL_EVENT_TYPES, ErrorInfo, Event
 from fv_kernel.request.request import Request
 from fv_kernel.request.types import TaskType
+from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.runtime.admission import AdmissionController, Budgets, Reservation
 from fv_kernel.runtime.batching import BatchPolicy, BatchScheduler, WorkUnit
 from fv_kernel.runtime.capacity import device_key, device_total_bytes, instance_resident_bytes
@@ -505,7 +506,7 @@ class Engine:
             async with self.running():
                 return await self.generate_async(request)
 
-        return asyncio.run(once())
+        return run_blocking(once())
 
     def cancel(self, request_id: str, reason: str = "cancelled by caller") -> bool:
         """Cancel at the next step boundary. Returns False if the request already ended."""
@@ -987,7 +988,7 @@ def run_serially(engine: Engine, requests: Iterable[Request]) -> list[Generation
                 results.append(await engine.generate_async(request))
         return results
 
-    return asyncio.run(go())
+    return run_blocking(go())
 
 
 def run_concurrently(engine: Engine, requests: Iterable[Request]) -> list[GenerationResult]:
@@ -998,4 +999,4 @@ def run_concurrently(engine: Engine, requests: Iterable[Request]) -> list[Genera
             handles = [engine.submit(r) for r in requests]
             return list(await asyncio.gather(*(h.result() for h in handles)))
 
-    return asyncio.run(go())
+    return run_blocking(go())

@@ -6,11 +6,11 @@ to use a card from a script. The Engine is the path for anything concurrent.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Callable
 
 import torch
 
+from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.cache.feature import FeatureCache, apply_cache_writes
 from fv_kernel.card.instance import ModelInstance
 from fv_kernel.card.validate import RequestLimits, resolve_for_instance
@@ -69,4 +69,4 @@ async def run_local_async(
 
 def run_local(request: Request, instance: ModelInstance, **kwargs: Any) -> list[Artifact]:
     """Blocking form of :func:`run_local_async`."""
-    return asyncio.run(run_local_async(request, instance, **kwargs))
+    return run_blocking(run_local_async(request, instance, **kwargs))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Mapping, Sequence
 
+from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.extend.observers import Observer, StepRecord
 from fv_kernel.request.request import Request
 from fv_kernel.runtime.engine import Engine, GenerationResult
@@ -54,7 +55,7 @@ async def run_staggered_async(
 
 def run_staggered(engine: Engine, requests: Sequence[Request], *, loop_id: str, offset: int) -> list[GenerationResult]:
     """Submit each request once the previous one has done ``offset`` steps of ``loop_id``; wait for all."""
-    return asyncio.run(run_staggered_async(engine, requests, loop_id=loop_id, offset=offset))
+    return run_blocking(run_staggered_async(engine, requests, loop_id=loop_id, offset=offset))
 
 
 def unbatched_co_resident(records: Sequence[StepRecord], total_steps: Mapping[str, int]) -> list[tuple[str, int]]:

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from fv_kernel.api import BehaviorRecord, InvalidRequest, Reward, TrainingRun
+from fv_kernel.api import BehaviorRecord, InvalidRequest, Reward, TrainingRun, run_blocking
 from fv_rl.online import OnlineRL, RolloutBackend
 from fv_rl.rollout import Rollout, RolloutSettings
 
@@ -143,7 +143,7 @@ def run_with_ray(method: OnlineRL, run: TrainingRun, reward: Reward, history: di
             await method.run_epochs(run, backend, reward, _RemoteLearner(learner), history)
             return await learner.weights.remote()
 
-        return asyncio.run(go())
+        return run_blocking(go())
     finally:
         ray.get([w.shutdown.remote() for w in workers])
         for actor in (*workers, learner):

@@ -23,7 +23,6 @@ refused with ``RecipeMismatch``.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from typing import Any, ClassVar
 
@@ -43,6 +42,7 @@ from fv_kernel.api import (
     TrainedModel,
     TrainingRun,
     add_noise,
+    run_blocking,
 )
 from fv_rl.online import as_input
 from fv_rl.rollout import RolloutSettings, rollout_groups
@@ -119,7 +119,7 @@ class DMD2(RLMethod):
             async with engine.running():
                 return await rollout_groups(engine, run.instance.model_id, o.prompts, [[0]] * len(o.prompts), settings)
 
-        records = [g[0].record for g in asyncio.run(go())]
+        records = [g[0].record for g in run_blocking(go())]
         cond = torch.cat([as_input(r.prompt_embeds) for r in records]).float()
         neg = None
         if o.teacher_guidance > 1:
