@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -231,8 +233,10 @@ def bench_step(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
 
 
 def _engine_run(b: Bench, instance: Cosmos3Instance, requests: list[Request], *, batched: bool) -> dict[str, Any]:
-    config = (SchedulerConfig(batching="throughput", max_queue=4096) if batched
-              else SchedulerConfig(scheduling="request", max_queue=4096))
+    # Under --profile the ops run on the event loop's thread: the profiler records only the threads it saw start.
+    thread = b.args.profile is None
+    config = (SchedulerConfig(batching="throughput", max_queue=4096, device_thread=thread) if batched
+              else SchedulerConfig(scheduling="request", max_queue=4096, device_thread=thread))
     times = OpTimes()
     engine = Engine(config, observers=[times])
     engine.add_instance(instance)
@@ -256,9 +260,13 @@ def _t2v(b: Bench, prefix: str, n: int, *, upsample: bool, height: int, width: i
     # One prompt length for the plain requests (byte tokenizer: equal character counts), so their steps share a shape.
     subjects = ["a red fox", "a grey owl", "a tall tree", "a blue boat", "an old bell", "a white cat", "a long road",
                 "a dark cave"]
+    tokens = b.args.upsample_tokens
+    # The reference upsampling sampler (fv_cosmos3.loops.upsample_params) with a shorter rewrite, if asked.
+    rewrite = (ARParams(max_tokens=tokens, temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)
+               if upsample and tokens else None)
     return [Request(request_id=f"{prefix}{i}", model=b.card_id, task=TaskType.TEXT_TO_VIDEO,
                     inputs=(TextPart(text=f"{subjects[i % len(subjects)]:<12}in the snow at dawn"),),
-                    prompt_upsampling=upsample,
+                    prompt_upsampling=upsample, ar=rewrite.model_copy(update={"seed": i}) if rewrite else None,
                     diffusion=DiffusionParams(height=height, width=width, frames=frames, steps=steps, seed=i))
             for i in range(n)]
 
@@ -404,6 +412,26 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+@contextlib.contextmanager
+def _profiled(b: Bench, folder: str | None, name: str) -> Iterator[None]:
+    """Run the body under torch.profiler when ``folder`` is given; write its op tables there."""
+    if folder is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.cuda else [])
+    with profile(activities=activities) as prof:
+        yield
+    averages = prof.key_averages()
+    tables = [f"# {name}: ops by host self time", averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if b.cuda:
+        tables += [f"# {name}: kernels by device time", averages.table(sort_by="self_device_time_total", row_limit=40)]
+    path = Path(folder) / f"{name}_profile.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(tables) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", help="path of the JSON file to write")
@@ -417,8 +445,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--omni-frames", type=int, default=None, help="omni/concurrent frames; default: 29 at real "
                         "size (the card's 189 is minutes per request), the card's for cosmos3-tiny")
     parser.add_argument("--omni-steps", type=int, default=None, help="default: the card's")
+    parser.add_argument("--upsample-tokens", type=int, default=None, help="omni/concurrent: the rewrite's token "
+                        "budget (default: the card's, 512; random weights never stop early)")
     parser.add_argument("--sections", nargs="+", default=["step", "omni", "concurrent", "decode"],
                         choices=["step", "omni", "concurrent", "decode"], help="which of sections 1-4 to run (5 always runs)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="run each section under torch.profiler and write DIR/<section>_profile.txt: the ops "
+                        "by host self time and by device time (where a step's time goes); the Engine's ops then run "
+                        "on the event loop's thread (no device thread), so the profiler sees them")
     args = parser.parse_args(argv)
     b = Bench(args)
     if b.device.type == "cpu":
@@ -440,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             # One section failing on a device leaves the others' figures (written as they come) and its error.
             try:
-                results[name] = section(b, instance)
+                with _profiled(b, args.profile, name):
+                    results[name] = section(b, instance)
             except Exception as exc:  # noqa: BLE001
                 results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
                 print(f"section {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)

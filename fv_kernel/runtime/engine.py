@@ -293,7 +293,11 @@ class EngineMetrics:
     step_latency_counts: list[int] = field(default_factory=lambda: [0] * 10)
     step_latency_sum: float = 0.0
     step_latency_count: int = 0
+    #: The scheduler's own host time: admission, choosing each batch, and handing its results back.
     scheduler_seconds: float = 0.0
+    #: Time the scheduler yields before choosing a batch so that the drivers the last batch woke post
+    #: their next plans: the loops' own host code (advance, next, finalize), not the scheduler's.
+    loop_host_seconds: float = 0.0
     execute_seconds: float = 0.0
     rejections: dict[str, int] = field(default_factory=dict)
     #: Fused (throughput-mode) batches that raised and were re-run per request, by op.
@@ -832,12 +836,15 @@ class Engine:
             self._wake.clear()
             tick = time.perf_counter()
             self._admit_queued()
+            yielded = time.perf_counter()
             await self._settle()
+            resumed = time.perf_counter()
             self._admit_queued()
             # Admitted requests' peaks may add up only within what their residents leave free.
             headroom = self.admission.peak_headroom()
             batch = self.batcher.select(self._pending.units, time.monotonic(), peak_headroom=headroom)
-            self.metrics.scheduler_seconds += time.perf_counter() - tick
+            self.metrics.loop_host_seconds += resumed - yielded
+            self.metrics.scheduler_seconds += (yielded - tick) + (time.perf_counter() - resumed)
             if not batch:
                 if self._stopping and not self._running:
                     return
@@ -864,6 +871,7 @@ class Engine:
             outcomes, device_s = [error] * len(live), None
         wall = time.perf_counter() - started
         self.metrics.execute_seconds += wall
+        handed_back = time.perf_counter()
         self.batcher.note_executed(live, device_s if device_s is not None else wall)
         plan = live[0].plan
         self.metrics.units_by_kind[plan.kind.value] = self.metrics.units_by_kind.get(plan.kind.value, 0) + len(live)
@@ -898,6 +906,7 @@ class Engine:
                     observer.on_step(record)
                 except Exception:  # noqa: BLE001 - an observer must never take a request down
                     log.exception("observer %s failed", getattr(observer, "name", observer))
+        self.metrics.scheduler_seconds += time.perf_counter() - handed_back
 
     def _run_batch(self, batch: list[WorkUnit]) -> tuple[list[StepResult | BaseException], float | None]:
         """Runs on the device thread. Returns one outcome per unit, and device seconds if known."""
@@ -926,13 +935,14 @@ class Engine:
                     outcomes = self._per_sample(op, batch)
             else:
                 outcomes = self._per_sample(op, batch)
-        if self.config.check_finite:
-            outcomes = self._check_finite(outcomes, batch)
         device_s = None
         if cuda and start_evt is not None and end_evt is not None:
+            # Before any output is read: an op may hand back host tensors it copied non-blocking.
             end_evt.record()
             end_evt.synchronize()
             device_s = start_evt.elapsed_time(end_evt) / 1000.0
+        if self.config.check_finite:
+            outcomes = self._check_finite(outcomes, batch)
         return outcomes, device_s
 
     @staticmethod

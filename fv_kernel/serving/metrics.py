@@ -98,7 +98,11 @@ class EngineCollector(Collector):
         for status, n in sorted(self.jobs_by_status().items()):
             jobs.add_metric([status], n)
         yield jobs
-        yield CounterMetricFamily("fv_scheduler_seconds", "Time spent choosing batches.", value=m.scheduler_seconds)
+        yield CounterMetricFamily("fv_scheduler_seconds", "The scheduler's own time: admission, choosing batches, "
+                                  "handing results back.", value=m.scheduler_seconds)
+        yield CounterMetricFamily("fv_loop_host_seconds", "Time the loops' host code ran between steps "
+                                  "(advance, next, finalize) while the scheduler waited for their next plans.",
+                                  value=m.loop_host_seconds)
         yield CounterMetricFamily("fv_execute_seconds", "Time spent executing batches.", value=m.execute_seconds)
 
 
