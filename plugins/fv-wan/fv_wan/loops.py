@@ -690,10 +690,12 @@ class WanDecodeLoop(Loop[WanDecodeState]):
         if latent_frames > 1:
             steps.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.VAE_TILE, count=latent_frames - 1,
                                       shape_sig=ShapeSignature.of(latent=signature, first=0)))
+        # The decoded frames (fp32) stay until the artifact is made: on the device, except on CUDA,
+        # where the op copies each step's frames to pinned host memory (vae_decode_frame).
+        frames_on_device = 0 if model.device.type == "cuda" else 4 * out_frame * pixel_frames
         return ResourceRequest(
             steps=tuple(steps),
-            # every decoded frame (fp32, until the artifact is made) and every tile's causal history
-            resident_bytes=4 * out_frame * pixel_frames + history,
+            resident_bytes=frames_on_device + history,  # and every tile's causal history
             # next to the history the step reads: its activations while it writes the new history, then the
             # new history twice (the op returns it packed contiguous), and its frames in the VAE's dtype and
             # as fp32 in [0, 1]

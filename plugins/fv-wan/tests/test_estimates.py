@@ -96,6 +96,19 @@ def test_every_loop_reserves_its_peak_and_decode_outgrows_denoise_at_video_sizes
     assert wider.peak_bytes > decode.peak_bytes and wider.resident_bytes > decode.resident_bytes
 
 
+def test_decode_on_cuda_keeps_its_frames_on_the_host() -> None:
+    # The CUDA op copies each step's frames to pinned host memory: only the causal history stays.
+    card = CARDS["wan2.1-t2v-1.3b"]
+    request = resolve_request(card, Request(model=card.model_id, task=TaskType.TEXT_TO_VIDEO,
+                                            inputs=(TextPart(text="a fox"),)))
+    instance = build_instance(card)  # estimates read the card and the device, never weights
+    host = instance.loop("decode").estimate(request, instance)
+    instance.options = instance.options.model_copy(update={"device": "cuda"})  # no CUDA here to build on
+    cuda = instance.loop("decode").estimate(request, instance)
+    assert host.resident_bytes - cuda.resident_bytes == 81 * 3 * 480 * 832 * 4
+    assert cuda.peak_bytes == host.peak_bytes
+
+
 def test_image_encode_reserves_the_vae_encode_of_the_whole_condition_video() -> None:
     instance = build_instance(CARDS["wan2.1-i2v-14b-480p"])
     request = resolve_request(instance.card, Request(
