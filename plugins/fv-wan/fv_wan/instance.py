@@ -346,6 +346,16 @@ def dit_inputs(
     )
 
 
+def _graph_batch(
+    x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, image: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """A forward's inputs as the captured graph takes them (``_graphed_forward``)."""
+    batch = {"x": x, "t": t.float(), "context": context}
+    if image is not None:
+        batch["image_embeds"] = image
+    return batch
+
+
 def _dit_op(expert: str, model: WanTransformer, graphs: GraphedStep | None = None) -> StepOp:
     def dit_forward(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """One denoise forward over N rows (guidance branches, and requests when fused).
@@ -370,17 +380,15 @@ def _dit_op(expert: str, model: WanTransformer, graphs: GraphedStep | None = Non
         if params.get("dispatch", "batched") == "sequential" and x.shape[0] > 1 and branches > 0:
             if x.shape[0] % branches:
                 raise ValueError(f"dit_forward: {x.shape[0]} rows are not whole requests of {branches} branches")
-            parts = [
-                model(x[j::branches], t[j::branches], context[j::branches], None if image is None else image[j::branches],
-                      block_runner=runner)
-                for j in range(branches)
-            ]
-            out = torch.stack(parts, dim=1).flatten(0, 1)  # back to request-major rows
+            def branch(j: int) -> torch.Tensor:
+                rows = (x[j::branches], t[j::branches], context[j::branches], None if image is None else image[j::branches])
+                if graphs is not None:  # each branch's forward replays its batch size's graph
+                    return graphs(_graph_batch(*rows))["v"]
+                return model(*rows, block_runner=runner).float()
+
+            out = torch.stack([branch(j) for j in range(branches)], dim=1).flatten(0, 1)  # back to request-major rows
         elif graphs is not None:
-            batch = {"x": x, "t": t.float(), "context": context}
-            if image is not None:
-                batch["image_embeds"] = image
-            return graphs(batch)
+            return graphs(_graph_batch(x, t, context, image))
         else:
             out = model(x, t, context, image, block_runner=runner)
         return {"v": out.float()}

@@ -77,3 +77,25 @@ def test_cuda_graph_step_matches_eager_with_bucket_padding() -> None:
             assert out.shape == eager.shape
             assert _rel(out, eager) < 2e-2
     assert graphed.replays == 3 and graphed.cache.stats.misses == 2 and graphed.cache.stats.hits == 1
+
+
+def test_sequential_cfg_dispatch_runs_each_branch_through_the_graphs() -> None:
+    # With cfg_dispatch "sequential" (the cards' default) every guidance branch is its own forward:
+    # each must replay the captured graphs, not fall back to eager (the graphs tier then measured eager).
+    from fv_wan.instance import _dit_op
+
+    model = _tiny(torch.float32, "cpu")
+    calls: list[int] = []
+
+    def graphs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        calls.append(batch["x"].shape[0])
+        return {"v": model(batch["x"], batch["t"], batch["context"], batch.get("image_embeds")).float()}
+
+    x, t, context = _inputs("cpu", 4)  # two requests x (cond, uncond), request-major
+    inputs = {"x": x, "t": t, "context": context}
+    params = {"dispatch": "sequential", "branches": 2}
+    with torch.no_grad():
+        graphed = _dit_op("transformer", model, graphs).fn(inputs, params)["v"]  # type: ignore[arg-type]
+        eager = _dit_op("transformer", model, None).fn(inputs, params)["v"]
+    assert calls == [2, 2], "one graph replay per branch, each over both requests' rows of that branch"
+    assert torch.equal(graphed, eager)

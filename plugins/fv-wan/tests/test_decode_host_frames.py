@@ -30,6 +30,7 @@ def _video(device: str) -> torch.Tensor:
 
 def test_cuda_decode_returns_the_decoded_frames_on_the_host() -> None:
     instance = build_instance(TINY, InstanceOptions(device="cuda", precision="fp32"))
+    instance.component("vae_decoder")  # ops are built as components load
     op = instance.op("vae_decode_frame")
     out = op.fn({"z": torch.randn(1, 16, 1, 8, 8, device="cuda")}, {"last": True})
     assert out["frames"].device.type == "cpu" and out["frames"].is_pinned()
