@@ -88,3 +88,14 @@ def test_the_real_size_random_instance_needs_no_checkpoint(monkeypatch: pytest.M
     instance = bench.random_instance(b, bench.cosmos3_card("cosmos3-nano"))
     needed = instance.card.checkpoint.components_for(TaskType.TEXT_TO_VIDEO)
     assert check_checkpoint_source(instance.card, instance.options, needed) is None
+
+
+def test_profile_sees_the_engines_ops_and_upsample_tokens_caps_the_rewrite(tmp_path: Path) -> None:
+    # --profile: the model's matmuls show in the tables (the Engine's ops run where the profiler looks);
+    # --upsample-tokens: each omni request rewrites its prompt to exactly that many tokens (random weights).
+    out, folder = tmp_path / "cosmos3.json", tmp_path / "prof"
+    _run(str(out), "--smoke", "--sections", "omni", "decode", "--profile", str(folder), "--upsample-tokens", "3")
+    tables = (folder / "decode_profile.txt").read_text()
+    assert "aten::linear" in tables and "aten::multinomial" in tables, tables[:2000]
+    assert (folder / "omni_profile.txt").exists()
+    assert json.loads(out.read_text())["omni"]["text_tokens"] == [3]
