@@ -192,7 +192,8 @@ def test_create_stream_and_content(served: Served) -> None:
         for needle in (
             "fv_queue_depth 0", "fv_running_loops 0", 'fv_work_units_total{kind="diffusion_step"}',
             'fv_step_latency_seconds_bucket{le="+Inf"}', "fv_step_latency_seconds_count", "fv_gpu_seconds_admitted_total",
-            "fv_gpu_seconds_refunded_total", 'fv_jobs{status="completed"} 1',
+            "fv_gpu_seconds_refunded_total", 'fv_jobs{status="completed"} 1', "fv_scheduler_seconds_total",
+            "fv_loop_host_seconds_total", "fv_execute_seconds_total",
         ):
             assert needle in text, needle
 
