@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal, Sequenc
 import torch
 from pydantic import ValidationError
 
-from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.card.instance import ModelInstance, build_instance
 from fv_kernel.card.preflight import preflight
 from fv_kernel.card.spec import ModelCard
@@ -41,6 +40,7 @@ from fv_kernel.request.artifacts import Artifact, AudioArtifact, Provenance, Vid
 from fv_kernel.request.events import Event
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
+from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.runtime.deploy import engine_for
 from fv_kernel.runtime.engine import Engine, GenerationResult
 from fv_kernel.runtime.model_resolution import resolve_model

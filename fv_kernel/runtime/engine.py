@@ -54,9 +54,9 @@ from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.events import TERMINAL_EVENT_TYPES, ErrorInfo, Event
 from fv_kernel.request.request import Request
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.runtime.admission import AdmissionController, Budgets, Reservation
 from fv_kernel.runtime.batching import BatchPolicy, BatchScheduler, WorkUnit
+from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.runtime.capacity import device_key, device_total_bytes, instance_resident_bytes
 from fv_kernel.runtime.cost import CostKey, CostModel
 

@@ -10,7 +10,6 @@ from typing import Any, Callable
 
 import torch
 
-from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.cache.feature import FeatureCache, apply_cache_writes
 from fv_kernel.card.instance import ModelInstance
 from fv_kernel.card.validate import RequestLimits, resolve_for_instance
@@ -20,6 +19,7 @@ from fv_kernel.loop.contract import LoopState, StepResult, WorkPlan
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun, run_program
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import Request
+from fv_kernel.runtime.blocking import run_blocking
 
 __all__ = ["run_local", "run_local_async"]
 
