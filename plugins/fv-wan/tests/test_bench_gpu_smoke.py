@@ -51,3 +51,14 @@ def test_engine_sections_and_step_parts_run_at_tiny_size(tmp_path: Path) -> None
         assert row["attention_ms"] > 0 and row["matmul_ms"] > 0
         assert abs(row["attention_ms"] + row["matmul_ms"] + row["other_ms"] - row["busy_ms"]) < 0.05
         assert {t["part"] for t in row["top"]} <= {"attention", "matmul", "other"}
+
+
+def test_profile_engine_writes_where_the_host_time_goes(tmp_path: Path) -> None:
+    # bench/profile_engine.py found the decode loop's 223 ms pageable copy on the H200 (docs/benchmarks.md).
+    done = subprocess.run([sys.executable, str(BENCH_DIR / "profile_engine.py"), str(tmp_path), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for case in ("single8", "e2e"):
+        report = (tmp_path / f"{case}.txt").read_text()
+        assert "'failed': []" in report and "loop_host_s" in report
+        assert "_schedule_forever" in report and "advance" in report  # the Engine's loop and the loops' host code
