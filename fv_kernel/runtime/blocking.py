@@ -24,15 +24,14 @@ async def _into(box: list[Any], coro: Coroutine[Any, Any, T]) -> None:
     box.append(await coro)
 
 
-def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(coro)``, returning its value without keeping it on the main task."""
-    box: list[Any] = []
-    asyncio.run(_into(box, coro))
-    return box[0]
-
-
 def run_in_runner(runner: asyncio.Runner, coro: Coroutine[Any, Any, T]) -> T:
-    """``runner.run(coro)`` with the same care as :func:`run_blocking`."""
+    """``runner.run(coro)``, returning its value without keeping it on the main task."""
     box: list[Any] = []
     runner.run(_into(box, coro))
     return box[0]
+
+
+def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(coro)`` (a fresh runner), returning its value without keeping it on the main task."""
+    with asyncio.Runner() as runner:
+        return run_in_runner(runner, coro)
