@@ -46,6 +46,7 @@ import torch
 from fv_cosmos3.cards import cosmos3_card
 from fv_cosmos3.diffusers_reference import diffusers_forward_kwargs, diffusers_transformer
 from fv_cosmos3.instance import Cosmos3Instance, cosmos3_ops, text_pool_config
+from fv_cosmos3.loops import upsample_params
 from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT
 from fv_cosmos3.models.audio_vae import Cosmos3AudioDecoder, Cosmos3AudioDecoderConfig
 from fv_cosmos3.models.layers import MRoPE
@@ -256,19 +257,22 @@ def _engine_run(b: Bench, instance: Cosmos3Instance, requests: list[Request], *,
     }
 
 
-def _t2v(b: Bench, prefix: str, n: int, *, upsample: bool, height: int, width: int, frames: int, steps: int) -> list[Request]:
+def _t2v(b: Bench, instance: Cosmos3Instance, prefix: str, n: int, *, upsample: bool, height: int, width: int,
+         frames: int, steps: int) -> list[Request]:
     # One prompt length for the plain requests (byte tokenizer: equal character counts), so their steps share a shape.
     subjects = ["a red fox", "a grey owl", "a tall tree", "a blue boat", "an old bell", "a white cat", "a long road",
                 "a dark cave"]
+    requests = [Request(request_id=f"{prefix}{i}", model=b.card_id, task=TaskType.TEXT_TO_VIDEO,
+                        inputs=(TextPart(text=f"{subjects[i % len(subjects)]:<12}in the snow at dawn"),),
+                        prompt_upsampling=upsample,
+                        diffusion=DiffusionParams(height=height, width=width, frames=frames, steps=steps, seed=i))
+                for i in range(n)]
     tokens = b.args.upsample_tokens
-    # The reference upsampling sampler (fv_cosmos3.loops.upsample_params) with a shorter rewrite, if asked.
-    rewrite = (ARParams(max_tokens=tokens, temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)
-               if upsample and tokens else None)
-    return [Request(request_id=f"{prefix}{i}", model=b.card_id, task=TaskType.TEXT_TO_VIDEO,
-                    inputs=(TextPart(text=f"{subjects[i % len(subjects)]:<12}in the snow at dawn"),),
-                    prompt_upsampling=upsample, ar=rewrite.model_copy(update={"seed": i}) if rewrite else None,
-                    diffusion=DiffusionParams(height=height, width=width, frames=frames, steps=steps, seed=i))
-            for i in range(n)]
+    if not (upsample and tokens):
+        return requests
+    # The loop's own upsampling sampler, with a shorter rewrite.
+    return [r.model_copy(update={"ar": upsample_params(r, instance).model_copy(update={"max_tokens": tokens})})
+            for r in requests]
 
 
 def _omni_size(b: Bench, card: ModelCard) -> dict[str, int]:
@@ -282,8 +286,8 @@ def _omni_size(b: Bench, card: ModelCard) -> dict[str, int]:
 
 def bench_omni(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
     size = _omni_size(b, instance.card)
-    _engine_run(b, instance, _t2v(b, "warm-omni-", 1, upsample=True, **{**size, "steps": 1}), batched=False)
-    run = _engine_run(b, instance, _t2v(b, "omni-", 1, upsample=True, **size), batched=False)
+    _engine_run(b, instance, _t2v(b, instance, "warm-omni-", 1, upsample=True, **{**size, "steps": 1}), batched=False)
+    run = _engine_run(b, instance, _t2v(b, instance, "omni-", 1, upsample=True, **size), batched=False)
     return {**size, **run}
 
 
@@ -292,8 +296,8 @@ def bench_concurrent(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
     n = b.concurrent
     out: dict[str, Any] = {**size, "requests": n}
     for name, upsample in (("omni", True), ("t2v_one_prompt_length", False)):
-        serial = _engine_run(b, instance, _t2v(b, f"s-{name}-", n, upsample=upsample, **size), batched=False)
-        batched = _engine_run(b, instance, _t2v(b, f"b-{name}-", n, upsample=upsample, **size), batched=True)
+        serial = _engine_run(b, instance, _t2v(b, instance, f"s-{name}-", n, upsample=upsample, **size), batched=False)
+        batched = _engine_run(b, instance, _t2v(b, instance, f"b-{name}-", n, upsample=upsample, **size), batched=True)
         out[name] = {"one_at_a_time": serial, "batched": batched,
                      "speedup": batched["requests_per_s"] / serial["requests_per_s"]}
     return out
