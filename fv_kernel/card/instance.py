@@ -60,7 +60,10 @@ class StepOp:
     and returns outputs with the same batch on dim 0. ``batch_invariant`` says a
     fused batch gives bit-identical per-sample results; when it does not, the
     runtime's exact mode runs requests of one batch through ``fn`` one by one
-    (see ``docs/architecture.md``, batch invariance).
+    (see ``docs/architecture.md``, batch invariance). Outputs may be host tensors
+    still being copied from the device (``non_blocking``): both runtimes wait for the
+    device before any output is read (the Engine on each batch's end event, ``run_local``
+    in :func:`~fv_kernel.runtime.local.wait_for_host_outputs`).
     """
 
     name: str

@@ -6,7 +6,7 @@ to use a card from a script. The Engine is the path for anything concurrent.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -21,7 +21,19 @@ from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import Request
 from fv_kernel.runtime.blocking import run_blocking
 
-__all__ = ["run_local", "run_local_async"]
+__all__ = ["run_local", "run_local_async", "wait_for_host_outputs"]
+
+
+def wait_for_host_outputs(device: torch.device, outputs: Mapping[str, torch.Tensor]) -> None:
+    """Wait for ``device``'s queued work when a step handed back host tensors.
+
+    An op may copy its results to the host non-blocking (fv-wan's decode puts each frame in
+    pinned memory that way): such a tensor is not written until the device gets there, so it
+    must not be read before. The Engine waits on each batch's end event; this is the same
+    wait for :func:`run_local`, which nothing else makes.
+    """
+    if device.type == "cuda" and any(t.device.type == "cpu" for t in outputs.values()):
+        torch.cuda.current_stream(device).synchronize()
 
 
 async def run_local_async(
@@ -53,6 +65,7 @@ async def run_local_async(
         op = instance.op(plan.op)
         with torch.inference_mode():
             outputs = op.fn(plan.inputs, plan.params)
+        wait_for_host_outputs(instance.device, outputs)
         apply_cache_writes(plan.cache, outputs, services)
         return StepResult(outputs=outputs)
 
