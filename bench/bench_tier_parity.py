@@ -122,8 +122,8 @@ def _first_call(fn: Callable[..., Mapping[str, torch.Tensor]], sink: dict[str, t
 class Paused(Exception):
     """A trajectory stopped between two steps; ``partial`` is where it was saved (``--budget-s``)."""
 
-    def __init__(self, partial: Path) -> None:
-        super().__init__(f"paused; its checkpoint is {partial}")
+    def __init__(self, partial: Path, steps: int = 0, seconds: float = 0.0) -> None:
+        super().__init__(f"paused after {steps} steps in {seconds:.1f} s here; its checkpoint is {partial}")
         self.partial = partial
 
 
@@ -163,7 +163,7 @@ def run_trajectory(card: ModelCard, request: Request, device: torch.device, prec
         partial.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"checkpoint": run.checkpoint().to_bytes(), "first_forward": sink.get("v"),
                     "seconds": earlier + time.perf_counter() - started}, partial)
-        raise Paused(partial)
+        raise Paused(partial, steps, time.perf_counter() - started)
 
     artifacts = run_local(request, instance, resume_from=resume_from, on_step=on_step)
     if device.type == "cuda":
