@@ -344,6 +344,8 @@ class Engine:
         #: Per instance id: how many components were loaded when it was measured, and the bytes
         #: they (and its pools) keep. Components are only ever added, so the count marks a change.
         self._resident_cache: dict[str, tuple[int, int]] = {}
+        #: (components loaded, resident bytes) measured by a load's own thread, right after it loaded.
+        self._resident_measured: dict[str, tuple[int, int]] = {}
         #: Per instance id: its device's key (``device_key``), computed once in :meth:`add_instance`.
         self._device_of: dict[str, str] = {}
         self.batcher = BatchScheduler(self.config.batch)
@@ -386,6 +388,16 @@ class Engine:
         self._instances[instance.model_id] = instance
         self._by_instance_id[instance.instance_id] = instance
         self._device_of[instance.instance_id] = device
+        # Deploy-time work that would otherwise land in the scheduler on the first admission:
+        # importing the card's loop classes (lazy "module:Class" entries) and sizing what the
+        # instance keeps resident (re-sized later only if it loads more components).
+        for loop_id in instance.card.loops:
+            try:
+                instance.loop_class(loop_id)
+            except Exception:  # noqa: BLE001 - left to fail its requests, typed, as before; the host keeps serving
+                log.warning("loop %r of card %r could not be resolved; its requests will fail", loop_id,
+                            instance.model_id, exc_info=True)
+        self._size_memory()
 
     @property
     def instances(self) -> dict[str, ModelInstance]:
@@ -637,8 +649,9 @@ class Engine:
     def _size_memory(self) -> None:
         """Size each device's ``"auto"`` memory budget: total x (1 - headroom) - what resident instances keep.
 
-        Runs on every scheduler pass with a queue, so it re-sizes only when an instance is new
-        or has loaded components since it was last measured (weights load lazily).
+        Runs in :meth:`add_instance` and on every scheduler pass with a queue, so it re-sizes only
+        when an instance is new or has loaded components since it was last measured (weights load
+        lazily); an Engine-driven load was measured by its own thread (:meth:`_load_and_measure`).
         """
         budgets = self.config.budgets
         if budgets.memory_bytes != "auto":
@@ -648,7 +661,10 @@ class Engine:
             loaded = len(instance.components)
             cached = self._resident_cache.get(instance.instance_id)
             if cached is None or cached[0] != loaded:
-                self._resident_cache[instance.instance_id] = (loaded, instance_resident_bytes(instance))
+                measured = self._resident_measured.pop(instance.instance_id, None)
+                if measured is None or measured[0] != loaded:
+                    measured = (loaded, instance_resident_bytes(instance))
+                self._resident_cache[instance.instance_id] = measured
                 changed = True
         if not changed:
             return
@@ -753,10 +769,16 @@ class Engine:
         key = (instance.instance_id, task)
         load = self._loads.get(key)
         if load is None:
-            load = asyncio.ensure_future(asyncio.to_thread(instance.load_for_task, task))
+            load = asyncio.ensure_future(asyncio.to_thread(self._load_and_measure, instance, task))
             self._loads[key] = load
             load.add_done_callback(lambda _: self._loads.pop(key, None))
         await asyncio.shield(load)  # a cancelled request must not cancel the others' load
+
+    def _load_and_measure(self, instance: ModelInstance, task: TaskType) -> None:
+        """Load on a worker thread, then measure what the instance now keeps resident there too, so
+        the next admission re-sizes the memory budget without walking the weights in the scheduler."""
+        instance.load_for_task(task)
+        self._resident_measured[instance.instance_id] = (len(instance.components), instance_resident_bytes(instance))
 
     def _retire(self, request_id: str) -> None:
         """Note a finished request; forget the oldest finished ones beyond ``keep_finished`` records

@@ -62,3 +62,11 @@ def test_profile_engine_writes_where_the_host_time_goes(tmp_path: Path) -> None:
         report = (tmp_path / f"{case}.txt").read_text()
         assert "'failed': []" in report and "loop_host_s" in report
         assert "_schedule_forever" in report and "advance" in report  # the Engine's loop and the loops' host code
+
+
+def test_bench_first_request_reports_the_engines_time_per_request() -> None:
+    done = subprocess.run([sys.executable, str(BENCH_DIR / "bench_first_request.py"), "--requests", "2", "--steps", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == ["0", "1"] and all(row.endswith("% |") for row in rows)
