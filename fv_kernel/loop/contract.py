@@ -99,7 +99,7 @@ class StepEstimate(BaseModel):
 
     loop_id: str
     kind: WorkKind
-    shape_sig: ShapeSignature = ShapeSignature()
+    shape_sig: ShapeSignature = Field(default_factory=ShapeSignature)
     precision: str = "fp32"
     count: int = Field(default=1, ge=0)
 
@@ -204,12 +204,14 @@ class WorkPlan(BaseModel):
     op: str
     inputs: dict[str, torch.Tensor] = Field(default_factory=dict)
     params: dict[str, Any] = Field(default_factory=dict)
-    shape_sig: ShapeSignature = ShapeSignature()
+    # Factories, not model defaults: pydantic deep-copies a model default for every plan (12 µs
+    # each on every step; constructing one is 1.5 µs).
+    shape_sig: ShapeSignature = Field(default_factory=ShapeSignature)
     precision: str = "fp32"
     #: Extra key for compiled-graph reuse (backend, compile tier, ...).
     graph_key: str = ""
-    resources: ResourceRequest = ResourceRequest()
-    cache: CachePlan = CachePlan()
+    resources: ResourceRequest = Field(default_factory=ResourceRequest)
+    cache: CachePlan = Field(default_factory=CachePlan)
     #: What cancelling the request does to this step once planned (see :class:`CancelScope`).
     cancel_scope: CancelScope = CancelScope.REQUEST
     emits: list[EmitSpec] = Field(default_factory=list)
