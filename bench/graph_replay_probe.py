@@ -1,8 +1,11 @@
 """Does a CUDA-graph replay on new inputs equal eager on those inputs? A probe for the graphs tier.
 
     python bench/graph_replay_probe.py                      # wan-tiny, dense and under VSA, on CUDA
-    python bench/graph_replay_probe.py --attention sdpa_cudnn
-    python bench/graph_replay_probe.py --card fastwan2.1-t2v-1.3b --kernels   # real size, random weights
+    python bench/graph_replay_probe.py --card fastwan2.1-t2v-1.3b --kernels --trajectory   # real size, random weights
+    python bench/graph_replay_probe.py --card wan2.1-t2v-1.3b --attention sdpa_cudnn
+
+(``wan-tiny``'s head dim is no multiple of 8, so the pinned cuDNN and flash drivers have no kernel
+for it: probe those on a real-size card.)
 
 One ``GraphedStep`` per model is captured on its first call and replayed on new latents, new
 timesteps and new text context; each replay is compared with the eager forward on the same inputs.
