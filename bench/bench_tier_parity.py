@@ -95,18 +95,27 @@ def tier_setup(tier: str, card: ModelCard, device: torch.device) -> tuple[dict[s
     raise ValueError(f"unknown tier {tier!r}; allowed: {list(TIERS)}")
 
 
-def capture_first_forward(instance: ModelInstance, sink: dict[str, torch.Tensor]) -> None:
-    """Keep the output of the instance's first denoise forward (``dit_forward:*``) in ``sink``."""
+#: Makes a denoise op's replacement function from (op name, its function, the instance).
+ForwardWrapper = Callable[[str, Callable[..., Mapping[str, torch.Tensor]], ModelInstance], Callable[..., Any]]
+
+
+def wrap_dit_forwards(instance: ModelInstance, wrap: ForwardWrapper) -> None:
+    """Replace the function of each denoise op (``dit_forward:*``) the instance builds by ``wrap``'s."""
     build = instance.ops_builder
 
     def wrapped_builder(inst: ModelInstance) -> dict[str, StepOp]:
         ops = build(inst)
         for name, op in ops.items():
             if name.startswith("dit_forward:"):
-                ops[name] = dataclasses.replace(op, fn=_first_call(op.fn, sink))
+                ops[name] = dataclasses.replace(op, fn=wrap(name, op.fn, inst))
         return ops
 
     instance.ops_builder = wrapped_builder
+
+
+def capture_first_forward(instance: ModelInstance, sink: dict[str, torch.Tensor]) -> None:
+    """Keep the output of the instance's first denoise forward (``dit_forward:*``) in ``sink``."""
+    wrap_dit_forwards(instance, lambda name, fn, inst: _first_call(fn, sink))
 
 
 def _first_call(fn: Callable[..., Mapping[str, torch.Tensor]], sink: dict[str, torch.Tensor]) -> Callable[..., Any]:
@@ -122,7 +131,7 @@ def _first_call(fn: Callable[..., Mapping[str, torch.Tensor]], sink: dict[str, t
 class Paused(Exception):
     """A trajectory stopped between two steps; ``partial`` is where it was saved (``--budget-s``)."""
 
-    def __init__(self, partial: Path, steps: int = 0, seconds: float = 0.0) -> None:
+    def __init__(self, partial: Path, steps: int, seconds: float) -> None:
         super().__init__(f"paused after {steps} steps in {seconds:.1f} s here; its checkpoint is {partial}")
         self.partial = partial
 

@@ -28,25 +28,26 @@ Exit status 1 when any replay differs from eager.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from fv_kernel.api import InstanceOptions, build_instance
-from fv_kernel.card.instance import ModelInstance, StepOp
+from fv_kernel.card.instance import ModelInstance
+from fv_kernel.card.spec import ModelCard
 from fv_kernel.compute.compile import CompileCache, CompileKey, ComputeOptions, GraphedStep
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime.local import run_local
 from fv_kernel.compute.video_sparse_attention import VideoSparseAttention
+from fv_kernel.runtime.local import run_local
 from fv_wan.cards import wan_cards
 from fv_wan.instance import dit_inputs
 from fv_wan.models.transformer import WanTransformer
-from random_weights import wan_card_for_device  # bench/, beside this script
+from bench_tier_parity import wrap_dit_forwards  # bench/, beside this script
+from random_weights import wan_card_for_device
 
 Latent = tuple[int, int, int]
 
@@ -58,7 +59,7 @@ def _report(label: str, eager: torch.Tensor, graphed: torch.Tensor, step: Graphe
 
 
 def probe_model(name: str, model: WanTransformer, latent: Latent, context_len: int, device: str, backend: str) -> float:
-    """The worst relative error of a graph replay against eager, over four input sets."""
+    """The worst relative error of a graph replay against eager, over five input sets."""
     config = model.config
     generator = torch.Generator(device=device)
 
@@ -82,7 +83,7 @@ def probe_model(name: str, model: WanTransformer, latent: Latent, context_len: i
             eager = forward(batch)["v"]
             worst = max(worst, _report(label, eager, step(batch)["v"], step))
     del step
-    torch.cuda.empty_cache() if device == "cuda" else None
+    torch.cuda.empty_cache()  # a no-op without CUDA
     return worst
 
 
@@ -130,16 +131,17 @@ def probe_kernels(tokens: Latent, device: str) -> float:
     return worst
 
 
-def probe_trajectory(card_id: str, card, device: str, backend: str) -> float:
+def probe_trajectory(card: ModelCard, device: str, backend: str) -> float:
     """The card's default request through its loops with graphs on; each forward against eager."""
     instance = build_instance(card, InstanceOptions(device=device, precision="bf16", attention_backend=backend,
                                                     allow_recipe_mismatch=True, compute=ComputeOptions(cuda_graphs=True)))
     errors: list[float] = []
-    build = instance.ops_builder
 
-    def checked(name: str, op: StepOp, model: WanTransformer) -> StepOp:
-        def call(inputs, params):
-            out = op.fn(inputs, params)
+    def checked(name: str, fn: Callable[..., Mapping[str, torch.Tensor]], inst: ModelInstance) -> Callable[..., Any]:
+        model: WanTransformer = inst.component(name.split(":")[1])
+
+        def call(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:
+            out = fn(inputs, params)
             x, t, context, image = dit_inputs(model, inputs)
             eager = torch.cat([model(x[i:i + 1], t[i:i + 1], context[i:i + 1], None if image is None else image[i:i + 1])
                                for i in range(x.shape[0])]).float()
@@ -148,19 +150,14 @@ def probe_trajectory(card_id: str, card, device: str, backend: str) -> float:
                   flush=True)
             return out
 
-        return dataclasses.replace(op, fn=call)
+        return call
 
-    def wrapped(inst: ModelInstance) -> dict[str, StepOp]:
-        ops = build(inst)
-        return {name: checked(name, op, inst.component(name.split(":")[1])) if name.startswith("dit_forward:") else op
-                for name, op in ops.items()}
-
-    instance.ops_builder = wrapped
+    wrap_dit_forwards(instance, checked)
     d = card.capabilities.defaults
-    request = Request(request_id="probe", model=card_id, task=TaskType.TEXT_TO_VIDEO,
+    request = Request(request_id="probe", model=card.model_id, task=TaskType.TEXT_TO_VIDEO,
                       inputs=(TextPart(text="a red fox runs through fresh snow at dawn"),),
                       diffusion=DiffusionParams(seed=0, steps=d.steps, height=d.height, width=d.width, frames=d.frames))
-    print(f"{card_id} request through its loops, graphs tier, {backend}, {d.frames}x{d.height}x{d.width}:", flush=True)
+    print(f"{card.model_id} request through its loops, graphs tier, {backend}, {d.frames}x{d.height}x{d.width}:", flush=True)
     with torch.inference_mode():
         run_local(request, instance)
     del instance
@@ -175,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", action="store_true", help="also probe the attention kernels alone (CUDA)")
     parser.add_argument("--trajectory", action="store_true",
                         help="also run the card's default request with graphs on, each forward against eager (CUDA)")
-    parser.add_argument("--skip-models", action="store_true", help="skip the per-model replay probe")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     worst = 0.0
@@ -199,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = (latent[0], latent[1] // 2, latent[2] // 2)
         assumed = card.recipe.assumes_attention
         backends = [args.attention] if assumed is None else [assumed.kind, args.attention]
-        for backend in [] if args.skip_models else backends:
+        for backend in backends:
             instance = build_instance(card, InstanceOptions(device=device, precision="bf16", attention_backend=backend,
                                                             allow_recipe_mismatch=True))
             worst = max(worst, probe_model(card.model_id, instance.component("transformer"), latent, 512, device, backend))
@@ -209,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(worst, probe_kernels(tokens, device))
     if args.trajectory:
         assumed = card.recipe.assumes_attention
-        worst = max(worst, probe_trajectory(args.card, card, device, args.attention if assumed is None else assumed.kind))
+        worst = max(worst, probe_trajectory(card, device, args.attention if assumed is None else assumed.kind))
     print(f"worst replay error {worst:.3e}")
     return 0 if worst == 0.0 else 1
 
