@@ -778,7 +778,8 @@ class Engine:
         """Load on a worker thread, then measure what the instance now keeps resident there too, so
         the next admission re-sizes the memory budget without walking the weights in the scheduler."""
         instance.load_for_task(task)
-        self._resident_measured[instance.instance_id] = (len(instance.components), instance_resident_bytes(instance))
+        if self.config.budgets.memory_bytes == "auto":  # only an "auto" budget subtracts what is resident
+            self._resident_measured[instance.instance_id] = (len(instance.components), instance_resident_bytes(instance))
 
     def _retire(self, request_id: str) -> None:
         """Note a finished request; forget the oldest finished ones beyond ``keep_finished`` records

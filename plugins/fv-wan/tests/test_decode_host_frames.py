@@ -5,10 +5,10 @@ float tolerance). Needs CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-
-import dataclasses
 
 from fv_kernel.api import DiffusionParams, Engine, InstanceOptions, Request, TaskType, TextPart, build_instance
 from fv_kernel.runtime.engine import run_concurrently
