@@ -5,8 +5,6 @@ float tolerance). Needs CUDA."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -44,31 +42,36 @@ def test_cuda_decode_returns_the_decoded_frames_on_the_host() -> None:
 
 
 def test_run_local_reads_the_frames_after_the_device_wrote_them() -> None:
-    """Each decode is queued behind half a second of device work, after its inputs are on the
-    device (a pageable host-to-device copy would wait for the stream and hide the race): a loop
-    that reads the pinned frames as soon as the op returns reads a buffer not yet written.
-    Its own prompt and seed, so a recycled pinned block cannot hold the right frames by chance."""
-    request = Request(request_id="r", model="wan-tiny", task=TaskType.TEXT_TO_VIDEO,
-                      inputs=(TextPart(text="a green kite over a windy beach"),),
-                      diffusion=DiffusionParams(height=64, width=64, frames=9, steps=2, seed=7))
+    """Half a second of device work is queued between each decode's kernels and its frames' copy
+    to pinned host memory (the VAE's ``decode_step`` sleeps on the device before returning), so a
+    loop that reads the frames as soon as the op returns reads a buffer not yet written.
 
-    def video(slow: bool) -> torch.Tensor:
+    Queuing the work before the op instead did not show the race on the H200 (2026-12-02): some
+    step inside the op waited for the device. A first request of the same shapes with another
+    prompt and seed leaves its frames in torch's pinned-memory cache, so a recycled block holds
+    other frames, not these."""
+
+    def request(prompt: str, seed: int) -> Request:
+        return Request(request_id=f"r{seed}", model="wan-tiny", task=TaskType.TEXT_TO_VIDEO,
+                       inputs=(TextPart(text=prompt),),
+                       diffusion=DiffusionParams(height=64, width=64, frames=9, steps=2, seed=seed))
+
+    def video(req: Request, slow: bool) -> torch.Tensor:
         instance = build_instance(TINY, InstanceOptions(device="cuda", precision="fp32"))
-        build = instance.ops_builder
+        if slow:
+            vae = instance.component("vae_decoder")
+            decode_step = vae.decode_step
 
-        def with_slow_decode(inst):  # type: ignore[no-untyped-def]
-            ops = build(inst)
-            decode = ops["vae_decode_frame"]
+            def slow_decode_step(*args, **kwargs):  # type: ignore[no-untyped-def]
+                out = decode_step(*args, **kwargs)
+                torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device time before the op's copy to the host
+                return out
 
-            def fn(inputs, params):  # type: ignore[no-untyped-def]
-                on_device = {name: tensor.to("cuda") for name, tensor in inputs.items()}
-                torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device time ahead of the decode's kernels
-                return decode.fn(on_device, params)
-
-            return {**ops, "vae_decode_frame": dataclasses.replace(decode, fn=fn)} if slow else ops
-
-        instance.ops_builder = with_slow_decode
-        (artifact,) = [a for a in run_local(request, instance) if a.kind == "video"]
+            vae.decode_step = slow_decode_step
+        (artifact,) = [a for a in run_local(req, instance) if a.kind == "video"]
         return artifact.frames
 
-    torch.testing.assert_close(video(slow=True), video(slow=False), atol=1e-4, rtol=0)
+    video(request("a red ball rolls", 3), slow=False)
+    target = request("a green kite over a windy beach", 7)
+    got = video(target, slow=True)
+    torch.testing.assert_close(got, video(target, slow=False), atol=1e-4, rtol=0)
