@@ -10,14 +10,17 @@ Shape: 448x832x61 -> a 16x28x52 token grid (23,296 tokens, exactly 364 tiles of 
 - ``ms``: fv's driver end to end (:func:`vsa_triton`: raster-layout tile means, tile-level
   attention and top-k, the block-sparse kernel with the gated combine fused), on contiguous
   (B, H, L, D) inputs; ``model_layout_ms`` the same on the (B, L, H, D)-transposed views the Wan
-  model passes; ``fused_kernel_ms_<warps>w<stages>s`` its block-sparse + combine kernel alone at
-  each of ``LAUNCH_CONFIGS`` (the driver's first), ``tile_means_ms`` its three tile-mean launches;
+  model passes; ``graph_ms`` the driver replayed as a CUDA graph (no host launch cost, as under
+  the ``graphs`` tier); ``fused_kernel_ms_<warps>w<stages>s`` its block-sparse + combine kernel
+  alone at each of ``LAUNCH_CONFIGS`` (the driver's first), ``tile_means_ms`` its one q/k/v
+  tile-mean launch, ``select_ms`` its tile-level attention and top-k (torch);
 - ``partitioned_ms``: the previous Triton path (tile partition copies of q/k/v/gate, its
   block-sparse kernel, the combine and un-tiling in torch), and ``partitioned_kernel_ms`` its
   block-sparse kernel alone;
 - dense cuDNN SDPA, and, when ``fastvideo_kernel`` imports, FastVideo's ``ops.video_sparse_attn``
   with ``FASTVIDEO_VSA_TRITON=1`` on the same tiles (given pre-tiled inputs, as its model tiles
-  once per forward; fv's figures include all layout work).
+  once per forward; fv's figures include all layout work), eagerly and, where it captures, as a
+  CUDA graph (``fastvideo_graph_ms``).
 
 Parity: fv's output against FastVideo's (max abs and relative error), against the partitioned
 path, and against fv's own fp32 torch reference on a 4,096-token crop (the dense masked reference
@@ -38,11 +41,12 @@ import torch.nn.functional as F
 
 from fv_kernel.compute.video_sparse_attention import (
     VideoSparseAttention,
+    _attend_tiles,
     block_sparse_attention_raster,
     block_sparse_attention_triton,
     select_tiles,
     selected_tile_count,
-    tile_means_raster,
+    tile_means_raster_stacked,
     tile_means_triton,
     tile_partition,
     vsa_forward,
@@ -61,6 +65,24 @@ def _bench(fn: Any) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+
+
+def _graph_ms(fn: Any) -> float | None:
+    """``fn`` captured as a CUDA graph and timed on replay; None when it cannot be captured."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as exc:  # host syncs or CPU work inside fn
+        print(f"could not capture {getattr(fn, '__name__', fn)}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    return _bench(graph.replay)
 
 
 def _fastvideo(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, sparsity: float) -> Any:
@@ -139,13 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         fv_out = driver.attend_video(q, k, v, grid=GRID, gate=gate)
         row: dict[str, Any] = {"case": f"fv vsa {sparsity}", "ms": _bench(lambda: driver.attend_video(q, k, v, grid=GRID, gate=gate))}
         row["model_layout_ms"] = _bench(lambda: driver.attend_video(mq, mk, mv, grid=GRID, gate=mg))
+        row["graph_ms"] = _graph_ms(lambda: driver.attend_video(q, k, v, grid=GRID, gate=gate))
+        means = tile_means_raster_stacked([q, k, v], GRID, TILE)
+        row["select_ms"] = _bench(lambda: _attend_tiles(*means, sparsity, scale))
         tq, tk, tv = (tile_partition(t, GRID, TILE) for t in (q, k, v))
         compressed, selected = select_tiles(tq, tk, tv, sparsity, scale, tile_means_triton)
         for warps, stages in LAUNCH_CONFIGS:  # the first is the driver's; the rest, for tuning it
             row[f"fused_kernel_ms_{warps}w{stages}s"] = _bench(lambda: block_sparse_attention_raster(
                 q, k, v, grid=GRID, tile=TILE, selected=selected, compressed=compressed, gate=gate, scale=scale,
                 num_warps=warps, num_stages=stages))
-        row["tile_means_ms"] = _bench(lambda: [tile_means_raster(t, GRID, TILE) for t in (q, k, v)])
+        row["tile_means_ms"] = _bench(lambda: tile_means_raster_stacked([q, k, v], GRID, TILE))
 
         def partitioned() -> torch.Tensor:
             return vsa_forward(q, k, v, grid=GRID, gate=gate, sparsity=sparsity, tile=TILE,
@@ -163,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             theirs = run()
             ours = tile_partition(fv_out, GRID, TILE).tiles.flatten(2, 3)
             row["fastvideo_ms"] = _bench(run)
+            row["fastvideo_graph_ms"] = _graph_ms(run)
             row["max_abs_vs_fastvideo"] = float((ours.float() - theirs.float()).abs().max())
             row["rel_vs_fastvideo"] = float((ours.float() - theirs.float()).norm() / theirs.float().norm())
             row.update(_same_selection(q, k, v, gate, sparsity, selected, theirs))

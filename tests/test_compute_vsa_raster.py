@@ -44,6 +44,7 @@ def kernel_checks(device: str) -> dict[str, Any]:
         _attend_tiles,
         block_sparse_attention_raster,
         tile_means_raster,
+        tile_means_raster_stacked,
         tile_means_torch,
         tile_partition,
         triton_interpreted,
@@ -75,6 +76,11 @@ def kernel_checks(device: str) -> dict[str, Any]:
     # The driver on Triton end to end (what CUDA runs).
     driver = VideoSparseAttention(0.75, tile, "triton")
     out["driver_triton"] = float((driver.attend_video(q, k, v, grid=grid, gate=gate) - ref).abs().max())
+
+    # q, k and v pooled in one launch equal three separate poolings.
+    trio = [t.to(device) for t in qkvg(grid)[:3]]
+    stacked = tile_means_raster_stacked(trio, grid, tile)
+    out["stacked_pool"] = max(float((stacked[i] - tile_means_raster(t, grid, tile)).abs().max()) for i, t in enumerate(trio))
 
     # Negative controls. A wrong index mapping: the kernels told the grid is (T, W, H), so they read
     # h as w (tiles cut across the wrong axes) on data laid out (T, H, W).
@@ -128,6 +134,10 @@ def test_raster_vsa_matches_the_reference(kernels: dict[str, Any], case: str) ->
 @pytest.mark.parametrize("case", list(CASES))
 def test_raster_tile_means_match_the_partitioned_means(kernels: dict[str, Any], case: str) -> None:
     assert kernels[f"pool:{case}"] < 1e-5, kernels
+
+
+def test_q_k_and_v_pooled_in_one_launch_equal_separate_poolings(kernels: dict[str, Any]) -> None:
+    assert kernels["stacked_pool"] == 0.0, kernels
 
 
 def test_raster_vsa_reads_and_writes_the_transposed_model_layout(kernels: dict[str, Any]) -> None:

@@ -3,7 +3,8 @@ Triton's compiler and the ptxas its wheel ships. At FastWan's bf16 shape, specia
 JIT specialises a launch (16-byte aligned pointers, integer arguments divisible by 16 marked, unit
 strides constant), it must compile, use Hopper's tensor-core instruction (wgmma), load q/k/v in
 16-byte vectors (a row gather that fell back to 2-byte loads would be many times slower) and not
-spill registers. What this cannot say: how fast it runs (``bench/bench_vsa.py``, on a GPU).
+spill registers; the one-launch q/k/v tile means too (16-byte loads, no spills). What this cannot
+say: how fast they run (``bench/bench_vsa.py``, on a GPU).
 """
 
 from __future__ import annotations
@@ -68,3 +69,17 @@ def test_negative_control_rows_not_16_byte_aligned_fall_back_to_narrow_loads(con
     # the gathered rows 16-byte aligned and loads them 2 bytes at a time.
     facts = compile_sm90({"b": HEADS * LENGTH * 120, "h": LENGTH * 120, "l": 120, "d": 1}, head_dim=120)
     assert facts["narrow_loads"] > 0, facts
+
+
+def test_the_stacked_tile_means_compile_for_sm90_with_wide_loads_and_no_spills() -> None:
+    from fv_kernel.compute.video_sparse_attention import _raster_kernels
+
+    values: dict[str, Any] = {**{f"x{i}_ptr": "*bf16" for i in range(3)}, "out_ptr": "*fp32"}
+    for i in range(3):  # the model's (B, L, H, D) views
+        values.update({f"s{i}_b": LENGTH * HEADS * DIM, f"s{i}_h": DIM, f"s{i}_l": HEADS * DIM, f"s{i}_d": 1})
+    values.update(heads=HEADS, n_tiles=364, head_dim=DIM, grid_t=16, grid_h=28, grid_w=52, tiles_h=7, tiles_w=13)
+    constexprs = {"TILE_T": 4, "TILE_H": 4, "TILE_W": 4, "BLOCK_M": 64, "BLOCK_D": DIM}
+    build = compile_for_sm90(_raster_kernels()[0], values, constexprs, num_warps=4, num_stages=3)
+    assert re.search(r"ld\.global(?:\.[a-z]+)*\.v4", build.ptx), "no 16-byte loads"
+    assert not re.search(r"ld\.global(?:\.[a-z]+)*\.b16", build.ptx), "2-byte loads"
+    assert build.spill_bytes == 0
