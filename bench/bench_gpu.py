@@ -678,6 +678,14 @@ def section_e2e(b: Bench) -> dict[str, Any]:
             instance.component(component_id).set_fused_ops(fused)
         _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e-fused-warm"), batched=False)
         out["fused"] = _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e-fused"), batched=False)
+    if b.device.type == "cuda":
+        # The graphs tier (each denoise forward replayed as a CUDA graph, VAE eager): identical to eager on
+        # this card over its trajectory (bench/records/tier_parity_h200.json), so a deployment may select it.
+        del instance
+        b.free()
+        instance = build_engine_instance(b, ComputeOptions(cuda_graphs=True), attention=b.args.e2e_attention)
+        _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e-graphs-warm"), batched=False)
+        out["graphs"] = _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e-graphs"), batched=False)
     return out
 
 
@@ -759,7 +767,9 @@ def table(b: Bench) -> str:
         fused = e2e.get("fused")
         extra.append(f"| end to end {e2e['card']} {e2e['shape']}, {e2e['steps']} steps, {e2e['attention']} attention | "
                      f"eager {e2e['wall_s']} s (peak {e2e['peak_gib']} GiB)"
-                     + (f"; fused tier {fused['wall_s']} s" if fused else "") + f"; device ms per op {e2e['op_device_ms']} |")
+                     + (f"; fused tier {fused['wall_s']} s" if fused else "")
+                     + (f"; graphs tier {e2e['graphs']['wall_s']} s" if e2e.get("graphs") else "")
+                     + f"; device ms per op {e2e['op_device_ms']} |")
     runs = [v for v in [*thr.values(), e2e] if isinstance(v, dict) and v.get("scheduler_share_of_execute") is not None]
     for label, chosen in (("mean step >= 30 ms", [r for r in runs if r["mean_batch_ms"] >= 30]),
                           ("mean step < 30 ms", [r for r in runs if r["mean_batch_ms"] < 30])):
