@@ -65,11 +65,14 @@ def _repo_with_tag(tmp_path: Path, tagged: str, current: str) -> Path:
 FAILING = [sys.executable, "-c", "raise SystemExit(3)"]
 
 
-def test_kmin_runs_nothing_when_the_minimum_is_the_current_kernel(tool, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+def test_kmin_runs_nothing_when_the_minimum_is_the_current_kernel(tool, tmp_path: Path, capsys, monkeypatch) -> None:  # noqa: ANN001
     repo = _repo_with_tag(tmp_path, "0.1.0", "0.2.0")
     plugin = plugin_dir(tmp_path, "fv-kernel>=0.2,<0.3")
-    assert tool.run_against_minimum(plugin, [], FAILING, repo=repo) == 0
+    installed: list[tuple[str, ...]] = []
+    monkeypatch.setattr(tool, "_pip_install", lambda *targets: installed.append(targets))
+    assert tool.run_against_minimum(plugin, [], FAILING, repo=repo, first=["torch==2.13.0"]) == 0
     assert "is the current kernel" in capsys.readouterr().out
+    assert installed == []  # not even torch: the kmin env stays without it
 
 
 def test_kmin_installs_the_older_kernel_and_runs_the_command(tool, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
@@ -79,6 +82,8 @@ def test_kmin_installs_the_older_kernel_and_runs_the_command(tool, tmp_path: Pat
     installed: list[tuple[str, ...]] = []
     monkeypatch.setattr(tool, "_install_kernel", lambda source: installed.append(("kernel", (source / "pyproject.toml").read_text())))
     monkeypatch.setattr(tool, "_pip_install", lambda *targets: installed.append(targets))
-    assert tool.run_against_minimum(plugin, ["deps/fv-wan[test]"], FAILING, repo=repo) == 3  # the command's exit code
-    assert installed[0][0] == "kernel" and 'version = "0.1.0"' in installed[0][1]
-    assert installed[1:] == [("-e", "deps/fv-wan[test]"), ("-e", f"{plugin}[test]")]
+    code = tool.run_against_minimum(plugin, ["deps/fv-wan[test]"], FAILING, repo=repo, first=["torch==2.13.0"])
+    assert code == 3  # the command's exit code
+    assert installed[0] == ("torch==2.13.0",)  # before the kernel, whose torch requirement it satisfies
+    assert installed[1][0] == "kernel" and 'version = "0.1.0"' in installed[1][1]
+    assert installed[2:] == [("-e", "deps/fv-wan[test]"), ("-e", f"{plugin}[test]")]

@@ -5,10 +5,12 @@
     python tools/kernel_at_version.py --install plugins/fv-wan  # and pip-install it
     python tools/kernel_at_version.py --run plugins/fv-cosmos3 --also 'plugins/fv-wan[test]' -- python -m pytest tests -q
 
-``--run`` is the kmin test env: when the plugin's minimum is an older kernel, it installs
-that kernel, the ``--also`` projects and the plugin (``[test]``), then runs the command.
-When the minimum *is* the current kernel there is nothing older to check: the kcur env
-runs the same tests against the same kernel, so it says so and runs nothing.
+``--run`` is the kmin test env: when the plugin's minimum is an older kernel, it installs the
+``--first`` requirements (the pinned torch, so the kernel's own ``torch`` requirement cannot pull
+another build), that kernel, the ``--also`` projects and the plugin (``[test]``), then runs the
+command. When the minimum *is* the current kernel there is nothing older to check: the kcur env
+runs the same tests against the same kernel, so it says so and installs and runs nothing (the
+tox env holds only what this tool needs until then).
 
 The minimum is the lower bound of the plugin's ``fv-kernel`` requirement (``>=X``,
 ``==X``, ``~=X``). When X equals the current kernel version the working tree is used
@@ -82,7 +84,9 @@ def _install_kernel(source: Path) -> None:
     _pip_install(*(["-e", f"{source}[testing]"] if source == REPO else [f"{source}[testing]"]))
 
 
-def run_against_minimum(plugin_dir: Path, also: list[str], command: list[str], repo: Path = REPO) -> int:
+def run_against_minimum(
+    plugin_dir: Path, also: list[str], command: list[str], repo: Path = REPO, first: list[str] | None = None,
+) -> int:
     """The kmin env: the plugin's tests against the oldest kernel it declares, if that is not the current one."""
     version = minimum_kernel_version(plugin_dir)
     if version == current_kernel_version(repo):
@@ -94,6 +98,8 @@ def run_against_minimum(plugin_dir: Path, also: list[str], command: list[str], r
     with tempfile.TemporaryDirectory(prefix="fv-kernel-") as tmp:
         source = kernel_source(version, Path(tmp), repo=repo)
         print(f"fv-kernel {version}: {source}")
+        if first:
+            _pip_install(*first)
         _install_kernel(source)
         for project in also:
             _pip_install("-e", project)
@@ -107,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--install", action="store_true", help="pip-install the kernel into this interpreter")
     parser.add_argument("--run", action="store_true", help="the kmin env: install and run the command after '--'")
     parser.add_argument("--also", action="append", default=[], help="with --run: another project to install first")
+    parser.add_argument("--first", action="append", default=[],
+                        help="with --run: a requirement installed before the kernel (e.g. torch==2.13.0)")
     args, rest = parser.parse_known_args(argv)
     command = rest[1:] if rest[:1] == ["--"] else rest
     try:
         if args.run:
-            return run_against_minimum(args.plugin_dir, args.also, command)
+            return run_against_minimum(args.plugin_dir, args.also, command, first=args.first)
         version = minimum_kernel_version(args.plugin_dir)
         with tempfile.TemporaryDirectory(prefix="fv-kernel-") as tmp:
             source = kernel_source(version, Path(tmp))
