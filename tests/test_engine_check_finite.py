@@ -63,3 +63,25 @@ def test_the_batch_is_read_from_the_device_once(monkeypatch: pytest.MonkeyPatch)
 def test_a_batch_with_nothing_to_check_reads_nothing() -> None:
     outcomes = [RuntimeError("x"), StepResult(outputs={"ids": torch.tensor([1])})]
     assert Engine._check_finite(outcomes, [_unit("a", 0), _unit("b", 1)]) == outcomes
+
+
+def test_nan_and_inf_are_found_in_every_float_dtype_and_layout() -> None:
+    bad = [torch.tensor([1.0, float("nan")]).to(torch.bfloat16), torch.tensor([-float("inf"), 0.0]).half(),
+           torch.tensor([[1.0, 2.0], [3.0, float("inf")]], dtype=torch.float64).t(),  # not contiguous
+           torch.full((3, 5), float("nan"))[:, ::2]]
+    good = [torch.ones(2, dtype=torch.bfloat16), torch.empty(0), torch.zeros(3, 5)[:, ::2]]
+    outcomes = [StepResult(outputs={"x": t}) for t in bad + good]
+    checked = Engine._check_finite(outcomes, [_unit("a", i) for i in range(len(outcomes))])
+    assert all(isinstance(c, NonFiniteOutput) for c in checked[: len(bad)])
+    assert checked[len(bad):] == outcomes[len(bad):]
+
+
+def test_the_check_builds_no_mask_the_size_of_an_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A decode step's cache is GBs on the device: a tensor-sized bool mask doubled what it read.
+    sizes: list[int] = []
+    real_isfinite = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: sizes.append(t.numel()) or real_isfinite(t))
+    big = torch.zeros(64, 64)
+    checked = Engine._check_finite([StepResult(outputs={"cache.a": big})], [_unit("a", 0)])
+    assert not isinstance(checked[0], NonFiniteOutput)
+    assert sizes and max(sizes) <= 2, sizes

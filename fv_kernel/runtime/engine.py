@@ -178,6 +178,15 @@ def held_tensor_bytes(*objects: Any) -> int:
     return total
 
 
+def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool on ``tensor``'s device: no NaN or Inf in it. Its min and max decide (both
+    propagate NaN): one read, where ``isfinite(t).all()`` also wrote a tensor-sized bool mask (on
+    the host for a decode step's pinned frames, on the device for its GBs of causal cache)."""
+    if tensor.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    return torch.isfinite(torch.stack(torch.aminmax(tensor))).all()
+
+
 class RequestHandle:
     """The caller's view of a submitted request."""
 
@@ -996,7 +1005,7 @@ class Engine:
             by_device.setdefault(tensor.device, []).append(position)
         finite = [True] * len(checked)
         for positions in by_device.values():
-            flags = torch.stack([torch.isfinite(checked[p][2]).all() for p in positions]).tolist()
+            flags = torch.stack([_all_finite(checked[p][2]) for p in positions]).tolist()
             for position, ok in zip(positions, flags):
                 finite[position] = bool(ok)
         result = list(outcomes)
