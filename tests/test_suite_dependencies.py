@@ -25,6 +25,19 @@ def skipped_on() -> dict[str, list[str]]:
     return found
 
 
+def _for_the_kernel_env(line: str) -> str | None:
+    """The requirement a tox deps line gives the ``kernel`` env, or None: a comment, a substitution,
+    or a line whose factor condition (``kcur:``, ``!kmin:``) excludes an env without factors."""
+    line = line.strip()
+    if not line or line.startswith(("#", "{")):
+        return None
+    condition = re.match(r"(!?)([\w,!-]+):\s*(.*)", line)
+    if condition is None:
+        return line
+    negated, _, requirement = condition.groups()
+    return requirement if negated else None
+
+
 def kernel_env_installs(tox_ini: str) -> set[str]:
     """Distributions (canonical names) the tox ``kernel`` env installs: its deps, the base env's
     deps it includes, and the kernel's ``testing`` extra its commands_pre install."""
@@ -33,8 +46,8 @@ def kernel_env_installs(tox_ini: str) -> set[str]:
     lines = tox["testenv:kernel"]["deps"].splitlines()
     if "{[testenv]deps}" in lines:
         lines += tox["testenv"]["deps"].splitlines()
-    names = {canonicalize_name(Requirement(line.strip()).name)
-             for line in lines if line.strip() and not line.strip().startswith(("#", "{"))}
+    names = {canonicalize_name(Requirement(requirement).name)
+             for line in lines if (requirement := _for_the_kernel_env(line)) is not None}
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
     if "[testing]" in tox["testenv"]["commands_pre"]:
         names |= {canonicalize_name(Requirement(r).name) for r in extras["testing"]}
