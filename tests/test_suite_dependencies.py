@@ -26,16 +26,21 @@ def skipped_on() -> dict[str, list[str]]:
 
 
 def _for_the_kernel_env(line: str) -> str | None:
-    """The requirement a tox deps line gives the ``kernel`` env, or None: a comment, a substitution,
-    or a line whose factor condition (``kcur:``, ``!kmin:``) excludes an env without factors."""
+    """The requirement a tox deps line gives the ``kernel`` env (whose one factor is ``kernel``), or
+    None: a comment, a substitution, or a line whose factor condition excludes it. A condition is
+    tox's: ``a,b:`` either, ``a-b:`` both, ``!a:`` not ``a``."""
     line = line.strip()
     if not line or line.startswith(("#", "{")):
         return None
-    condition = re.match(r"(!?)([\w,!-]+):\s*(.*)", line)
+    condition = re.match(r"([\w,!-]+):\s*(.*)", line)
     if condition is None:
         return line
-    negated, _, requirement = condition.groups()
-    return requirement if negated else None
+    factors, requirement = condition.groups()
+
+    def holds(factor: str) -> bool:
+        return (factor.lstrip("!") == "kernel") != factor.startswith("!")
+
+    return requirement if any(all(map(holds, group.split("-"))) for group in factors.split(",")) else None
 
 
 def kernel_env_installs(tox_ini: str) -> set[str]:
