@@ -77,7 +77,7 @@ def decode_case(name: str, config: WanVAEConfig, height: int, width: int, dtype:
         cache = CausalCache.from_tensors(history) if history else vae.new_decode_cache()
         frames, cache = vae.decode_step(vae.denormalize_latents(z.float()).to(dtype), cache)
         out = {"frames": (frames.float() / 2 + 0.5).clamp(0, 1)}
-        out.update({f"cache.{k}": v for k, v in cache.to_tensors().items()})
+        out.update({f"cache.{k}": v for k, v in cache.to_tensors(contiguous=False).items()})
         return out
 
     for _ in range(3):
@@ -87,7 +87,7 @@ def decode_case(name: str, config: WanVAEConfig, height: int, width: int, dtype:
     held = sum(t.numel() * t.element_size() for k, t in outputs.items() if k.startswith("cache."))
     estimate = footprint.vae_decode_step(config, h, w, element=element)
     out = config.video_channels * config.temporal_compression * height * width * (element + 2 * 4)
-    estimated = max(estimate.activation_bytes + estimate.cache_bytes, 2 * estimate.cache_bytes) + out  # WanDecodeLoop
+    estimated = estimate.activation_bytes + estimate.cache_bytes + out  # WanDecodeLoop.estimate
     del vae
     return {"case": name, "measured": measured, "estimated": estimated,
             "cache_measured": held, "cache_estimated": estimate.cache_bytes}

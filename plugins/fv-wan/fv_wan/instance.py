@@ -310,7 +310,8 @@ def wan_ops(
                 video = video.to("cpu", non_blocking=True)
             out = {"frames": video}
             if not params.get("last", False):  # the stream's last frame needs no history after it
-                out.update({f"cache.{k}": v for k, v in cache.to_tensors().items()})
+                # In the activations' own (mostly channels-last) layout: the next step reads it as it is.
+                out.update({f"cache.{k}": v for k, v in cache.to_tensors(contiguous=False).items()})
             return out
 
         ops["vae_decode_frame"] = StepOp("vae_decode_frame", vae_decode_frame)

@@ -696,9 +696,8 @@ class WanDecodeLoop(Loop[WanDecodeState]):
         return ResourceRequest(
             steps=tuple(steps),
             resident_bytes=frames_on_device + history,  # and every tile's causal history
-            # next to the history the step reads: its activations while it writes the new history, then the
-            # new history twice (the op returns it packed contiguous), and its frames in the VAE's dtype and
-            # as fp32 in [0, 1]
-            peak_bytes=max(step.activation_bytes + history, 2 * history) + out_frame * t * (element + 2 * 4),
+            # next to the history the step reads: its activations while it writes the new history (handed
+            # back as it is, not repacked), and its frames in the VAE's dtype and as fp32 in [0, 1]
+            peak_bytes=step.activation_bytes + history + out_frame * t * (element + 2 * 4),
         )
 

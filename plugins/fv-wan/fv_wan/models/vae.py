@@ -219,11 +219,15 @@ class CausalCache:
     tiles: list[SlotList] = field(default_factory=list)
     steps_done: int = 0
 
-    def to_tensors(self) -> dict[str, Tensor]:
-        """Flat ``name -> tensor`` dict (safetensors/torch.save friendly); empty slots are omitted.
+    def to_tensors(self, *, contiguous: bool = True) -> dict[str, Tensor]:
+        """Flat ``name -> tensor`` dict; empty slots are omitted.
 
-        Slots are packed to the default contiguous layout (a copy only for the
-        channels-last slots), as safetensors requires.
+        With ``contiguous`` (the default) slots are packed to the default
+        contiguous layout, as safetensors requires: a copy of every
+        channels-last slot. ``contiguous=False`` hands the slots over as they
+        are (``torch.save`` and :meth:`from_tensors` take any layout): the
+        decode op does, since packing and unpacking the history on every step
+        cost a third of a 448x832 decode on the H200 (944 against 712 ms).
         """
         num_slots = len(self.tiles[0]) if self.tiles else 0
         out: dict[str, Tensor] = {
@@ -234,7 +238,7 @@ class CausalCache:
         for t, slots in enumerate(self.tiles):
             for s, value in enumerate(slots):
                 if value is not None:
-                    out[f"tile{t}.slot{s}"] = value.contiguous()
+                    out[f"tile{t}.slot{s}"] = value.contiguous() if contiguous else value
         return out
 
     @classmethod
