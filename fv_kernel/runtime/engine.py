@@ -178,13 +178,25 @@ def held_tensor_bytes(*objects: Any) -> int:
     return total
 
 
+def _in_memory_order(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a contiguous view when its elements are dense in another dim order
+    (channels-last, a transpose), else ``tensor`` itself."""
+    if tensor.is_contiguous():
+        return tensor
+    permuted = tensor.permute(sorted(range(tensor.dim()), key=tensor.stride, reverse=True))
+    return permuted if permuted.is_contiguous() else tensor
+
+
 def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
     """A 0-d bool on ``tensor``'s device: no NaN or Inf in it. Its min and max decide (both
     propagate NaN): one read, where ``isfinite(t).all()`` also wrote a tensor-sized bool mask (on
-    the host for a decode step's pinned frames, on the device for its GBs of causal cache)."""
+    the host for a decode step's pinned frames, on the device for its GBs of causal cache).
+    The whole-tensor min/max packs a non-contiguous tensor into a contiguous copy first, so a
+    dense one (the channels-last cache) is reduced through a contiguous view of its memory:
+    the copies cost 10 ms per 448x832 decode step on the H200."""
     if tensor.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=tensor.device)
-    return torch.isfinite(torch.stack(torch.aminmax(tensor))).all()
+    return torch.isfinite(torch.stack(torch.aminmax(_in_memory_order(tensor)))).all()
 
 
 class RequestHandle:
