@@ -979,14 +979,17 @@ class Engine:
                     outcomes = self._per_sample(op, batch)
             else:
                 outcomes = self._per_sample(op, batch)
+            # The device outputs' NaN/Inf flags are queued behind the step, so the one wait below
+            # covers them (read after it, they cost each batch a second wait).
+            flags = _FiniteFlags(outcomes) if self.config.check_finite else None
         device_s = None
         if cuda and start_evt is not None and end_evt is not None:
             # Before any output is read: an op may hand back host tensors it copied non-blocking.
             end_evt.record()
             end_evt.synchronize()
             device_s = start_evt.elapsed_time(end_evt) / 1000.0
-        if self.config.check_finite:
-            outcomes = self._check_finite(outcomes, batch)
+        if flags is not None:
+            outcomes = flags.verdicts(outcomes, batch)
         return outcomes, device_s
 
     @staticmethod
@@ -1005,23 +1008,39 @@ class Engine:
     def _check_finite(
         outcomes: list[StepResult | BaseException], batch: list[WorkUnit]
     ) -> list[StepResult | BaseException]:
-        """Each unit's outcome, or NonFiniteOutput naming its first floating output with NaN/Inf.
+        """Each unit's outcome, or NonFiniteOutput naming its first floating output with NaN/Inf."""
+        return _FiniteFlags(outcomes).verdicts(outcomes, batch)
 
-        One host sync per device for the whole batch: a step can return dozens of tensors (a
-        causal VAE decode returns its cache), and checking each alone waited on the device each time.
-        """
-        checked = [(index, name, tensor) for index, outcome in enumerate(outcomes) if not isinstance(outcome, BaseException)
-                   for name, tensor in outcome.outputs.items() if tensor.is_floating_point()]
+
+class _FiniteFlags:
+    """A batch's NaN/Inf check in two halves: flags queued on each device, then read once per device.
+
+    A step can return dozens of tensors (a causal VAE decode returns its cache), and checking each
+    alone waited on the device each time. Host outputs are checked only when read: an op may still
+    be copying into them non-blocking until the batch's wait.
+    """
+
+    def __init__(self, outcomes: list[StepResult | BaseException]) -> None:
+        self.checked = [(index, name, tensor) for index, outcome in enumerate(outcomes)
+                        if not isinstance(outcome, BaseException)
+                        for name, tensor in outcome.outputs.items() if tensor.is_floating_point()]
         by_device: dict[torch.device, list[int]] = {}
-        for position, (_, _, tensor) in enumerate(checked):
+        for position, (_, _, tensor) in enumerate(self.checked):
             by_device.setdefault(tensor.device, []).append(position)
-        finite = [True] * len(checked)
-        for positions in by_device.values():
-            flags = torch.stack([_all_finite(checked[p][2]) for p in positions]).tolist()
-            for position, ok in zip(positions, flags):
+        self.queued = [(positions, torch.stack([_all_finite(self.checked[p][2]) for p in positions]))
+                       for device, positions in by_device.items() if device.type != "cpu"]
+        self.host = by_device.get(torch.device("cpu"), [])
+
+    def verdicts(self, outcomes: list[StepResult | BaseException], batch: list[WorkUnit]) -> list[StepResult | BaseException]:
+        finite = [True] * len(self.checked)
+        groups = list(self.queued)
+        if self.host:
+            groups.append((self.host, torch.stack([_all_finite(self.checked[p][2]) for p in self.host])))
+        for positions, flags in groups:
+            for position, ok in zip(positions, flags.tolist()):
                 finite[position] = bool(ok)
         result = list(outcomes)
-        for position, (index, name, _) in enumerate(checked):
+        for position, (index, name, _) in enumerate(self.checked):
             if finite[position] or isinstance(result[index], BaseException):
                 continue  # finite, or an earlier output of this unit already failed it
             plan = batch[index].plan
