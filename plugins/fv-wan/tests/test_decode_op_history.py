@@ -4,7 +4,8 @@ Packing every slot to the default contiguous layout on the way out, and reading 
 the channels-last conv buffers on the way in, cost 232 ms of a 16-step 448x832 decode on the
 H200 (944 against 712 ms). Unpacked, the streamed decode is still ``WanVAE.decode`` bit for
 bit, also when the history goes through ``torch.save`` between steps, as a paused request's
-does.
+does. ``bench/bench_decode_op.py`` (which measures it) runs at tiny size here, every path
+equal to the one-call decode.
 """
 
 from __future__ import annotations
@@ -59,3 +60,16 @@ def test_decode_op_returns_history_unpacked_and_decodes_exactly() -> None:
     for step, (history, strides) in enumerate(zip(handed_back, kept)):
         repacked = {name: (history[name].stride(), stride) for name, stride in strides.items() if history[name].stride() != stride}
         assert not repacked, f"step {step}: history slots handed back in another layout than the VAE's: {repacked}"
+
+
+def test_bench_decode_op_smoke_every_path_is_the_one_call_decode(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import importlib
+    import json
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3] / "bench"))
+    bench = importlib.import_module("bench_decode_op")
+    assert bench.main(["--smoke", "--json", str(tmp_path / "op.json")]) == 0
+    rows = json.loads((tmp_path / "op.json").read_text())["rows"]
+    assert set(rows) == set(bench.ROWS)
+    assert all(row["max_abs_diff_vs_decode"] == 0.0 for row in rows.values()), rows
