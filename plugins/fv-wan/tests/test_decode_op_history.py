@@ -1,8 +1,8 @@
 """The decode op hands the causal history back in the activations' own layout.
 
 Packing every slot to the default contiguous layout on the way out, and reading it back into
-the channels-last conv buffers on the way in, cost 232 ms of a 16-step 448x832 decode on the
-H200 (944 against 712 ms). Unpacked, the streamed decode is still ``WanVAE.decode`` bit for
+the channels-last conv buffers on the way in, cost 219 ms of a 16-step 448x832 decode on the
+H200 (949 against 729 ms). Unpacked, the streamed decode is still ``WanVAE.decode`` bit for
 bit, also when the history goes through ``torch.save`` between steps, as a paused request's
 does. ``bench/bench_decode_op.py`` (which measures it) runs at tiny size here, every path
 equal to the one-call decode.

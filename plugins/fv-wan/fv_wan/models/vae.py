@@ -227,7 +227,8 @@ class CausalCache:
         channels-last slot. ``contiguous=False`` hands the slots over as they
         are (``torch.save`` and :meth:`from_tensors` take any layout): the
         decode op does, since packing and unpacking the history on every step
-        cost a third of a 448x832 decode on the H200 (944 against 712 ms).
+        made a 448x832 decode 1.3x slower on the H200 (949 against 729 ms,
+        ``bench/bench_decode_op.py``).
         """
         num_slots = len(self.tiles[0]) if self.tiles else 0
         out: dict[str, Tensor] = {
