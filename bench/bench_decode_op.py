@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench_vae_decode import SMOKE_CONFIG, _randomise_  # bench/, beside this script
+from bench_vae_decode import SMOKE_CONFIG, random_decoder  # bench/, beside this script
 from fv_kernel.compute.fused import TritonFusedOps
 from fv_kernel.loop.contract import StepResult
 from fv_kernel.runtime.engine import Engine
@@ -93,12 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = WanVAEConfig.wan21() if device.type == "cuda" else SMOKE_CONFIG
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     latent = tuple(args.latent) if device.type == "cuda" else (3, 4, 6)
-    with torch.device(device):
-        vae = WanVAE(config)
-    _randomise_(vae, 2)
-    vae.encoder = None  # type: ignore[assignment]
-    vae.quant_conv = None  # type: ignore[assignment]
-    vae = vae.to(dtype).eval().requires_grad_(False)
+    vae = random_decoder(config, device, dtype)
     if device.type == "cuda":
         vae.set_fused_ops(TritonFusedOps())
     z = torch.randn(1, config.z_dim, *latent, generator=torch.Generator(device=device).manual_seed(4), device=device).to(dtype)

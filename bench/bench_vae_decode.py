@@ -105,6 +105,16 @@ def _randomise_(vae: WanVAE, seed: int) -> None:
                 p.copy_(noise * (2.0 / max(1, p[0].numel())) ** 0.5)
 
 
+def random_decoder(config: WanVAEConfig, device: torch.device, dtype: torch.dtype) -> WanVAE:
+    """The decoder half of a ``WanVAE`` on seeded random weights, for inference in ``dtype``."""
+    with torch.device(device):
+        vae = WanVAE(config)
+    _randomise_(vae, 2)
+    vae.encoder = None  # type: ignore[assignment]
+    vae.quant_conv = None  # type: ignore[assignment]
+    return vae.to(dtype).eval().requires_grad_(False)
+
+
 def _time(device: torch.device, fn: Callable[[], Any], iters: int) -> dict[str, Any]:
     """Median ms over ``iters`` calls after one warm-up, and the peak allocated GiB on CUDA."""
     fn()
@@ -128,12 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype if device.type == "cuda" else "fp32"]
     config = WanVAEConfig.wan21() if device.type == "cuda" else SMOKE_CONFIG
     latent = tuple(args.latent) if device.type == "cuda" else (2, 4, 6)
-    with torch.device(device):
-        vae = WanVAE(config)
-    _randomise_(vae, 2)
-    vae.encoder = None  # type: ignore[assignment]
-    vae.quant_conv = None  # type: ignore[assignment]
-    vae = vae.to(dtype).eval().requires_grad_(False)
+    vae = random_decoder(config, device, dtype)
     g = torch.Generator(device=device).manual_seed(4)
     z = torch.randn(1, config.z_dim, *latent, generator=g, device=device).to(dtype)
     fused: FusedOps = TritonFusedOps() if device.type == "cuda" else TorchFusedOps()
