@@ -86,6 +86,52 @@ def test_the_launcher_bounds_a_hung_rank_and_ends_its_processes() -> None:
     assert multiprocessing.active_children() == []
 
 
+def _rendezvous(rank: int) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+    dist.barrier()
+    return dist.get_world_size()
+
+
+def test_a_rendezvous_port_taken_before_rank_0_binds_it_is_retried_on_a_new_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In CI, parallel tox envs race for ports: the port free_port() saw free was bound by another
+    # process before rank 0's store bound it, rank 0 failed with EADDRINUSE and the others waited
+    # out their 120 s connect timeout. Here the first port handed out is held open by the test.
+    import socket
+
+    from fv_kernel.parallel import launch
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    ports = [held.getsockname()[1]]
+    real_free_port = launch.free_port
+
+    def first_taken() -> int:
+        port = ports.pop(0) if ports else real_free_port()
+        handed.append(port)
+        return port
+
+    handed: list[int] = []
+    monkeypatch.setattr(launch, "free_port", first_taken)
+    try:
+        assert spawn(_rendezvous, 2, timeout_s=100) == [2, 2]
+    finally:
+        held.close()
+    assert len(handed) == 2 and handed[0] != handed[1]
+    # The same launch allowed no second attempt fails at once, naming the taken port.
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    ports.append(held.getsockname()[1])
+    try:
+        with pytest.raises(LaunchError, match=f"taken 1 times in a row: rank 0 on port {ports[0]}"):
+            spawn(_rendezvous, 2, timeout_s=100, port_attempts=1)
+    finally:
+        held.close()
+
+
 def test_the_rings_partial_attention_is_chunked_over_queries(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.nn.functional as F
 

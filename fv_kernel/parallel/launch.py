@@ -4,7 +4,8 @@
 ``spawn`` start method: no inherited threads or CUDA state) with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, and returns each rank's return value
 in rank order. A rank that raises, dies or outlives ``timeout_s`` fails the whole launch
-with :class:`LaunchError` after every process it started is ended (by its own pid).
+with :class:`LaunchError` after every process it started is ended (by its own pid). A launch
+whose rendezvous port another process took first is started again on a new port.
 """
 
 from __future__ import annotations
@@ -53,15 +54,36 @@ def _child(rank: int, world_size: int, port: int, target: Callable[..., Any], ar
                 pass
 
 
+#: How a rank's report says the rendezvous port was taken between ``free_port()`` and rank 0's
+#: bind (another process on the machine got it first): the launch is retried on a new port.
+_PORT_TAKEN = ("EADDRINUSE", "address already in use")
+
+
+class _PortTaken(Exception):
+    pass
+
+
 def spawn(target: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 300.0,
-          allow_dead: frozenset[int] = frozenset()) -> list[Any]:
+          allow_dead: frozenset[int] = frozenset(), port_attempts: int = 3) -> list[Any]:
     """Run ``target(rank, *args)`` on ``world_size`` local processes; their return values by rank.
 
     ``allow_dead``: ranks that may end without reporting (a test that kills one on purpose).
+    A launch whose rendezvous port was taken before rank 0 bound it (``EADDRINUSE``) is ended at
+    once and started again on a new port, up to ``port_attempts`` launches in all.
     """
+    for attempt in range(1, port_attempts + 1):
+        try:
+            return _spawn_once(target, world_size, args, free_port(), timeout_s, allow_dead)
+        except _PortTaken as taken:
+            if attempt == port_attempts:
+                raise LaunchError(f"the rendezvous port was taken {port_attempts} times in a row: {taken}", {}) from None
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(target: Callable[..., Any], world_size: int, args: tuple, port: int, timeout_s: float,
+                allow_dead: frozenset[int]) -> list[Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
     processes = [
         context.Process(target=_child, args=(rank, world_size, port, target, args, results), daemon=True)
         for rank in range(world_size)
@@ -76,6 +98,9 @@ def spawn(target: Callable[..., Any], world_size: int, args: tuple = (), *, time
             try:
                 rank, status, value = results.get(timeout=0.5)
                 reports[rank] = (status, value)
+                if status == "error" and any(sign in str(value) for sign in _PORT_TAKEN):
+                    # The other ranks would wait out their connect timeout on a port nobody serves.
+                    raise _PortTaken(f"rank {rank} on port {port}: {str(value).splitlines()[0]}")
                 continue
             except queue.Empty:
                 pass
