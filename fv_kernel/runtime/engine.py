@@ -989,7 +989,7 @@ class Engine:
             end_evt.synchronize()
             device_s = start_evt.elapsed_time(end_evt) / 1000.0
         if flags is not None:
-            outcomes = flags.verdicts(outcomes, batch)
+            outcomes = flags.verdicts(batch)
         return outcomes, device_s
 
     @staticmethod
@@ -1009,7 +1009,7 @@ class Engine:
         outcomes: list[StepResult | BaseException], batch: list[WorkUnit]
     ) -> list[StepResult | BaseException]:
         """Each unit's outcome, or NonFiniteOutput naming its first floating output with NaN/Inf."""
-        return _FiniteFlags(outcomes).verdicts(outcomes, batch)
+        return _FiniteFlags(outcomes).verdicts(batch)
 
 
 class _FiniteFlags:
@@ -1021,6 +1021,7 @@ class _FiniteFlags:
     """
 
     def __init__(self, outcomes: list[StepResult | BaseException]) -> None:
+        self.outcomes = outcomes
         self.checked = [(index, name, tensor) for index, outcome in enumerate(outcomes)
                         if not isinstance(outcome, BaseException)
                         for name, tensor in outcome.outputs.items() if tensor.is_floating_point()]
@@ -1031,7 +1032,8 @@ class _FiniteFlags:
                        for device, positions in by_device.items() if device.type != "cpu"]
         self.host = by_device.get(torch.device("cpu"), [])
 
-    def verdicts(self, outcomes: list[StepResult | BaseException], batch: list[WorkUnit]) -> list[StepResult | BaseException]:
+    def verdicts(self, batch: list[WorkUnit]) -> list[StepResult | BaseException]:
+        """Each unit's outcome, or NonFiniteOutput naming its first floating output with NaN/Inf."""
         finite = [True] * len(self.checked)
         groups = list(self.queued)
         if self.host:
@@ -1039,7 +1041,7 @@ class _FiniteFlags:
         for positions, flags in groups:
             for position, ok in zip(positions, flags.tolist()):
                 finite[position] = bool(ok)
-        result = list(outcomes)
+        result = list(self.outcomes)
         for position, (index, name, _) in enumerate(self.checked):
             if finite[position] or isinstance(result[index], BaseException):
                 continue  # finite, or an earlier output of this unit already failed it
