@@ -120,6 +120,8 @@ def test_a_rendezvous_port_taken_before_rank_0_binds_it_is_retried_on_a_new_port
     finally:
         held.close()
     assert len(handed) == 2 and handed[0] != handed[1]
+    with pytest.raises(ValueError, match="port_attempts must be at least 1, got 0"):
+        spawn(_rendezvous, 2, port_attempts=0)
     # The same launch allowed no second attempt fails at once, naming the taken port.
     held = socket.socket()
     held.bind(("127.0.0.1", 0))

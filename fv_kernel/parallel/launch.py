@@ -71,6 +71,8 @@ def spawn(target: Callable[..., Any], world_size: int, args: tuple = (), *, time
     A launch whose rendezvous port was taken before rank 0 bound it (``EADDRINUSE``) is ended at
     once and started again on a new port, up to ``port_attempts`` launches in all.
     """
+    if port_attempts < 1:
+        raise ValueError(f"port_attempts must be at least 1, got {port_attempts}")
     for attempt in range(1, port_attempts + 1):
         try:
             return _spawn_once(target, world_size, args, free_port(), timeout_s, allow_dead)
