@@ -29,7 +29,8 @@ import torch
 
 from fv_cachedit import DBCache, FBCache, TaylorSeer, block_cache_stats
 from fv_cachedit.quality import psnr, ssim
-from fv_kernel.card.instance import InstanceOptions, ModelInstance, build_instance
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import ModelInstance, build_instance
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.loop.contract import LoopState
 from fv_kernel.request.request import DiffusionParams, Request, TextPart

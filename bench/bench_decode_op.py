@@ -35,8 +35,8 @@ import torch
 
 from bench_vae_decode import SMOKE_CONFIG, random_decoder  # bench/, beside this script
 from fv_kernel.compute.fused import TritonFusedOps
-from fv_kernel.loop.contract import StepResult
-from fv_kernel.runtime.engine import Engine
+from fv_kernel.loop.plan import StepResult
+from fv_kernel.runtime.executor import check_finite
 from fv_wan.instance import wan_ops
 from fv_wan.models.vae import WanVAE, WanVAEConfig
 
@@ -77,7 +77,7 @@ def _paths(vae: WanVAE, z: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]
                     out = {n: v.contiguous() if n.startswith("cache.") else v for n, v in out.items()}
                 _sync(device)
                 if check:
-                    Engine._check_finite([StepResult(outputs=out)], unit)  # type: ignore[arg-type]
+                    check_finite([StepResult(outputs=out)], unit)  # type: ignore[arg-type]
                 frames.append(out["frames"])
                 history = {n[len("cache."):]: v for n, v in out.items() if n.startswith("cache.")}
             return torch.cat(frames, dim=2)

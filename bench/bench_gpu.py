@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from fv_kernel.card.instance import InstanceOptions, ModelInstance
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import ModelInstance
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.compute.compile import CompileCache, CompileKey, ComputeOptions, GraphedStep, compile_blocks
 from fv_kernel.compute.fused import select_fused_ops
@@ -203,7 +204,7 @@ def _attention_from_manifest(name: str) -> type:
     import yaml
 
     import fv_kernel
-    from fv_kernel.card.instance import import_object
+    from fv_kernel.card.refs import import_object
 
     manifest = yaml.safe_load((Path(fv_kernel.__file__).parent / "fv-plugin.yaml").read_text())
     for entry in manifest["contributions"]["attention_backends"]:
@@ -214,7 +215,8 @@ def _attention_from_manifest(name: str) -> type:
 
 def attention_fn(b: Bench, name: str) -> tuple[Callable[..., torch.Tensor], str]:
     """The attention callable for ``name`` via the driver registry (manifest fallback); on CPU, plain sdpa."""
-    from fv_kernel.compute.attention_backends import attention_callable, load_attention_backend
+    from fv_kernel.compute.attention_backends import attention_callable
+    from fv_kernel.plugins.registry import load_attention_backend
     from fv_kernel.plugins.errors import UnknownDriverError
 
     if b.device.type != "cuda" and name not in ("sdpa", "sdpa_math"):
@@ -616,7 +618,8 @@ def _requests(b: Bench, n: int, *, height: int, width: int, frames: int, tag: st
 
 
 def _run_engine(b: Bench, instance: ModelInstance, requests: list[Any], *, batched: bool) -> dict[str, Any]:
-    from fv_kernel.runtime.engine import Engine, SchedulerConfig, run_concurrently
+    from fv_kernel.runtime.engine import Engine, run_concurrently
+    from fv_kernel.runtime.scheduler import SchedulerConfig
 
     config = (SchedulerConfig(scheduling="step", batching="throughput", device_thread=False, max_queue=4096)
               if batched else SchedulerConfig(scheduling="request", device_thread=False, max_queue=4096))

@@ -304,7 +304,8 @@ def bench_vae(config: Any, latent: tuple[int, int, int], *, ranks: int, args: ar
 
 def _random_instance(card: Any, device: torch.device, *, smoke: bool) -> Any:
     """The card made resident with random weights: the tiny card's own seeded ones, or real-size ones built on the device."""
-    from fv_kernel.card.instance import InstanceOptions, ModelInstance, build_instance
+    from fv_kernel.model.options import InstanceOptions
+    from fv_kernel.model.instance import ModelInstance, build_instance
     from fv_wan.instance import _component_dtype, wan_ops
     from fv_wan.models.transformer import WanTransformerConfig
     from fv_wan.models.vae import WanVAE, WanVAEConfig
@@ -363,7 +364,8 @@ def bench_e2e(*, plan: Any, smoke: bool, args: argparse.Namespace, device: torch
     from fv_kernel.parallel import compile_mesh
     from fv_kernel.parallel.engine import SpmdEngine
     from fv_kernel.parallel.spmd import SpmdLeader, parallel_instance, serve_worker
-    from fv_kernel.runtime.engine import Engine, SchedulerConfig
+    from fv_kernel.runtime.engine import Engine
+    from fv_kernel.runtime.scheduler import SchedulerConfig
     from fv_wan.cards import wan_cards
 
     card = next(c for c in wan_cards() if c.model_id == ("wan-tiny" if smoke else "wan2.1-t2v-14b"))

@@ -32,12 +32,13 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from fv_kernel.card.instance import build_instance
+from fv_kernel.model.instance import build_instance
 from fv_kernel.extend.observers import StepRecord
 from fv_kernel.request.request import ARParams, DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.batching import BatchPolicy
-from fv_kernel.runtime.engine import Engine, SchedulerConfig
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.testing.batching import StepRecorder
 from fv_kernel.testing.fake_pool import fake_card
 

@@ -25,9 +25,10 @@ from typing import Any
 import httpx
 import torch
 
-from fv_kernel.card.instance import ModelInstance, build_instance
+from fv_kernel.model.instance import ModelInstance, build_instance
 from fv_kernel.config import DeployConfig
-from fv_kernel.runtime.engine import Engine, SchedulerConfig
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.serving import ServerThread, create_app
 
 
@@ -36,7 +37,7 @@ def build_card_instance(card_id: str) -> ModelInstance:
 
     if card_id in {c.model_id for c in toy_cards()}:
         return build_instance(toy_card(card_id))
-    from fv_kernel.card.catalog import CardCatalog
+    from fv_kernel.model.catalog import CardCatalog
     from fv_kernel.plugins.host import PluginHost
 
     return build_instance(CardCatalog(PluginHost()).get(card_id))

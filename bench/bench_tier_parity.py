@@ -47,7 +47,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp, build_instance
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import ModelInstance, build_instance
+from fv_kernel.loop.plan import StepOp
 from fv_kernel.card.spec import TIER_PARITY_CONTRACTS, ModelCard, TierParityMeasurement, TierParityRecord
 from fv_kernel.compute.compile import ComputeOptions, load_parity_record
 from fv_kernel.compute.fused import triton_available

@@ -55,7 +55,7 @@ from fv_kernel.api import (
     build_instance,
 )
 from fv_kernel.plugins import PluginHost
-from fv_kernel.runtime.model_resolution import resolve_model
+from fv_kernel.deploy.model_resolution import resolve_model
 from fv_wan.toy.grammar import held_out_prompts
 from fv_wan.toy.judge import Judgement, judge, summarise
 from fv_wan.toy.world import GENERATOR_VERSION, ToyWorld, layout, render

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from fv_kernel.api import InstanceOptions, build_instance
-from fv_kernel.card.instance import ModelInstance
+from fv_kernel.model.instance import ModelInstance
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.compute.compile import CompileCache, CompileKey, ComputeOptions, GraphedStep
 from fv_kernel.request.request import DiffusionParams, Request, TextPart

@@ -8,6 +8,9 @@ import from :mod:`fv_kernel.api` only. Users start with :func:`fv_kernel.load`
 
 __version__ = "0.2.0"
 
+#: The distribution that holds the kernel and its built-ins (a plugin id, like any plugin's).
+DISTRIBUTION = "fv-kernel"
+
 #: The plugin API version. Plugins declare the range they support in their manifest
 #: (``kernel_api``); a plugin outside the range is refused at load.
 API_VERSION = "2.1"
@@ -16,7 +19,7 @@ API_VERSION = "2.1"
 #: light (no torch), so ``fv --help`` and plugin discovery do not pay for the runtime.
 _LAZY = {name: "fv_kernel.facade" for name in ("load", "VideoGenerator", "Video", "Finished", "GenerateOptions")}
 
-__all__ = ["API_VERSION", "__version__", *_LAZY]
+__all__ = ["API_VERSION", "DISTRIBUTION", "__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> object:

@@ -11,11 +11,14 @@ from fv_kernel import API_VERSION, __version__
 from fv_kernel.cache.feature import FeatureCache
 from fv_kernel.cache.keys import CacheKey, content_hash
 from fv_kernel.cache.paged_kv import CacheFull, KVBlockTable, PagedKVConfig, PagedKVPool
-from fv_kernel.card.buildcheck import BuildProblem, InvalidCard, check_card_builds, parse_component_config
-from fv_kernel.card.catalog import CardCatalog, ResolvedModel
+from fv_kernel.model.buildcheck import BuildProblem, InvalidCard, check_card_builds, parse_component_config
+from fv_kernel.model.catalog import CardCatalog, ResolvedModel
 from fv_kernel.card.checkpoint import apply_key_map, dtype_for_key, load_into, read_safetensors, resolve_source
-from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp, build_instance, import_object
-from fv_kernel.card.preflight import InsufficientMemory, PreflightReport, preflight
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import ModelInstance, build_instance
+from fv_kernel.loop.plan import StepOp
+from fv_kernel.card.refs import import_object
+from fv_kernel.model.preflight import InsufficientMemory, PreflightReport, preflight
 from fv_kernel.card.spec import (
     AttentionAssumption,
     CacheContract,
@@ -45,7 +48,8 @@ from fv_kernel.card.spec import (
     TierVerdict,
     TokenGridRule,
 )
-from fv_kernel.card.validate import RequestLimits, frames_for_seconds, resolve_for_instance, resolve_request, select_denoise_loop
+from fv_kernel.model.validate import RequestLimits, frames_for_seconds, resolve_for_instance, resolve_request
+from fv_kernel.card.recipe import select_denoise_loop
 from fv_kernel.errors import (
     CapacityError,
     CheckpointKeyError,
@@ -61,7 +65,8 @@ from fv_kernel.errors import (
 )
 from fv_kernel.compute.attention import AttentionBackend, AttentionShapeError
 from fv_kernel.config import DeployConfig, DeployConfigError, load_deploy_config
-from fv_kernel.compute.attention_backends import attention_callable, load_attention_backend
+from fv_kernel.compute.attention_backends import attention_callable
+from fv_kernel.plugins.registry import load_attention_backend
 from fv_kernel.compute.video_sparse_attention import VideoSparseAttention
 from fv_kernel.compute.compile import (
     CompileCache,
@@ -77,21 +82,18 @@ from fv_kernel.compute.compile import (
 from fv_kernel.compute.fused import select_fused_ops
 from fv_kernel.extend.hooks import BlockHooks, RequestHooks
 from fv_kernel.extend.interceptors import BlockCall, BlockInterceptor, BlockSequence, Interceptor, StepInterceptor
-from fv_kernel.extend.observers import BlockObserver, NaNWatch, Observer, ParityAligner, Profiler, StepRecord
+from fv_kernel.extend.observers import BlockObserver, NaNWatch, Observer, ParityAligner, StepRecord
+from fv_kernel.runtime.cost import Profiler
 from fv_kernel.extend.registry import ExtensionSet, ExtensionSettings, InterceptorRejected
 from fv_kernel.io.media import encode_png, write_mp4
 from fv_kernel.facade import Finished, GenerateOptions, Video, VideoGenerator, load
 from fv_kernel.loop.capture import LogProbSampler, capture_slice, deterministic_flags
-from fv_kernel.loop.context import CancelToken, LoopContext
-from fv_kernel.loop.contract import (
+from fv_kernel.loop.contract import CancelToken, LoopContext
+from fv_kernel.loop.plan import (
     CachePlan,
     CacheRef,
     CancelScope,
-    Done,
     EmitSpec,
-    Loop,
-    LoopResult,
-    LoopState,
     ResourceRequest,
     ShapeSignature,
     StepEstimate,
@@ -99,6 +101,7 @@ from fv_kernel.loop.contract import (
     WorkKind,
     WorkPlan,
 )
+from fv_kernel.loop.contract import Done, Loop, LoopResult, LoopState
 from fv_kernel.loop.driver import LoopCancelled, drive, resume
 from fv_kernel.loop.guidance import (
     CFGZeroStar,
@@ -126,7 +129,7 @@ from fv_kernel.loop.samplers import (
     sampler_from_state,
 )
 from fv_kernel.loop.sampling import apply_presence_penalty, sample_next_token
-from fv_kernel.loop.state import (
+from fv_kernel.state import (
     StateFormatError,
     StateNotSerializable,
     TensorState,
@@ -184,13 +187,15 @@ from fv_kernel.request.request import (
 from fv_kernel.request.types import Precision, TaskType, torch_dtype
 from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.runtime.cost import CostKey, CostModel
-from fv_kernel.runtime.deploy import build_engine
-from fv_kernel.runtime.engine import Engine, GenerationResult, RequestHandle, SchedulerConfig, run_concurrently, run_serially
+from fv_kernel.deploy.engine import build_engine
+from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially
+from fv_kernel.runtime.records import GenerationResult, RequestHandle
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.runtime.local import run_local, run_local_async
 from fv_kernel.training import LossLog, NoOptions, ParityResult, Reward, RLMethod, TrainedModel, TrainingRun
 from fv_kernel.training.recipe import RecipeError, TrainingRecipe
 from fv_kernel.training.rewards import resolve_reward
-from fv_kernel.card.catalog import read_card_file_beside
+from fv_kernel.model.catalog import read_card_file_beside
 from fv_kernel.training.runner import CARD_FILE, ExportError
 from fv_kernel.transport import TensorMeta, TransferManifest, Transport, TransportError
 from fv_kernel.transport.inproc import InProcessTransport

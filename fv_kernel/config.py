@@ -13,14 +13,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fv_kernel.card.validate import RequestLimits
+from fv_kernel.model.validate import RequestLimits
 from fv_kernel.compute.compile import ComputeOptions
 from fv_kernel.errors import FvError
 from fv_kernel.extend.registry import ExtensionSettings
 from fv_kernel.parallel.plan import ParallelPlan
 from fv_kernel.plugins.config import PluginsConfig
 from fv_kernel.request.types import Precision
-from fv_kernel.runtime.engine import SchedulerConfig
+from fv_kernel.runtime.scheduler import SchedulerConfig
 
 __all__ = ["CardDeployment", "DeployConfig", "DeployConfigError", "ServerConfig", "load_deploy_config"]
 

@@ -6,9 +6,9 @@
     video.save("fox.mp4")
 
 A thin façade over the :class:`~fv_kernel.runtime.engine.Engine`: :func:`load` resolves the
-model exactly as ``fv generate`` does (:func:`~fv_kernel.runtime.model_resolution.resolve_model`,
+model exactly as ``fv generate`` does (:func:`~fv_kernel.deploy.model_resolution.resolve_model`,
 the deploy config's scheduler, limits and extensions through
-:func:`~fv_kernel.runtime.deploy.engine_for`), keeps one resident instance, and every call
+:func:`~fv_kernel.deploy.engine.engine_for`), keeps one resident instance, and every call
 validates its keyword options through the kernel's request resolution (a typed
 :class:`~fv_kernel.errors.InvalidRequest` naming the option) before any compute. A list of
 prompts is submitted at once, so the one scheduler interleaves and batches their steps.
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal, Sequenc
 import torch
 from pydantic import ValidationError
 
-from fv_kernel.card.instance import ModelInstance, build_instance
-from fv_kernel.card.preflight import preflight
+from fv_kernel.model.instance import ModelInstance, build_instance
+from fv_kernel.model.preflight import preflight
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.config import DeployConfig, load_deploy_config
 from fv_kernel.errors import InvalidRequest
@@ -41,9 +41,10 @@ from fv_kernel.request.events import Event
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.blocking import run_blocking
-from fv_kernel.runtime.deploy import engine_for
-from fv_kernel.runtime.engine import Engine, GenerationResult
-from fv_kernel.runtime.model_resolution import resolve_model
+from fv_kernel.deploy.engine import engine_for
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.records import GenerationResult
+from fv_kernel.deploy.model_resolution import resolve_model
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

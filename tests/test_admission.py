@@ -21,17 +21,19 @@ import pytest
 import yaml
 
 from fv_kernel.cache.paged_kv import PagedKVConfig, PagedKVPool
-from fv_kernel.card.instance import InstanceOptions, ModelInstance, build_instance
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import ModelInstance, build_instance
 from fv_kernel.config import DeployConfig, DeployConfigError, load_deploy_config
 from fv_kernel.errors import CapacityError
 from fv_kernel.extend.observers import Observer, StepRecord
-from fv_kernel.loop.contract import ResourceRequest, ShapeSignature, StepEstimate, WorkKind
+from fv_kernel.loop.plan import ResourceRequest, ShapeSignature, StepEstimate, WorkKind
 from fv_kernel.request.request import ARParams, DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime import capacity
 from fv_kernel.runtime.admission import AdmissionController, Budgets, Reservation
 from fv_kernel.runtime.cost import CostKey, CostModel
-from fv_kernel.runtime.engine import Engine, SchedulerConfig, run_concurrently, run_serially
+from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.testing.admission import assert_estimate_covers_execution
 from fv_kernel.testing.batching import StepRecorder
 from fv_kernel.testing.fake_pool import FakeState, FakeStepLoop, build_fake_instance, fake_card
@@ -101,9 +103,6 @@ def test_auto_memory_budget_is_device_memory_less_headroom_less_resident_weights
 
 def test_auto_budget_rejects_what_can_never_fit_with_the_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(capacity, "device_total_bytes", lambda device: 10_000)
-    import fv_kernel.runtime.engine as engine_module
-
-    monkeypatch.setattr(engine_module, "device_total_bytes", lambda device: 10_000)
     engine, _ = _toy_engine()
     need = engine.reservation_for(engine.validate(_t2v(0)))
     assert need.memory_bytes > 9_000, "the toy video needs more than the pretend device has"

@@ -1,6 +1,6 @@
 """Cards that build, card files, and what ``--model`` says when it names nothing runnable.
 
-* ``fv_kernel.card.buildcheck``: a card's code references import and its component configs
+* ``fv_kernel.model.buildcheck``: a card's code references import and its component configs
   parse through ``ComponentSpec.config_schema`` -- with negative controls: each bad card below
   passes pydantic validation (the shape is fine) and only the build check catches it.
 * Card files: ``fv generate --model card.json`` (or ``.yaml``) runs a card that passes
@@ -33,7 +33,7 @@ from fv_kernel.api import (
     hookimpl,
     parse_component_config,
 )
-from fv_kernel.card.catalog import CardCatalog
+from fv_kernel.model.catalog import CardCatalog
 from fv_kernel.card.spec import ComponentSpec, GenerationDefaults
 from fv_kernel.cli.app import app
 from fv_kernel.plugins import PluginError, PluginHost

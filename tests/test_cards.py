@@ -7,9 +7,10 @@ import torch
 from pydantic import ValidationError
 
 from fv_kernel.card.checkpoint import apply_key_map, load_into
-from fv_kernel.card.instance import InstanceOptions, build_instance
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import build_instance
 from fv_kernel.card.spec import KeyMapRule, LoopSpec, ModelCard, RecipeSpec, SamplerBinding
-from fv_kernel.card.validate import RequestLimits, resolve_request
+from fv_kernel.model.validate import RequestLimits, resolve_request
 from fv_kernel.errors import CheckpointKeyError, InvalidRequest, RecipeMismatch
 from fv_kernel.request.request import DiffusionParams, ImagePart, Request, TextPart
 from fv_kernel.request.types import TaskType

@@ -19,7 +19,7 @@ import pytest
 from pydantic import ValidationError
 
 from fv_kernel.card.spec import CapabilityMatrix, ModelCard, TokenGridRule
-from fv_kernel.card.validate import resolve_request
+from fv_kernel.model.validate import resolve_request
 from fv_kernel.errors import InvalidRequest
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
@@ -238,7 +238,7 @@ def _drive(progress: Any) -> None:
 def test_progress_off_a_terminal_is_plain_lines_one_per_stage() -> None:
     from io import StringIO
 
-    from fv_kernel.progress import StageProgress
+    from fv_kernel.io.progress import StageProgress
 
     log = StringIO()
     _drive(StageProgress(True, log))

@@ -16,8 +16,8 @@ from fv_kernel.compute.attention_backends import (
     SDPACudnnAttention,
     SDPAMathAttention,
     attention_callable,
-    load_attention_backend,
 )
+from fv_kernel.plugins.registry import load_attention_backend
 from fv_kernel.plugins.drivers import DriverRegistry
 from fv_kernel.plugins.errors import UnknownDriverError
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-import fv_kernel.card.instance as instance_module
+import fv_kernel.model.instance as instance_module
 from fv_kernel.api import InstanceOptions, ModelInstance
 from fv_kernel.testing.toy import toy_card
 

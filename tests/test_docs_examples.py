@@ -29,7 +29,7 @@ from fv_kernel.api import (
     drive,
     resolve_request,
 )
-from fv_kernel.card.catalog import CardCatalog
+from fv_kernel.model.catalog import CardCatalog
 from fv_kernel.plugins import PluginHost
 from fv_kernel.testing import CardConformance, InterleaveConformance
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from fv_kernel.card.instance import build_instance
+from fv_kernel.model.instance import build_instance
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime import engine as engine_module
+from fv_kernel.runtime import capacity as capacity_module
 from fv_kernel.runtime.engine import Engine, run_concurrently
 from fv_kernel.testing.toy import toy_card
 
@@ -65,14 +65,14 @@ def test_a_loop_that_cannot_be_imported_fails_its_requests_not_the_host(caplog: 
 
 
 def test_weights_a_request_loads_are_measured_by_the_loading_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    measure = engine_module.instance_resident_bytes
+    measure = capacity_module.instance_resident_bytes
     threads: list[str] = []
 
     def spy(instance):  # type: ignore[no-untyped-def]
         threads.append(threading.current_thread().name)
         return measure(instance)
 
-    monkeypatch.setattr(engine_module, "instance_resident_bytes", spy)
+    monkeypatch.setattr(capacity_module, "instance_resident_bytes", spy)
     engine = Engine()
     instance = build_instance(toy_card("toy-dit"))
     engine.add_instance(instance)

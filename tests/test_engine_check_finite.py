@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fv_kernel.errors import NonFiniteOutput
-from fv_kernel.loop.contract import StepResult
-from fv_kernel.runtime.engine import Engine
+from fv_kernel.loop.plan import StepResult
+from fv_kernel.runtime.executor import check_finite
 
 
 def _unit(op: str, step: int) -> Any:
@@ -33,7 +33,7 @@ def _outcomes() -> tuple[list[Any], list[Any]]:
 
 def test_each_unit_is_judged_on_its_own_outputs_and_names_the_first_bad_one() -> None:
     outcomes, batch = _outcomes()
-    checked = Engine._check_finite(outcomes, batch)
+    checked = check_finite(outcomes, batch)
     assert checked[0] is outcomes[0]
     assert isinstance(checked[1], NonFiniteOutput)
     assert "'cache.a'" in checked[1].message and "step 'b'" in checked[1].message and "at step 1" in checked[1].message
@@ -56,13 +56,13 @@ def test_the_batch_is_read_from_the_device_once(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     monkeypatch.setattr(torch.Tensor, "__bool__", to_bool)
     outcomes, batch = _outcomes()
-    Engine._check_finite(outcomes, batch)
+    check_finite(outcomes, batch)
     assert reads == {"tolist": 1, "bool": 0}  # one read for the whole batch (all on one device), no per-tensor sync
 
 
 def test_a_batch_with_nothing_to_check_reads_nothing() -> None:
     outcomes = [RuntimeError("x"), StepResult(outputs={"ids": torch.tensor([1])})]
-    assert Engine._check_finite(outcomes, [_unit("a", 0), _unit("b", 1)]) == outcomes
+    assert check_finite(outcomes, [_unit("a", 0), _unit("b", 1)]) == outcomes
 
 
 def test_nan_and_inf_are_found_in_every_float_dtype_and_layout() -> None:
@@ -71,7 +71,7 @@ def test_nan_and_inf_are_found_in_every_float_dtype_and_layout() -> None:
            torch.full((3, 5), float("nan"))[:, ::2]]
     good = [torch.ones(2, dtype=torch.bfloat16), torch.empty(0), torch.zeros(3, 5)[:, ::2]]
     outcomes = [StepResult(outputs={"x": t}) for t in bad + good]
-    checked = Engine._check_finite(outcomes, [_unit("a", i) for i in range(len(outcomes))])
+    checked = check_finite(outcomes, [_unit("a", i) for i in range(len(outcomes))])
     assert all(isinstance(c, NonFiniteOutput) for c in checked[: len(bad)])
     assert checked[len(bad):] == outcomes[len(bad):]
 
@@ -82,7 +82,7 @@ def test_the_check_builds_no_mask_the_size_of_an_output(monkeypatch: pytest.Monk
     real_isfinite = torch.isfinite
     monkeypatch.setattr(torch, "isfinite", lambda t: sizes.append(t.numel()) or real_isfinite(t))
     big = torch.zeros(64, 64)
-    checked = Engine._check_finite([StepResult(outputs={"cache.a": big})], [_unit("a", 0)])
+    checked = check_finite([StepResult(outputs={"cache.a": big})], [_unit("a", 0)])
     assert not isinstance(checked[0], NonFiniteOutput)
     assert sizes and max(sizes) <= 2, sizes
 
@@ -102,12 +102,12 @@ def test_a_dense_tensor_in_another_layout_is_checked_without_a_copy() -> None:
     transposed = torch.zeros(6, 10).t()
     for tensor in (history, transposed):
         checked: list[Any] = []
-        ops = _aten_ops(lambda: checked.extend(Engine._check_finite([StepResult(outputs={"cache.a": tensor})], [_unit("a", 0)])))
+        ops = _aten_ops(lambda: checked.extend(check_finite([StepResult(outputs={"cache.a": tensor})], [_unit("a", 0)])))
         assert "aten::aminmax" in ops and not isinstance(checked[0], NonFiniteOutput)
         packed = [op for op in ops if op in ("aten::contiguous", "aten::clone")]  # what the old check ran first
         assert not packed, ops
     poisoned = history.clone()
     poisoned[0, 5, 1, 4, 9] = float("nan")
     assert not poisoned.is_contiguous() and poisoned.is_contiguous(memory_format=torch.channels_last_3d)
-    checked = Engine._check_finite([StepResult(outputs={"cache.a": poisoned})], [_unit("a", 0)])
+    checked = check_finite([StepResult(outputs={"cache.a": poisoned})], [_unit("a", 0)])
     assert isinstance(checked[0], NonFiniteOutput)

@@ -53,8 +53,8 @@ def test_admission_resolves_a_plugin_sampler(plugin_site: Path, estimate_builds_
 def test_negative_control_without_the_registry_admission_fails(
     plugin_site: Path, estimate_builds_the_sampler: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fv_kernel.runtime.engine as engine_module
+    import fv_kernel.runtime.pricing as pricing_module  # where admission prices a request
 
-    monkeypatch.setattr(engine_module, "use_samplers", lambda samplers: contextlib.nullcontext())
+    monkeypatch.setattr(pricing_module, "use_samplers", lambda samplers: contextlib.nullcontext())
     outcome = _run(plugin_site)
     assert outcome != "completed" and "'euler-shift3' is not registered in this deployment" in outcome, outcome

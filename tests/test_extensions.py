@@ -10,17 +10,18 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from fv_kernel.loop.samplers import FlowEulerSampler
-from fv_kernel.card.instance import build_instance
+from fv_kernel.model.instance import build_instance
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.extend.hooks import ActiveInterceptor
 from fv_kernel.extend.interceptors import BlockInterceptor, StepInterceptor
 from fv_kernel.extend.observers import NaNWatch, ParityAligner
 from fv_kernel.extend.registry import ExtensionConfigError, ExtensionSet, InterceptorRejected
 from fv_kernel.errors import InvalidRequest
-from fv_kernel.loop.contract import StepResult
+from fv_kernel.loop.plan import StepResult
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime.engine import Engine, SchedulerConfig, run_concurrently, run_serially
+from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.runtime.local import run_local
 from fv_kernel.testing.card_kit import assert_artifacts_identical, roundtrip_state
 from fv_kernel.testing.toy import toy_card

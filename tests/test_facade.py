@@ -27,7 +27,7 @@ from fv_kernel.config import DeployConfig, DeployConfigError
 from fv_kernel.errors import FvError, InvalidRequest, StepFailed
 from fv_kernel.io.media import MediaError, check_output_path
 from fv_kernel.plugins import PluginHost
-from fv_kernel.runtime.engine import SchedulerConfig
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.testing import StepRecorder
 from fv_kernel.testing.toy import toy_card
 
@@ -313,7 +313,7 @@ def test_a_failed_request_raises_after_its_failed_event(gen: fv.VideoGenerator, 
 )
 def test_bad_options_are_one_typed_error_naming_the_field(toy_file: Path, fv_host: PluginHost, kwargs: dict[str, Any],
                                                           field: str, fragment: str) -> None:
-    from fv_kernel.card.validate import RequestLimits
+    from fv_kernel.model.validate import RequestLimits
 
     gen = fv.load(str(toy_file), host=fv_host, config=DeployConfig(limits=RequestLimits(max_steps=10)))
     recorder = StepRecorder()
@@ -380,10 +380,10 @@ def test_load_takes_a_plugins_card_id_and_the_plugins_default(fv_host: PluginHos
 def test_load_refuses_weights_that_do_not_fit_before_building_anything(
     tmp_path: Path, fv_host: PluginHost, monkeypatch: pytest.MonkeyPatch, facade_preflight: bool
 ) -> None:
-    import fv_kernel.card.preflight as preflight_module
+    import fv_kernel.model.preflight as preflight_module
     import fv_kernel.facade
     import fv_kernel.testing.toy as toy
-    from fv_kernel.card.preflight import InsufficientMemory
+    from fv_kernel.model.preflight import InsufficientMemory
     from test_preflight import counted_card  # a toy card whose components declare 24,000 bytes of weights
 
     path = tmp_path / "counted.json"

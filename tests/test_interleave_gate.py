@@ -22,15 +22,18 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import pytest
 import torch
 
-from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import ModelInstance
+from fv_kernel.loop.plan import StepOp
 from fv_kernel.card.spec import ModelCard, RecipeSpec, SamplerBinding
-from fv_kernel.card.validate import resolve_request
-from fv_kernel.loop.contract import StepResult
+from fv_kernel.model.validate import resolve_request
+from fv_kernel.loop.plan import StepResult
 from fv_kernel.loop.samplers import sampler_from_state
-from fv_kernel.loop.state import generator_from_state
+from fv_kernel.state import generator_from_state
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime.engine import GenerationResult, run_serially
+from fv_kernel.runtime.records import GenerationResult
+from fv_kernel.runtime.engine import run_serially
 from fv_kernel.testing import (
     GATE_NEGATIVE_PROMPTS,
     GATE_PROMPTS,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from fv_kernel.card.instance import build_instance
+from fv_kernel.model.instance import build_instance
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime import local

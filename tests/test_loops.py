@@ -12,11 +12,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from fv_kernel.card.instance import build_instance
-from fv_kernel.card.validate import resolve_request
-from fv_kernel.loop.context import LoopContext
-from fv_kernel.loop.contract import LoopState, StepResult, WorkPlan
-from fv_kernel.loop.state import StateFormatError
+from fv_kernel.model.instance import build_instance
+from fv_kernel.model.validate import resolve_request
+from fv_kernel.loop.contract import LoopContext
+from fv_kernel.loop.contract import LoopState
+from fv_kernel.loop.plan import StepResult, WorkPlan
+from fv_kernel.state import StateFormatError
 from fv_kernel.request.events import MediaChunk
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
 from fv_kernel.request.types import TaskType
@@ -63,9 +64,9 @@ def _save_midway(request: Request, model_id: str, loop_id: str, at_step: int, pa
 RESUME_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys, torch
-    from fv_kernel.card.instance import build_instance, import_object
-    from fv_kernel.card.validate import resolve_request
-    from fv_kernel.loop.context import LoopContext
+    from fv_kernel.model.instance import build_instance, import_object
+    from fv_kernel.model.validate import resolve_request
+    from fv_kernel.loop.contract import LoopContext
     from fv_kernel.loop.contract import StepResult
     from fv_kernel.loop.driver import resume
     from fv_kernel.runtime.local import run_local

@@ -188,7 +188,7 @@ class _ToyCards:
 
 
 def test_build_engine_checks_the_plan_against_each_card_before_any_process_group(register_plugin: Any) -> None:
-    from fv_kernel.runtime.deploy import build_engine
+    from fv_kernel.deploy.engine import build_engine
 
     host = register_plugin(_ToyCards(), name="toy-cards")
     # toy-dit lists no parallel axes: refused at deploy time, before a process group exists.

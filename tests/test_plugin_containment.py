@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fv_kernel.api import FlowEulerSampler, ModelCard, Request, TaskType, TextPart, hookimpl
-from fv_kernel.card.catalog import CardCatalog
+from fv_kernel.model.catalog import CardCatalog
 from fv_kernel.cli.app import app
 from fv_kernel.plugins import DuplicateContributionError, PluginError, PluginHost, PluginLoadError, PluginsConfig, PluginWarning
 from fv_kernel.testing.toy import toy_card

@@ -14,6 +14,7 @@ from fv_kernel.plugins import (
     load_manifest,
     locate_manifest,
 )
+from fv_kernel.config import DeployConfigError, load_deploy_config
 from fv_kernel.plugins.config import select
 from fv_kernel.plugins.manifest import parse_manifest
 
@@ -77,17 +78,17 @@ def test_kernel_manifest_tracks_kernel_version() -> None:
     manifest.check_kernel_api(fv_kernel.API_VERSION)
 
 
-def test_config_from_yaml_reads_the_plugins_section_strictly(tmp_path: Path) -> None:
+def test_the_deploy_config_reads_the_plugins_section_strictly(tmp_path: Path) -> None:
     path = tmp_path / "deploy.yaml"
     path.write_text("cards: [toy-dit]\nplugins:\n  autoload: false\n  enable: ['fv-good>=1,<2']\n  strict: true\n")
-    config = PluginsConfig.from_yaml(path)
+    config = load_deploy_config(path).plugins
     assert config == PluginsConfig(autoload=False, enable=["fv-good>=1,<2"], strict=True)
     (tmp_path / "empty.yaml").write_text("cards: []\n")
-    assert PluginsConfig.from_yaml(tmp_path / "empty.yaml") == PluginsConfig()
+    assert load_deploy_config(tmp_path / "empty.yaml").plugins == PluginsConfig()
     # The whole file goes through the deploy config's strict loader: other sections' unknown keys are errors too.
     (tmp_path / "extra.yaml").write_text("engine: {gpus: 1}\nplugins: {autoload: false}\n")
-    with pytest.raises(PluginConfigError, match="engine: Extra inputs are not permitted"):
-        PluginsConfig.from_yaml(tmp_path / "extra.yaml")
+    with pytest.raises(DeployConfigError, match="engine: Extra inputs are not permitted"):
+        load_deploy_config(tmp_path / "extra.yaml").plugins
 
 
 @pytest.mark.parametrize(
@@ -104,8 +105,8 @@ def test_config_from_yaml_reads_the_plugins_section_strictly(tmp_path: Path) -> 
 def test_bad_config_is_a_typed_error(tmp_path: Path, body: str, needle: str) -> None:
     path = tmp_path / "deploy.yaml"
     path.write_text(body)
-    with pytest.raises(PluginConfigError) as info:
-        PluginsConfig.from_yaml(path)
+    with pytest.raises(DeployConfigError) as info:
+        load_deploy_config(path).plugins
     assert needle in str(info.value) and str(path) in str(info.value)
 
 
@@ -134,7 +135,7 @@ def test_fv_plugins_env_override() -> None:
 def test_per_plugin_settings_are_read_by_name(tmp_path: Path) -> None:
     path = tmp_path / "deploy.yaml"
     path.write_text("plugins:\n  settings:\n    Fv_Good: {models: m.yaml, n: 3}\n")
-    config = PluginsConfig.from_yaml(path)
+    config = load_deploy_config(path).plugins
     assert config.settings_for("fv-good") == {"models": "m.yaml", "n": 3}  # canonical name match
     assert config.settings_for("fv-other") == {}
     # FV_PLUGINS replaces the selection, never the settings
@@ -152,8 +153,8 @@ def test_bad_plugin_settings_name_the_field(tmp_path: Path, settings: dict, need
 
     path = tmp_path / "deploy.yaml"
     path.write_text(yaml.safe_dump({"plugins": {"settings": settings}}))
-    with pytest.raises(PluginConfigError, match="plugins.settings") as caught:
-        PluginsConfig.from_yaml(path)
+    with pytest.raises(DeployConfigError, match="plugins.settings") as caught:
+        load_deploy_config(path).plugins
     assert needle in str(caught.value)
 
 

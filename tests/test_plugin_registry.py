@@ -42,7 +42,8 @@ from fv_kernel.errors import InvalidRequest
 from fv_kernel.loop.samplers import SamplerError, use_samplers
 from fv_kernel.plugins import PluginHost, PluginsConfig, PluginWarning, UnknownContributionError, UnknownDriverError
 from fv_kernel.plugins.registry import kernel_registry
-from fv_kernel.runtime.deploy import build_engine, deployment_options
+from fv_kernel.deploy.engine import build_engine
+from fv_kernel.deploy.options import deployment_options
 from fv_kernel.testing.toy import ToyDenoiseLoop, toy_card
 
 runner = CliRunner()
@@ -308,7 +309,7 @@ def test_card_files_resolve_their_names_in_the_deployment(plugin_site: Path, tmp
 
 
 def test_build_check_resolves_registered_loops(fv_host: PluginHost, register_plugin: Any) -> None:
-    from fv_kernel.card.buildcheck import check_card_builds
+    from fv_kernel.model.buildcheck import check_card_builds
 
     card = toy_card("toy-dit")
     loops = dict(card.loops)
@@ -325,7 +326,7 @@ def test_build_check_resolves_registered_loops(fv_host: PluginHost, register_plu
 def test_fv_generate_applies_the_configs_scheduler_and_extensions(
     plugin_site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fv_kernel.runtime.deploy as deploy
+    import fv_kernel.deploy.engine as deploy
 
     engines: list[Engine] = []
 

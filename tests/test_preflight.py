@@ -1,5 +1,5 @@
 """The pre-flight: a card's checkpoint source and the memory its weights need are checked
-before anything is built (fv_kernel.card.preflight), by build_instance / load_for_task,
+before anything is built (fv_kernel.model.preflight), by build_instance / load_for_task,
 fv generate and fv serve start-up. Negative controls fake a tiny device and count the
 component builder's calls: refused means built nothing."""
 
@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-import fv_kernel.card.preflight as preflight_module
+import fv_kernel.model.preflight as preflight_module
 import fv_kernel.testing.toy as toy
-from fv_kernel.card.buildcheck import InvalidCard
-from fv_kernel.card.instance import InstanceOptions, ModelInstance, build_instance
-from fv_kernel.card.preflight import (
+from fv_kernel.model.buildcheck import InvalidCard
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import ModelInstance, build_instance
+from fv_kernel.model.preflight import (
     InsufficientMemory,
     component_parameters,
     format_bytes,
@@ -27,7 +28,7 @@ from fv_kernel.card.spec import ModelCard
 from fv_kernel.cli.app import app
 from fv_kernel.errors import CheckpointNotFound
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime.capacity import device_available_bytes, device_total_bytes
+from fv_kernel.compute.device import device_available_bytes, device_total_bytes
 
 T2V = TaskType.TEXT_TO_VIDEO
 ELEMENTS = {"lm": 1_000, "dit": 2_000, "decoder": 3_000}  # toy-dit's components, fp32: 24,000 bytes
@@ -314,7 +315,7 @@ def _save(folder: Path, **shapes: tuple[int, ...]) -> None:
 
 
 def test_stored_elements_read_the_headers_only(tmp_path: Path) -> None:
-    from fv_kernel.card.preflight import stored_elements
+    from fv_kernel.model.preflight import stored_elements
 
     _save(tmp_path / "dit", w=(10, 20), b=(20,))
     assert stored_elements(tmp_path / "dit") == 220

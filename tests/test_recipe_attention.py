@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from fv_kernel.card.instance import InstanceOptions, build_instance
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import build_instance
 from fv_kernel.card.spec import AttentionAssumption, ModelCard
-from fv_kernel.card.validate import check_recipe_attention
+from fv_kernel.card.recipe import check_recipe_attention
 from fv_kernel.errors import RecipeMismatch
 from fv_kernel.request.artifacts import Provenance
 from fv_kernel.testing.toy import toy_card

@@ -12,15 +12,17 @@ import torch
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from fv_kernel.card.catalog import ResolvedModel
-from fv_kernel.card.instance import InstanceOptions, build_instance
+from fv_kernel.model.catalog import ResolvedModel
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import build_instance
 from fv_kernel.card.spec import ModelCard, ParityLevel
-from fv_kernel.card.validate import resolve_request
+from fv_kernel.model.validate import resolve_request
 from fv_kernel.config import DeployConfig
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.request.request import Request, TextPart
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime.engine import Engine, SchedulerConfig
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.runtime.local import run_local
 from fv_kernel.testing.toy import toy_card
 
@@ -87,7 +89,7 @@ def test_a_card_whose_default_contradicts_its_recipe_is_invalid() -> None:
 
 
 def test_deploy_config_override_recipe_reaches_the_instance(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fv_kernel.runtime import deploy
+    from fv_kernel.deploy import engine as deploy
 
     class OneCardCatalog:
         def __init__(self, host: Any) -> None:
@@ -152,7 +154,7 @@ def test_request_precision_on_an_overridden_instance() -> None:
 @pytest.fixture
 def cli_card(monkeypatch: pytest.MonkeyPatch) -> dict[str, ModelCard]:
     """``fv generate --model <id>`` resolves to the test's cards instead of the installed plugins'."""
-    from fv_kernel.runtime import model_resolution  # where fv generate (and fv.load) resolve --model
+    from fv_kernel.deploy import model_resolution  # where fv generate (and fv.load) resolve --model
 
     cards = {"toy-qat": qat_card(), "toy-2p": two_precision_card()}
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from pydantic import BaseModel, ConfigDict
 
-import fv_kernel.loop.state as state_module
-from fv_kernel.card.instance import build_instance
+import fv_kernel.state as state_module
+from fv_kernel.model.instance import build_instance
 from fv_kernel.errors import FvError
 from fv_kernel.loop.contract import LoopState
-from fv_kernel.loop.state import StateFormatError, StateNotSerializable, TensorState
+from fv_kernel.state import StateFormatError, StateNotSerializable, TensorState
 from fv_kernel.program.resume import (
     CheckpointIncompatible,
     ProgramCheckpoint,
@@ -25,7 +25,8 @@ from fv_kernel.program.resume import (
 )
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime.engine import Engine, SchedulerConfig
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.runtime.local import run_local
 from fv_kernel.testing.card_kit import assert_artifacts_identical
 from fv_kernel.testing.toy import DenoiseState, ToyDenoiseLoop, toy_card

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fv_kernel.card.spec import ModelCard
-from fv_kernel.loop.contract import StepResult
-from fv_kernel.loop.state import StateNotSerializable
-from fv_kernel.card.instance import build_instance
+from fv_kernel.loop.plan import StepResult
+from fv_kernel.state import StateNotSerializable
+from fv_kernel.model.instance import build_instance
 from fv_kernel.runtime.local import run_local
 from fv_kernel.testing import ResumeConformance
 from fv_kernel.testing.card_kit import assert_artifacts_identical, roundtrip_state

@@ -10,15 +10,16 @@ import logging
 import pytest
 import torch
 
-from fv_kernel.card.instance import build_instance
+from fv_kernel.model.instance import build_instance
 from fv_kernel.errors import CapacityError, InvalidRequest, QueueFull, UnknownModel
-from fv_kernel.loop.contract import ShapeSignature, WorkKind, WorkPlan
+from fv_kernel.loop.plan import ShapeSignature, WorkKind, WorkPlan
 from fv_kernel.request.request import ARParams, DiffusionParams, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.admission import AdmissionController, Budgets, Reservation
 from fv_kernel.runtime.batching import BatchPolicy, BatchScheduler, WorkUnit
 from fv_kernel.runtime.cost import CostKey, CostModel
-from fv_kernel.runtime.engine import Engine, SchedulerConfig, run_concurrently, run_serially
+from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.card.spec import StepCostSpec
 from fv_kernel.testing.fake_pool import BatchCostProfile, fake_card
 from fv_kernel.testing.toy import toy_card

@@ -27,12 +27,13 @@ httpx = pytest.importorskip("httpx")
 
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 
-from fv_kernel.card.instance import ModelInstance, build_instance  # noqa: E402
-from fv_kernel.card.validate import RequestLimits  # noqa: E402
+from fv_kernel.model.instance import ModelInstance, build_instance  # noqa: E402
+from fv_kernel.model.validate import RequestLimits  # noqa: E402
 from fv_kernel.extend.interceptors import BlockInterceptor
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.config import DeployConfig, DeployConfigError, ServerConfig  # noqa: E402
-from fv_kernel.runtime.engine import Engine, SchedulerConfig  # noqa: E402
+from fv_kernel.runtime.engine import Engine  # noqa: E402
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.serving import JobStore, ServerThread, create_app  # noqa: E402
 from fv_kernel.testing import read_sse, wait_for_job  # noqa: E402
 
@@ -46,7 +47,7 @@ def build_card_instance(card_id: str) -> ModelInstance:
 
     if card_id in {c.model_id for c in toy_cards()}:
         return build_instance(toy_card(card_id))
-    from fv_kernel.card.catalog import CardCatalog
+    from fv_kernel.model.catalog import CardCatalog
     from fv_kernel.plugins.host import PluginHost
 
     return build_instance(CardCatalog(PluginHost()).get(card_id))
@@ -406,7 +407,7 @@ def test_200_requests_from_32_clients(card_id: str, tmp_path: Path) -> None:
 _CRASHABLE_SERVER = """
 import sys
 from pathlib import Path
-from fv_kernel.card.instance import build_instance
+from fv_kernel.model.instance import build_instance
 from fv_kernel.config import DeployConfig
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.serving import ServerThread, create_app

@@ -26,11 +26,12 @@ httpx = pytest.importorskip("httpx")
 import torch  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from fv_kernel.card.instance import ModelInstance, build_instance  # noqa: E402
+from fv_kernel.model.instance import ModelInstance, build_instance  # noqa: E402
 from fv_kernel.card.spec import ModelCard, TokenGridRule  # noqa: E402
 from fv_kernel.config import DeployConfig, ServerConfig  # noqa: E402
 from fv_kernel.request.types import TaskType  # noqa: E402
-from fv_kernel.runtime.engine import Engine, SchedulerConfig  # noqa: E402
+from fv_kernel.runtime.engine import Engine  # noqa: E402
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.serving import ServerThread, create_app, limits, media  # noqa: E402
 from fv_kernel.serving.limits import JsonLimits, check_json  # noqa: E402
 from fv_kernel.testing import wait_for_job  # noqa: E402
@@ -420,7 +421,7 @@ def test_without_the_card_check_the_server_would_queue_what_the_model_cannot_run
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Negative control: the server has no rule of its own; resolve_request's shape check is what refuses."""
-    from fv_kernel.card import validate
+    from fv_kernel.model import validate
 
     monkeypatch.setattr(validate, "_check_shape", lambda card, filled: None)
     card = bounded_toy_card()

@@ -30,11 +30,11 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from fv_kernel.card.instance import ModelInstance, build_instance  # noqa: E402
+from fv_kernel.model.instance import ModelInstance, build_instance  # noqa: E402
 from fv_kernel.config import DeployConfig  # noqa: E402
-from fv_kernel.runtime.engine import (  # noqa: E402
-    Engine, RequestHandle, SchedulerConfig, held_tensor_bytes, run_serially,
-)
+from fv_kernel.runtime.engine import Engine, run_serially
+from fv_kernel.runtime.records import RequestHandle, held_tensor_bytes
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.serving import JobStore, ServerThread, create_app  # noqa: E402
 from fv_kernel.serving.jobs import SHUTDOWN_EVENT, JobManager  # noqa: E402
 from fv_kernel.serving.store import DataDirInUse, DataDirLock  # noqa: E402
@@ -91,7 +91,7 @@ def whole_stream(client: "httpx.Client", job_id: str) -> list[dict[str, Any]]:
 def _running_image(engine: Engine, timeout_s: float = 60.0) -> RequestHandle:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for request_id in list(engine._running):
+        for request_id in list(engine.scheduler.running):
             if request_id.startswith("image_"):
                 handle = engine.handle(request_id)
                 if handle.progress > 0:
@@ -175,7 +175,7 @@ def test_without_disconnect_polling_the_call_keeps_computing(tmp_path: Path, mon
 _SERVER_PROCESS = """
 import socket, sys
 from pathlib import Path
-from fv_kernel.card.instance import build_instance
+from fv_kernel.model.instance import build_instance
 from fv_kernel.config import DeployConfig
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.serving import create_app, serve_forever

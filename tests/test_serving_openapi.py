@@ -22,10 +22,11 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 
-from fv_kernel.card.instance import build_instance  # noqa: E402
-from fv_kernel.card.validate import RequestLimits  # noqa: E402
+from fv_kernel.model.instance import build_instance  # noqa: E402
+from fv_kernel.model.validate import RequestLimits  # noqa: E402
 from fv_kernel.config import DeployConfig, ServerConfig  # noqa: E402
-from fv_kernel.runtime.engine import Engine, SchedulerConfig  # noqa: E402
+from fv_kernel.runtime.engine import Engine  # noqa: E402
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.serving import ServerThread, create_app  # noqa: E402
 from fv_kernel.serving.schemas import ImageGenerate, VideoCreate  # noqa: E402
 from fv_kernel.testing.toy import toy_card  # noqa: E402

@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from fv_kernel.config import DeployConfig  # noqa: E402
 from fv_kernel.plugins import PluginHost, PluginWarning, hookimpl  # noqa: E402
-from fv_kernel.runtime.engine import Engine, SchedulerConfig  # noqa: E402
+from fv_kernel.runtime.engine import Engine  # noqa: E402
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.serving import create_app  # noqa: E402
 
 

@@ -25,14 +25,15 @@ httpx = pytest.importorskip("httpx")
 import torch  # noqa: E402
 
 import fv_kernel.serving.jobs as jobs_module  # noqa: E402
-from fv_kernel.card.instance import build_instance  # noqa: E402
+from fv_kernel.model.instance import build_instance  # noqa: E402
 from fv_kernel.card.spec import ModelCard, ProgramSpec  # noqa: E402
 from fv_kernel.config import DeployConfig, ServerConfig  # noqa: E402
-from fv_kernel.loop.state import StateFormatError  # noqa: E402
+from fv_kernel.state import StateFormatError  # noqa: E402
 from fv_kernel.program.resume import ProgramCheckpoint  # noqa: E402
 from fv_kernel.request.request import Request  # noqa: E402
 from fv_kernel.request.types import TaskType  # noqa: E402
-from fv_kernel.runtime.engine import Engine, SchedulerConfig  # noqa: E402
+from fv_kernel.runtime.engine import Engine  # noqa: E402
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.runtime.local import run_local  # noqa: E402
 from fv_kernel.serving import JobStore, ServerThread, create_app  # noqa: E402
 from fv_kernel.serving.store import CheckpointStore, JobRecord  # noqa: E402
@@ -90,7 +91,7 @@ _KILLABLE_SERVER = """
 import sys
 from pathlib import Path
 import torch
-from fv_kernel.card.instance import build_instance
+from fv_kernel.model.instance import build_instance
 from fv_kernel.config import DeployConfig
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.serving import ServerThread, create_app
@@ -228,7 +229,7 @@ def test_jobs_that_cannot_resume_fail_with_the_reason_and_none_is_lost(tmp_path:
     store, checkpoints = JobStore(out / "jobs.sqlite3"), CheckpointStore(out / "checkpoints")
 
     def request(n: int, steps: int = 3) -> Request:
-        from fv_kernel.card.validate import resolve_request
+        from fv_kernel.model.validate import resolve_request
         from fv_kernel.request.request import DiffusionParams, TextPart
 
         return resolve_request(card, Request(request_id=_job_id(n), model="toy-dit", task=TaskType.TEXT_TO_VIDEO,
@@ -279,7 +280,7 @@ def test_a_started_checkpoint_of_other_weights_is_incompatible(tmp_path: Path) -
     out = tmp_path / "out"
     store, checkpoints = JobStore(out / "jobs.sqlite3"), CheckpointStore(out / "checkpoints")
     saved: list[bytes] = []
-    from fv_kernel.card.validate import resolve_request
+    from fv_kernel.model.validate import resolve_request
     from fv_kernel.request.request import DiffusionParams, TextPart
 
     card = toy_card("toy-dit")

@@ -1,4 +1,4 @@
-"""``fv train``'s progress (``run_training`` drawing through ``fv_kernel.progress.StageProgress``, the
+"""``fv train``'s progress (``run_training`` drawing through ``fv_kernel.io.progress.StageProgress``, the
 code ``fv generate`` uses): off a terminal (a log file, a pipe) plain lines and never a carriage
 return -- one every tenth of a stage (step/total, elapsed, ETA, rate, the latest losses) and one at
 its end, also when the stage stops early; on a terminal a live tqdm bar with the losses; nothing

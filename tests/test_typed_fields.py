@@ -15,16 +15,18 @@ from typing import Any, Callable
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from fv_kernel.card.instance import build_instance
+from fv_kernel.model.instance import build_instance
 from fv_kernel.card.spec import LoopSpec, ModelCard, ParallelismContract
 from fv_kernel.errors import InvalidRequest
 from fv_kernel.extend.interceptors import StepInterceptor
 from fv_kernel.extend.registry import ExtensionSet
-from fv_kernel.loop.contract import CancelScope, EmitSpec, WorkPlan
+from fv_kernel.loop.plan import CancelScope, EmitSpec, WorkPlan
 from fv_kernel.request.events import Event
 from fv_kernel.request.request import ARParams, DiffusionParams, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime.engine import Engine, GenerationResult, SchedulerConfig
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.records import GenerationResult
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.runtime.local import run_local
 from fv_kernel.testing import StepRecorder
 from fv_kernel.testing.toy import ToyDecodeLoop, ToyDenoiseLoop, toy_card
@@ -221,7 +223,7 @@ def cancel_when_queued(loop_id: str, step_index: int) -> Callable[[Engine, str],
     """Cancel the request right after its step ``step_index`` of ``loop_id`` is queued (before it runs)."""
 
     def install(engine: Engine, request_id: str) -> None:
-        pending = engine._pending
+        pending = engine.scheduler.pending
         add = pending.add
 
         def add_then_cancel(unit: Any) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from fv_kernel.loop.contract import StepEstimate, WorkKind, WorkPlan
+from fv_kernel.loop.plan import StepEstimate, WorkKind, WorkPlan
 
 
 def test_default_plans_and_estimates_deep_copy_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,9 @@
-"""The Model Plane: cards (specs), checkpoints, resident instances and request validation."""
+"""The card: what a deployable model declares (design §4). Specs, the recipe's teeth, checkpoints.
 
-from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp, build_instance
+The resident side of a card (instances, request validation, the catalog) is
+:mod:`fv_kernel.model`.
+"""
+
 from fv_kernel.card.spec import (
     CacheContract,
     CapabilityMatrix,
@@ -12,10 +15,8 @@ from fv_kernel.card.spec import (
     ParitySpec,
     RecipeSpec,
 )
-from fv_kernel.card.validate import RequestLimits, resolve_request
 
 __all__ = [
-    "CacheContract", "CapabilityMatrix", "CheckpointManifest", "ComponentCheckpoint", "ComponentSpec", "InstanceOptions",
-    "LoopSpec", "ModelCard", "ModelInstance", "ParitySpec", "RecipeSpec", "RequestLimits", "StepOp", "build_instance",
-    "resolve_request",
+    "CacheContract", "CapabilityMatrix", "CheckpointManifest", "ComponentCheckpoint", "ComponentSpec", "LoopSpec",
+    "ModelCard", "ParitySpec", "RecipeSpec",
 ]

@@ -3,7 +3,7 @@
 A :class:`ModelCard` is a (recipe, runtime) pair: it owns its components, the loops
 it can run, the recipe that produced its weights and a parity contract. It is
 validated before any weights or GPU are touched, and it is the factory of a
-resident :class:`~fv_kernel.card.instance.ModelInstance`.
+resident :class:`~fv_kernel.model.instance.ModelInstance`.
 
 Code is referenced by lazy ``"module:attr"`` strings, so validating a card imports
 nothing heavy.
@@ -104,7 +104,7 @@ class ComponentSpec(_Spec):
     #: The component's config, as its builder takes it (e.g. diffusers ``config.json`` keys).
     config: dict[str, Any] = Field(default_factory=dict)
     #: How ``config`` parses: ``"module:attr"`` of a pydantic model or a function taking the dict.
-    #: ``fv cards validate`` (``fv_kernel.card.buildcheck``) and the family's loaders both parse
+    #: ``fv cards validate`` (``fv_kernel.model.buildcheck``) and the family's loaders both parse
     #: through it, so a config that validates is the config that loads. None: not checked up front.
     config_schema: str | None = None
     precision_policy: PrecisionPolicy = PrecisionPolicy()
@@ -112,7 +112,7 @@ class ComponentSpec(_Spec):
     parity_tests: tuple[str, ...] = ()
     #: How many weight elements (parameters and buffers) the built component holds: a count, or a
     #: ``"module:function"`` taking this ComponentSpec and returning the count (e.g. the module built
-    #: on the meta device). The pre-flight (``fv_kernel.card.preflight``) charges them at the
+    #: on the meta device). The pre-flight (``fv_kernel.model.preflight``) charges them at the
     #: component's dtype before anything is built. None: unknown (not counted); 0: no weights.
     parameters: int | str | None = None
 

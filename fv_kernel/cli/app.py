@@ -122,7 +122,7 @@ class _LazyGroup(TyperGroup):
         if self._listing:  # the root's help lists names and summaries only
             return TyperCommand(cmd_name, help=LAZY_COMMANDS[cmd_name].summary)
         if cmd_name not in self._loaded:
-            from fv_kernel.progress import spinner
+            from fv_kernel.io.progress import spinner
 
             try:
                 with spinner(f"starting fv {cmd_name}"):  # importing torch and the runtime takes seconds
@@ -137,7 +137,7 @@ class _LazyGroup(TyperGroup):
             return TyperCommand(command.name, help=command.summary)
         if command.name not in self._loaded:
             from fv_kernel.cli.plugin_commands import PluginCommandError, load_plugin_command
-            from fv_kernel.progress import spinner
+            from fv_kernel.io.progress import spinner
 
             try:
                 with spinner(f"starting fv {command.name}"):

@@ -14,10 +14,10 @@ from typing import Any, Optional
 import typer
 from pydantic import ValidationError
 
-from fv_kernel.card.catalog import CardCatalog
+from fv_kernel.model.catalog import CardCatalog
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.errors import FvError
-from fv_kernel.card.validate import allowed_samplers
+from fv_kernel.model.validate import allowed_samplers
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
 from fv_kernel.plugins import PluginError
 
@@ -130,8 +130,8 @@ def validate_card(
     builder, the factory, loop classes) and every component config parses through the
     component's ``config_schema`` -- the parser its loader uses.
     """
-    from fv_kernel.card.buildcheck import check_card_builds
-    from fv_kernel.card.catalog import InvalidCardFile, is_card_file, read_card_file
+    from fv_kernel.model.buildcheck import check_card_builds
+    from fv_kernel.model.catalog import InvalidCardFile, is_card_file, read_card_file
 
     catalog = _catalog(config)  # the selected plugins start first: a required one that fails stops here
     path = Path(card)

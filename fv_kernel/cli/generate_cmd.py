@@ -14,20 +14,21 @@ from typing import Any, Optional
 import typer
 from pydantic import ValidationError
 
-from fv_kernel.card.instance import build_instance
-from fv_kernel.card.preflight import preflight
-from fv_kernel.card.validate import resolve_request
+from fv_kernel.model.instance import build_instance
+from fv_kernel.model.preflight import preflight
+from fv_kernel.model.validate import resolve_request
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
-from fv_kernel.progress import StageProgress
+from fv_kernel.io.progress import StageProgress
 from fv_kernel.errors import FvError, InvalidRequest
 from fv_kernel.io.media import MediaError, check_output_path, read_image, write_artifact
 from fv_kernel.plugins import PluginError
 from fv_kernel.request.artifacts import AudioArtifact, TextArtifact, VideoArtifact
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
 from fv_kernel.request.types import PRECISIONS, TaskType
-from fv_kernel.runtime.deploy import engine_for
-from fv_kernel.runtime.model_resolution import resolve_model
-from fv_kernel.runtime.engine import Engine, GenerationResult
+from fv_kernel.deploy.engine import engine_for
+from fv_kernel.deploy.model_resolution import resolve_model
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.records import GenerationResult
 
 __all__ = ["generate"]
 
@@ -182,8 +183,8 @@ def generate(
 
 def _cards_that_upsample(host: Any) -> str:
     """``"; cards with a reasoner: ..."`` over the installed cards (empty when none has one)."""
-    from fv_kernel.card.catalog import CardCatalog
-    from fv_kernel.card.validate import reasoner_loops
+    from fv_kernel.model.catalog import CardCatalog
+    from fv_kernel.model.validate import reasoner_loops
 
     able = []
     for model_id, entry in sorted(CardCatalog(host).entries().items()):

@@ -22,7 +22,7 @@ from packaging.utils import canonicalize_name
 from fv_kernel import API_VERSION
 from fv_kernel.plugins.config import KERNEL_DISTRIBUTION, PluginsConfig, select
 from fv_kernel.plugins.errors import ManifestError, PluginError, one_line
-from fv_kernel.plugins.host import DiscoveredPlugin, scan_entry_points
+from fv_kernel.plugins.discovery import DiscoveredPlugin, scan_entry_points
 from fv_kernel.plugins.manifest import load_manifest, locate_manifest
 
 __all__ = [

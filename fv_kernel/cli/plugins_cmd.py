@@ -16,7 +16,7 @@ import typer
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
 from fv_kernel.plugins import KINDS, PluginHost, PluginRecord, PluginStatus
 from fv_kernel.plugins.check import PluginChecker
-from fv_kernel.plugins.host import scan_entry_points
+from fv_kernel.plugins.discovery import scan_entry_points
 
 #: How the checker reports a check that did not run because a prerequisite failed.
 _SKIPPED = "skipped: "

@@ -54,10 +54,10 @@ def resolve_serve_config(
 
 def preflight_cards(deploy: "DeployConfig", plugin_host: Any) -> None:
     """Before any card is built: every configured card's checkpoint source is there and all their
-    weights fit their devices together (``fv_kernel.card.preflight``); one typed error otherwise."""
-    from fv_kernel.card.catalog import CardCatalog
-    from fv_kernel.card.preflight import preflight_deployment
-    from fv_kernel.runtime.deploy import deployment_options
+    weights fit their devices together (``fv_kernel.model.preflight``); one typed error otherwise."""
+    from fv_kernel.model.catalog import CardCatalog
+    from fv_kernel.model.preflight import preflight_deployment
+    from fv_kernel.deploy.options import deployment_options
 
     catalog = CardCatalog(plugin_host)
     plans = []
@@ -92,14 +92,14 @@ def serve(
     if deploy.parallel is not None and deploy.parallel.world_size > 1:
         if not deploy.cards:
             fail("a parallel plan needs its cards listed (cards: or --model): every rank must build the same ones")
-        from fv_kernel.parallel.deploy import check_deploy_plan
+        from fv_kernel.deploy.parallel import check_deploy_plan
 
         try:  # a bad plan is one line here, before any rank starts
             check_deploy_plan(deploy, start_host(deploy))
         except FvError as exc:
             fail(str(exc))
         if int(os.environ.get("RANK", "0")) != 0:
-            from fv_kernel.parallel.launch import serve_as_worker
+            from fv_kernel.deploy.workers import serve_as_worker
 
             try:
                 serve_as_worker(deploy.model_dump_json())
@@ -107,7 +107,7 @@ def serve(
                 fail(str(exc))
             return
         if "RANK" not in os.environ:
-            from fv_kernel.parallel.launch import LocalWorkers
+            from fv_kernel.deploy.workers import LocalWorkers
 
             workers = LocalWorkers(deploy.parallel.world_size, deploy.model_dump_json())
     try:
@@ -116,7 +116,7 @@ def serve(
         typer.echo(f"error: fv serve needs the serve extra (pip install 'fv-kernel[serve]'): {exc}", err=True)
         raise typer.Exit(2) from None
     from fv_kernel.plugins import PluginError
-    from fv_kernel.runtime.deploy import build_engine
+    from fv_kernel.deploy.engine import build_engine
     from fv_kernel.serving.store import DataDirInUse, DataDirLock
 
     # Before any model loads: a second server on this data dir would rewrite the first's live jobs.

@@ -33,7 +33,6 @@ __all__ = [
     "SDPAMathAttention",
     "FlashAttention3",
     "FlashAttention2",
-    "load_attention_backend",
     "attention_callable",
     "pinned_sdpa",
 ]
@@ -215,25 +214,6 @@ class FlashAttention2(_FlashAttentionPackage):
     name: ClassVar[str] = "flash_attn2"
     module_name: ClassVar[str] = "flash_attn"
     package_hint: ClassVar[str] = "the flash-attn package"
-
-
-def load_attention_backend(name: str, registry: Any = None) -> AttentionBackend:
-    """Construct the attention driver registered as ``name``.
-
-    ``registry`` is a :class:`~fv_kernel.plugins.drivers.DriverRegistry`: a deployment
-    passes its host's ``drivers("attention_backends")`` (``registry().attention_backends``),
-    so only enabled plugins count and a disabled plugin's driver is refused naming why.
-    None means the kernel's built-in drivers alone, never every installed distribution.
-    """
-    if registry is None:
-        from fv_kernel.plugins.registry import kernel_registry
-
-        registry = kernel_registry().attention_backends
-    backend_cls = registry.load(name)
-    backend = backend_cls()
-    if not isinstance(backend, AttentionBackend):
-        raise TypeError(f"attention driver {name!r} built a {type(backend).__name__}, not an AttentionBackend")
-    return backend
 
 
 def attention_callable(backend: AttentionBackend) -> AttentionFn:

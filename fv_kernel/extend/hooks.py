@@ -23,7 +23,8 @@ from fv_kernel.extend.interceptors import BlockCall, BlockInterceptor, BlockSequ
 from fv_kernel.extend.observers import BlockObserver
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.loop.contract import LoopState, StepResult, WorkPlan
+    from fv_kernel.loop.contract import LoopState
+    from fv_kernel.loop.plan import StepResult, WorkPlan
 
 __all__ = ["ActiveInterceptor", "BlockHooks", "RequestHooks", "branches_of"]
 

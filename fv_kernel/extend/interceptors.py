@@ -25,7 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.loop.contract import StepResult, WorkPlan
+    from fv_kernel.loop.plan import StepResult, WorkPlan
 
 __all__ = [
     "Interceptor",

@@ -17,13 +17,12 @@ import torch
 from fv_kernel.errors import NonFiniteOutput
 
 from fv_kernel.card.spec import StepCostSpec
-from fv_kernel.loop.contract import ShapeSignature
+from fv_kernel.loop.plan import ShapeSignature
 
 if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.extend.interceptors import BlockCall
-    from fv_kernel.runtime.cost import CostModel
 
-__all__ = ["StepRecord", "Observer", "Profiler", "BlockObserver", "NaNWatch", "ParityAligner", "Divergence"]
+__all__ = ["StepRecord", "Observer", "BlockObserver", "NaNWatch", "ParityAligner", "Divergence"]
 
 
 @dataclass(frozen=True)
@@ -58,39 +57,6 @@ class Observer(abc.ABC):
     @abc.abstractmethod
     def on_step(self, record: StepRecord) -> None:
         """Called after every executed batch. Must not raise; must not mutate anything it is given."""
-
-
-@dataclass
-class _KindStats:
-    count: int = 0
-    total_seconds: float = 0.0
-    total_predicted: float = 0.0
-
-
-@dataclass
-class Profiler(Observer):
-    """Per-step wall and device time; calibrates the cost model online (design §6.1)."""
-
-    cost_model: "CostModel"
-    name: str = "profiler"
-    stats: dict[str, _KindStats] = field(default_factory=dict)
-
-    def on_step(self, record: StepRecord) -> None:
-        from fv_kernel.runtime.cost import CostKey
-
-        measured = record.device_seconds if record.device_seconds is not None else record.wall_seconds
-        key = CostKey(record.instance_id, record.kind, record.shape_sig, record.precision)
-        self.cost_model.observe(key, record.cost_spec, measured, batch_size=record.batch_size)
-        entry = self.stats.setdefault(record.kind, _KindStats())
-        entry.count += 1
-        entry.total_seconds += measured
-        entry.total_predicted += record.predicted_seconds
-
-    def summary(self) -> dict[str, dict[str, float]]:
-        return {
-            kind: {"steps": s.count, "mean_seconds": s.total_seconds / s.count, "mean_predicted": s.total_predicted / s.count}
-            for kind, s in self.stats.items() if s.count
-        }
 
 
 class BlockObserver(Observer):

@@ -11,15 +11,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fv_kernel.errors import InvalidRequest, RequestCancelled
-from fv_kernel.loop.contract import Done, Loop, LoopResult, LoopState, StepResult, WorkPlan
+from fv_kernel.loop.contract import Done, Loop, LoopContext, LoopResult, LoopState, ResidentModel
+from fv_kernel.loop.plan import StepResult, WorkPlan
 from fv_kernel.loop.samplers import use_samplers
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.card.instance import ModelInstance
-    from fv_kernel.loop.context import LoopContext
 
 __all__ = ["drive", "resume", "LoopCancelled"]
 
@@ -33,7 +30,7 @@ class LoopCancelled(RequestCancelled):
         self.state = state
 
 
-def _emit_chunks(ctx: "LoopContext", plan: WorkPlan, result: StepResult, counters: dict[str, int]) -> None:
+def _emit_chunks(ctx: LoopContext, plan: WorkPlan, result: StepResult, counters: dict[str, int]) -> None:
     """Emit the plan's chunks; ``counters`` (stream -> next index) holds the streams this loop opened."""
     previews = ctx.request.output.stream_previews
     for emit in plan.emits:
@@ -58,7 +55,7 @@ def _emit_chunks(ctx: "LoopContext", plan: WorkPlan, result: StepResult, counter
         ctx.emit("media.chunk", stream=emit.stream, index=index, pts=emit.pts, preview=emit.preview, **payload)
 
 
-async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopResult:
+async def resume(loop: Loop[Any], state: LoopState, ctx: LoopContext) -> LoopResult:
     """Drive ``loop`` from a state that is ready to run (from ``init`` or ``restore``) to the end.
 
     A state read back from bytes goes through :func:`drive` with ``state=`` instead, so
@@ -112,7 +109,7 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: "LoopContext") -> LoopR
 
 
 async def drive(
-    loop: Loop[Any], model: "ModelInstance", ctx: "LoopContext", *, state: LoopState | None = None
+    loop: Loop[Any], model: ResidentModel, ctx: LoopContext, *, state: LoopState | None = None
 ) -> LoopResult:
     """Run one loop for ``ctx.request`` on ``model``.
 
@@ -127,7 +124,7 @@ async def drive(
         return await _drive(loop, model, ctx, state=state)
 
 
-async def _drive(loop: Loop[Any], model: "ModelInstance", ctx: "LoopContext", *, state: LoopState | None) -> LoopResult:
+async def _drive(loop: Loop[Any], model: ResidentModel, ctx: LoopContext, *, state: LoopState | None) -> LoopResult:
     ctx = dataclasses.replace(ctx, instance=model)
     if state is None:
         state = loop.init(ctx.request, model, ctx)

@@ -23,16 +23,17 @@ import contextlib
 import json
 import math
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Annotated, ClassVar, Iterator, Literal, Mapping
+from types import MappingProxyType
+from typing import Annotated, ClassVar, Iterator, Literal, Mapping
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fv_kernel.loop.state import TensorState
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.card.spec import SamplerBinding
+from fv_kernel import DISTRIBUTION
+from fv_kernel.card.recipe import sampler_short_name
+from fv_kernel.card.spec import SamplerBinding
+from fv_kernel.state import TensorState
 
 __all__ = [
     "SamplerError",
@@ -493,6 +494,13 @@ def builtin_samplers() -> dict[str, type[Sampler]]:
     return {cls.name: cls for cls in (FlowEulerSampler, FlowUniPCSampler, DMDSampler)}
 
 
+#: The kernel's built-ins by short name and namespaced id (``"fv-kernel/flow_unipc"``): what names
+#: resolve through outside a driven loop, the same table the plugin host's kernel registry holds.
+_KERNEL_SAMPLERS: Mapping[str, type[Sampler]] = MappingProxyType(
+    {key: cls for name, cls in builtin_samplers().items() for key in (name, f"{DISTRIBUTION}/{name}")}
+)
+
+
 # The samplers of the deployment whose instance the current loop runs on. The driver sets
 # it around each loop (from ``ModelInstance.registry``); a context variable, so concurrent
 # requests on different deployments never see each other's, and no process-wide table exists.
@@ -506,11 +514,7 @@ def registered_samplers() -> Mapping[str, type[Sampler]]:
     for (kernel built-ins plus enabled plugins). Elsewhere: the kernel's built-ins.
     """
     active = _DEPLOY_SAMPLERS.get()
-    if active is not None:
-        return active
-    from fv_kernel.plugins.registry import kernel_registry
-
-    return kernel_registry().samplers
+    return active if active is not None else _KERNEL_SAMPLERS
 
 
 @contextlib.contextmanager
@@ -535,11 +539,7 @@ def sampler_class(name: str) -> type[Sampler]:
     return samplers[name]
 
 
-def _short_name(name: str) -> str:
-    return name.rsplit("/", 1)[-1]  # "fv-hello/euler-shift3" and "euler-shift3" name one sampler
-
-
-def bound_sampler(binding: "SamplerBinding", *, requested: str | None = None, shift: float | None = None) -> Sampler:
+def bound_sampler(binding: SamplerBinding, *, requested: str | None = None, shift: float | None = None) -> Sampler:
     """The sampler a denoise loop runs for one request.
 
     ``binding`` is the loop's :class:`~fv_kernel.card.spec.SamplerBinding`: its sampler with
@@ -548,7 +548,7 @@ def bound_sampler(binding: "SamplerBinding", *, requested: str | None = None, sh
     registered in this deployment), that sampler runs with its own defaults instead. The
     request's ``shift`` overrides the shift of either.
     """
-    if requested is not None and _short_name(requested) != _short_name(binding.name):
+    if requested is not None and sampler_short_name(requested) != sampler_short_name(binding.name):
         sampler_cls, config = sampler_class(requested), {}
     else:
         sampler_cls, config = sampler_class(binding.name), dict(binding.config)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fv_kernel.card.instance import import_object
+from fv_kernel.card.refs import import_object
 from fv_kernel.parallel.spmd import SpmdLeader
 from fv_kernel.request.request import Request
 from fv_kernel.runtime.engine import Engine

@@ -194,7 +194,7 @@ def check_plan_against_card(plan: ParallelPlan, card: "ModelCard") -> None:
                 next(axis for axis, degree in degrees.items() if degree > 1),
                 f"card {card.model_id!r} names no parallelism.implementation", allowed="1",
             )
-        from fv_kernel.card.instance import import_object
+        from fv_kernel.card.refs import import_object
 
         implementation = import_object(contract.implementation)
         implementation.check_plan(card, plan)

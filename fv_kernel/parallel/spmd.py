@@ -39,7 +39,8 @@ from fv_kernel.parallel.mesh import ParallelRuntime
 from fv_kernel.parallel.plan import ParallelPlan, ParallelPlanError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.card.instance import ModelInstance, StepOp
+    from fv_kernel.model.instance import ModelInstance
+    from fv_kernel.loop.plan import StepOp
     from fv_kernel.card.spec import ModelCard
     from fv_kernel.request.request import Request
 
@@ -134,7 +135,7 @@ class SpmdLeader:
     def wrap(self, index: int, ops: dict[str, "StepOp"], collective: Any = lambda name: True) -> dict[str, "StepOp"]:
         """Broadcast every call of the ``collective`` ops; the others run on rank 0 alone (the
         workers would only repeat them, and keep rank 0 waiting at the next collective)."""
-        from fv_kernel.card.instance import StepOp
+        from fv_kernel.loop.plan import StepOp
 
         def wrapped(name: str, op: StepOp) -> StepOp:
             def fn(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -261,7 +262,7 @@ def parallel_instance(instance: "ModelInstance", runtime: ParallelRuntime, *, in
     """``instance`` with ops from its card's parallel implementation (wrapped for broadcast on rank 0)."""
     import dataclasses
 
-    from fv_kernel.card.instance import import_object
+    from fv_kernel.card.refs import import_object
 
     reference = instance.card.parallelism.implementation
     if reference is None:

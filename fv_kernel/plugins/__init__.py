@@ -27,7 +27,8 @@ from .errors import (
 )
 from .hooks import Contribution, PluginHooks
 from .hookspecs import hookimpl
-from .host import PLUGINS_GROUP, DiscoveredPlugin, PluginHost, PluginRecord, PluginStatus, PluginWarning, get_host
+from .discovery import PLUGINS_GROUP, DiscoveredPlugin
+from .host import PluginHost, PluginRecord, PluginStatus, PluginWarning, get_host
 from .kinds import KIND_NAMES, KINDS, KindSpec, Shape
 from .manifest import MANIFEST_FILENAME, ContributionDecl, PluginManifest, load_manifest, locate_manifest
 from .registry import DeployRegistry, kernel_registry

@@ -17,7 +17,8 @@ from packaging.utils import canonicalize_name
 from .. import API_VERSION
 from .drivers import DriverRegistry, entry_point_distribution
 from .errors import PluginError
-from .host import PLUGINS_GROUP, DiscoveredPlugin, PluginHost, scan_entry_points
+from .discovery import PLUGINS_GROUP, DiscoveredPlugin, scan_entry_points
+from .host import PluginHost
 from .kinds import KINDS, KindSpec, check_registered_name, check_satisfies, import_target
 from .manifest import PluginManifest, load_manifest, locate_manifest
 from .probe import run_probe

@@ -6,22 +6,23 @@ plugins, it can only parameterise ones that are already enabled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 import re
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from fv_kernel import DISTRIBUTION as KERNEL_DISTRIBUTION
+
 from .errors import PluginConfigError
 
-FV_PLUGINS_ENV = "FV_PLUGINS"
+__all__ = ["FV_PLUGINS_ENV", "KERNEL_DISTRIBUTION", "PluginsConfig", "Selection", "select"]
 
-#: The kernel's own distribution. Its built-ins (sdpa, inproc, the stock samplers) are
-#: part of the kernel, so no selection can switch them off.
-KERNEL_DISTRIBUTION = "fv-kernel"
+FV_PLUGINS_ENV = "FV_PLUGINS"
+# KERNEL_DISTRIBUTION: the kernel's own distribution. Its built-ins (sdpa, inproc, the stock
+# samplers) are part of the kernel, so no selection can switch them off.
 
 
 def _parse_selector(text: str, *, field: str) -> Requirement:
@@ -95,21 +96,6 @@ class PluginsConfig(BaseModel):
         if canonicalize_name(KERNEL_DISTRIBUTION) in disabled:
             raise ValueError(f"disable: {KERNEL_DISTRIBUTION!r} holds the kernel's built-ins and cannot be disabled")
         return self
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "PluginsConfig":
-        """The ``plugins:`` section of a deploy config (the defaults when it has none).
-
-        The whole file goes through the one strict loader, :func:`fv_kernel.config.load_deploy_config`:
-        an unknown key anywhere in it is an error naming the key's path, exactly as for
-        every command that takes ``--config``.
-        """
-        from fv_kernel.config import DeployConfigError, load_deploy_config  # the deploy config imports the engine
-
-        try:
-            return load_deploy_config(path).plugins
-        except DeployConfigError as exc:
-            raise PluginConfigError(exc.message) from None
 
     def with_env(self, environ: Mapping[str, str]) -> "PluginsConfig":
         """Apply ``FV_PLUGINS``: unset keeps this config; ``""`` enables none; ``"a,b"`` enables exactly a and b.

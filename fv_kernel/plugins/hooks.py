@@ -7,15 +7,12 @@ This is the only module that touches ``pm.hook``; everything else calls
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import pluggy
 
 from .errors import DuplicateContributionError, PluginError, UnknownContributionError, one_line
 from .kinds import KINDS, KindSpec, check_registered_name, check_satisfies, kind_spec
-
-if TYPE_CHECKING:
-    from .host import PluginHost
 
 T = TypeVar("T")
 
@@ -175,8 +172,9 @@ class PluginHooks:
         return self.contributions("program_compilers")
 
     # ------------------------------------------------------------------ lifecycle
-    def host_started(self, host: "PluginHost") -> None:
-        """Historic: plugins registered later receive the call on registration."""
+    def host_started(self, host: Any) -> None:
+        """``host``: the :class:`~fv_kernel.plugins.host.PluginHost` (which calls this). Historic:
+        plugins registered later receive the call on registration."""
         self._pm.hook.fv_host_started.call_historic(kwargs={"host": host})
 
     def engine_started(self, engine: Any) -> None:

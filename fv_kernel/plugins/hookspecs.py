@@ -24,12 +24,9 @@ hooks; they are declared as entry points and imported only when selected.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Generator
+from typing import Any, Callable, Generator
 
 import pluggy
-
-if TYPE_CHECKING:
-    from .host import PluginHost
 
 PROJECT_NAME = "fv"
 
@@ -96,8 +93,10 @@ def fv_register_program_compilers(register: Register) -> None:
 
 
 @hookspec(historic=True)
-def fv_host_started(host: "PluginHost") -> None:
-    """The plugin host finished loading the enabled plugins.
+def fv_host_started(host: Any) -> None:
+    """The plugin host (a :class:`~fv_kernel.plugins.host.PluginHost`) finished loading the enabled plugins.
+
+    The host is the caller of this module, so the spec names it in words, not by import.
 
     Historic: a plugin registered later is called with the same host on registration.
     """

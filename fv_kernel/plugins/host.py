@@ -10,25 +10,28 @@ import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib.metadata import EntryPoint
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import pluggy
 from packaging.utils import canonicalize_name
 
-from .. import API_VERSION
+from fv_kernel import API_VERSION
+
 from . import hookspecs
 from .config import KERNEL_DISTRIBUTION, PluginsConfig, Selection, select
+from .discovery import (
+    PLUGINS_GROUP,
+    DiscoveredPlugin,
+    EntryPointScan,
+    scan_entry_points,
+    scan_kernel_distribution,
+)
 from .drivers import DriverRegistry, entry_point_distribution
 from .errors import ManifestError, PluginConfigError, PluginError, PluginLoadError, one_line
 from .hooks import PluginHooks
 from .kinds import KINDS, KindSpec, kind_spec
 from .manifest import PluginManifest, load_manifest, locate_manifest
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .registry import DeployRegistry
-
-PLUGINS_GROUP = "fv.plugins"
-DRIVER_GROUP_PREFIX = "fv."
+from .registry import DeployRegistry
 
 
 class PluginWarning(UserWarning):
@@ -39,75 +42,6 @@ class PluginStatus(str, Enum):
     ENABLED = "enabled"
     DISABLED = "disabled"
     ERROR = "error"
-
-
-@dataclass(frozen=True)
-class DiscoveredPlugin:
-    """A distribution's ``fv.plugins`` entry point, as found in metadata (nothing imported)."""
-
-    distribution: str
-    version: str | None
-    entry_point: EntryPoint
-
-    @property
-    def entry_point_text(self) -> str:
-        return f"{self.entry_point.name} = {self.entry_point.value}"
-
-
-@dataclass(frozen=True)
-class EntryPointScan:
-    """One scan of installed metadata: plugin entry points and driver entry points by group."""
-
-    plugins: tuple[DiscoveredPlugin, ...]
-    drivers: Mapping[str, tuple[EntryPoint, ...]]
-
-
-def scan_entry_points(search_path: Sequence[str] | None = None) -> EntryPointScan:
-    """Read ``fv.*`` entry points from installed distributions (metadata only).
-
-    ``search_path`` restricts the scan to those directories (default: ``sys.path``).
-    A distribution visible twice on the path counts once, the first one winning,
-    as for imports.
-    """
-    dists = (
-        importlib.metadata.distributions()
-        if search_path is None
-        else importlib.metadata.distributions(path=list(search_path))
-    )
-    seen: set[str] = set()
-    plugins: list[DiscoveredPlugin] = []
-    drivers: dict[str, list[EntryPoint]] = {}
-    for dist in dists:
-        name = dist.metadata["Name"]
-        if not name or canonicalize_name(name) in seen:
-            continue
-        seen.add(canonicalize_name(name))
-        _sort_entry_points(dist, plugins, drivers)
-    plugins.sort(key=lambda p: canonicalize_name(p.distribution))
-    return EntryPointScan(plugins=tuple(plugins), drivers={g: tuple(eps) for g, eps in drivers.items()})
-
-
-def scan_kernel_distribution() -> EntryPointScan:
-    """The kernel's own ``fv.*`` entry points (its built-ins), read from its metadata alone."""
-    try:
-        dist = importlib.metadata.distribution(KERNEL_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return EntryPointScan((), {})
-    plugins: list[DiscoveredPlugin] = []
-    drivers: dict[str, list[EntryPoint]] = {}
-    _sort_entry_points(dist, plugins, drivers)
-    return EntryPointScan(plugins=tuple(plugins), drivers={g: tuple(eps) for g, eps in drivers.items()})
-
-
-def _sort_entry_points(
-    dist: importlib.metadata.Distribution, plugins: list[DiscoveredPlugin], drivers: dict[str, list[EntryPoint]]
-) -> None:
-    """Append one distribution's ``fv.plugins`` entry points to ``plugins`` and its driver entry points to ``drivers`` by group."""
-    for ep in dist.entry_points:
-        if ep.group == PLUGINS_GROUP:
-            plugins.append(DiscoveredPlugin(distribution=dist.metadata["Name"], version=dist.version, entry_point=ep))
-        elif ep.group.startswith(DRIVER_GROUP_PREFIX):
-            drivers.setdefault(ep.group, []).append(ep)
 
 
 @dataclass
@@ -163,7 +97,7 @@ class PluginHost:
         self._scan: EntryPointScan | None = None
         self._loadable_scan: EntryPointScan | None = None
         self._records: dict[str, PluginRecord] = {}
-        self._registry: "DeployRegistry | None" = None
+        self._registry: DeployRegistry | None = None
         self._started = False
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
@@ -423,7 +357,7 @@ class PluginHost:
                 ignored[ep.name] = f"its distribution {dist!r} is not an enabled fv plugin"
         return DriverRegistry(kind, selected, kinds=self._kinds, ignored=ignored)
 
-    def registry(self) -> "DeployRegistry":
+    def registry(self) -> DeployRegistry:
         """The deploy-scope registry: samplers, loops and attention backends of the enabled plugins.
 
         Built once per set of registered plugins (starts the host if needed); instances
@@ -432,8 +366,6 @@ class PluginHost:
         """
         self.start()
         if self._registry is None:
-            from .registry import DeployRegistry
-
             self._registry = DeployRegistry(
                 samplers=self.hooks.samplers().values(),
                 loops=self.hooks.loops().values(),

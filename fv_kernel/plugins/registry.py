@@ -18,16 +18,19 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from .config import KERNEL_DISTRIBUTION
+from .discovery import scan_kernel_distribution
 from .drivers import DriverRegistry
 from .hooks import Contribution, find_contribution
 from .kinds import kind_spec
 
+# The classes a registry holds are imported only where one is built or loaded: the host (and
+# `fv --help`) reads plugin metadata without importing torch.
 if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.compute.attention import AttentionBackend
     from fv_kernel.loop.contract import Loop
     from fv_kernel.loop.samplers import Sampler
 
-__all__ = ["DeployRegistry", "kernel_registry"]
+__all__ = ["DeployRegistry", "kernel_registry", "load_attention_backend"]
 
 
 class DeployRegistry:
@@ -79,7 +82,7 @@ class DeployRegistry:
     # ------------------------------------------------------------------ attention
     def attention_backend(self, name: str) -> "AttentionBackend":
         """Construct the attention driver ``name`` of an enabled plugin (or the kernel)."""
-        from fv_kernel.compute.attention_backends import load_attention_backend
+        from fv_kernel.plugins.registry import load_attention_backend
 
         return load_attention_backend(name, self.attention_backends)
 
@@ -117,7 +120,22 @@ def kernel_registry() -> DeployRegistry:
     from fv_kernel.loop.samplers import builtin_samplers
 
     samplers = [Contribution("samplers", KERNEL_DISTRIBUTION, name, cls) for name, cls in builtin_samplers().items()]
-    from .host import scan_kernel_distribution  # the host imports this module lazily too
-
     own = scan_kernel_distribution().drivers.get(kind_spec("attention_backends").entry_point_group, ())
     return DeployRegistry(samplers=samplers, attention_backends=DriverRegistry("attention_backends", own))
+
+
+def load_attention_backend(name: str, registry: DriverRegistry | None = None) -> "AttentionBackend":
+    """Construct the attention driver registered as ``name``.
+
+    ``registry`` is a deployment's ``DeployRegistry.attention_backends`` (its host's
+    ``drivers("attention_backends")``), so only enabled plugins count and a disabled plugin's
+    driver is refused naming why. None means the kernel's built-in drivers alone, never every
+    installed distribution.
+    """
+    from fv_kernel.compute.attention import AttentionBackend
+
+    drivers = registry if registry is not None else kernel_registry().attention_backends
+    backend = drivers.load(name)()
+    if not isinstance(backend, AttentionBackend):
+        raise TypeError(f"attention driver {name!r} built a {type(backend).__name__}, not an AttentionBackend")
+    return backend

@@ -15,23 +15,32 @@ the runtime can then checkpoint it at any step boundary and continue it from a
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
+from fv_kernel.card.recipe import select_denoise_loop
+from fv_kernel.card.refs import import_object
 from fv_kernel.card.spec import ModelCard
-from fv_kernel.card.validate import select_denoise_loop
 from fv_kernel.errors import InvalidRequest
-from fv_kernel.loop.contract import LoopResult, ResourceRequest
+from fv_kernel.loop.contract import LoopContext, LoopResult, ResidentModel
 from fv_kernel.loop.driver import drive
-from fv_kernel.program.resume import PROGRAM_RUN, ProgramRun
+from fv_kernel.loop.plan import ResourceRequest
 from fv_kernel.request.artifacts import Artifact
+from fv_kernel.request.request import Request
 from fv_kernel.request.types import TaskType
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.card.instance import ModelInstance
-    from fv_kernel.loop.context import LoopContext
-    from fv_kernel.request.request import Request
+__all__ = ["PROGRAM_RUN", "LoopRunner", "Program", "InlineProgram", "program_for", "ProgramCompiler"]
 
-__all__ = ["Program", "InlineProgram", "program_for", "ProgramCompiler"]
+#: The key of the request's :class:`LoopRunner` in ``LoopContext.services``: the runtime puts a
+#: :class:`~fv_kernel.program.resume.ProgramRun` there when it records or resumes the request.
+PROGRAM_RUN = "program_run"
+
+
+class LoopRunner(Protocol):
+    """Runs one loop of a request's program on the runtime's behalf (``ProgramRun``)."""
+
+    async def loop(self, loop_id: str, model: ResidentModel, ctx: LoopContext) -> LoopResult:
+        """Run (or, resuming, continue or replay) the program's loop ``loop_id``."""
+        ...
 
 
 class Program(abc.ABC):
@@ -46,27 +55,27 @@ class Program(abc.ABC):
     def __init__(self, card: ModelCard) -> None:
         self.card = card
 
-    async def run_loop(self, loop_id: str, model: "ModelInstance", ctx: "LoopContext") -> LoopResult:
+    async def run_loop(self, loop_id: str, model: ResidentModel, ctx: LoopContext) -> LoopResult:
         """Run the card's loop ``loop_id`` for ``ctx.request`` (what ``run`` calls for each loop).
 
         Through the request's :class:`~fv_kernel.program.resume.ProgramRun` the runtime
         records the loop's progress for checkpoints and, resuming, returns the recorded
         result of a loop that had finished or continues the one that was in flight.
         """
-        run = ctx.services.get(PROGRAM_RUN)
-        if isinstance(run, ProgramRun):
+        run: LoopRunner | None = ctx.services.get(PROGRAM_RUN)
+        if run is not None:
             return await run.loop(loop_id, model, ctx)
         return await drive(model.loop(loop_id), model, ctx)
 
     @abc.abstractmethod
-    async def run(self, model: "ModelInstance", ctx: "LoopContext") -> list[Artifact]:
+    async def run(self, model: ResidentModel, ctx: LoopContext) -> list[Artifact]:
         """Drive the loops for ``ctx.request`` and return its artifacts."""
 
     @abc.abstractmethod
-    def loop_ids(self, request: "Request") -> list[str]:
+    def loop_ids(self, request: Request) -> list[str]:
         """The loops this program runs for ``request`` (used to price it before admission)."""
 
-    def estimate(self, model: "ModelInstance", request: "Request") -> ResourceRequest:
+    def estimate(self, model: ResidentModel, request: Request) -> ResourceRequest:
         """The request's whole-life needs: every loop's steps, summed resident and blocks, the largest peak.
 
         Loops run one step at a time on the device, so peaks do not add up; what a loop
@@ -98,14 +107,14 @@ class InlineProgram(Program):
         super().__init__(card)
         self.loops = loops
 
-    def loop_ids(self, request: "Request") -> list[str]:
+    def loop_ids(self, request: Request) -> list[str]:
         return [
             (select_denoise_loop(self.card, request) or loop_id)
             if self.card.loops[loop_id].kind == "diffusion_denoise" else loop_id
             for loop_id in self.loops
         ]
 
-    async def run(self, model: "ModelInstance", ctx: "LoopContext") -> list[Artifact]:
+    async def run(self, model: ResidentModel, ctx: LoopContext) -> list[Artifact]:
         upstream: dict[str, Any] = {}
         artifacts: list[Artifact] = []
         for loop_id in self.loop_ids(ctx.request):
@@ -116,8 +125,6 @@ class InlineProgram(Program):
 
 
 def program_for(card: ModelCard, task: TaskType) -> Program:
-    from fv_kernel.card.instance import import_object
-
     spec = card.programs.get(task)
     if spec is None:
         raise InvalidRequest("task", f"card {card.model_id!r} has no program for {task.value!r}", allowed=sorted(t.value for t in card.programs))

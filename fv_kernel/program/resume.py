@@ -25,25 +25,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from pydantic import Field
 
 from fv_kernel.errors import FvError, InvalidRequest
-from fv_kernel.loop.contract import LoopResult, LoopState
+from fv_kernel.loop.contract import LoopContext, LoopResult, LoopState, ResidentModel
 from fv_kernel.loop.driver import drive
-from fv_kernel.loop.state import StateFormatError, StateNotSerializable, TensorState, _qualified, _to_plain
+from fv_kernel.program.base import PROGRAM_RUN, Program
+from fv_kernel.state import StateFormatError, StateNotSerializable, TensorState, _qualified, _to_plain
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import Request
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.card.instance import ModelInstance
-    from fv_kernel.loop.context import LoopContext
-    from fv_kernel.program.base import Program
-
 __all__ = [
-    "PROGRAM_RUN",
     "CheckpointIncompatible",
     "ProgramNotResumable",
     "FinishedLoop",
@@ -52,9 +47,6 @@ __all__ = [
     "ProgramRun",
     "run_program",
 ]
-
-#: The key of the request's :class:`ProgramRun` in ``LoopContext.services``.
-PROGRAM_RUN = "program_run"
 
 
 class CheckpointIncompatible(FvError):
@@ -130,7 +122,7 @@ class ProgramCheckpoint(TensorState):
         return "not started"
 
     @classmethod
-    def for_request(cls, program: "Program", model: "ModelInstance", request: Request) -> "ProgramCheckpoint":
+    def for_request(cls, program: Program, model: ResidentModel, request: Request) -> "ProgramCheckpoint":
         """The checkpoint of ``request`` before its first step (it records what to run)."""
         return ProgramRun(program, model, request).checkpoint()
 
@@ -176,8 +168,8 @@ class ProgramRun:
 
     def __init__(
         self,
-        program: "Program",
-        model: "ModelInstance",
+        program: Program,
+        model: ResidentModel,
         request: Request,
         *,
         resume_from: ProgramCheckpoint | None = None,
@@ -243,7 +235,7 @@ class ProgramRun:
         self._occurrences[loop_id] = count
         return loop_id if count == 1 else f"{loop_id}#{count}"
 
-    async def loop(self, loop_id: str, model: "ModelInstance", ctx: "LoopContext") -> LoopResult:
+    async def loop(self, loop_id: str, model: ResidentModel, ctx: LoopContext) -> LoopResult:
         """Run (or replay, or continue) the program's next use of ``loop_id``."""
         key = self._key(loop_id)
         replayed = self._replay.pop(key, None)
@@ -284,7 +276,7 @@ class ProgramRun:
 
 
 async def run_program(
-    program: "Program", model: "ModelInstance", ctx: "LoopContext", *, run: ProgramRun | None = None
+    program: Program, model: ResidentModel, ctx: LoopContext, *, run: ProgramRun | None = None
 ) -> list[Artifact]:
     """Run ``program`` for ``ctx.request`` through ``run`` (a fresh, recording one when None).
 

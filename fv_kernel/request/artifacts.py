@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 import torch
 from pydantic import Field, field_validator
 
-from fv_kernel.loop.state import TensorState
+from fv_kernel.state import TensorState
 
 __all__ = [
     "Provenance",

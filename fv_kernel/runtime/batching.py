@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fv_kernel.loop.contract import StepResult, WorkPlan
+from fv_kernel.loop.plan import StepResult, WorkPlan
 
 __all__ = ["WorkUnit", "BatchPolicy", "BatchScheduler"]
 

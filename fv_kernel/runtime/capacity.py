@@ -1,4 +1,4 @@
-"""How much memory a device has, and how much of it the resident instances keep.
+"""How much of a device's memory the resident instances keep (its size: :mod:`fv_kernel.compute.device`).
 
 The engine sizes the ``"auto"`` memory budget of each device it serves from these:
 ``total * (1 - headroom) - resident``, where ``resident`` is the bytes of every loaded
@@ -8,110 +8,122 @@ block pools (a pool's storage is allocated on first use, then kept).
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any
+import asyncio
+from typing import Iterable
 
-import torch
-from torch import nn
+from fv_kernel.compute.device import device_key, device_total_bytes, module_bytes
+from fv_kernel.model.instance import ModelInstance
+from fv_kernel.request.types import TaskType
+from fv_kernel.runtime.admission import AdmissionController, Budgets
 
-from fv_kernel.errors import CapacityError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.card.instance import ModelInstance
-
-__all__ = ["device_key", "device_total_bytes", "device_available_bytes", "module_bytes", "instance_resident_bytes"]
+__all__ = ["instance_resident_bytes", "ResidentMemory", "ComponentLoads"]
 
 
-def device_key(device: torch.device | str) -> str:
-    """A stable name for a device: ``"cuda"`` becomes ``"cuda:<current index>"``."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        return f"cuda:{index}"
-    return str(device)
-
-
-def device_total_bytes(device: torch.device | str) -> int:
-    """Total memory of ``device``: the GPU's memory for CUDA, the machine's RAM for CPU.
-
-    Raises :class:`CapacityError` for a device whose size fv cannot read; the deploy
-    config then has to give ``scheduler.budgets.memory_bytes`` explicitly.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise CapacityError(
-                f"cannot size the memory budget of {device_key(device)}: CUDA is not available", param="memory_bytes"
-            )
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return int(torch.cuda.get_device_properties(index).total_memory)
-    if device.type == "cpu":
-        try:
-            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-        except (AttributeError, ValueError, OSError):
-            pass
-    raise CapacityError(
-        f"cannot read the memory size of device {str(device)!r}; set scheduler.budgets.memory_bytes "
-        "(bytes, e.g. '40GiB') or 'unlimited' in the deploy config",
-        param="memory_bytes",
-    )
-
-
-def _meminfo_available_bytes() -> int | None:
-    """Linux's ``MemAvailable`` (what can be allocated without swapping), or None where there is none."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # reported in kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def device_available_bytes(device: torch.device | str) -> int:
-    """Memory that can still be allocated on ``device`` now: the GPU's free memory for CUDA, the
-    machine's available RAM for CPU (``MemAvailable``; the total where the OS does not report it).
-
-    Raises :class:`CapacityError` where fv cannot read it (as :func:`device_total_bytes`).
-    """
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        free, _total = torch.cuda.mem_get_info(index)
-        return int(free)
-    if device.type == "cpu":
-        available = _meminfo_available_bytes()
-        if available is not None:
-            return available
-    return device_total_bytes(device)
-
-
-def module_bytes(module: Any, device: torch.device | str | None = None) -> int:
-    """Bytes of a module's parameters and buffers (shared storage counted once), on ``device`` if given.
-
-    Components that are not ``nn.Module`` s (tokenizers, processors) hold no device memory: 0.
-    """
-    if not isinstance(module, nn.Module):
-        return 0
-    want = None if device is None else device_key(device)
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.device.type == "meta" or (want is not None and device_key(tensor.device) != want):
-            continue
-        storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
-        if key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
-
-
-def instance_resident_bytes(instance: "ModelInstance") -> int:
+def instance_resident_bytes(instance: ModelInstance) -> int:
     """What ``instance`` keeps on its device: loaded weights and buffers, and its block pools' capacity."""
     device = instance.device
     weights = sum(module_bytes(component, device) for component in list(instance.components.values()))
     pools = sum(pool.capacity_bytes for pool in instance.block_pools().values())
     return weights + pools
+
+
+class ResidentMemory:
+    """Sizes each device's ``"auto"`` memory budget: total x (1 - headroom) - what resident instances keep.
+
+    The engine tells it about every instance it adds (:meth:`add_instance`, which reads the
+    device's total memory once) and every load it runs (:meth:`note_loaded`, on the loading
+    thread), and calls :meth:`size` before admitting: it re-sizes only when an instance is
+    new or has loaded components since it was last measured (weights load lazily).
+    """
+
+    def __init__(self, budgets: Budgets, admission: AdmissionController) -> None:
+        self._budgets = budgets
+        self._admission = admission
+        #: Total memory of each device an instance lives on (sized once, for "auto" budgets).
+        self._device_total: dict[str, int] = {}
+        #: Per instance id: how many components were loaded when it was measured, and the bytes
+        #: they (and its pools) keep. Components are only ever added, so the count marks a change.
+        self._resident_cache: dict[str, tuple[int, int]] = {}
+        #: (components loaded, resident bytes) measured by a load's own thread, right after it loaded.
+        self._resident_measured: dict[str, tuple[int, int]] = {}
+        #: Per instance id: its device's key (``device_key``), computed once in :meth:`add_instance`.
+        self.device_of: dict[str, str] = {}
+
+    @property
+    def auto(self) -> bool:
+        return self._budgets.memory_bytes == "auto"
+
+    def add_instance(self, instance: ModelInstance) -> str:
+        """Note a new resident instance; returns its device's key. An unsizable device fails here, typed."""
+        device = device_key(instance.device)
+        if self.auto and device not in self._device_total:
+            self._device_total[device] = device_total_bytes(device)
+        self.device_of[instance.instance_id] = device
+        return device
+
+    def note_loaded(self, instance: ModelInstance) -> None:
+        """After a load, on the loading thread: measure what ``instance`` now keeps, so the next
+        :meth:`size` need not walk the weights in the scheduler."""
+        if self.auto:  # only an "auto" budget subtracts what is resident
+            self._resident_measured[instance.instance_id] = (len(instance.components), instance_resident_bytes(instance))
+
+    def size(self, instances: Iterable[ModelInstance]) -> None:
+        """Re-size the admission controller's memory capacity of each device, if anything changed."""
+        if not self.auto:
+            return
+        changed = False
+        for instance in instances:
+            loaded = len(instance.components)
+            cached = self._resident_cache.get(instance.instance_id)
+            if cached is None or cached[0] != loaded:
+                measured = self._resident_measured.pop(instance.instance_id, None)
+                if measured is None or measured[0] != loaded:
+                    measured = (loaded, instance_resident_bytes(instance))
+                self._resident_cache[instance.instance_id] = measured
+                changed = True
+        if not changed:
+            return
+        headroom = self._budgets.memory_headroom
+        resident: dict[str, int] = {}
+        for instance_id, (_, kept_bytes) in self._resident_cache.items():
+            device = self.device_of[instance_id]
+            resident[device] = resident.get(device, 0) + kept_bytes
+        for device, total in self._device_total.items():
+            usable = int(total * (1.0 - headroom))
+            kept = resident.get(device, 0)
+            self._admission.set_memory_capacity(
+                device, max(usable - kept, 0),
+                f"auto: {total} bytes of {device} x (1 - memory_headroom {headroom}) - {kept} bytes "
+                "kept by resident instances",
+            )
+
+
+class ComponentLoads:
+    """Loads what a task needs off the event loop (weights can take seconds), once per (instance, task).
+
+    Every request that arrives while a load runs awaits the same load and so resumes in the
+    same event-loop pass: co-arriving requests post their first steps together and batch. The
+    loading thread also measures what the instance now keeps (:meth:`ResidentMemory.note_loaded`),
+    so the next admission re-sizes the memory budget without walking the weights in the scheduler.
+    """
+
+    def __init__(self, memory: ResidentMemory) -> None:
+        self._memory = memory
+        #: Loads in flight, one per (instance id, task): co-arriving requests share it.
+        self._loads: dict[tuple[str, TaskType], asyncio.Future[None]] = {}
+
+    async def ensure(self, instance: ModelInstance, task: TaskType) -> None:
+        if instance.loaded_for(task):
+            instance.load_for_task(task)  # validates the task; loads nothing
+            return
+        key = (instance.instance_id, task)
+        load = self._loads.get(key)
+        if load is None:
+            load = asyncio.ensure_future(asyncio.to_thread(self._load_and_measure, instance, task))
+            self._loads[key] = load
+            load.add_done_callback(lambda _: self._loads.pop(key, None))
+        await asyncio.shield(load)  # a cancelled request must not cancel the others' load
+
+    def _load_and_measure(self, instance: ModelInstance, task: TaskType) -> None:
+        instance.load_for_task(task)
+        self._memory.note_loaded(instance)

@@ -14,12 +14,13 @@ optimism below the declared floor of the correction.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fv_kernel.card.spec import StepCostSpec
-from fv_kernel.loop.contract import ShapeSignature, StepEstimate
+from fv_kernel.extend.observers import Observer, StepRecord
+from fv_kernel.loop.plan import ShapeSignature, StepEstimate
 
-__all__ = ["CostModel", "CostKey"]
+__all__ = ["CostModel", "CostKey", "Profiler"]
 
 
 @dataclass(frozen=True)
@@ -112,3 +113,34 @@ class CostModel:
              "factor": f, "samples": self._samples.get(k, 0)}
             for k, f in self._factor.items()
         ]
+
+
+@dataclass
+class _KindStats:
+    count: int = 0
+    total_seconds: float = 0.0
+    total_predicted: float = 0.0
+
+
+@dataclass
+class Profiler(Observer):
+    """Per-step wall and device time; calibrates the cost model online (design §6.1)."""
+
+    cost_model: CostModel
+    name: str = "profiler"
+    stats: dict[str, _KindStats] = field(default_factory=dict)
+
+    def on_step(self, record: StepRecord) -> None:
+        measured = record.device_seconds if record.device_seconds is not None else record.wall_seconds
+        key = CostKey(record.instance_id, record.kind, record.shape_sig, record.precision)
+        self.cost_model.observe(key, record.cost_spec, measured, batch_size=record.batch_size)
+        entry = self.stats.setdefault(record.kind, _KindStats())
+        entry.count += 1
+        entry.total_seconds += measured
+        entry.total_predicted += record.predicted_seconds
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {
+            kind: {"steps": s.count, "mean_seconds": s.total_seconds / s.count, "mean_predicted": s.total_predicted / s.count}
+            for kind, s in self.stats.items() if s.count
+        }

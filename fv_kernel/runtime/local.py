@@ -11,11 +11,12 @@ from typing import Any, Callable, Mapping
 import torch
 
 from fv_kernel.cache.feature import FeatureCache, apply_cache_writes
-from fv_kernel.card.instance import ModelInstance
-from fv_kernel.card.validate import RequestLimits, resolve_for_instance
+from fv_kernel.model.instance import ModelInstance
+from fv_kernel.model.validate import RequestLimits, resolve_for_instance
 from fv_kernel.extend.registry import ExtensionSet
-from fv_kernel.loop.context import LoopContext
-from fv_kernel.loop.contract import LoopState, StepResult, WorkPlan
+from fv_kernel.loop.contract import LoopContext
+from fv_kernel.loop.contract import LoopState
+from fv_kernel.loop.plan import StepResult, WorkPlan
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun, run_program
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import Request

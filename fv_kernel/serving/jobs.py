@@ -35,16 +35,17 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 import torch
 from pydantic import BaseModel, ValidationError
 
-from fv_kernel.card.instance import ModelInstance
+from fv_kernel.model.instance import ModelInstance
 from fv_kernel.config import ServerConfig
-from fv_kernel.card.validate import frames_for_seconds
+from fv_kernel.model.validate import frames_for_seconds
 from fv_kernel.errors import FvError
-from fv_kernel.loop.state import StateFormatError
+from fv_kernel.state import StateFormatError
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun
 from fv_kernel.request.artifacts import VideoArtifact
 from fv_kernel.request.request import DiffusionParams, ImagePart, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime.engine import Engine, RequestHandle
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.records import RequestHandle
 from fv_kernel.serving.errors import ApiError, from_fv_error, from_validation_errors
 from fv_kernel.serving.media import VARIANTS, preview_png, write_job_files
 from fv_kernel.serving.schemas import (

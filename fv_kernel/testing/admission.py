@@ -12,7 +12,8 @@ from collections import Counter
 from typing import Hashable
 
 from fv_kernel.request.request import Request
-from fv_kernel.runtime.engine import Engine, GenerationResult, run_serially
+from fv_kernel.runtime.engine import Engine, run_serially
+from fv_kernel.runtime.records import GenerationResult
 from fv_kernel.testing.batching import StepRecorder
 
 __all__ = ["StepKey", "estimate_vs_execution", "assert_estimate_covers_execution"]

@@ -16,7 +16,8 @@ from typing import Mapping, Sequence
 from fv_kernel.extend.observers import Observer, StepRecord
 from fv_kernel.request.request import Request
 from fv_kernel.runtime.blocking import run_blocking
-from fv_kernel.runtime.engine import Engine, GenerationResult
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.records import GenerationResult
 
 __all__ = ["StepRecorder", "run_staggered", "unbatched_co_resident"]
 

@@ -24,16 +24,20 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Se
 import pytest
 import torch
 
-from fv_kernel.card.catalog import CardCatalog
-from fv_kernel.card.instance import InstanceOptions, ModelInstance, build_instance, loop_class_for
+from fv_kernel.model.catalog import CardCatalog
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import ModelInstance, build_instance, loop_class_for
 from fv_kernel.card.spec import LoopSpec, ModelCard
-from fv_kernel.card.validate import resolve_request, select_denoise_loop
+from fv_kernel.model.validate import resolve_request
+from fv_kernel.card.recipe import select_denoise_loop
 from fv_kernel.errors import RecipeMismatch
 from fv_kernel.loop.contract import Loop, LoopState
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime.engine import Engine, GenerationResult, SchedulerConfig, run_concurrently, run_serially
+from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially
+from fv_kernel.runtime.records import GenerationResult
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.testing.batching import StepRecorder
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.runtime.local import run_local

@@ -17,7 +17,9 @@ from typing import Any, Mapping
 
 import torch
 
-from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import ModelInstance
+from fv_kernel.loop.plan import StepOp
 from fv_kernel.card.spec import (
     CapabilityMatrix,
     CheckpointManifest,
@@ -32,10 +34,9 @@ from fv_kernel.card.spec import (
     RecipeSpec,
     StepCostSpec,
 )
-from fv_kernel.loop.context import LoopContext
-from fv_kernel.loop.contract import (
-    Done, Loop, LoopResult, LoopState, ResourceRequest, ShapeSignature, StepEstimate, StepResult, WorkKind, WorkPlan,
-)
+from fv_kernel.loop.contract import LoopContext
+from fv_kernel.loop.contract import Done, Loop, LoopResult, LoopState
+from fv_kernel.loop.plan import ResourceRequest, ShapeSignature, StepEstimate, StepResult, WorkKind, WorkPlan
 from fv_kernel.request.artifacts import LatentArtifact, Provenance
 from fv_kernel.request.request import Request
 from fv_kernel.request.types import TaskType

@@ -42,9 +42,9 @@ from typing import Any, ClassVar, Sequence
 import torch
 from pydantic import Field
 
-from fv_kernel.card.instance import ModelInstance
+from fv_kernel.model.instance import ModelInstance
 from fv_kernel.card.spec import ModelCard
-from fv_kernel.loop.state import TensorState
+from fv_kernel.state import TensorState
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import Request
@@ -178,7 +178,7 @@ class ResumeConformance(_CardKitBase):
 
 def _resume_jobs(job_file: str, out_file: str) -> None:
     """The fresh process: build each card once with the kit's own loader, resume every checkpoint."""
-    from fv_kernel.card.instance import import_object
+    from fv_kernel.card.refs import import_object
 
     job = torch.load(job_file, weights_only=True)
     settings = job["torch"]

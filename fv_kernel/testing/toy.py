@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fv_kernel.card.instance import InstanceOptions, ModelInstance, StepOp
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import ModelInstance
+from fv_kernel.loop.plan import StepOp
 from fv_kernel.card.spec import (
     CapabilityMatrix,
     CheckpointManifest,
@@ -40,24 +42,13 @@ from fv_kernel.card.spec import (
     SamplerBinding,
     StepCostSpec,
 )
-from fv_kernel.loop.context import LoopContext
-from fv_kernel.loop.contract import (
-    Done,
-    EmitSpec,
-    Loop,
-    LoopResult,
-    LoopState,
-    ResourceRequest,
-    ShapeSignature,
-    StepEstimate,
-    StepResult,
-    WorkKind,
-    WorkPlan,
-)
+from fv_kernel.loop.contract import LoopContext
+from fv_kernel.loop.contract import Done, Loop, LoopResult, LoopState
+from fv_kernel.loop.plan import EmitSpec, ResourceRequest, ShapeSignature, StepEstimate, StepResult, WorkKind, WorkPlan
 from fv_kernel.loop.guidance import builtin_guidance_policies
 from fv_kernel.loop.samplers import SamplerState, bound_sampler, sampler_from_state
 from fv_kernel.loop.sampling import apply_presence_penalty, sample_next_token
-from fv_kernel.loop.state import generator_from_state, new_generator_state
+from fv_kernel.state import generator_from_state, new_generator_state
 from fv_kernel.program.base import Program
 from fv_kernel.request.artifacts import Provenance, TextArtifact, VideoArtifact
 from fv_kernel.request.request import Request

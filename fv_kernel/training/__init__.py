@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from fv_kernel.card.spec import ParityLevel, RecipeSpec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.card.instance import ModelInstance
+    from fv_kernel.model.instance import ModelInstance
     from fv_kernel.card.spec import ModelCard
     from fv_kernel.training.recipe import TrainingRecipe
 

@@ -2,7 +2,7 @@
 
 The runner is family-agnostic: it builds the recipe's card instance, hands it to the
 method found in the plugin host's ``rl_methods`` registry, shows per-stage progress with
-an ETA and the latest losses (:class:`fv_kernel.progress.StageProgress`: a live tqdm line on
+an ETA and the latest losses (:class:`fv_kernel.io.progress.StageProgress`: a live tqdm line on
 a terminal; off one plain lines, no carriage returns, every tenth of a stage and at its
 end), writes loss curves (``losses.json`` and ``losses.png``), and exports.
 Export (:func:`export_model`) asks the family plugin to write a checkpoint directory
@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from fv_kernel.card.catalog import CARD_FILE, CardCatalog, read_card_file_beside
-from fv_kernel.card.instance import InstanceOptions, build_instance
+from fv_kernel.model.catalog import CARD_FILE, CardCatalog, read_card_file_beside
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.instance import build_instance
 from fv_kernel.card.spec import ModelCard, RecipeSpec
 from fv_kernel.errors import FvError, InvalidRequest
-from fv_kernel.progress import StageProgress
+from fv_kernel.io.progress import StageProgress
 from fv_kernel.training import LossLog, ParityResult, RLMethod, TrainingRun
 from fv_kernel.training.recipe import RecipeError, TrainingRecipe, load_recipe, parse_options
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from cachedit_testutils import any_card
 
-from fv_kernel.card.instance import ModelInstance, build_instance
+from fv_kernel.model.instance import ModelInstance, build_instance
 
 # Tiny models: intra-op threads only add contention on a shared machine.
 torch.set_num_threads(1)

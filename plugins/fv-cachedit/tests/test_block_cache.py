@@ -12,7 +12,8 @@ from cachedit_testutils import StateCapture, t2v
 from fv_cachedit import DBCache, FBCache, TaylorSeer, block_cache_stats
 from fv_kernel.errors import InvalidRequest
 from fv_kernel.extend.registry import ExtensionConfigError, ExtensionSet
-from fv_kernel.runtime.engine import Engine, SchedulerConfig
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.runtime.local import run_local
 from fv_kernel.testing.card_kit import assert_artifacts_identical, roundtrip_state
 
@@ -116,7 +117,7 @@ def test_caps_limit_reuse(instance: Any) -> None:
 def _engine(ext: ExtensionSet, model: str = "toy-dit") -> Engine:
     from cachedit_testutils import any_card
 
-    from fv_kernel.card.instance import build_instance
+    from fv_kernel.model.instance import build_instance
 
     e = Engine(SchedulerConfig(device_thread=False), extensions=ext)
     e.add_instance(build_instance(any_card(model)))

@@ -9,7 +9,8 @@ from fv_kernel.config import DeployConfig
 from fv_kernel.extend.registry import ExtensionConfigError
 from fv_kernel.plugins.config import PluginsConfig
 from fv_kernel.plugins.host import PluginHost
-from fv_kernel.runtime.deploy import available_extensions, build_engine
+from fv_kernel.deploy.options import available_extensions
+from fv_kernel.deploy.engine import build_engine
 from fv_kernel.testing import PluginConformance
 
 pytest_plugins = ["fv_kernel.testing"]

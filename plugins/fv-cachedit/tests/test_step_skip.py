@@ -10,10 +10,11 @@ import torch
 from cachedit_testutils import StateCapture, any_card, t2v
 
 from fv_cachedit import DBCache, StepSkip, block_cache_stats
-from fv_kernel.card.instance import build_instance
+from fv_kernel.model.instance import build_instance
 from fv_kernel.errors import InvalidRequest
 from fv_kernel.extend.registry import ExtensionConfigError, ExtensionSet, InterceptorRejected
-from fv_kernel.runtime.engine import Engine, SchedulerConfig
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.runtime.local import run_local
 from fv_kernel.testing.card_kit import assert_artifacts_identical, roundtrip_state
 

@@ -80,7 +80,7 @@ def test_the_real_size_random_instance_needs_no_checkpoint(monkeypatch: pytest.M
     import importlib
 
     from fv_kernel.api import TaskType
-    from fv_kernel.card.preflight import check_checkpoint_source
+    from fv_kernel.model.preflight import check_checkpoint_source
 
     monkeypatch.syspath_prepend(str(BENCH.parent))
     bench = importlib.import_module("bench_cosmos3")

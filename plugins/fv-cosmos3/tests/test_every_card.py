@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 import fv_cosmos3.instance as cosmos3_instance
 from fv_cosmos3.cards import cosmos3_card
-import fv_kernel.card.preflight as preflight_module
+import fv_kernel.model.preflight as preflight_module
 from fv_kernel.api import (
     ActionPart,
     CardCatalog,
@@ -180,7 +180,7 @@ def test_on_an_8_gib_device_every_card_fits_or_says_how_much(
     card = cards[card_id]
     options = InstanceOptions(source=None if card.checkpoint.layout == "embedded" else str(_checkpoint_dir(card, tmp_path)))
     task = _default_task(card)
-    from fv_kernel.card.preflight import weights_needed
+    from fv_kernel.model.preflight import weights_needed
 
     counted, uncounted = weights_needed(card, card.checkpoint.components_for(task), card.precision.default)
     assert uncounted == [], f"{card_id}: components without a weight count: {uncounted}"
@@ -197,7 +197,7 @@ def test_on_an_8_gib_device_every_card_fits_or_says_how_much(
 
 def test_nano_weights_are_counted_as_the_model_builds_them(cards: dict[str, ModelCard]) -> None:
     """The count the pre-flight charges is the module's (meta device), 28.3 GiB of bf16 for Nano's MoT."""
-    from fv_kernel.card.preflight import component_parameters
+    from fv_kernel.model.preflight import component_parameters
 
     from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT
 
@@ -276,7 +276,7 @@ def test_cosmos3_tiny_runs_every_task_at_its_defaults(tiny_engine: Engine, task:
      ("cosmos3-super", TaskType.TEXT_TO_VIDEO, "120.6 GiB")],
 )
 def test_the_weights_docs_models_cosmos3_md_quotes(cards: dict[str, ModelCard], card_id: str, task: TaskType, figure: str) -> None:
-    from fv_kernel.card.preflight import weights_needed
+    from fv_kernel.model.preflight import weights_needed
 
     counted, _ = weights_needed(cards[card_id], cards[card_id].checkpoint.components_for(task), "bf16")
     assert preflight_module.format_bytes(sum(c.bytes for c in counted)) == figure

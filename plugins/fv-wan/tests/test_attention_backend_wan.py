@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 def test_wan_instance_applies_backend_and_compute_tier() -> None:
-    from fv_kernel.card.instance import InstanceOptions
+    from fv_kernel.model.options import InstanceOptions
     from fv_kernel.compute.compile import ComputeOptions
     from fv_kernel.compute.fused import TorchFusedOps
     from fv_wan.cards import wan_cards

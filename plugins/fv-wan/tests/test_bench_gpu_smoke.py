@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fv_kernel.card.instance import InstanceOptions
-from fv_kernel.card.preflight import check_checkpoint_source
+from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.preflight import check_checkpoint_source
 
 BENCH_DIR = Path(__file__).resolve().parents[3] / "bench"
 

@@ -135,7 +135,7 @@ def test_bad_input_is_one_line_naming_field_and_allowed_values(case: str, args: 
 
 def test_recipe_mismatch_is_the_typed_error() -> None:
     from fv_kernel.api import DiffusionParams, RecipeMismatch, Request, TaskType, TextPart
-    from fv_kernel.card.validate import resolve_request
+    from fv_kernel.model.validate import resolve_request
     from fv_wan.cards import wan_cards
 
     (card,) = [c for c in wan_cards() if c.model_id == "fastwan-tiny"]

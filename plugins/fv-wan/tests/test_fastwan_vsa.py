@@ -24,7 +24,8 @@ from fv_kernel.api import (
     VideoSparseAttention,
     build_instance,
 )
-from fv_kernel.runtime.engine import Engine, SchedulerConfig
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_wan.cards import FASTWAN_VSA, wan_cards
 from fv_wan.models.transformer import (
     WanConfigError,

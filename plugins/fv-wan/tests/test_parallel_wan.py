@@ -49,8 +49,8 @@ def run_plans(rank: int, plans: dict[str, dict[str, Any]], batching: str) -> dic
     from fv_kernel.api import run_concurrently
     from fv_kernel.config import CardDeployment, DeployConfig
     from fv_kernel.parallel import ParallelPlan
-    from fv_kernel.parallel.deploy import deploy_parallel
-    from fv_kernel.runtime.engine import SchedulerConfig
+    from fv_kernel.deploy.parallel import deploy_parallel
+    from fv_kernel.runtime.scheduler import SchedulerConfig
 
     scheduler = SchedulerConfig(batching=batching)  # type: ignore[arg-type]
     report: dict[str, Any] = {}

@@ -24,7 +24,7 @@ def run_and_kill(rank: int) -> dict[str, Any]:
     from fv_kernel.api import DiffusionParams, Observer, Request, TaskType, TextPart, run_concurrently, run_serially
     from fv_kernel.config import CardDeployment, DeployConfig
     from fv_kernel.parallel import ParallelPlan
-    from fv_kernel.parallel.deploy import deploy_parallel
+    from fv_kernel.deploy.parallel import deploy_parallel
 
     config = DeployConfig(cards=[CardDeployment(model="wan-tiny")], parallel=ParallelPlan(sp=2, timeout_s=120))
     deployed = deploy_parallel(config)

@@ -23,7 +23,7 @@ def run_gate(rank: int) -> dict[str, Any]:
     from fv_kernel.api import run_concurrently, run_serially
     from fv_kernel.config import CardDeployment, DeployConfig
     from fv_kernel.parallel import ParallelPlan
-    from fv_kernel.parallel.deploy import deploy_parallel
+    from fv_kernel.deploy.parallel import deploy_parallel
     from fv_kernel.testing import InterleaveConformance, StepRecorder, assert_artifacts_identical
 
     class Gate(InterleaveConformance):

@@ -113,7 +113,7 @@ def test_the_deploy_example_in_docs_parallelism_md_passes_the_plan_check() -> No
 
     import yaml
 
-    from fv_kernel.parallel.deploy import check_deploy_plan
+    from fv_kernel.deploy.parallel import check_deploy_plan
     from fv_kernel.plugins import PluginHost
 
     text = (Path(__file__).resolve().parents[3] / "docs" / "parallelism.md").read_text()

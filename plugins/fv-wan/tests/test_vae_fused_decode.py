@@ -99,7 +99,7 @@ def test_eager_is_the_default_and_training_stays_eager() -> None:
 
 
 def test_instance_fuses_the_decoder_with_the_dits_switch() -> None:
-    from fv_kernel.card.instance import InstanceOptions
+    from fv_kernel.model.options import InstanceOptions
     from fv_kernel.compute.compile import ComputeOptions
     from fv_wan.cards import wan_cards
     from fv_wan.instance import build_wan_instance

@@ -139,7 +139,7 @@ def test_an_exported_folder_resolves_to_the_card_it_carries(tmp_path: Path) -> N
     """``--model DIR`` (and a recipe's ``card``) on a folder an export wrote uses its ``fv-card.json``: the
     trained card with its recipe and defaults, weights from that folder -- not a card derived from the weights."""
     from fv_kernel.api import CardCatalog
-    from fv_kernel.card.catalog import InvalidCardFile
+    from fv_kernel.model.catalog import InvalidCardFile
 
     copy = tmp_path / "moved"
     shutil.copytree(weights_dir(), copy)

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import math
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fv_kernel.card.spec import LoopSpec, ModelCard
+from fv_kernel.card.spec import ModelCard
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
-from fv_kernel.loop.samplers import _short_name, registered_samplers
+from fv_kernel.card.recipe import check_recipe_attention, describe_loop, sampler_short_name, select_denoise_loop
+from fv_kernel.loop.samplers import registered_samplers
 from fv_kernel.request.request import _REQUIRED_PARTS, DiffusionParams, Request
 from fv_kernel.request.types import TaskType
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.card.instance import ModelInstance
+from fv_kernel.model.instance import ModelInstance
 
 __all__ = [
     "RequestLimits", "resolve_request", "resolve_for_instance", "select_denoise_loop", "describe_loop", "allowed_samplers",
@@ -42,13 +42,6 @@ class RequestLimits(BaseModel):
     max_tokens: int | None = Field(default=None, gt=0)
 
 
-def describe_loop(spec: LoopSpec) -> str:
-    if spec.sampler is None:
-        return f"loop {spec.loop_id!r}"
-    steps = f"{spec.sampler.fixed_steps} steps" if spec.sampler.fixed_steps else "any step count"
-    return f"loop {spec.loop_id!r} (sampler {spec.sampler.name!r}, {steps})"
-
-
 def allowed_samplers(card: ModelCard, registered: Iterable[str] = ()) -> list[str]:
     """The samplers a request may name on ``card``: its denoise loops' samplers, plus the
     ``registered`` ones (a deployment's) unless the recipe fixes the loop."""
@@ -56,49 +49,9 @@ def allowed_samplers(card: ModelCard, registered: Iterable[str] = ()) -> list[st
     assumed_id = card.recipe.assumes_loop
     if assumed_id is not None and assumed_id in loops:
         binding = loops[assumed_id].sampler
-        return [_short_name(binding.name)] if binding is not None else []
-    bound = {_short_name(s.sampler.name) for s in loops.values() if s.sampler is not None}
-    return sorted(bound | ({_short_name(name) for name in registered} if loops else set()))
-
-
-def select_denoise_loop(card: ModelCard, request: Request) -> str | None:
-    """The denoise loop a request runs on this card; raises RecipeMismatch when the recipe forbids it.
-
-    A sampler bound to one of the card's denoise loops selects that loop. Any other
-    sampler name selects the default loop, which then runs that sampler instead of its
-    own (``bound_sampler``); whether the name is registered in the deployment is checked
-    by :func:`resolve_request`.
-    """
-    program = card.programs.get(request.task)
-    program_loops = [l for l in (program.loops if program else ()) if card.loops[l].kind == "diffusion_denoise"]
-    candidates = card.denoise_loops()
-    if not candidates:
-        return None
-    asked_sampler = request.diffusion.sampler
-    asked_steps = request.diffusion.steps
-    assumed_id = card.recipe.assumes_loop
-    if assumed_id is not None and card.loops[assumed_id].kind == "diffusion_denoise":
-        assumed = card.loops[assumed_id]
-        binding = assumed.sampler
-        wrong_sampler = asked_sampler is not None and binding is not None and _short_name(asked_sampler) != _short_name(binding.name)
-        wrong_steps = (
-            asked_steps is not None and binding is not None and binding.fixed_steps is not None
-            and asked_steps != binding.fixed_steps
-        )
-        if wrong_sampler or wrong_steps:
-            asked = f"sampler {asked_sampler or (binding.name if binding else '?')!r}"
-            if asked_steps is not None:
-                asked += f" with {asked_steps} steps"
-            raise RecipeMismatch(
-                "sampler" if wrong_sampler else "steps",
-                model_id=card.model_id, method=card.recipe.method, assumes=describe_loop(assumed), asked=asked,
-            )
-        return assumed_id
-    if asked_sampler is not None:
-        for loop_id, spec in candidates.items():
-            if spec.sampler is not None and _short_name(spec.sampler.name) == _short_name(asked_sampler):
-                return loop_id
-    return program_loops[0] if program_loops else next(iter(candidates))
+        return [sampler_short_name(binding.name)] if binding is not None else []
+    bound = {sampler_short_name(s.sampler.name) for s in loops.values() if s.sampler is not None}
+    return sorted(bound | ({sampler_short_name(name) for name in registered} if loops else set()))
 
 
 def _check_sampler(card: ModelCard, request: Request, samplers: Iterable[str] | None) -> None:
@@ -108,7 +61,7 @@ def _check_sampler(card: ModelCard, request: Request, samplers: Iterable[str] | 
     if samplers is None:
         samplers = registered_samplers()
     allowed = allowed_samplers(card, samplers)
-    if _short_name(asked) not in allowed:
+    if sampler_short_name(asked) not in allowed:
         raise InvalidRequest(
             "sampler", f"card {card.model_id!r} has no denoise loop with sampler {asked!r}, and no enabled plugin registers it",
             allowed=allowed,
@@ -129,26 +82,6 @@ def _check_precision(card: ModelCard, request: Request, allow_recipe_mismatch: b
             "precision", f"card {card.model_id!r} does not run in {request.precision!r}",
             allowed=sorted(card.precision.supported),
         )
-
-
-def check_recipe_attention(card: ModelCard, attention_backend: str, allow_recipe_mismatch: bool) -> bool:
-    """Whether ``attention_backend`` departs from the recipe's ``assumes_attention``.
-
-    A departure is a ``RecipeMismatch`` naming ``attention_backend`` unless the deployment
-    overrides the recipe; then it is allowed and reported (True) so the instance records it.
-    """
-    assumed = card.recipe.assumes_attention
-    if assumed is None or attention_backend == assumed.kind:
-        return False
-    if not allow_recipe_mismatch:
-        raise RecipeMismatch(
-            "attention_backend", model_id=card.model_id, method=card.recipe.method, assumes=assumed.describe(),
-            asked=(
-                f"attention backend {attention_backend!r} (deploy it with attention_backend: {assumed.kind}; an explicit "
-                "override runs it anyway: deploy config 'override_recipe: true', fv generate --override-recipe)"
-            ),
-        )
-    return True
 
 
 def reasoner_loops(card: ModelCard) -> list[str]:
@@ -290,7 +223,7 @@ def resolve_request(
     return request.with_updates(diffusion=filled)
 
 
-def resolve_for_instance(instance: "ModelInstance", request: Request, limits: RequestLimits | None = None) -> Request:
+def resolve_for_instance(instance: ModelInstance, request: Request, limits: RequestLimits | None = None) -> Request:
     """:func:`resolve_request` against a resident instance: its recipe override, its registered
     samplers, and its one precision (a request may ask for it, not change it)."""
     resolved = resolve_request(

@@ -4,7 +4,7 @@
 file or a checkpoint directory (or nothing: the enabled plugins' default card), and a
 deploy config whose ``cards`` entry for that model gives the instance options. This module
 is the one place that turns those into a card, its weight source and its
-:class:`~fv_kernel.card.instance.InstanceOptions`, so the two products cannot drift apart.
+:class:`~fv_kernel.model.instance.InstanceOptions`, so the two products cannot drift apart.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from fv_kernel.card.catalog import CardCatalog
-from fv_kernel.card.instance import InstanceOptions
+from fv_kernel.model.catalog import CardCatalog
+from fv_kernel.model.options import InstanceOptions
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.config import CardDeployment, DeployConfig
 from fv_kernel.errors import InvalidRequest
 from fv_kernel.plugins.host import PluginHost
 from fv_kernel.request.types import PRECISIONS
-from fv_kernel.runtime.deploy import deployment_options
+from fv_kernel.deploy.options import deployment_options
 
 __all__ = ["ModelChoice", "check_device", "default_model", "resolve_model"]
 

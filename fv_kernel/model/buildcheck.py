@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from fv_kernel.card.instance import import_object
+from fv_kernel.card.refs import import_object
 from fv_kernel.card.spec import ComponentSpec, ModelCard
 from fv_kernel.errors import FvError
 

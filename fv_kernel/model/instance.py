@@ -7,111 +7,38 @@ batched across requests.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
-
+from fv_kernel.cache.paged_kv import PagedKVPool
+from fv_kernel.card.refs import import_object
 from fv_kernel.card.spec import LoopSpec, ModelCard
-from fv_kernel.compute.compile import ComputeOptions
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
+from fv_kernel.loop.contract import Loop
+from fv_kernel.loop.plan import StepOp
+from fv_kernel.model.preflight import preflight
+from fv_kernel.card.recipe import check_recipe_attention
+from fv_kernel.model.options import InstanceOptions
 from fv_kernel.plugins.registry import DeployRegistry, kernel_registry
-from fv_kernel.request.types import Precision, TaskType
+from fv_kernel.program.base import Program, program_for
+from fv_kernel.request.types import TaskType
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.cache.paged_kv import PagedKVPool
-    from fv_kernel.loop.contract import Loop
-    from fv_kernel.program.base import Program
+__all__ = ["ModelInstance", "loop_class_for", "build_instance"]
 
-__all__ = ["StepOp", "InstanceOptions", "ModelInstance", "import_object", "loop_class_for", "build_instance"]
-
-TensorDict = dict[str, torch.Tensor]
 log = logging.getLogger("fv.card")
 
 
-def import_object(reference: str) -> Any:
-    """Resolve a ``"package.module:attr.sub"`` reference."""
-    module_name, _, attr_path = reference.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr_path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def loop_class_for(spec: LoopSpec, registry: DeployRegistry) -> type["Loop"]:
+def loop_class_for(spec: LoopSpec, registry: DeployRegistry) -> type[Loop]:
     """The class of a loop spec: ``implementation`` is a ``"module:Class"`` import string, or the
     name of a loop an enabled plugin registered (``"<plugin>/<name>"`` or a unique short name),
     resolved through ``registry``."""
     if ":" in spec.implementation:
         return import_object(spec.implementation)  # type: ignore[no-any-return]
     return registry.loop(spec.implementation)
-
-
-@dataclass(frozen=True)
-class StepOp:
-    """An executable step of a model instance.
-
-    ``fn(inputs, params) -> outputs`` takes a batch on dim 0 of every input tensor
-    and returns outputs with the same batch on dim 0. ``batch_invariant`` says a
-    fused batch gives bit-identical per-sample results; when it does not, the
-    runtime's exact mode runs requests of one batch through ``fn`` one by one
-    (see ``docs/architecture.md``, batch invariance). Outputs may be host tensors
-    still being copied from the device (``non_blocking``): both runtimes wait for the
-    device before any output is read (the Engine on each batch's end event, ``run_local``
-    in :func:`~fv_kernel.runtime.local.wait_for_host_outputs`).
-    """
-
-    name: str
-    fn: Callable[[TensorDict, Mapping[str, Any]], TensorDict]
-    batch_invariant: bool = False
-    #: The op runs a block sequence and honours ``params["block_hooks"]`` (block interceptors/observers).
-    supports_block_hooks: bool = False
-
-    def run_fused(self, batch: Sequence[TensorDict], params: Mapping[str, Any]) -> list[TensorDict]:
-        if len(batch) == 1:
-            return [self.fn(batch[0], params)]
-        names = list(batch[0])
-        sizes = [next(iter(item.values())).shape[0] if item else 1 for item in batch]
-        joined = {name: torch.cat([item[name] for item in batch], dim=0) for name in names}
-        out = self.fn(joined, params)
-        pieces: list[TensorDict] = [{} for _ in batch]
-        for name, tensor in out.items():
-            for index, chunk in enumerate(torch.split(tensor, sizes, dim=0)):
-                pieces[index][name] = chunk
-        return pieces
-
-    def run_per_sample(self, batch: Sequence[TensorDict], params: Mapping[str, Any]) -> list[TensorDict]:
-        return [self.fn(item, params) for item in batch]
-
-
-class InstanceOptions(BaseModel):
-    """How to build a resident instance of a card."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
-
-    device: str = "cpu"
-    precision: Precision | None = None
-    #: Overrides the card's checkpoint source: a local directory or a hub repo id.
-    source: str | None = None
-    local_files_only: bool = False
-    attention_backend: str = "sdpa"
-    #: Fused kernels / compile / CUDA-graph tier of the denoiser (None: eager).
-    compute: ComputeOptions | None = None
-    #: Tasks whose components are loaded up front; others load on first use.
-    preload_tasks: tuple[TaskType, ...] = ()
-    #: The deploy-scope registry (samplers, loops, attention backends of the enabled plugins)
-    #: names resolve through; None: the kernel's built-ins only. Set by the runtime from its
-    #: plugin host (``host.registry()``); not configuration, so never serialised.
-    registry: DeployRegistry | None = Field(default=None, exclude=True, repr=False)
-    #: Deploy outside the card's recipe (a ``precision`` its ``assumes_precision`` excludes, an
-    #: ``attention_backend`` other than its ``assumes_attention``) instead of refusing with ``RecipeMismatch``. Logged, and kept on the instance
-    #: (``ModelInstance.recipe_overrides``).
-    allow_recipe_mismatch: bool = False
 
 
 #: One component build at a time in the process. The engine loads on worker threads, and loaders
@@ -135,7 +62,7 @@ class ModelInstance:
     weights_version: str = "unversioned"
     components: dict[str, Any] = field(default_factory=dict)
     _ops: dict[str, StepOp] = field(default_factory=dict)
-    _loops: dict[str, "Loop"] = field(default_factory=dict)
+    _loops: dict[str, Loop] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -190,9 +117,7 @@ class ModelInstance:
 
     def _preflight(self, component_ids: Sequence[str]) -> None:
         """Before loading: the components' checkpoint source is there and their weights fit
-        (``fv_kernel.card.preflight``); a one-line typed error otherwise, nothing allocated."""
-        from fv_kernel.card.preflight import preflight
-
+        (``fv_kernel.model.preflight``); a one-line typed error otherwise, nothing allocated."""
         preflight(self.card, self.options, component_ids=component_ids)
 
     def component(self, component_id: str) -> Any:
@@ -214,7 +139,7 @@ class ModelInstance:
     def ops(self) -> Mapping[str, StepOp]:
         return dict(self._ops)
 
-    def block_pools(self) -> Mapping[str, "PagedKVPool"]:
+    def block_pools(self) -> Mapping[str, PagedKVPool]:
         """The instance's block pools by name (e.g. ``{"text_kv": pool}``); none by default.
 
         The engine makes each one part of admission: a loop's estimate reserves blocks of
@@ -223,7 +148,7 @@ class ModelInstance:
         """
         return {}
 
-    def loop(self, loop_id: str) -> "Loop":
+    def loop(self, loop_id: str) -> Loop:
         """The card's loop ``loop_id``, built and bound (``Loop.bind``) once per instance.
 
         Loops hold no per-request state; what they bind is this instance's.
@@ -234,16 +159,14 @@ class ModelInstance:
             self._loops[loop_id] = loop
         return self._loops[loop_id]
 
-    def loop_class(self, loop_id: str) -> type["Loop"]:
+    def loop_class(self, loop_id: str) -> type[Loop]:
         """The class of the card's loop ``loop_id`` (:func:`loop_class_for`, names resolved through :attr:`registry`)."""
         spec = self.card.loops.get(loop_id)
         if spec is None:
             raise InvalidRequest("loop", f"card {self.model_id!r} has no loop {loop_id!r}", allowed=sorted(self.card.loops))
         return loop_class_for(spec, self.registry)
 
-    def program(self, task: TaskType) -> "Program":
-        from fv_kernel.program.base import program_for
-
+    def program(self, task: TaskType) -> Program:
         return program_for(self.card, task)
 
 
@@ -270,8 +193,6 @@ def build_instance(card: ModelCard, options: InstanceOptions | None = None) -> M
             "card %r (recipe %r) assumes precision %r; deploying it in %r because the recipe was overridden",
             card.model_id, card.recipe.method, assumed, precision,
         )
-    from fv_kernel.card.validate import check_recipe_attention
-
     if check_recipe_attention(card, options.attention_backend, options.allow_recipe_mismatch):
         assert card.recipe.assumes_attention is not None
         log.warning(

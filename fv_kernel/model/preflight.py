@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from fv_kernel.card.spec import ComponentSpec, ModelCard
 from fv_kernel.errors import CapacityError, CheckpointNotFound
 from fv_kernel.request.types import TaskType
-from fv_kernel.runtime.capacity import device_available_bytes, device_key
+from fv_kernel.compute.device import device_available_bytes, device_key
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.card.instance import InstanceOptions
+    from fv_kernel.model.options import InstanceOptions
 
 __all__ = [
     "ComponentWeights",
@@ -135,8 +135,8 @@ def component_parameters(spec: ComponentSpec) -> int | None:
     """The weight elements ``spec`` declares: its count, or what its ``"module:function"`` returns."""
     if spec.parameters is None or isinstance(spec.parameters, int):
         return spec.parameters
-    from fv_kernel.card.buildcheck import BuildProblem, InvalidCard
-    from fv_kernel.card.instance import import_object
+    from fv_kernel.model.buildcheck import BuildProblem, InvalidCard
+    from fv_kernel.card.refs import import_object
 
     field = f"components.{spec.component_id}.parameters"
     try:

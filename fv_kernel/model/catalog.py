@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from pydantic import ValidationError
 
-from fv_kernel.card.buildcheck import BuildProblem, check_card_builds, problems_from_validation
+from fv_kernel.model.buildcheck import BuildProblem, check_card_builds, problems_from_validation
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.errors import CheckpointNotFound, FvError, InvalidRequest, UnknownModel
 

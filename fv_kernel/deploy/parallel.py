@@ -10,30 +10,38 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from fv_kernel.config import DeployConfig
+from fv_kernel.deploy.options import available_extensions, deployment_options
+from fv_kernel.extend.registry import ExtensionSet
+from fv_kernel.model.catalog import CardCatalog
+from fv_kernel.model.instance import ModelInstance, build_instance
+from fv_kernel.parallel.engine import SpmdEngine
 from fv_kernel.parallel.mesh import ParallelRuntime, compile_mesh, init_process_group_from_env
 from fv_kernel.parallel.plan import ParallelPlan, ParallelPlanError, check_plan_against_card, plan_axis_degrees
 from fv_kernel.parallel.spmd import SpmdLeader, WorkerReport, parallel_instance, serve_worker
+from fv_kernel.plugins.host import PluginHost
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fv_kernel.card.instance import ModelInstance
-    from fv_kernel.parallel.launch import LocalWorkers
-    from fv_kernel.config import DeployConfig
-    from fv_kernel.parallel.engine import SpmdEngine
-    from fv_kernel.plugins.host import PluginHost
-
-__all__ = ["ParallelDeployment", "deploy_parallel", "check_deploy_plan"]
+__all__ = ["ParallelDeployment", "RankLauncher", "deploy_parallel", "check_deploy_plan"]
 
 log = logging.getLogger(__name__)
+
+
+class RankLauncher(Protocol):
+    """Rank 0's handle on the worker ranks it started itself (:class:`~fv_kernel.deploy.workers.LocalWorkers`)."""
+
+    def restart(self) -> None:
+        """End every worker rank and start fresh ones (on a new rendezvous port)."""
+        ...
 
 
 @dataclass
 class ParallelDeployment:
     runtime: ParallelRuntime
-    instances: list["ModelInstance"]
+    instances: list[ModelInstance]
     #: Rank 0's engine; None on the other ranks.
-    engine: "SpmdEngine | None" = None
+    engine: SpmdEngine | None = None
     report: WorkerReport = field(default_factory=WorkerReport)
 
     def serve(self) -> WorkerReport:
@@ -48,10 +56,8 @@ class ParallelDeployment:
             self.engine.leader.shutdown()
 
 
-def check_deploy_plan(config: "DeployConfig", host: "PluginHost") -> list:
+def check_deploy_plan(config: DeployConfig, host: PluginHost) -> list:
     """Resolve every card and check the plan against it; returns the resolved cards. No process group needed."""
-    from fv_kernel.card.catalog import CardCatalog
-
     plan = config.parallel
     assert plan is not None
     catalog = CardCatalog(host)
@@ -70,16 +76,10 @@ def check_deploy_plan(config: "DeployConfig", host: "PluginHost") -> list:
     return resolved
 
 
-def deploy_parallel(config: "DeployConfig", host: "PluginHost | None" = None, *,
-                    launcher: "LocalWorkers | None" = None) -> ParallelDeployment:
+def deploy_parallel(config: DeployConfig, host: PluginHost | None = None, *,
+                    launcher: RankLauncher | None = None) -> ParallelDeployment:
     """Every rank's deployment. ``launcher``: rank 0's handle on the ranks it started (fv's
     spawn), which lets it restart them after a rank fails (``SpmdLeader.recover``)."""
-    from fv_kernel.card.instance import build_instance
-    from fv_kernel.parallel.engine import SpmdEngine
-    from fv_kernel.plugins.host import PluginHost
-    from fv_kernel.runtime.deploy import available_extensions, deployment_options
-    from fv_kernel.extend.registry import ExtensionSet
-
     plan: ParallelPlan | None = config.parallel
     if plan is None:
         raise ParallelPlanError("world_size", "the deploy config has no parallel: section")
@@ -91,7 +91,7 @@ def deploy_parallel(config: "DeployConfig", host: "PluginHost | None" = None, *,
     init_process_group_from_env(plan, device_type)
     runtime = compile_mesh(plan, device_type)
     leader: SpmdLeader | None = None
-    instances: list["ModelInstance"] = []
+    instances: list[ModelInstance] = []
     if runtime.is_leader:
         leader = SpmdLeader(runtime, instances)
     for index, (deployment, item) in enumerate(zip(config.cards, resolved)):

@@ -1,0 +1,242 @@
+"""The scheduler: the engine's queues, admission passes and batch choice (design §6).
+
+- **RequestScheduler** (:class:`RequestQueue`): submitted requests waiting for admission,
+  bounded (``QueueFull``), interactive before batch-class, first in first out within a class.
+- **LoopScheduler** (:class:`PendingUnits`): every ``await ctx.execute(plan)`` of every
+  running driver, as a :class:`~fv_kernel.runtime.batching.WorkUnit`, until the
+  :class:`~fv_kernel.runtime.batching.BatchScheduler` picks it.
+
+:class:`Scheduler` makes the decisions over them; :class:`SchedulerConfig` is the
+``scheduler:`` section of the deploy config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any, Callable, Iterable, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fv_kernel.cache.feature import apply_cache_writes
+from fv_kernel.errors import QueueFull
+from fv_kernel.loop.plan import CancelScope, StepResult, WorkPlan
+from fv_kernel.model.instance import ModelInstance
+from fv_kernel.program.base import Program
+from fv_kernel.request.request import Request
+from fv_kernel.runtime.admission import AdmissionController, Budgets, Reservation
+from fv_kernel.runtime.batching import BatchPolicy, BatchScheduler, WorkUnit
+from fv_kernel.runtime.capacity import ResidentMemory
+from fv_kernel.runtime.cost import CostKey, CostModel
+from fv_kernel.runtime.metrics import EngineMetrics
+from fv_kernel.runtime.pricing import reservation_for
+from fv_kernel.runtime.records import RequestRecord
+
+__all__ = ["SchedulerConfig", "RequestQueue", "PendingUnits", "Scheduler"]
+
+
+class SchedulerConfig(BaseModel):
+    """The runtime's knobs; the ``scheduler:`` section of the deploy config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: "step": interleave the steps of all running requests. "request": run one request
+    #: to completion before the next starts (the baseline step-level scheduling must beat).
+    scheduling: Literal["step", "request"] = "step"
+    #: "exact": a batch of ops that are not batch-invariant runs per sample (bit-identical to
+    #: serial). "throughput": always fuse compatible steps into one batched call.
+    batching: Literal["exact", "throughput"] = "exact"
+    batch: BatchPolicy = BatchPolicy()
+    budgets: Budgets = Budgets()
+    max_running_requests: int = Field(default=64, ge=1)
+    max_queue: int = Field(default=256, ge=1)
+    #: Abort a request whose step output holds NaN/Inf (only that request).
+    check_finite: bool = True
+    #: Run model code on a dedicated thread (keeps the event loop responsive).
+    device_thread: bool = True
+    #: Finished requests whose records (events, artifacts) the engine keeps for late
+    #: subscribers; older ones are forgotten so a long-running server does not grow.
+    keep_finished: int = Field(default=1024, ge=0)
+    #: At most this many bytes of tensors (input images, frames, previews, latents) held by
+    #: the finished records kept; the oldest are forgotten first. A caller that holds a
+    #: request's handle keeps its result either way; ``Engine.forget`` drops one at once.
+    keep_finished_bytes: int = Field(default=256 * 2**20, ge=0)
+
+
+class RequestQueue:
+    """RequestScheduler's queue: bounded, FIFO within a priority class."""
+
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        self._items: deque[RequestRecord] = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, record: RequestRecord) -> None:
+        if len(self._items) >= self.max_queue:
+            raise QueueFull(self.max_queue)
+        self._items.append(record)
+
+    def remove(self, record: RequestRecord) -> bool:
+        try:
+            self._items.remove(record)
+        except ValueError:
+            return False
+        return True
+
+    def ordered(self) -> list[RequestRecord]:
+        return sorted(self._items, key=lambda r: 0 if r.request.priority == "interactive" else 1)
+
+
+class PendingUnits:
+    """LoopScheduler's collection of plans awaiting execution."""
+
+    def __init__(self) -> None:
+        self.units: list[WorkUnit] = []
+        self._seq = 0
+
+    def add(self, unit: WorkUnit) -> None:
+        self._seq += 1
+        unit.seq = self._seq
+        self.units.append(unit)
+
+    def take(self, batch: Iterable[WorkUnit]) -> None:
+        chosen = {id(u) for u in batch}
+        self.units = [u for u in self.units if id(u) not in chosen]
+
+    def drop_request(self, request_id: str, *, abandonable_only: bool = False) -> list[WorkUnit]:
+        """Remove the request's units; ``abandonable_only`` keeps those planned with ``CancelScope.NONE``."""
+
+        def dropped_unit(u: WorkUnit) -> bool:
+            return u.request_id == request_id and not (abandonable_only and u.plan.cancel_scope is CancelScope.NONE)
+
+        dropped = [u for u in self.units if dropped_unit(u)]
+        self.units = [u for u in self.units if not dropped_unit(u)]
+        return dropped
+
+
+class Scheduler:
+    """The request, loop and batch schedulers over one admission controller: what runs next.
+
+    Pure decisions and bookkeeping, on the engine's event loop: which queued requests to
+    admit (:meth:`admit`), what each planned step costs (:meth:`work_unit`), which compatible
+    units run together next (:meth:`next_batch`) and how a batch's outcomes go back to the
+    drivers awaiting them (:meth:`hand_back`). The engine runs the drivers and the executor.
+    """
+
+    def __init__(self, config: SchedulerConfig, cost_model: CostModel, metrics: EngineMetrics) -> None:
+        self.config = config
+        self.cost_model = cost_model
+        self.metrics = metrics
+        self.admission = AdmissionController(config.budgets)
+        self.memory = ResidentMemory(config.budgets, self.admission)
+        self.batcher = BatchScheduler(config.batch)
+        self.queue = RequestQueue(config.max_queue)
+        self.pending = PendingUnits()
+        self.running: dict[str, RequestRecord] = {}
+        #: Model ids whose admission is frozen by a weight sync in progress (``Engine.sync_weights``).
+        self.frozen: set[str] = set()
+
+    def count_rejection(self, reason: str) -> None:
+        self.metrics.rejections[reason] = self.metrics.rejections.get(reason, 0) + 1
+
+    def reservation_for(self, instance: ModelInstance, request: Request) -> Reservation:
+        """What admitting ``request`` (resolved against ``instance``) reserves now, on its device."""
+        return reservation_for(instance, request, self.cost_model, device=self.memory.device_of[instance.instance_id])
+
+    def admit(
+        self, instances: Iterable[ModelInstance], reject: Callable[[RequestRecord, BaseException], None]
+    ) -> list[tuple[RequestRecord, Program]]:
+        """One admission pass over the queue: the requests admitted now, each with its program.
+
+        A request whose reservation does not fit waits, and nothing behind it in its class
+        overtakes it (strict FIFO); one that can never run (or whose estimate is broken) leaves
+        the queue through ``reject``. ``scheduling: request`` admits one request at a time.
+        """
+        limit = 1 if self.config.scheduling == "request" else self.config.max_running_requests
+        if len(self.queue):
+            self.memory.size(instances)
+        admitted: list[tuple[RequestRecord, Program]] = []
+        for record in self.queue.ordered():
+            if len(self.running) >= limit:
+                break
+            if record.request.model in self.frozen:
+                continue  # its instance is changing weights; other instances keep admitting
+            request = record.request
+            try:
+                program = record.instance.program(request.task)
+                if record.reservation is None:
+                    record.reservation = self.reservation_for(record.instance, request)
+                blocked = self.admission.try_admit(record.reservation)
+            except Exception as exc:  # a request that can never run, or a broken estimate
+                self.queue.remove(record)
+                reject(record, exc)
+                continue
+            if blocked is not None:
+                self.count_rejection(f"admission_{blocked}")
+                break  # strict FIFO within the class: a later request must not overtake a blocked one
+            self.queue.remove(record)
+            self.running[request.request_id] = record
+            record.status = "in_progress"
+            admitted.append((record, program))
+        return admitted
+
+    def work_unit(
+        self, record: RequestRecord, instance: ModelInstance, plan: WorkPlan, future: "asyncio.Future[StepResult]"
+    ) -> WorkUnit:
+        """``plan`` (of a loop of ``instance``) as a unit of the loop scheduler: priced (its own
+        price, else the cost model's conservative one) and kept batch-of-1 when the card's loop
+        forbids batching."""
+        loop_spec = instance.card.loops[plan.loop_id]
+        if plan.batchable and not loop_spec.batchable:
+            # The card's LoopSpec can forbid cross-request batching for every step of a loop.
+            plan = plan.model_copy(update={"batchable": False})
+        price = plan.resources.gpu_seconds
+        if price is None:
+            key = CostKey(plan.instance_id, plan.kind.value, plan.shape_sig, plan.precision)
+            price = self.cost_model.conservative(key, loop_spec.step_cost)
+        unit = WorkUnit(
+            plan=plan, request_id=record.request.request_id, future=future, enqueued_at=time.monotonic(),
+            price_seconds=price, priority=record.request.priority,
+        )
+        self.pending.add(unit)
+        return unit
+
+    def next_batch(self) -> list[WorkUnit]:
+        """The next group of compatible pending units to run (taken from the pending set), or none."""
+        # Admitted requests' peaks may add up only within what their residents leave free.
+        batch = self.batcher.select(self.pending.units, time.monotonic(), peak_headroom=self.admission.peak_headroom())
+        if batch:
+            self.pending.take(batch)
+        return batch
+
+    def hand_back(
+        self, batch: list[WorkUnit], outcomes: list[StepResult | BaseException], device_s: float | None, wall: float,
+        services: Mapping[str, Any],
+    ) -> tuple[str, ...]:
+        """Settle an executed batch: charge each request its share, resolve each driver's future
+        (applying the plan's cache writes first), count it. Returns the requests whose step failed."""
+        self.metrics.execute_seconds += wall
+        self.batcher.note_executed(batch, device_s if device_s is not None else wall)
+        plan = batch[0].plan
+        self.metrics.units_by_kind[plan.kind.value] = self.metrics.units_by_kind.get(plan.kind.value, 0) + len(batch)
+        self.metrics.batches_by_size[len(batch)] = self.metrics.batches_by_size.get(len(batch), 0) + 1
+        self.metrics.observe_latency(wall)
+        share = (device_s if device_s is not None else wall) / len(batch)
+        failed: list[str] = []
+        for unit, outcome in zip(batch, outcomes):
+            self.admission.charge(unit.request_id, share)
+            if unit.future.done():
+                continue
+            if isinstance(outcome, BaseException):
+                failed.append(unit.request_id)
+                unit.future.set_exception(outcome)
+            else:
+                outcome.wall_seconds = wall
+                outcome.batch_size = len(batch)
+                if unit.plan.cache.writes:
+                    apply_cache_writes(unit.plan.cache, outcome.outputs, services)
+                unit.future.set_result(outcome)
+        return tuple(failed)
