@@ -11,7 +11,9 @@ table, ``ModelSamplingDiscreteFlow`` with ``ModelSamplingSD3``'s shift) and the 
   through ``SigmaConvert`` (``alpha = 1/sqrt(1+sigma^2)``, half log-SNR ``-log sigma``), works on
   ``x / sqrt(1+sigma^2)``, uses order ``min(3, steps-1)`` with lower-order warm-up and final
   steps, evaluates the model at the predictor's output, corrects every move but the last, and
-  moves the final zero sigma to 0.001.
+  moves the final zero sigma to 0.001. ComfyUI's revisions build the ``b`` coefficients in
+  different dtypes; ``b_dtype`` picks one: float64 as Comfy-Org/ComfyUI 0748e38 does (the
+  default), or float32 as earlier releases do (comfyanonymous/ComfyUI 9bffd67f, v0.3.64).
 
 fv's own ``euler``/``unipc`` use diffusers' schedules and formulas, which are different numbers,
 so they are not offered as substitutes. Every other ComfyUI sampler (``dpmpp_2m``, ...) and
@@ -210,6 +212,11 @@ class _ComfyUniPC(Sampler):
     variant: ClassVar[Literal["bh1", "bh2"]]
 
     shift: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0  # ModelSamplingSD3's shift
+    #: The dtype ComfyUI's ``multistep_uni_pc_bh_update`` builds the ``b`` coefficients in, which
+    #: depends on the ComfyUI revision: ``float64`` (on the CPU, then cast to float32) in
+    #: Comfy-Org/ComfyUI 0748e38; ``float32`` (from the float32 ``expm1(hh)``) in the releases
+    #: before it, e.g. comfyanonymous/ComfyUI 9bffd67f and v0.3.64.
+    b_dtype: Literal["float64", "float32"] = "float64"
 
     def init_state(self, num_inference_steps: int) -> ComfyUniPCState:
         if num_inference_steps < 1:
@@ -236,6 +243,28 @@ class _ComfyUniPC(Sampler):
         denoised = model_input - velocity * const_sigma  # CONST.calculate_denoised
         eps = (model_input - denoised) / sigma
         return (x - _per_sample(_vp_std(t), dims) * eps) / _per_sample(_vp_alpha(t), dims)
+
+    def _b(self, hh: torch.Tensor, h_phi_1: torch.Tensor, B_h: torch.Tensor, order: int) -> torch.Tensor:
+        """The ``b`` vector (``h_phi_k * k! / B(h)``, k = 1..order) in the dtype of :attr:`b_dtype`.
+
+        For small ``hh`` its terms nearly cancel, so the two ComfyUI revisions' results differ in
+        the last bits; the result is float32 either way.
+        """
+        if self.b_dtype == "float64":
+            # Comfy-Org/ComfyUI 0748e38: the recurrence from a float64 expm1 of hh, on the CPU.
+            hh_ = hh.detach().cpu().double()
+            h_phi_k = torch.expm1(hh_) / hh_ - 1
+            B_h_ = hh_ if self.variant == "bh1" else torch.expm1(hh_)
+        else:
+            # earlier ComfyUI: the same recurrence on the float32 tensors (h_phi_1 = expm1(hh)).
+            hh_, h_phi_k, B_h_ = hh, h_phi_1 / hh - 1, B_h
+        factorial = 1
+        terms = []
+        for i in range(1, order + 1):
+            terms.append(h_phi_k * factorial / B_h_)
+            factorial *= i + 1
+            h_phi_k = h_phi_k / hh_ - 1 / factorial
+        return torch.stack(terms).to(device=hh.device, dtype=hh.dtype)
 
     def _update(
         self,
@@ -264,19 +293,8 @@ class _ComfyUniPC(Sampler):
         hh = -h[0]
         h_phi_1 = torch.expm1(hh)
         B_h = hh if self.variant == "bh1" else torch.expm1(hh)
-        # ComfyUI builds b in float64 on the CPU (its terms nearly cancel for small h), then float32.
-        hh64 = hh.detach().cpu().double()
-        h_phi_k64 = torch.expm1(hh64) / hh64 - 1
-        B_h64 = hh64 if self.variant == "bh1" else torch.expm1(hh64)
-        factorial = 1
-        R_rows, b64 = [], []
-        for i in range(1, order + 1):
-            R_rows.append(torch.pow(rks_t, i - 1))
-            b64.append(h_phi_k64 * factorial / B_h64)
-            factorial *= i + 1
-            h_phi_k64 = h_phi_k64 / hh64 - 1 / factorial
-        R = torch.stack(R_rows)
-        b = torch.stack(b64).to(hh.dtype)
+        R = torch.stack([torch.pow(rks_t, i - 1) for i in range(1, order + 1)])
+        b = self._b(hh, h_phi_1, B_h, order)
 
         D1 = torch.stack(D1s, dim=1) if D1s else None
         x_t_ = _per_sample(sigma_t / sigma_prev_0, dims) * x - _per_sample(alpha_t * h_phi_1, dims) * model_prev_0

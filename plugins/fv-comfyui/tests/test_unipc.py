@@ -3,7 +3,13 @@ independently: KSAMPLER's noise scaling, ``sample_unipc`` (its SigmaConvert VP v
 time written into the sigmas, order min(3, steps-1)), ``UniPC.sample``'s multistep loop with the model
 called inside the update, ``multistep_uni_pc_bh_update``'s predictor and corrector, and CONST's
 ``inverse_noise_scaling`` by the overwritten last sigma. The fv sampler is driven the way fv's
-denoise loop drives it (one model call, then ``step``)."""
+denoise loop drives it (one model call, then ``step``).
+
+ComfyUI's revisions differ in one place: the dtype of ``b``. Comfy-Org/ComfyUI 0748e38 runs the
+recurrence in float64 (``hh.detach().cpu().double()``) and casts the list to float32; the releases
+before it (comfyanonymous/ComfyUI 9bffd67f, v0.3.64) run it on the float32 0-d tensors, starting from
+``expm1(hh)``, and ``torch.tensor`` the list. The reference below writes out each revision's own
+arithmetic (chosen by ``revision``), not the sampler's ``b_dtype`` code path."""
 
 from __future__ import annotations
 
@@ -37,8 +43,18 @@ def const_denoiser(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     return x - velocity(x, sigma) * s
 
 
+#: ComfyUI revision -> the sampler's ``b_dtype`` that runs its arithmetic.
+REVISIONS = {"0748e38": "float64", "9bffd67f": "float32"}
+
+
 def comfy_uni_pc(
-    denoiser: Callable[..., torch.Tensor], noise: torch.Tensor, sigmas: torch.Tensor, variant: str, *, corrector: bool = True
+    denoiser: Callable[..., torch.Tensor],
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    variant: str,
+    *,
+    revision: str,
+    corrector: bool = True,
 ) -> torch.Tensor:
     sigmas = sigmas.clone()
     x_k = sigmas[0] * (1.0 * noise) + (1.0 - sigmas[0]) * torch.zeros_like(noise)  # CONST.noise_scaling, empty latent
@@ -78,20 +94,28 @@ def comfy_uni_pc(
             rk = ((lam(T[-(i + 1)]) - l0) / h)[0]
             rks.append(rk)
             D1s.append((M[-(i + 1)] - M[-1]) / rk)
-        rks_t = torch.tensor([float(r) for r in rks] + [1.0])
+        rks_t = torch.tensor([*rks, 1.0])  # 0-d float32 tensors and a float: a float32 vector
         hh = -h[0]
         h_phi_1 = torch.expm1(hh)
-        B_h = hh if variant == "bh1" else torch.expm1(hh)
-        hh64 = hh.double()
-        hk = torch.expm1(hh64) / hh64 - 1
-        B_h64 = hh64 if variant == "bh1" else torch.expm1(hh64)
+        if variant == "bh1":
+            B_h = hh
+        else:
+            B_h = torch.expm1(hh)
+        if revision == "9bffd67f":  # all float32: phi recurrence on the 0-d float32 tensors
+            hk, hh_r, B_h_r = h_phi_1 / hh - 1, hh, B_h
+        else:  # 0748e38: float64 copies of hh, recurrence in float64, the list cast to float32
+            hh_r = hh.detach().cpu().double()
+            hk = torch.expm1(hh_r) / hh_r - 1
+            B_h_r = hh_r if variant == "bh1" else torch.expm1(hh_r)
         R, b, fac = [], [], 1
         for i in range(1, order + 1):
-            R.append(rks_t ** (i - 1))
-            b.append(float(hk * fac / B_h64))
+            R.append(torch.pow(rks_t, i - 1))
+            b.append(hk * fac / B_h_r)
             fac *= i + 1
-            hk = hk / hh64 - 1 / fac
-        R_t, b_t = torch.stack(R), torch.tensor(b, dtype=torch.float32)
+            hk = hk / hh_r - 1 / fac
+        R_t = torch.stack(R)
+        b_t = torch.tensor(b) if revision == "9bffd67f" else torch.tensor(b, dtype=hh.dtype)
+        assert b_t.dtype == torch.float32
         xt_ = ex(std(t) / std(T[-1]), d) * x - ex(alpha(t) * h_phi_1, d) * M[-1]
         D = torch.stack(D1s, dim=1) if D1s else None
         if D is not None:
@@ -133,35 +157,106 @@ def comfy_uni_pc(
     return x / (1.0 - sigmas[-1])  # CONST.inverse_noise_scaling by the overwritten last sigma
 
 
-def initial_noise(seed: int, sigma0: torch.Tensor) -> torch.Tensor:
+def initial_noise(seed: int, sigma0: torch.Tensor, *, as_drawn: bool = False) -> torch.Tensor:
     # ComfyUI's first model input is the noise divided and multiplied by sqrt(1 + sigma_0^2); fv's
     # loop feeds the noise as drawn. They differ by an ulp at most; a fixed point of that round
     # trip makes both models see the same input, so the comparison can be bit for bit.
     noise = torch.randn(1, 4, 2, 3, 3, generator=torch.Generator().manual_seed(seed))
-    for _ in range(8):
+    for _ in range(0 if as_drawn else 8):
         noise = (noise / torch.sqrt(1.0 + sigma0**2.0)) * ((sigma0**2 + 1.0) ** 0.5)
     return noise
 
 
-def run_fv(sampler: Any, noise: torch.Tensor, steps: int) -> torch.Tensor:
+def recording(calls: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., torch.Tensor]:
+    """``const_denoiser`` that keeps each model input and sigma."""
+
+    def denoiser(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        calls.append((x.clone(), sigma.clone()))
+        return const_denoiser(x, sigma)
+
+    return denoiser
+
+
+def run_fv(sampler: Any, noise: torch.Tensor, steps: int, calls: list | None = None) -> torch.Tensor:
     state, x = sampler.init_state(steps), noise.clone()
     while not sampler.is_done(state):
         if isinstance(state, ComfyUniPCState):  # the model's timestep: ModelSamplingDiscreteFlow.timestep
             assert torch.equal(sampler.timestep(state), state.sigmas[state.step_index] * 1000)
-        state, x = sampler.step(state, velocity(x, state.sigmas[state.step_index].reshape(1)), x)
+        sigma = state.sigmas[state.step_index].reshape(1)
+        if calls is not None:
+            calls.append((x.clone(), sigma.clone()))
+        state, x = sampler.step(state, velocity(x, sigma), x)
     return x
 
 
+# 1..3 steps: the warm-up orders and the steps==1 quirk (no move at all); 4: order 3 for one move;
+# 5+: order 3 with lower-order final moves; 30 (the fixture's count): long runs, small h at the end.
+STEPS = [1, 2, 3, 4, 5, 6, 8, 13, 30]
+SHIFTS = [1.0, 8.0]
+
+
+@pytest.mark.parametrize("revision", list(REVISIONS))
 @pytest.mark.parametrize("cls", UNIPC, ids=lambda c: c.name)
-@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 8])
-def test_trajectory_is_comfyuis_bit_for_bit(cls: Any, steps: int) -> None:
-    # 1..3 steps: the warm-up orders and the steps==1 quirk; 4+: order 3 and the lower-order final moves.
-    shift = 8.0
+@pytest.mark.parametrize("steps", STEPS)
+@pytest.mark.parametrize("shift", SHIFTS)
+def test_trajectory_is_comfyuis_bit_for_bit(cls: Any, revision: str, steps: int, shift: float) -> None:
+    """Every model input (the whole trajectory) and the result equal the revision's, bit for bit."""
     sigmas = comfy_sigmas(cls.scheduler, shift, steps)
     noise = initial_noise(steps, sigmas[0])
-    expected = comfy_uni_pc(const_denoiser, noise, sigmas, cls.variant)
-    got = run_fv(cls(shift=shift), noise, steps)
-    assert torch.equal(got, expected), (got - expected).abs().max()
+    comfy_calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    fv_calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    expected = comfy_uni_pc(recording(comfy_calls), noise, sigmas, cls.variant, revision=revision)
+    got = run_fv(cls(shift=shift, b_dtype=REVISIONS[revision]), noise, steps, fv_calls)
+    assert len(fv_calls) == len(comfy_calls) == steps  # one model call per step, as in ComfyUI
+    for i, ((x_fv, s_fv), (x_comfy, s_comfy)) in enumerate(zip(fv_calls, comfy_calls)):
+        assert torch.equal(s_fv, s_comfy), (i, s_fv, s_comfy)
+        assert torch.equal(x_fv, x_comfy), f"model input {i}: max abs diff {(x_fv - x_comfy).abs().max().item():.3g}"
+    assert torch.equal(got, expected), f"result: max abs diff {(got - expected).abs().max().item():.3g}"
+
+
+def test_default_is_the_newest_revision() -> None:
+    assert all(cls().b_dtype == REVISIONS["0748e38"] for cls in UNIPC)
+    with pytest.raises(ValueError):
+        ComfyUniPCSimple(b_dtype="float16")
+
+
+#: Bounds on the largest |difference| between the two revisions' results over the cases below
+#: (measured: simple 8.3e-7, normal 5.0e-6, sgm_uniform 9.5e-7); docs/comfyui.md quotes these.
+REVISION_GAP = {"simple": 2e-6, "normal": 1e-5, "sgm_uniform": 2e-6}
+
+
+@pytest.mark.parametrize("scheduler", list(REVISION_GAP))
+def test_the_two_revisions_differ_and_by_how_much(scheduler: str) -> None:
+    # The reference tells the revisions apart (so the bit-for-bit test checks b's dtype), and
+    # the gap between them stays at float32 rounding of b propagated through the run.
+    worst, differing = 0.0, 0
+    for cls in (c for c in UNIPC if c.scheduler == scheduler):
+        for steps in (3, 4, 6, 8, 13, 30):
+            for shift in SHIFTS:
+                sigmas = comfy_sigmas(scheduler, shift, steps)
+                noise = initial_noise(steps, sigmas[0])
+                new = comfy_uni_pc(const_denoiser, noise, sigmas, cls.variant, revision="0748e38")
+                old = comfy_uni_pc(const_denoiser, noise, sigmas, cls.variant, revision="9bffd67f")
+                gap = (new - old).abs().max().item()
+                worst, differing = max(worst, gap), differing + (gap > 0)
+                if gap > 0 and shift == 8.0:  # the sampler with the other revision's b is caught
+                    assert not torch.equal(run_fv(cls(shift=shift), noise, steps), old)
+                    assert not torch.equal(run_fv(cls(shift=shift, b_dtype="float32"), noise, steps), new)
+    assert differing >= 12, differing  # most runs of 3+ steps differ somewhere
+    assert 0 < worst <= REVISION_GAP[scheduler], worst
+
+
+def test_noise_as_drawn_is_within_rounding() -> None:
+    # Without the fixed point above, the first model input differs by up to an ulp and the runs
+    # drift apart by rounding (measured: up to 5.3e-6, normal); fv's loop passes the noise as drawn.
+    worst = 0.0
+    for cls in UNIPC:
+        for steps in (1, 3, 6, 13):
+            sigmas = comfy_sigmas(cls.scheduler, 8.0, steps)
+            noise = initial_noise(100 + steps, sigmas[0], as_drawn=True)
+            expected = comfy_uni_pc(const_denoiser, noise, sigmas, cls.variant, revision="0748e38")
+            worst = max(worst, (run_fv(cls(shift=8.0), noise, steps) - expected).abs().max().item())
+    assert worst <= 2e-5, worst
 
 
 @pytest.mark.parametrize("steps", [3, 6])
@@ -169,7 +264,8 @@ def test_negative_control_bh1_and_bh2_swapped_fail(steps: int) -> None:
     sigmas = comfy_sigmas("simple", 5.0, steps)
     noise = initial_noise(0, sigmas[0])
     for cls, wrong in ((ComfyUniPCSimple, "bh2"), (ComfyUniPCBh2Simple, "bh1")):
-        assert not torch.allclose(run_fv(cls(shift=5.0), noise, steps), comfy_uni_pc(const_denoiser, noise, sigmas, wrong), atol=1e-4)
+        expected = comfy_uni_pc(const_denoiser, noise, sigmas, wrong, revision="0748e38")
+        assert not torch.allclose(run_fv(cls(shift=5.0), noise, steps), expected, atol=1e-4)
 
 
 def test_negative_control_the_corrector_is_seen() -> None:
@@ -179,14 +275,10 @@ def test_negative_control_the_corrector_is_seen() -> None:
     sigmas = comfy_sigmas("simple", 5.0, 6)
     noise = initial_noise(1, sigmas[0])
     got = run_fv(ComfyUniPCSimple(shift=5.0), noise, 6)
-    calls: list[int] = []
-
-    def counting(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        calls.append(1)
-        return const_denoiser(x, t)
-
-    assert torch.equal(got, comfy_uni_pc(counting, noise, sigmas, "bh1")) and len(calls) == 6
-    assert not torch.allclose(got, comfy_uni_pc(const_denoiser, noise, sigmas, "bh1", corrector=False), atol=1e-4)
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    assert torch.equal(got, comfy_uni_pc(recording(calls), noise, sigmas, "bh1", revision="0748e38")) and len(calls) == 6
+    no_corrector = comfy_uni_pc(const_denoiser, noise, sigmas, "bh1", revision="0748e38", corrector=False)
+    assert not torch.allclose(got, no_corrector, atol=1e-4)
 
 
 def test_fvs_builtin_unipc_is_not_comfyuis() -> None:
@@ -198,7 +290,7 @@ def test_fvs_builtin_unipc_is_not_comfyuis() -> None:
     assert not torch.allclose(ours, comfy, atol=1e-4)
     noise = initial_noise(2, comfy[0])
     diffusers_like = run_fv(FlowUniPCSampler(shift=shift, solver_type="bh2"), noise, steps)
-    assert not torch.allclose(diffusers_like, comfy_uni_pc(const_denoiser, noise, comfy, "bh2"), atol=1e-3)
+    assert not torch.allclose(diffusers_like, comfy_uni_pc(const_denoiser, noise, comfy, "bh2", revision="0748e38"), atol=1e-3)
 
 
 def test_state_round_trips_mid_trajectory() -> None:
