@@ -13,17 +13,38 @@ from typing import Any
 from fv_kernel.card.refs import import_object
 from fv_kernel.parallel.spmd import SpmdLeader
 from fv_kernel.request.request import Request
+from fv_kernel.runtime.batching import WorkUnit
 from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.executor import BatchOutcome, Executor
 
-__all__ = ["SpmdEngine"]
+__all__ = ["SpmdEngine", "SpmdExecutor"]
+
+
+class SpmdExecutor(Executor):
+    """An :class:`Executor` that announces each batch's units to the pool's workers before it runs."""
+
+    def __init__(self, *args: Any, leader: SpmdLeader, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.leader = leader
+
+    def run_batch(self, batch: list[WorkUnit]) -> BatchOutcome:
+        units = [(u.request_id, u.plan.loop_id, u.plan.step_index) for u in batch]
+        with self.leader.batch(units):
+            return super().run_batch(batch)
 
 
 class SpmdEngine(Engine):
     """An :class:`Engine` whose op calls every rank of the pool runs in the same order."""
 
     def __init__(self, *args: Any, leader: SpmdLeader, **kwargs: Any) -> None:
+        self.leader = leader  # before the base builds its executor (make_executor)
         super().__init__(*args, **kwargs)
-        self.leader = leader
+
+    def make_executor(self) -> Executor:
+        return SpmdExecutor(
+            self._by_instance_id, self.metrics, batching=self.config.batching, check_finite=self.config.check_finite,
+            device_thread=self.config.device_thread, leader=self.leader,
+        )
 
     def validate(self, request: Request) -> Request:
         resolved = super().validate(request)
@@ -31,8 +52,3 @@ class SpmdEngine(Engine):
         if card.parallelism.implementation is not None:
             import_object(card.parallelism.implementation).check_request(card, resolved, self.leader.runtime.plan)
         return resolved
-
-    def _run_batch(self, batch: list[Any]) -> Any:
-        units = [(u.request_id, u.plan.loop_id, u.plan.step_index) for u in batch]
-        with self.leader.batch(units):
-            return super()._run_batch(batch)

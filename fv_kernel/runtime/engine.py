@@ -89,10 +89,7 @@ class Engine:
         self.services: dict[str, Any] = {"feature_cache": FeatureCache()}
         self._instances: dict[str, ModelInstance] = {}
         self._by_instance_id: dict[str, ModelInstance] = {}
-        self.executor = Executor(
-            self._by_instance_id, self.metrics, batching=self.config.batching, check_finite=self.config.check_finite,
-            device_thread=self.config.device_thread,
-        )
+        self.executor = self.make_executor()
         self._store = RecordStore(keep=self.config.keep_finished, keep_bytes=self.config.keep_finished_bytes)
         self._records: dict[str, RequestRecord] = self._store.records
         self._loads = ComponentLoads(self.scheduler.memory)
@@ -102,6 +99,13 @@ class Engine:
         self._stopping = False
         #: Weight syncs done per model id (names the next weights_version).
         self._syncs: dict[str, int] = {}
+
+    def make_executor(self) -> Executor:
+        """The executor batches run on (a subclass may announce each batch, as a parallel pool's rank 0 does)."""
+        return Executor(
+            self._by_instance_id, self.metrics, batching=self.config.batching, check_finite=self.config.check_finite,
+            device_thread=self.config.device_thread,
+        )
 
     # -- instances ----------------------------------------------------------------
     def add_instance(self, instance: ModelInstance) -> None:
