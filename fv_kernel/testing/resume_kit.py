@@ -22,10 +22,10 @@ holds at equal settings.
 
 Denoise trajectories are made long enough for the sampler's history to matter: a
 request whose denoise loop runs fewer steps than its sampler's
-:meth:`~fv_kernel.loop.samplers.Sampler.resume_check_steps` (4 for UniPC at order 2:
-a shorter trajectory never reads ``last_sample`` after a checkpoint) is raised to it
-(unless the recipe fixes the steps), so a class attribute ``steps = 3`` cannot shorten
-the check below it. Every multistep sampler a denoise loop of the card binds
+:meth:`~fv_kernel.loop.samplers.Sampler.resume_check_steps` (4 for UniPC at order 2: on
+3 steps its full-order corrector runs only on the last step, which it does not change)
+is raised to it (unless the recipe fixes the steps), so a class attribute ``steps = 3``
+cannot shorten the check below it. Every multistep sampler a denoise loop of the card binds
 (``resume_check_steps() > 2``) is resumed too: when no request runs that sampler, the kit
 adds one (:func:`~fv_kernel.testing.card_kit.sample_requests` with that sampler), and fails
 naming the loop when it cannot build one.
@@ -34,9 +34,9 @@ What it catches: a loop that keeps something it needs outside its state (a count
 an RNG on the loop object, a module global), a loop whose ``restore`` does not
 re-attach a per-process resource (K/V in a pool), a program whose control flow cannot
 be replayed, a state that loses part of its history when written (e.g. a sampler's), and
-unserializable state. The resumes of one card share one process and one instance; each
-request's run from its latest checkpoint to its earliest, so a resume never follows one
-that already computed the steps before its checkpoint (state kept outside the state
+unserializable state. The resumes of one card share one process and one instance; a
+request's resumes run from its latest checkpoint to its earliest, so a resume never
+follows one that already computed the steps before its checkpoint (state kept outside the state
 from an earlier step of the same request cannot stand in for the saved state). What it
 cannot see: state that survives in the fresh process between two resumes of the same card
 and that a resume from a later checkpoint would also have produced.
