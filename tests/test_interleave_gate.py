@@ -357,7 +357,81 @@ def test_the_gate_refuses_requests_that_do_not_vary() -> None:
             return [r.with_updates(diffusion=r.diffusion.model_copy(update={"steps": 2})) for r in requests]
 
     message = _fails(FlatSteps())
-    assert "toy-dit: every gate request has the same steps ([2])" in message and "steps = N" in message
+    assert "toy-dit: every text_to_image gate request has the same steps ([2])" in message and "steps = N" in message
+    assert "(its recipe does not fix them)" in message
+
+
+def _one_prompt(requests: Sequence[Request]) -> list[Request]:
+    """Every request's prompt replaced by the first gate prompt."""
+    return [
+        r.with_updates(inputs=tuple(TextPart(text=GATE_PROMPTS[0]) if getattr(p, "role", None) == "prompt" else p for p in r.inputs))
+        for r in requests
+    ]
+
+
+class _OldVaryCheck:
+    """The varied-fields check before: a field had to vary wherever ``sample_requests`` itself varied it."""
+
+    steps: ClassVar[int | None]
+
+    def assert_requests_vary(self, cards: Sequence[ModelCard], requests: Sequence[Request]) -> None:
+        for card in cards:
+            kit = [resolve_request(card, r) for r in sample_requests(card, seeds=range(2), steps=self.steps, vary_size=True)]
+            mine = [resolve_request(card, r) for r in requests if r.model == card.model_id]
+            if len({r.text("prompt") for r in kit}) > 1 and len({r.text("prompt") for r in mine}) < 2:
+                raise AssertionError(f"{card.model_id}: every gate request has the same prompt")
+
+
+def test_the_gate_refuses_requests_that_share_one_prompt() -> None:
+    class OnePrompt(_Gate):
+        card_ids = ("toy-dit",)
+        card_factory = staticmethod(lambda: toy_card("toy-dit"))
+
+        def requests_for(self, card: ModelCard, **options: Any) -> list[Request]:
+            return _one_prompt(super().requests_for(card, **options))
+
+    message = _fails(OnePrompt())
+    assert f"toy-dit: every text_to_image gate request has the same prompt (['{GATE_PROMPTS[0]}'])" in message
+
+
+def test_the_varied_fields_are_decided_from_the_card_not_from_the_kits_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kit's own request builder regresses to one prompt for every request: the gate's requests
+    # and what the old check compared them against share it, so the old check passed them.
+    from fv_kernel.testing import card_kit
+
+    monkeypatch.setattr(card_kit, "GATE_PROMPTS", (GATE_PROMPTS[0],) * len(GATE_PROMPTS))
+    cards = [toy_card("toy-dit"), toy_card("toy-lm")]
+    old, new = _gate(lambda: cards[0], _OldVaryCheck), _gate(lambda: cards[0])
+    requests = new.gate_requests(cards, "gate-")
+    assert {r.text("prompt") for r in requests} == {GATE_PROMPTS[0]}
+    old.assert_requests_vary(cards, requests)
+    with pytest.raises(AssertionError, match="toy-dit: every text_to_image gate request has the same prompt"):
+        new.assert_requests_vary(cards, requests)
+    with pytest.raises(AssertionError, match="toy-lm: every text_generation gate request has the same prompt"):
+        new.assert_requests_vary(cards[1:], requests)
+
+
+def test_the_gate_requires_variation_only_where_the_card_allows_it() -> None:
+    # No CFG and a recipe that fixes the steps (DMD): guidance, negative prompt and steps need not vary.
+    card = toy_dmd_card()
+    gate = _gate(toy_dmd_card)
+    requests = gate.gate_requests([card], "gate-")
+    flat = [r.with_updates(inputs=tuple(p for p in r.inputs if getattr(p, "role", None) != "negative_prompt")) for r in requests]
+    gate.assert_requests_vary([card], flat)
+    # One size only: the size need not vary either, but the seed still must.
+    caps = card.capabilities
+    assert caps.defaults is not None
+    small = caps.defaults.model_copy(update={"height": 4, "width": 4})
+    one_size = card.model_copy(update={"capabilities": caps.model_copy(update={"defaults": small, "max_pixels": 16})})
+    assert alternative_size(one_size) is None
+    same_seed = [r.with_updates(diffusion=r.diffusion.model_copy(update={"seed": 0})) for r in gate.requests_for(one_size, seeds=range(2))]
+    with pytest.raises(AssertionError, match="every text_to_image gate request has the same seed"):
+        gate.assert_requests_vary([one_size], same_seed)
+    # Text generation: its length varies too.
+    lm = toy_card("toy-lm")
+    one_length = [r.with_updates(ar=r.ar.model_copy(update={"max_tokens": 4})) for r in sample_requests(lm, seeds=range(2)) if r.ar]
+    with pytest.raises(AssertionError, match=r"toy-lm: every text_generation gate request has the same max_tokens \(\[4\]\)"):
+        gate.assert_requests_vary([lm], one_length)
 
 
 def test_the_gate_refuses_a_request_that_never_batched() -> None:

@@ -174,6 +174,19 @@ class Sampler(BaseModel, abc.ABC):
         """True when the next ``step`` needs fresh noise (drawn by the caller)."""
         return False
 
+    def resume_check_steps(self) -> int:
+        """The fewest steps of a trajectory in which every value this sampler's state carries
+        from one step to the next is read after some step boundary.
+
+        A resume check that checkpoints every step boundary of a trajectory this long (the
+        conformance kit's ``ResumeConformance`` raises shorter requests to it) resumes at least
+        once where each part of the state matters; on a shorter one a state that loses part of
+        its history can still resume bit-identically. A sampler that carries history across
+        steps (multistep solvers) overrides this; a memoryless one carries only its step index,
+        which matters from 2 steps on.
+        """
+        return 2
+
     def config_signature(self) -> str:
         """A stable string of this configuration (for cache keys and recipe checks)."""
         fields = self.model_dump(mode="json")
@@ -302,6 +315,18 @@ class FlowUniPCSampler(_ShiftedFlowSampler):
         timesteps = torch.from_numpy(sigmas * T).to(torch.int64)
         sigmas = torch.from_numpy(np.append(sigmas, 0.0).astype(np.float32))
         return UniPCState(sampler=self.config_signature(), sigmas=sigmas, timesteps=timesteps)
+
+    def resume_check_steps(self) -> int:
+        """``solver_order + 2`` (4 at the default order 2).
+
+        Step ``i`` reads the predictor history (``model_outputs``, ``lower_order_nums``) and, in
+        its corrector, ``last_sample`` and ``this_order`` from step ``i - 1``. Warm-up reaches the
+        full order only at step ``solver_order - 1`` (predictor) and ``solver_order`` (the corrector
+        of the step after it); the last step is first order and returns its x0 prediction, which
+        the corrector does not change, so it reads none of it. The corrector's full-order step
+        therefore needs ``solver_order + 2`` steps (for order 2: the checkpoint at step 2 of 4).
+        """
+        return self.solver_order + 2
 
     def step(
         self,
@@ -457,6 +482,10 @@ class DMDSampler(_ShiftedFlowSampler):
         timesteps = sigmas * T
         sigmas = torch.cat([sigmas, torch.zeros(1, dtype=torch.float32)])
         return SamplerState(sampler=self.config_signature(), sigmas=sigmas, timesteps=timesteps)
+
+    def resume_check_steps(self) -> int:
+        """Memoryless (2), but never more than the steps it is distilled for: no other trajectory exists."""
+        return min(2, len(self.denoising_timesteps))
 
     def needs_noise(self, state: SamplerState) -> bool:
         return self.sample_type == "sde" and state.step_index + 1 < state.num_steps

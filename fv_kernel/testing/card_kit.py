@@ -359,16 +359,55 @@ class CardConformance(_CardKitBase):
 #: The step kinds that generate (denoise, token): each gate request must batch in them at least once.
 _GENERATING_KINDS = frozenset({"diffusion_step", "diffusion_window", "chunk_step", "ar_token"})
 
-#: Request fields the gate requires to vary on a card wherever :func:`sample_requests` varies them:
-#: (name, applies to text generation, value); diffusion-only fields are compared among diffusion requests.
-_VARIED_FIELDS: tuple[tuple[str, bool, Callable[[Request], Any]], ...] = (
-    ("prompt", True, lambda r: r.text("prompt")),
-    ("negative prompt", False, lambda r: r.text("negative_prompt")),
-    ("seed", True, lambda r: r.ar.seed if r.task is TaskType.TEXT_GENERATION and r.ar is not None else r.diffusion.seed),
-    ("size", False, lambda r: (r.diffusion.height, r.diffusion.width)),
-    ("steps", False, lambda r: r.diffusion.steps),
-    ("guidance", False, lambda r: r.diffusion.guidance),
-    ("guidance_2", False, lambda r: r.diffusion.guidance_2),
+def _diffusion(request: Request) -> bool:
+    return request.task is not TaskType.TEXT_GENERATION
+
+
+def _other_size(card: ModelCard, request: Request) -> str | None:
+    size, d = alternative_size(card), card.capabilities.defaults
+    if not _diffusion(request) or size is None or d is None:
+        return None
+    return f"it accepts {size[0]}x{size[1]} besides its default {d.height}x{d.width}"
+
+
+def _free_steps(card: ModelCard, request: Request) -> str | None:
+    if not _diffusion(request) or card.capabilities.defaults is None or _fixed_steps(card, request) is not None:
+        return None
+    return "its recipe does not fix them"
+
+
+def _cfg_default(name: str) -> Callable[[ModelCard, Request], str | None]:
+    def why(card: ModelCard, request: Request) -> str | None:
+        value = getattr(card.capabilities.defaults, name, None)
+        if not _diffusion(request) or not card.capabilities.uses_guidance or value is None or value <= 1.0:
+            return None
+        return f"its default {name} {value:g} runs classifier-free guidance"
+
+    return why
+
+
+def _negative_branch(card: ModelCard, request: Request) -> str | None:
+    guidance = request.diffusion.guidance
+    if not _diffusion(request) or not card.capabilities.uses_guidance or guidance is None or guidance <= 1.0:
+        return None
+    return "the request runs classifier-free guidance, whose unconditional branch reads it"
+
+
+#: Request fields the gate requires to differ between a card's gate requests of one task, decided
+#: from the card alone (never from :func:`sample_requests`, which builds the gate's requests: a kit
+#: that stopped varying a field must not also stop checking it): (name, value of a resolved request,
+#: why the card lets it vary for that request, or None where it does not).
+_VARIED_FIELDS: tuple[tuple[str, Callable[[Request], Any], Callable[[ModelCard, Request], str | None]], ...] = (
+    ("prompt", lambda r: r.text("prompt"), lambda card, r: "every request brings its own"),
+    ("negative prompt", lambda r: r.text("negative_prompt"), _negative_branch),
+    ("seed", lambda r: r.diffusion.seed if _diffusion(r) else r.ar.seed if r.ar is not None else None,
+     lambda card, r: "every request brings its own"),
+    ("size", lambda r: (r.diffusion.height, r.diffusion.width), _other_size),
+    ("steps", lambda r: r.diffusion.steps, _free_steps),
+    ("guidance", lambda r: r.diffusion.guidance, _cfg_default("guidance")),
+    ("guidance_2", lambda r: r.diffusion.guidance_2, _cfg_default("guidance_2")),
+    ("max_tokens", lambda r: r.ar.max_tokens if r.ar is not None else None,
+     lambda card, r: None if _diffusion(r) else "every text request sets its own length"),
 )
 
 
@@ -405,19 +444,24 @@ class InterleaveConformance(_CardKitBase):
         return [run_serially(self.make_engine([by_id[r.model]]), [r])[0] for r in requests]
 
     def assert_requests_vary(self, cards: Sequence[ModelCard], requests: Sequence[Request]) -> None:
-        """Every field the kit varies on a card differs between the card's gate requests."""
+        """Within each task, a card's gate requests differ in every field the card lets vary
+        (:data:`_VARIED_FIELDS`: prompt and seed always; negative prompt, size, steps, guidance
+        and text length where the card takes them)."""
         for card in cards:
-            kit = [resolve_request(card, r) for r in sample_requests(card, seeds=range(2), steps=self.steps, vary_size=True)]
             mine = [resolve_request(card, r) for r in requests if r.model == card.model_id]
-            for name, for_text, value_of in _VARIED_FIELDS:
-                kit_values = {value_of(r) for r in kit if for_text or r.task is not TaskType.TEXT_GENERATION}
-                my_values = {value_of(r) for r in mine if for_text or r.task is not TaskType.TEXT_GENERATION}
-                if len(kit_values) > 1 and len(my_values) < 2:
+            for task in sorted({r.task for r in mine}, key=lambda t: t.value):
+                group = [r for r in mine if r.task is task]
+                for name, value_of, why in _VARIED_FIELDS:
+                    reasons = {r.request_id: why(card, r) for r in group}
+                    free = [r for r in group if reasons[r.request_id] is not None]
+                    values = {value_of(r) for r in free}
+                    if len(free) < 2 or len(values) > 1:
+                        continue
                     raise AssertionError(
-                        f"{card.model_id}: every gate request has the same {name} ({sorted(my_values, key=repr)}), but the card "
-                        f"lets it vary and a request that leaks its {name} into another would pass unnoticed. "
-                        "If requests_for overwrites it (e.g. diffusion.steps to shorten the suite), set the class "
-                        "attribute instead (steps = N) or keep two values"
+                        f"{card.model_id}: every {task.value} gate request has the same {name} ({sorted(values, key=repr)}), "
+                        f"but the card lets it vary ({reasons[free[0].request_id]}) and a request that leaks its {name} "
+                        "into another would pass unnoticed. If requests_for overwrites it (e.g. diffusion.steps to "
+                        "shorten the suite), set the class attribute instead (steps = N) or keep two values"
                     )
 
     def test_interleaved_equals_each_alone(self) -> None:

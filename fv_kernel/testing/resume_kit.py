@@ -11,21 +11,35 @@ For each card and each of its kit requests (:meth:`requests_for`, the same reque
 as the card kit), the check runs the request once in this process, writing a
 :class:`~fv_kernel.program.resume.ProgramCheckpoint` at every step boundary (so a
 state that cannot be serialized fails here, when it is written, naming the loop and
-the field). It then picks, for every loop that ran steps, a boundary in the middle of
-that loop, and resumes each picked checkpoint in **one fresh Python process** per
-conformance class: there the card is loaded and built again (through this class's
-:meth:`load_card` / :meth:`build`, so a class that overrides them must be importable
-at module level), and the request continues from the checkpoint. Its artifacts must be
-bit-identical to the uninterrupted run's (CPU, fp32). The fresh process copies this one's
-torch thread count, deterministic-algorithms flag and default dtype: CPU kernels split
-reductions by thread, so bit-identity across processes holds at equal settings.
+the field). It then resumes **every** checkpoint, i.e. every step index of every loop,
+in **one fresh Python process** per conformance class: there the card is loaded and
+built again (through this class's :meth:`load_card` / :meth:`build`, so a class that
+overrides them must be importable at module level), and the request continues from the
+checkpoint. Its artifacts must be bit-identical to the uninterrupted run's (CPU, fp32).
+The fresh process copies this one's torch thread count, deterministic-algorithms flag and
+default dtype: CPU kernels split reductions by thread, so bit-identity across processes
+holds at equal settings.
+
+Denoise trajectories are made long enough for the sampler's history to matter: a
+request whose denoise loop runs fewer steps than its sampler's
+:meth:`~fv_kernel.loop.samplers.Sampler.resume_check_steps` (4 for UniPC at order 2: on
+3 steps its full-order corrector runs only on the last step, which it does not change)
+is raised to it (unless the recipe fixes the steps), so a class attribute ``steps = 3``
+cannot shorten the check below it. Every multistep sampler a denoise loop of the card binds
+(``resume_check_steps() > 2``) is resumed too: when no request runs that sampler, the kit
+adds one (:func:`~fv_kernel.testing.card_kit.sample_requests` with that sampler), and fails
+naming the loop when it cannot build one.
 
 What it catches: a loop that keeps something it needs outside its state (a counter or
 an RNG on the loop object, a module global), a loop whose ``restore`` does not
 re-attach a per-process resource (K/V in a pool), a program whose control flow cannot
-be replayed, and unserializable state. What it cannot see: state that survives in the
-fresh process between two resumes of the same card (they share one process and one
-instance, in checkpoint order; the first resume of each request is the strictest).
+be replayed, a state that loses part of its history when written (e.g. a sampler's), and
+unserializable state. The resumes of one card share one process and one instance; a
+request's resumes run from its latest checkpoint to its earliest, so a resume never
+follows one that already computed the steps before its checkpoint (state kept outside the state
+from an earlier step of the same request cannot stand in for the saved state). What it
+cannot see: state that survives in the fresh process between two resumes of the same card
+and that a resume from a later checkpoint would also have produced.
 """
 
 from __future__ import annotations
@@ -44,12 +58,16 @@ from pydantic import Field
 
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.card.spec import ModelCard
+from fv_kernel.card.recipe import select_denoise_loop
+from fv_kernel.loop.samplers import Sampler, bound_sampler, use_samplers
+from fv_kernel.model.validate import resolve_request
 from fv_kernel.state import TensorState
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import Request
+from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.local import run_local
-from fv_kernel.testing.card_kit import _CardKitBase, assert_artifacts_identical
+from fv_kernel.testing.card_kit import _CardKitBase, assert_artifacts_identical, sample_requests
 
 __all__ = ["ResumeConformance", "ResumePoint", "checkpoints_inside_every_loop", "resume_in_fresh_process"]
 
@@ -72,31 +90,27 @@ class ResumePoint:
 
 
 def checkpoints_inside_every_loop(request: Request, instance: ModelInstance) -> tuple[list[Artifact], list[ResumePoint]]:
-    """Run ``request`` writing a checkpoint at every step boundary; return its artifacts and, for
-    every loop that ran steps, the checkpoint in the middle of that loop's boundaries (and one
-    between two counted steps when the middle falls in the loop's preparation)."""
-    boundaries: list[tuple[dict[str, int], ResumePoint]] = []
+    """Run ``request`` writing a checkpoint at every step boundary; return its artifacts and every
+    checkpoint, in the order they were written: each step index of each loop that ran steps."""
+    points: list[ResumePoint] = []
 
     def write(run: ProgramRun) -> None:
         checkpoint = run.checkpoint()
-        point = ResumePoint(request.request_id, checkpoint.position(), checkpoint.to_bytes())
-        boundaries.append(({r.key: r.step for r in checkpoint.running}, point))
+        points.append(ResumePoint(request.request_id, checkpoint.position(), checkpoint.to_bytes()))
 
     artifacts = run_local(request, instance, on_step=write)
-    by_loop: dict[str, list[tuple[int, int]]] = {}
-    for index, (running, _) in enumerate(boundaries):
-        for key, step in running.items():
-            by_loop.setdefault(key, []).append((index, step))
-    picked: set[int] = set()
-    for seen in by_loop.values():
-        index, step = seen[(len(seen) - 1) // 2]
-        picked.add(index)
-        last = seen[-1][1]
-        if step == 0 and last > 0:
-            # The middle boundary is still in the loop's preparation (e.g. prompt K/V): also
-            # resume between two of its counted steps, where sampler history matters.
-            picked.add(next(i for i, s in seen if s == max(1, last // 2)))
-    return artifacts, [boundaries[i][1] for i in sorted(picked)]
+    return artifacts, points
+
+
+def _denoise_sampler(card: ModelCard, request: Request) -> tuple[str, Sampler] | None:
+    """The denoise loop ``request`` runs and the sampler it runs there (call inside ``use_samplers``)."""
+    if request.task is TaskType.TEXT_GENERATION:
+        return None
+    loop_id = select_denoise_loop(card, request)
+    binding = card.loops[loop_id].sampler if loop_id is not None else None
+    if loop_id is None or binding is None:
+        return None
+    return loop_id, bound_sampler(binding, requested=request.diffusion.sampler, shift=request.diffusion.shift)
 
 
 def _importable(cls: type) -> str:
@@ -143,8 +157,60 @@ class ResumeConformance(_CardKitBase):
     resume_timeout_s: ClassVar[float] = 900.0
 
     def resume_requests(self, card: ModelCard) -> list[Request]:
-        """The requests checkpointed and resumed (default: :meth:`requests_for`)."""
+        """The requests checkpointed and resumed (default: :meth:`requests_for`).
+
+        The check then lengthens short denoise trajectories and adds a request for every
+        multistep sampler none of them runs (:meth:`long_enough`)."""
         return self.requests_for(card, prefix="resume-")
+
+    def long_enough(self, card: ModelCard, requests: Sequence[Request]) -> list[Request]:
+        """``requests`` with every denoise trajectory at least its sampler's
+        :meth:`~fv_kernel.loop.samplers.Sampler.resume_check_steps` long (recipes with fixed steps
+        keep theirs), plus a request for each multistep sampler a denoise loop of the card binds
+        and none of them runs; AssertionError when the card cannot take such a request."""
+        registry = self.registry()
+        with use_samplers(registry.samplers):
+
+            def lengthen(request: Request) -> tuple[str | None, Request]:
+                """The sampler ``request`` runs (short name) and the request, lengthened if need be."""
+                found = _denoise_sampler(card, request)
+                if found is None:
+                    return None, request
+                loop_id, sampler = found
+                binding = card.loops[loop_id].sampler
+                assert binding is not None
+                runs = (request.diffusion.sampler or binding.name).rsplit("/", 1)[-1]
+                need = sampler.resume_check_steps()
+                steps = resolve_request(card, request, samplers=registry.sampler_names()).diffusion.steps
+                if binding.fixed_steps is not None or steps is None or steps >= need:
+                    return runs, request
+                limit = card.capabilities.max_steps
+                assert limit is None or need <= limit, (
+                    f"{card.model_id} {request.request_id}: sampler {runs!r} needs {need} denoise steps for its "
+                    f"history to matter after a checkpoint, but the card allows at most {limit}"
+                )
+                return runs, request.with_updates(diffusion=request.diffusion.model_copy(update={"steps": need}))
+
+            checked = [lengthen(r) for r in requests]
+            ran = {name for name, _ in checked}
+            out = [r for _, r in checked]
+            assumed = card.recipe.assumes_loop
+            for loop_id, spec in card.denoise_loops().items():
+                if spec.sampler is None or (assumed is not None and loop_id != assumed):
+                    continue  # a recipe that assumes another loop never runs this one
+                name = spec.sampler.name.rsplit("/", 1)[-1]
+                if name in ran or bound_sampler(spec.sampler).resume_check_steps() <= 2:
+                    continue  # run already, or memoryless (its state carries only the step index)
+                candidates = sample_requests(card, prefix=f"resume-{name}-", steps=self.steps, sampler=spec.sampler.name)
+                extra = [r for runs, r in map(lengthen, candidates) if runs == name][:1]
+                assert extra, (
+                    f"{card.model_id}: denoise loop {loop_id!r} binds the multistep sampler {name!r}, whose history a "
+                    "resume must carry, but no resume request runs it and the kit cannot build one; add a request "
+                    "that runs it to requests_for"
+                )
+                out.append(extra[0])
+                ran.add(name)
+        return out
 
     def test_resumes_in_a_fresh_process_bit_identically(self) -> None:
         assert self.card_ids, "set card_ids on the resume conformance class"
@@ -158,7 +224,7 @@ class ResumeConformance(_CardKitBase):
         for model_id in model_ids:
             card = self.load_card(model_id)
             instance = self.build(card)
-            for request in self.resume_requests(card):
+            for request in self.long_enough(card, self.resume_requests(card)):
                 program = instance.program(request.task)
                 assert program.resumable, (
                     f"{model_id} {request.task.value}: program {type(program).__qualname__} is not resumable "
@@ -167,7 +233,8 @@ class ResumeConformance(_CardKitBase):
                 artifacts, points = checkpoints_inside_every_loop(request, instance)
                 assert points, f"{model_id} {request.task.value}: the program ran no steps through run_loop"
                 references[request.request_id] = artifacts
-                jobs.extend((model_id, point) for point in points)
+                # Latest checkpoint first: no resume follows one that ran the steps before its checkpoint.
+                jobs.extend((model_id, point) for point in reversed(points))
         outcomes = resume_in_fresh_process(type(self), jobs, timeout_s=self.resume_timeout_s)
         for (model_id, point), outcome in zip(jobs, outcomes):
             what = f"{model_id} {point.request_id} resumed from '{point.position}' in a fresh process"
