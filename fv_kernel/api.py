@@ -21,6 +21,7 @@ from fv_kernel.card.refs import import_object
 from fv_kernel.model.preflight import InsufficientMemory, PreflightReport, preflight
 from fv_kernel.card.spec import (
     AttentionAssumption,
+    BatchedVsAlone,
     CacheContract,
     CapabilityMatrix,
     CheckpointManifest,

@@ -24,6 +24,7 @@ from fv_kernel.request.types import PRECISIONS, Precision, TaskType
 __all__ = [
     "ImportString",
     "ParityLevel",
+    "BatchedVsAlone",
     "PrecisionPolicy",
     "ComponentSpec",
     "KeyMapRule",
@@ -347,6 +348,25 @@ class ParityTolerance(_Spec):
     justification: str
 
 
+class BatchedVsAlone(_Spec):
+    """How far throughput batching may move a request's result from the same request run alone,
+    at one precision (design §9.3).
+
+    Under ``scheduler.batching: throughput`` (the default) compatible steps of different
+    requests run as one fused call: the same math on a stacked batch, whose kernels may reduce
+    in another order than at batch 1. This is the card's promise about the result, and the
+    runtime fuses an instance's steps only where its card makes one at the instance's precision.
+    The conformance kit's throughput gate (``InterleaveConformance``) measures it.
+    """
+
+    precision: Precision
+    #: Largest absolute difference in any returned artifact's values (decoded frames in [0, 1],
+    #: latents, audio samples) between the request batched with others and run alone.
+    max_abs: float = Field(ge=0)
+    #: What was measured, where, and the margin: the number is a measurement, not a guess.
+    justification: str = Field(min_length=1)
+
+
 class ParitySpec(_Spec):
     """The card's parity obligation: against what, to what level, within which tolerances."""
 
@@ -354,6 +374,22 @@ class ParitySpec(_Spec):
     reference: str  # e.g. "diffusers==0.42.1:WanPipeline"
     tolerances: tuple[ParityTolerance, ...] = ()
     tests: tuple[str, ...] = ()
+    #: Throughput batching's promise, per precision. A precision with none keeps the card's steps
+    #: unfused (each request's rows run alone) under ``batching: throughput`` too.
+    batched_vs_alone: tuple[BatchedVsAlone, ...] = ()
+
+    @field_validator("batched_vs_alone")
+    @classmethod
+    def _one_per_precision(cls, value: tuple[BatchedVsAlone, ...]) -> tuple[BatchedVsAlone, ...]:
+        seen = [entry.precision for entry in value]
+        repeated = sorted({p for p in seen if seen.count(p) > 1})
+        if repeated:
+            raise ValueError(f"one batched_vs_alone entry per precision; {', '.join(repeated)} given more than once")
+        return value
+
+    def batching_tolerance(self, precision: str) -> BatchedVsAlone | None:
+        """The throughput-batching promise at ``precision``, or None (the card's steps stay unfused)."""
+        return next((entry for entry in self.batched_vs_alone if entry.precision == precision), None)
 
 
 #: The fast compute tiers that promise parity against eager (``ComputeOptions.tier`` parts, and the

@@ -43,6 +43,8 @@ class StepRecord:
     predicted_seconds: float
     cost_spec: StepCostSpec
     failed: tuple[str, ...] = ()
+    #: One per request: whether its rows ran inside the batch's one fused call (else on their own).
+    fused: tuple[bool, ...] = ()
 
     @property
     def batch_size(self) -> int:

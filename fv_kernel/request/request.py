@@ -205,7 +205,9 @@ class Request(BaseModel):
     #: Parameters for plugins the deployment enabled, keyed by plugin id. A request
     #: can never choose which plugins run; it can only parameterise enabled ones.
     plugin_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    #: Exact mode rejects any plugin parameter that alters the output distribution.
+    #: Exact mode: the result is bit-identical to the request run alone. Its rows never share a fused
+    #: call (under ``batching: throughput`` too), and any plugin parameter that alters the output
+    #: distribution is refused.
     exact: bool = False
     #: Scheduling class: latency-class work is preferred over batch-class at equal age.
     priority: Literal["interactive", "batch"] = "interactive"

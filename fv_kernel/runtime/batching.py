@@ -41,6 +41,9 @@ class WorkUnit:
     priority: str = "interactive"
     #: Arrival order, assigned by the engine; breaks ties between equal timestamps.
     seq: int = 0
+    #: The request must be bit-identical to itself run alone: its rows never share a fused call
+    #: of an op that is not batch-invariant (``Request.exact``, behaviour capture).
+    exact: bool = False
 
     def __post_init__(self) -> None:
         # Computed once: the batch scheduler compares keys of every pending unit on every pick.

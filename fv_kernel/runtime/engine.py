@@ -117,6 +117,9 @@ class Engine:
             self.admission.register_pool(pool_key(instance, name), pool.capacity_blocks)
         self._instances[instance.model_id] = instance
         self._by_instance_id[instance.instance_id] = instance
+        if self.config.batching == "throughput" and instance.card.parity.batching_tolerance(instance.precision) is None:
+            log.info("card %r declares no parity.batched_vs_alone at %s: its steps run unfused (as under batching: "
+                     "exact) unless an op is batch-invariant", instance.model_id, instance.precision)
         # Deploy-time work that would otherwise land in the scheduler on the first admission:
         # importing the card's loop classes (lazy "module:Class" entries) and sizing what the
         # instance keeps resident (re-sized later only if it loads more components).
@@ -464,14 +467,16 @@ class Engine:
         live = [u for u in batch if not u.future.done()]
         if not live:
             return
-        outcomes, device_s, wall = await self.executor.execute(live)
+        ran, wall = await self.executor.execute(live)
         handed_back = time.perf_counter()
-        failed = self.scheduler.hand_back(live, outcomes, device_s, wall, self.services)
+        failed = self.scheduler.hand_back(live, ran.outcomes, ran.device_seconds, wall, self.services,
+                                          fused_rows=sum(ran.fused))
         if self.observers:
-            self._observe(live, wall, device_s, failed)
+            self._observe(live, wall, ran.device_seconds, failed, ran.fused)
         self.metrics.scheduler_seconds += time.perf_counter() - handed_back
 
-    def _observe(self, batch: list[WorkUnit], wall: float, device_s: float | None, failed: tuple[str, ...]) -> None:
+    def _observe(self, batch: list[WorkUnit], wall: float, device_s: float | None, failed: tuple[str, ...],
+                 fused: tuple[bool, ...]) -> None:
         plan = batch[0].plan
         instance = self._by_instance_id[plan.instance_id]
         record = StepRecord(
@@ -479,7 +484,7 @@ class Engine:
             shape_sig=plan.shape_sig, precision=plan.precision,
             request_ids=tuple(u.request_id for u in batch), steps=tuple(u.plan.step_index or 0 for u in batch),
             wall_seconds=wall, device_seconds=device_s, predicted_seconds=sum(u.price_seconds for u in batch),
-            cost_spec=instance.card.loops[plan.loop_id].step_cost, failed=failed,
+            cost_spec=instance.card.loops[plan.loop_id].step_cost, failed=failed, fused=fused,
         )
         for observer in self.observers:
             try:

@@ -1,10 +1,9 @@
 """The executor: runs a batch of work units on the device thread (design §6.3).
 
 One batch is the units the :class:`~fv_kernel.runtime.batching.BatchScheduler` picked: the
-same op of one instance, compatible plans of different requests. The executor runs it fused
-into one call when the mode allows (``batching: throughput``, or an op that declares itself
-batch-invariant) and per sample otherwise, times it on the device, and checks every output
-for NaN/Inf. Failures are per unit: an exception or a non-finite output fails that unit's
+same op of one instance, compatible plans of different requests. The executor runs them as
+one fused call where that is allowed (:meth:`Executor.fused_rows`) and per sample otherwise,
+times the batch on the device, and checks every output for NaN/Inf. Failures are per unit: an exception or a non-finite output fails that unit's
 request only, and a fused batch that raises is re-run per sample to find the culprit.
 """
 
@@ -14,7 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, NamedTuple
 
 import torch
 
@@ -28,9 +27,15 @@ __all__ = ["Executor", "BatchOutcome", "check_finite"]
 
 log = logging.getLogger("fv.engine")
 
-#: One outcome per unit of a batch (its result or the error that fails its request), and the
-#: batch's device seconds when the device can time itself (CUDA events), else None.
-BatchOutcome = tuple[list[StepResult | BaseException], float | None]
+class BatchOutcome(NamedTuple):
+    """What running one batch gave."""
+
+    #: One per unit, in order: its result, or the error that fails its request.
+    outcomes: list[StepResult | BaseException]
+    #: The batch's device seconds when the device can time itself (CUDA events), else None.
+    device_seconds: float | None
+    #: One per unit: whether its rows ran inside the batch's one fused call.
+    fused: tuple[bool, ...]
 
 
 class Executor:
@@ -68,8 +73,8 @@ class Executor:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._device, fn, *args)
 
-    async def execute(self, batch: list[WorkUnit]) -> tuple[list[StepResult | BaseException], float | None, float]:
-        """Run ``batch`` on the device thread: one outcome per unit, device seconds (or None), wall seconds.
+    async def execute(self, batch: list[WorkUnit]) -> tuple[BatchOutcome, float]:
+        """Run ``batch`` on the device thread: its :data:`BatchOutcome`, and the wall seconds it took.
 
         A batch that cannot even start (its op is missing) fails its own requests, never the
         scheduler: an exception escaping here would end the scheduling task, and every request
@@ -77,47 +82,62 @@ class Executor:
         """
         started = time.perf_counter()
         try:
-            outcomes, device_s = await self.on_device(self.run_batch, batch)
+            outcome: BatchOutcome = await self.on_device(self.run_batch, batch)
         except Exception as exc:  # noqa: BLE001
             error = exc if isinstance(exc, FvError) else StepFailed(
                 f"step {batch[0].plan.op!r} of loop {batch[0].plan.loop_id!r} could not run: {type(exc).__name__}: {exc}"
             )
-            outcomes, device_s = [error] * len(batch), None
-        return outcomes, device_s, time.perf_counter() - started
+            outcome = BatchOutcome([error] * len(batch), None, (False,) * len(batch))
+        return outcome, time.perf_counter() - started
 
-    def fuses(self, op: StepOp, batch: list[WorkUnit]) -> bool:
-        """Whether ``batch`` runs as one fused call of ``op`` (else each unit alone, in one execution)."""
-        # Block hooks carry per-request state, so their steps always run per sample.
-        hooked = any("block_hooks" in u.plan.params for u in batch)
-        return len(batch) > 1 and not hooked and (self.batching == "throughput" or op.batch_invariant)
+    def fused_rows(self, instance: ModelInstance, op: StepOp, batch: list[WorkUnit]) -> list[int]:
+        """The positions of ``batch``'s units that run as one fused call of ``op`` (empty: each alone).
+
+        A batch-invariant op fuses in either mode. Otherwise only under ``batching: throughput``,
+        only for a card that declares how far fusing may move a result at the instance's precision
+        (``ParitySpec.batched_vs_alone``), and never for an exact unit. Block hooks carry
+        per-request state, so their steps always run per sample.
+        """
+        if len(batch) < 2 or any("block_hooks" in u.plan.params for u in batch):
+            return []
+        if op.batch_invariant:
+            return list(range(len(batch)))
+        if self.batching != "throughput" or instance.card.parity.batching_tolerance(instance.precision) is None:
+            return []
+        rows = [index for index, unit in enumerate(batch) if not unit.exact]
+        return rows if len(rows) > 1 else []
 
     def run_batch(self, batch: list[WorkUnit]) -> BatchOutcome:
-        """Runs on the device thread. Returns one outcome per unit, and device seconds if known."""
+        """Runs on the device thread: one outcome per unit, device seconds if known, which rows fused."""
         plan = batch[0].plan
         instance = self._instances[plan.instance_id]
         op = instance.op(plan.op)
-        inputs = [u.plan.inputs for u in batch]
         cuda = instance.device.type == "cuda"
         start_evt = end_evt = None
         if cuda:
             start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start_evt.record()
-        outcomes: list[StepResult | BaseException]
+        together = self.fused_rows(instance, op, batch)
+        outcomes: list[StepResult | BaseException | None] = [None] * len(batch)
         with torch.inference_mode():
-            if self.fuses(op, batch):
+            if together:
                 try:
-                    outcomes = [StepResult(outputs=o) for o in op.run_fused(inputs, plan.params)]
+                    fused = op.run_fused([batch[i].plan.inputs for i in together], plan.params)
+                    for index, outputs in zip(together, fused):
+                        outcomes[index] = StepResult(outputs=outputs)
                 except Exception:  # noqa: BLE001 - fall back to per-sample to find the culprit
                     # Visible, not silent: a fused path that always fails would cost every batch twice.
-                    log.warning("fused %r step of %d requests failed; re-running them one by one", op.name, len(batch),
-                                exc_info=True)
+                    log.warning("fused %r step of %d requests failed; re-running them one by one", op.name,
+                                len(together), exc_info=True)
                     self._metrics.fused_fallbacks[op.name] = self._metrics.fused_fallbacks.get(op.name, 0) + 1
-                    outcomes = run_per_sample(op, batch)
-            else:
-                outcomes = run_per_sample(op, batch)
+                    together = []
+            alone = [index for index, outcome in enumerate(outcomes) if outcome is None]
+            for index, outcome in zip(alone, run_per_sample(op, [batch[i] for i in alone])):
+                outcomes[index] = outcome
+            done: list[StepResult | BaseException] = [o for o in outcomes if o is not None]
             # The device outputs' NaN/Inf flags are queued behind the step, so the one wait below
             # covers them (read after it, they cost each batch a second wait).
-            flags = _FiniteFlags(outcomes) if self.check_finite else None
+            flags = _FiniteFlags(done) if self.check_finite else None
         device_s = None
         if cuda and start_evt is not None and end_evt is not None:
             # Before any output is read: an op may hand back host tensors it copied non-blocking.
@@ -125,8 +145,9 @@ class Executor:
             end_evt.synchronize()
             device_s = start_evt.elapsed_time(end_evt) / 1000.0
         if flags is not None:
-            outcomes = flags.verdicts(batch)
-        return outcomes, device_s
+            done = flags.verdicts(batch)
+        fused_set = set(together)
+        return BatchOutcome(done, device_s, tuple(index in fused_set for index in range(len(batch))))
 
 
 def run_per_sample(op: StepOp, batch: list[WorkUnit]) -> list[StepResult | BaseException]:

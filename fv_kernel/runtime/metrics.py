@@ -27,6 +27,8 @@ class EngineMetrics:
     rejections: dict[str, int] = field(default_factory=dict)
     #: Fused (throughput-mode) batches that raised and were re-run per request, by op.
     fused_fallbacks: dict[str, int] = field(default_factory=dict)
+    #: Fused calls (rows of several requests in one call of an op), by how many requests' rows each held.
+    fused_calls_by_size: dict[int, int] = field(default_factory=dict)
     completed: int = 0
     failed: int = 0
     cancelled: int = 0

@@ -44,9 +44,12 @@ class SchedulerConfig(BaseModel):
     #: "step": interleave the steps of all running requests. "request": run one request
     #: to completion before the next starts (the baseline step-level scheduling must beat).
     scheduling: Literal["step", "request"] = "step"
-    #: "exact": a batch of ops that are not batch-invariant runs per sample (bit-identical to
-    #: serial). "throughput": always fuse compatible steps into one batched call.
-    batching: Literal["exact", "throughput"] = "exact"
+    #: "throughput" (the default): compatible steps of different requests run as one fused call
+    #: when the op is batch-invariant, or when the card declares how far that may move a result
+    #: at the instance's precision (``ParitySpec.batched_vs_alone``); a request with ``exact`` or
+    #: ``output.capture_behavior`` set still runs its rows alone. "exact": every op that is not
+    #: batch-invariant runs per sample, so each result is bit-identical to the request run alone.
+    batching: Literal["exact", "throughput"] = "throughput"
     batch: BatchPolicy = BatchPolicy()
     budgets: Budgets = Budgets()
     max_running_requests: int = Field(default=64, ge=1)
@@ -197,9 +200,12 @@ class Scheduler:
         if price is None:
             key = CostKey(plan.instance_id, plan.kind.value, plan.shape_sig, plan.precision)
             price = self.cost_model.conservative(key, loop_spec.step_cost)
+        request = record.request
         unit = WorkUnit(
-            plan=plan, request_id=record.request.request_id, future=future, enqueued_at=time.monotonic(),
-            price_seconds=price, priority=record.request.priority,
+            plan=plan, request_id=request.request_id, future=future, enqueued_at=time.monotonic(),
+            price_seconds=price, priority=request.priority,
+            # RL capture records what one request's own forward did (C2): it never shares a fused call.
+            exact=request.exact or request.output.capture_behavior != "off",
         )
         self.pending.add(unit)
         return unit
@@ -214,15 +220,18 @@ class Scheduler:
 
     def hand_back(
         self, batch: list[WorkUnit], outcomes: list[StepResult | BaseException], device_s: float | None, wall: float,
-        services: Mapping[str, Any],
+        services: Mapping[str, Any], *, fused_rows: int = 0,
     ) -> tuple[str, ...]:
         """Settle an executed batch: charge each request its share, resolve each driver's future
-        (applying the plan's cache writes first), count it. Returns the requests whose step failed."""
+        (applying the plan's cache writes first), count it (``fused_rows``: the units that ran in
+        its one fused call). Returns the requests whose step failed."""
         self.metrics.execute_seconds += wall
         self.batcher.note_executed(batch, device_s if device_s is not None else wall)
         plan = batch[0].plan
         self.metrics.units_by_kind[plan.kind.value] = self.metrics.units_by_kind.get(plan.kind.value, 0) + len(batch)
         self.metrics.batches_by_size[len(batch)] = self.metrics.batches_by_size.get(len(batch), 0) + 1
+        if fused_rows > 1:
+            self.metrics.fused_calls_by_size[fused_rows] = self.metrics.fused_calls_by_size.get(fused_rows, 0) + 1
         self.metrics.observe_latency(wall)
         share = (device_s if device_s is not None else wall) / len(batch)
         failed: list[str] = []

@@ -52,10 +52,20 @@ class EngineCollector(Collector):
         for kind, n in sorted(m.units_by_kind.items()):
             units.add_metric([kind], n)
         yield units
-        batches = CounterMetricFamily("fv_batches", "Batches executed, by number of WorkUnits fused.", labels=["size"])
+        batches = CounterMetricFamily(
+            "fv_batches", "Batches executed (compatible WorkUnits scheduled together), by number of WorkUnits.",
+            labels=["size"],
+        )
         for size, n in sorted(m.batches_by_size.items()):
             batches.add_metric([str(size)], n)
         yield batches
+        fused = CounterMetricFamily(
+            "fv_fused_calls", "Ops called once on the stacked rows of several requests, by number of requests.",
+            labels=["size"],
+        )
+        for size, n in sorted(m.fused_calls_by_size.items()):
+            fused.add_metric([str(size)], n)
+        yield fused
         fallbacks = CounterMetricFamily(
             "fv_fused_fallbacks", "Fused batches that raised and were re-run request by request, by op.", labels=["op"],
         )

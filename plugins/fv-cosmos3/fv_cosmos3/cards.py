@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from fv_kernel.api import (
+    BatchedVsAlone,
     CacheContract,
     CapabilityMatrix,
     CheckpointManifest,
@@ -42,6 +43,16 @@ _VIDEO_TASKS = frozenset({T.TEXT_TO_VIDEO, T.TEXT_TO_IMAGE, T.IMAGE_TO_VIDEO, T.
 _ACTION_TASKS = frozenset({T.ACTION_POLICY, T.FORWARD_DYNAMICS, T.INVERSE_DYNAMICS})
 _GEN_TASKS = _VIDEO_TASKS | _ACTION_TASKS
 _ALL_TASKS = _GEN_TASKS | {T.TEXT_GENERATION}
+
+#: What throughput batching may change on cosmos3-tiny (the kit's throughput gate checks it).
+_BATCHED_FP32_TINY = BatchedVsAlone(
+    precision="fp32", max_abs=1e-5,
+    justification=(
+        "decoded frames in [0, 1], fp32 on CPU, 4 text-to-video requests fused vs run alone: measured 6.0e-7 "
+        "(bench/bench_batched_vs_alone.py --card cosmos3-tiny); the generator's fused GEMMs block differently "
+        "from one row (generator_batched_vs_one_row). 1e-5 leaves >10x"
+    ),
+)
 
 
 def tiny_vae_config() -> WanVAEConfig:
@@ -183,6 +194,7 @@ def cosmos3_card(model_id: str) -> ModelCard:
             ),
             tests=("tests/test_c1_text.py", "tests/test_c1_video.py", "tests/test_shared_weights.py",
                    "tests/test_interleave_gate.py", "tests/test_generator_batching.py"),
+            batched_vs_alone=(_BATCHED_FP32_TINY,) if tiny else (),
         ),
         caches={"text_kv": CacheContract(cache_class="paged_kv", key_fields=("request_id",), budget_bytes=budget)},
         precision=PrecisionContract(default="fp32" if tiny else "bf16",

@@ -11,6 +11,7 @@ from typing import Any
 
 from fv_kernel.api import (
     AttentionAssumption,
+    BatchedVsAlone,
     CapabilityMatrix,
     CheckpointManifest,
     ComponentCheckpoint,
@@ -55,6 +56,17 @@ _PARITY_FP32 = ParityTolerance(
 _PARITY_BF16 = ParityTolerance(
     name="eager_bf16_vs_diffusers", metric="max_abs", dtype="bf16", value=0.0,
     justification="the DiT forward is bitwise identical to diffusers in bf16 (measured on CPU and H200)",
+)
+
+#: What throughput batching may change on the tiny cards (the kit's throughput gate checks it).
+_BATCHED_FP32_TINY = BatchedVsAlone(
+    precision="fp32", max_abs=1e-5,
+    justification=(
+        "decoded frames in [0, 1], fp32 on CPU, each request fused with 3 others vs run alone: measured <=1.5e-6 on "
+        "wan-tiny, wan-tiny-a14b, wan-tiny-ti2v and fastwan-tiny, concurrent and staggered arrivals "
+        "(bench/bench_batched_vs_alone.py): batched GEMMs and convolutions reduce in another order than batch 1. "
+        "1e-5 leaves ~7x; a request reading another row's timestep moves its frames by ~1e-2"
+    ),
 )
 
 #: The tiny Wan 2.1 VAE of the embedded cards: real latent statistics, small widths.
@@ -222,6 +234,7 @@ def _card(
     parity = ParitySpec(
         level=ParityLevel.C1, reference="diffusers==0.42.1:WanPipeline",
         tolerances=(_PARITY_FP32, _PARITY_BF16),
+        batched_vs_alone=(_BATCHED_FP32_TINY,) if tiny else (),
         tests=("plugins/fv-wan/tests/test_parity_transformer.py", "plugins/fv-wan/tests/test_parity_vae.py",
                "plugins/fv-wan/tests/test_parity_pipeline.py", "plugins/fv-wan/tests/test_checkpoint.py"),
     )

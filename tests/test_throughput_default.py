@@ -1,0 +1,153 @@
+"""Batching that pays by default: ``batching: throughput`` is the default, and fuses where it is promised.
+
+The executor fuses compatible steps of different requests into one call only for a card that
+declares how far that may move a result at the instance's precision
+(``ParitySpec.batched_vs_alone``), and never for a request that must be bit-identical to its
+run alone (``Request.exact``). ``batching: exact`` fuses nothing that is not batch-invariant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fv_kernel.api import (
+    DeployConfig,
+    DiffusionParams,
+    Engine,
+    ModelCard,
+    Request,
+    SchedulerConfig,
+    TaskType,
+    TextPart,
+    build_instance,
+    run_concurrently,
+    run_serially,
+)
+from fv_kernel.testing import StepRecorder, assert_artifacts_identical
+from fv_kernel.testing.toy import toy_card
+
+PROMPTS = ("a red fox runs through snow", "a lighthouse at dusk waves", "a paper boat on a puddle")
+
+
+def _requests(exact_index: int | None = None) -> list[Request]:
+    return [
+        Request(request_id=f"r{i}", model="toy-dit", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text=p),),
+                diffusion=DiffusionParams(seed=i), exact=i == exact_index)
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+def _run(card: ModelCard, requests: list[Request], config: SchedulerConfig) -> tuple[list, StepRecorder]:
+    engine = Engine(config)
+    engine.add_instance(build_instance(card))
+    recorder = StepRecorder()
+    engine.observers.append(recorder)
+    return run_concurrently(engine, requests), recorder
+
+
+def _alone(card: ModelCard, request: Request) -> list:
+    engine = Engine(SchedulerConfig(batching="exact"))
+    engine.add_instance(build_instance(card))
+    return run_serially(engine, [request])[0].artifacts
+
+
+def _undeclared() -> ModelCard:
+    card = toy_card("toy-dit")
+    return card.model_copy(update={"parity": card.parity.model_copy(update={"batched_vs_alone": ()})})
+
+
+def test_throughput_is_the_default_of_the_engine_and_of_the_deploy_config() -> None:
+    assert SchedulerConfig().batching == "throughput"
+    assert DeployConfig().scheduler.batching == "throughput"
+
+
+def test_a_declaring_card_fuses_under_the_default() -> None:
+    results, recorder = _run(toy_card("toy-dit"), _requests(), SchedulerConfig())
+    assert all(r.status == "completed" for r in results)
+    fused = [rec for rec in recorder.of_kind("diffusion_step") if sum(rec.fused) == len(PROMPTS)]
+    assert fused, "three same-shape requests never shared one fused denoise call"
+
+
+def test_a_card_that_declares_nothing_runs_unfused_and_bit_identical() -> None:
+    card = _undeclared()
+    results, recorder = _run(card, _requests(), SchedulerConfig())
+    batched = [rec for rec in recorder.of_kind("diffusion_step") if rec.batch_size > 1]
+    assert batched, "the requests still share executions (scheduling, admission, one batch)"
+    assert not any(any(rec.fused) for rec in recorder.records)
+    for request, result in zip(_requests(), results):
+        assert_artifacts_identical(_alone(card, request), result.artifacts, what=request.request_id)
+
+
+def test_an_exact_request_never_shares_a_fused_call_and_stays_bit_identical() -> None:
+    card = toy_card("toy-dit")
+    requests = _requests(exact_index=1)
+    results, recorder = _run(card, requests, SchedulerConfig())
+    steps = recorder.of_kind("diffusion_step")
+    assert any(sum(rec.fused) == 2 for rec in steps), "the two other requests fuse"
+    for rec in steps:
+        for request_id, fused in zip(rec.request_ids, rec.fused):
+            assert not (request_id == "r1" and fused), f"the exact request ran inside a fused call: {rec}"
+    assert_artifacts_identical(_alone(card, requests[1]), results[1].artifacts, what="exact request")
+
+
+def test_exact_mode_fuses_nothing_that_is_not_batch_invariant() -> None:
+    results, recorder = _run(toy_card("toy-dit"), _requests(), SchedulerConfig(batching="exact"))
+    assert all(r.status == "completed" for r in results)
+    assert any(rec.batch_size > 1 for rec in recorder.records) and not any(any(rec.fused) for rec in recorder.records)
+
+
+def test_exact_mode_still_fuses_a_batch_invariant_op() -> None:
+    card = toy_card("toy-dit")
+    instance = build_instance(card)
+    inner = instance.ops_builder
+
+    def invariant(inst):  # type: ignore[no-untyped-def]
+        ops = dict(inner(inst))
+        ops["decode_frame"] = dataclasses.replace(ops["decode_frame"], batch_invariant=True)
+        return ops
+
+    instance.ops_builder = invariant
+    engine = Engine(SchedulerConfig(batching="exact"))
+    engine.add_instance(instance)
+    recorder = StepRecorder()
+    engine.observers.append(recorder)
+    run_concurrently(engine, _requests())
+    assert {rec.op for rec in recorder.records if sum(rec.fused) > 1} == {"decode_frame"}
+
+
+@pytest.mark.parametrize("batching", ["exact", "throughput"])
+def test_batching_is_a_typed_choice(batching: str) -> None:
+    assert SchedulerConfig(batching=batching).batching == batching  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="batching"):
+        SchedulerConfig(batching="fast")  # type: ignore[arg-type]
+
+
+def test_a_card_declares_one_batched_vs_alone_per_precision() -> None:
+    from pydantic import ValidationError
+
+    from fv_kernel.api import BatchedVsAlone, ParitySpec
+
+    entry = BatchedVsAlone(precision="fp32", max_abs=1e-5, justification="measured")
+    spec = ParitySpec(level="C1", reference="self", batched_vs_alone=(entry,))
+    assert spec.batching_tolerance("fp32") == entry and spec.batching_tolerance("bf16") is None
+    with pytest.raises(ValidationError, match="(?s)batched_vs_alone.*one batched_vs_alone entry per precision; fp32"):
+        ParitySpec(level="C1", reference="self", batched_vs_alone=(entry, entry))
+    with pytest.raises(ValidationError, match="max_abs"):
+        BatchedVsAlone(precision="fp32", max_abs=-1.0, justification="measured")
+    with pytest.raises(ValidationError, match="justification"):
+        BatchedVsAlone(precision="fp32", max_abs=1e-5, justification="")
+
+
+def test_the_engine_counts_fused_calls_by_how_many_requests_they_held() -> None:
+    engine = Engine(SchedulerConfig())
+    engine.add_instance(build_instance(toy_card("toy-dit")))
+    recorder = StepRecorder()
+    engine.observers.append(recorder)
+    run_concurrently(engine, _requests(exact_index=0))
+    expected: dict[int, int] = {}
+    for rec in recorder.records:
+        if sum(rec.fused) > 1:
+            expected[sum(rec.fused)] = expected.get(sum(rec.fused), 0) + 1
+    assert expected and engine.metrics.fused_calls_by_size == expected and 3 not in expected  # the exact one never fused
