@@ -4,7 +4,8 @@ Each buggy card below is the toy card with one deliberate conditioning or RNG le
 
 - a DiT op that memoizes the text context on the module (first writer wins);
 - an encode op that parks the text context on the module for the DiT op (last writer wins);
-- a stochastic denoise loop that keeps its noise generator on the (shared) loop object.
+- a stochastic denoise loop that keeps its noise generator on the (shared) loop object;
+- a DiT op that runs every row of a fused batch at row 0's timestep (the throughput gate's).
 
 The gate (varied requests, each checked against a run alone on a fresh instance) fails on
 each. The design it replaced (one prompt for every request, reference run serially on the
@@ -25,7 +26,7 @@ import torch
 from fv_kernel.model.options import InstanceOptions
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.loop.plan import StepOp
-from fv_kernel.card.spec import ModelCard, RecipeSpec, SamplerBinding
+from fv_kernel.card.spec import BatchedVsAlone, ModelCard, RecipeSpec, SamplerBinding
 from fv_kernel.model.validate import resolve_request
 from fv_kernel.loop.plan import StepResult
 from fv_kernel.loop.samplers import sampler_from_state
@@ -33,7 +34,8 @@ from fv_kernel.state import generator_from_state
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.records import GenerationResult
-from fv_kernel.runtime.engine import run_serially
+from fv_kernel.runtime.engine import Engine, run_serially
+from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.testing import (
     GATE_NEGATIVE_PROMPTS,
     GATE_PROMPTS,
@@ -463,3 +465,68 @@ def test_conformance_doc_example_runs() -> None:
     assert {r.diffusion.steps for r in requests if r.task is not TaskType.TEXT_GENERATION} == {2, 3}
     assert sum(r.prompt_upsampling for r in requests) == 2
     gate.test_interleaved_equals_each_alone()
+
+
+# --------------------------------------------------------------------------- the throughput gate
+
+
+def build_row_zero_timestep_instance(card: ModelCard, options: InstanceOptions) -> ModelInstance:
+    """BUG (d): the DiT op runs every row of a fused batch at row 0's timestep. Alone (batch 1) it is right."""
+
+    def wrap(instance: ModelInstance, ops: dict[str, StepOp]) -> dict[str, StepOp]:
+        if "dit_forward" in ops:
+            plain = ops["dit_forward"].fn
+
+            def dit_forward(inputs: TensorDict, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+                return plain({**inputs, "t": inputs["t"][:1].expand_as(inputs["t"])}, params)
+
+            ops["dit_forward"] = dataclasses.replace(ops["dit_forward"], fn=dit_forward)
+        return ops
+
+    return _wrap_ops(build_toy_instance(card, options), wrap)
+
+
+def with_batched_vs_alone(card: ModelCard, *entries: BatchedVsAlone) -> ModelCard:
+    return card.model_copy(update={"parity": card.parity.model_copy(update={"batched_vs_alone": entries})})
+
+
+ROW_ZERO = lambda: toy_with_factory(f"{HERE}:build_row_zero_timestep_instance")  # noqa: E731
+
+
+def _throughput_fails(gate: InterleaveConformance) -> str:
+    with pytest.raises(AssertionError) as info:
+        gate.test_throughput_within_the_card_tolerance()
+    return str(info.value)
+
+
+def test_the_throughput_gate_passes_the_toy_card_within_its_declared_tolerance() -> None:
+    _gate(lambda: toy_card("toy-dit")).test_throughput_within_the_card_tolerance()
+
+
+def test_the_throughput_gate_fails_a_row_that_reads_another_rows_timestep() -> None:
+    message = _throughput_fails(_gate(ROW_ZERO))
+    assert "moved" in message and "parity.batched_vs_alone max_abs 1e-06" in message, message
+    # The exact gate runs each row alone, where row 0 is the row itself: it cannot see this bug.
+    _gate(ROW_ZERO).test_interleaved_equals_each_alone()
+
+
+def test_the_throughput_gate_has_teeth_fusing_moves_results_on_this_cpu() -> None:
+    """A declared 0 fails: fused forwards really differ from batch 1 here, so the gate measures something."""
+    exact = lambda: with_batched_vs_alone(  # noqa: E731
+        toy_card("toy-dit"), BatchedVsAlone(precision="fp32", max_abs=0.0, justification="claims bit-identity"))
+    assert "moved" in _throughput_fails(_gate(exact))
+
+
+def test_a_card_that_declares_nothing_runs_unfused_and_bit_identical_under_throughput() -> None:
+    _gate(lambda: with_batched_vs_alone(toy_card("toy-dit"))).test_throughput_within_the_card_tolerance()
+    # The same gate fails such a card whose steps fuse anyway (an engine that ignored the declaration).
+    class IgnoresTheDeclaration(_Gate):
+        card_ids = ("toy-dit",)
+        card_factory = staticmethod(lambda: with_batched_vs_alone(toy_card("toy-dit")))
+
+        def make_engine(self, cards: Sequence[ModelCard], scheduler: SchedulerConfig | None = None) -> Engine:
+            engine = super().make_engine(cards, scheduler)
+            engine.executor.fused_rows = lambda instance, op, batch: list(range(len(batch))) if len(batch) > 1 else []  # type: ignore[method-assign]
+            return engine
+
+    assert "declares no parity.batched_vs_alone, yet op" in _throughput_fails(IgnoresTheDeclaration())

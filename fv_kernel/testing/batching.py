@@ -11,7 +11,7 @@ another request was mid-trajectory.
 from __future__ import annotations
 
 import asyncio
-from typing import Mapping, Sequence
+from typing import AbstractSet as Set, Mapping, Sequence
 
 from fv_kernel.extend.observers import Observer, StepRecord
 from fv_kernel.request.request import Request
@@ -38,8 +38,9 @@ class StepRecorder(Observer):
 
 
 async def run_staggered_async(
-    engine: Engine, requests: Sequence[Request], *, loop_id: str, offset: int
+    engine: Engine, requests: Sequence[Request], *, loop_id: str | Set[str], offset: int
 ) -> list[GenerationResult]:
+    loops = {loop_id} if isinstance(loop_id, str) else set(loop_id)
     handles = []
     async with engine.running():
         for index, request in enumerate(requests):
@@ -47,15 +48,18 @@ async def run_staggered_async(
             if index + 1 == len(requests):
                 break
             async for event in handles[-1].events():
-                if event.type == "progress" and event.loop_id == loop_id and event.step >= offset:
+                if event.type == "progress" and event.loop_id in loops and event.step >= offset:
                     break
                 if event.type in ("request.completed", "request.failed", "request.cancelled"):
                     break
         return list(await asyncio.gather(*(h.result() for h in handles)))
 
 
-def run_staggered(engine: Engine, requests: Sequence[Request], *, loop_id: str, offset: int) -> list[GenerationResult]:
-    """Submit each request once the previous one has done ``offset`` steps of ``loop_id``; wait for all."""
+def run_staggered(
+    engine: Engine, requests: Sequence[Request], *, loop_id: str | Set[str], offset: int
+) -> list[GenerationResult]:
+    """Submit each request once the previous one has done ``offset`` steps of ``loop_id`` (or of
+    any loop in a set of ids), or has ended; wait for all."""
     return run_blocking(run_staggered_async(engine, requests, loop_id=loop_id, offset=offset))
 
 

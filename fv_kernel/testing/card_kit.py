@@ -38,7 +38,7 @@ from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially
 from fv_kernel.runtime.records import GenerationResult
 from fv_kernel.runtime.scheduler import SchedulerConfig
-from fv_kernel.testing.batching import StepRecorder
+from fv_kernel.testing.batching import StepRecorder, run_staggered
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.runtime.local import run_local
 
@@ -56,6 +56,7 @@ __all__ = [
     "GATE_NEGATIVE_PROMPTS",
     "SIZE_SEED_OFFSET",
     "assert_artifacts_identical",
+    "artifacts_max_abs",
     "forbid_module_calls",
     "roundtrip_state",
 ]
@@ -412,9 +413,19 @@ _VARIED_FIELDS: tuple[tuple[str, Callable[[Request], Any], Callable[[ModelCard, 
 
 
 class InterleaveConformance(_CardKitBase):
-    """The interleave gate (design §9.3): requests that differ in everything a card lets vary,
-    run concurrently (interleaved and batched) through one Engine with one instance per card,
-    are bit-identical to each request run alone on a fresh instance built from the same card.
+    """The interleave gate (design §9.3), in both batching modes.
+
+    Requests that differ in everything a card lets vary run through one Engine with one
+    instance per card, and each is compared with the same request run alone on a fresh
+    instance built from the same card:
+
+    - **exact** (:meth:`test_interleaved_equals_each_alone`): run concurrently (interleaved and
+      batched), each result is bit-identical to its run alone;
+    - **throughput** (:meth:`test_throughput_within_the_card_tolerance`): run concurrently and
+      staggered (each next request arrives once the one before it has run a step, so fused
+      forwards hold rows at different timesteps), each result is within the card's declared
+      ``parity.batched_vs_alone`` at the instance's precision, and some step really fused. A card
+      that declares none must come out unfused and bit-identical.
 
     The fresh-instance reference matters: run serially on one shared instance, state a model
     keeps on its modules or a loop keeps on itself leaks from one request into the next in the
@@ -424,10 +435,16 @@ class InterleaveConformance(_CardKitBase):
 
     #: Requests per task and size (each shape gets this many, so they can batch); at most 4.
     concurrency: ClassVar[int] = 2
-    scheduler: ClassVar[SchedulerConfig] = SchedulerConfig()
+    #: The exact gate's scheduler, and the reference's.
+    scheduler: ClassVar[SchedulerConfig] = SchedulerConfig(batching="exact")
+    #: The throughput gate's (model code inline on the event loop: arrivals land between steps, deterministically).
+    throughput_scheduler: ClassVar[SchedulerConfig] = SchedulerConfig(batching="throughput", device_thread=False)
+    #: Whether the throughput gate needs some step of a declaring card to have fused (False only where
+    #: every step runs per sample regardless, e.g. block interceptors carrying per-request state).
+    throughput_must_fuse: ClassVar[bool] = True
 
-    def make_engine(self, cards: Sequence[ModelCard]) -> Engine:
-        engine = Engine(self.scheduler)
+    def make_engine(self, cards: Sequence[ModelCard], scheduler: SchedulerConfig | None = None) -> Engine:
+        engine = Engine(scheduler or self.scheduler)
         for card in cards:
             engine.add_instance(self.build(card))
         return engine
@@ -496,6 +513,72 @@ class InterleaveConformance(_CardKitBase):
             )
 
 
+    def test_throughput_within_the_card_tolerance(self) -> None:
+        assert self.card_ids, "set card_ids on the interleave conformance class"
+        cards = [self.load_card(m) for m in self.card_ids]
+        requests = self.gate_requests(cards, "tgate-")
+        reference = self.reference_results(cards, requests)
+        for arrivals in ("concurrent", "staggered"):
+            engine = self.make_engine(cards, self.throughput_scheduler)
+            recorder = StepRecorder()
+            engine.observers.append(recorder)
+            if arrivals == "concurrent":
+                got = run_concurrently(engine, requests)
+            else:
+                got = run_staggered(engine, requests, loop_id=_stepping_loops(cards), offset=1)
+            for card in cards:
+                instance = engine.instances[card.model_id]
+                mine = [i for i, r in enumerate(requests) if r.model == card.model_id]
+                fused = [rec for rec in recorder.records if rec.instance_id == instance.instance_id and sum(rec.fused) > 1]
+                declared = card.parity.batching_tolerance(instance.precision)
+                where = f"{card.model_id} at {instance.precision}, {arrivals} arrivals under batching: throughput"
+                for i in mine:
+                    assert reference[i].status == "completed", f"alone {requests[i].request_id}: {reference[i].error}"
+                    assert got[i].status == "completed", f"{where}: {requests[i].request_id}: {got[i].error}"
+                if declared is None:
+                    unfused = [rec for rec in fused if not _batch_invariant(instance, rec.op)]
+                    assert not unfused, f"{where}: declares no parity.batched_vs_alone, yet op {unfused[0].op!r} fused"
+                    for i in mine:
+                        assert_artifacts_identical(reference[i].artifacts, got[i].artifacts,
+                                                   what=f"{where}: {requests[i].request_id}")
+                    continue
+                if self.throughput_must_fuse and arrivals == "concurrent":
+                    assert fused, f"{where}: no step fused, so the gate saw no batched forward"
+                worst = max(artifacts_max_abs(reference[i].artifacts, got[i].artifacts) for i in mine)
+                assert worst <= declared.max_abs, (
+                    f"{where}: a result moved {worst:.3g} from its run alone; the card declares "
+                    f"parity.batched_vs_alone max_abs {declared.max_abs:g} ({declared.justification})"
+                )
+
+
+def _stepping_loops(cards: Sequence[ModelCard]) -> set[str]:
+    """The loops whose progress spaces the staggered arrivals: the ones that run many steps."""
+    return {loop_id for card in cards for loop_id, spec in card.loops.items() if spec.kind in ("diffusion_denoise", "ar_decode")}
+
+
+def _batch_invariant(instance: ModelInstance, op: str) -> bool:
+    return instance.op(op).batch_invariant
+
+
+def artifacts_max_abs(left: Sequence[Artifact], right: Sequence[Artifact]) -> float:
+    """The largest absolute difference between two requests' artifacts, tensor field by field;
+    any other field (text, metadata) must be equal, since a small difference means nothing there."""
+    assert len(left) == len(right), f"{len(left)} artifacts vs {len(right)}"
+    worst = 0.0
+    for index, (a, b) in enumerate(zip(left, right)):
+        da, db = _artifact_tensors(a), _artifact_tensors(b)
+        assert da.keys() == db.keys(), f"artifact {index} fields differ"
+        for key, x in da.items():
+            y = db[key]
+            if isinstance(x, torch.Tensor):
+                assert x.shape == y.shape, f"artifact {index} ({a.kind}) field {key!r}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
+                if x.numel():
+                    worst = max(worst, float((x.double() - y.double()).abs().max()))
+            else:
+                assert x == y, f"artifact {index} ({a.kind}) field {key!r}: {x!r} != {y!r}"
+    return worst
+
+
 class CachedInterleaveConformance(InterleaveConformance):
     """The interleave gate with interceptors on: the gate's varied requests with caching enabled,
     interleaved and batched through the Engine, are bit-identical to each request run alone on
@@ -508,6 +591,8 @@ class CachedInterleaveConformance(InterleaveConformance):
     :attr:`require_effect` is False.
     """
 
+    #: Block interceptors carry per-request state, so their steps never fuse.
+    throughput_must_fuse: ClassVar[bool] = False
     interceptors: ClassVar[Mapping[str, type]] = {}
     #: Deploy-time settings per plugin id (``ExtensionSettings`` fields: ``default_on``, ``config``).
     extension_settings: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
@@ -519,8 +604,8 @@ class CachedInterleaveConformance(InterleaveConformance):
         settings = {name: dict(self.extension_settings.get(name, {})) for name in self.interceptors}
         return ExtensionSet.build(settings, dict(self.interceptors))
 
-    def make_engine(self, cards: Sequence[ModelCard]) -> Engine:
-        engine = Engine(self.scheduler, extensions=self.make_extensions())
+    def make_engine(self, cards: Sequence[ModelCard], scheduler: SchedulerConfig | None = None) -> Engine:
+        engine = Engine(scheduler or self.scheduler, extensions=self.make_extensions())
         for card in cards:
             engine.add_instance(self.build(card))
         return engine
