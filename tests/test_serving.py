@@ -510,3 +510,28 @@ def test_serve_config_overrides(tmp_path: Path) -> None:
     assert err.value.param == "server.prot"
     with pytest.raises(Exception):
         resolve_serve_config(None, [], None, 70000, None)
+
+
+def test_an_exact_job_is_an_exact_request_and_runs_its_rows_alone(card_id: str, tmp_path: Path) -> None:
+    """``exact: true`` on /v1/videos and /v1/images/generations reaches the engine's request: under the
+    default throughput batching, the n images of one exact call never share a fused call (without it, they do)."""
+    from fv_kernel.testing import StepRecorder
+
+    served = start_server(card_id, tmp_path)
+    recorder = StepRecorder()
+    served.engine.observers.append(recorder)
+    try:
+        with served.client() as client:
+            jobs = [client.post("/v1/videos", json={"prompt": "a red fox", "exact": exact}).json() for exact in (True, False)]
+            assert [served.engine._records[job["id"]].request.exact for job in jobs] == [True, False]
+            fused_images = {}
+            for exact in (True, False):
+                recorder.records.clear()
+                images = client.post("/v1/images/generations", json={"prompt": "a fox", "n": 2, "exact": exact})
+                assert images.status_code == 200, images.text
+                fused_images[exact] = any(sum(rec.fused) > 1 for rec in recorder.records)
+            assert fused_images == {True: False, False: True}
+            bad = client.post("/v1/videos", json={"prompt": "a fox", "exact": "sometimes"})
+            assert bad.status_code == 400 and "exact" in bad.text
+    finally:
+        served.server.stop()

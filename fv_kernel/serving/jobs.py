@@ -375,7 +375,7 @@ class JobManager:
                 diffusion=DiffusionParams(
                     width=width, height=height, frames=frames, fps=fps, steps=body.steps, guidance=body.guidance, seed=seed,
                 ),
-                plugin_params=self._plugin_params(body.extensions),
+                plugin_params=self._plugin_params(body.extensions), exact=body.exact,
                 output=OutputSpec(stream_previews=stream_previews),
             )
         except ValidationError as exc:

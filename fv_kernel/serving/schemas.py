@@ -64,6 +64,10 @@ class _Generation(BaseModel):
     guidance: float | None = Field(default=None, ge=0, le=100)
     #: Parameters for plugins the deployment enabled (its ``extensions:``), validated by their schema.
     extensions: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    exact: bool = Field(
+        default=False,
+        description="bit-identical to this request run alone: its rows never share a fused call with other requests'",
+    )
 
 
 class VideoCreate(_Generation):
