@@ -71,6 +71,11 @@ class ServerConfig(BaseModel):
     #: every this many steps, so a restarted server resumes it from there; 0: never (an
     #: interrupted job then restarts from its first step).
     checkpoint_every_steps: int = Field(default=5, ge=0)
+    #: A checkpoint whose in-flight loop states hold more tensor bytes than this is not written at
+    #: that step (the previous one stays, and a resume redoes the steps since): serializing a VAE
+    #: decode's causal history (GBs) on the server's event loop stalls every job for seconds, for
+    #: less than the decode it would save. None: no cap.
+    checkpoint_max_bytes: int | None = Field(default=256 * 2**20, ge=0)
     #: Bytes of finished jobs' event streams kept in memory for late SSE subscribers (their
     #: encoded JSON); beyond it the oldest are served from the database. 0: always from disk.
     finished_history_bytes: int = Field(default=16 * 2**20, ge=0)

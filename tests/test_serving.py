@@ -514,16 +514,22 @@ def test_serve_config_overrides(tmp_path: Path) -> None:
 
 def test_an_exact_job_is_an_exact_request_and_runs_its_rows_alone(card_id: str, tmp_path: Path) -> None:
     """``exact: true`` on /v1/videos and /v1/images/generations reaches the engine's request: under the
-    default throughput batching, the n images of one exact call never share a fused call (without it, they do)."""
+    default throughput batching, the n images of one exact call never share a fused call (without it, they do).
+    ``priority`` reaches it too."""
     from fv_kernel.testing import StepRecorder
 
     served = start_server(card_id, tmp_path)
     recorder = StepRecorder()
     served.engine.observers.append(recorder)
+    submitted: dict[str, Any] = {}
+    submit = served.engine.submit
+    served.engine.submit = lambda request, **kw: submitted.setdefault(request.request_id, request) and submit(request, **kw)  # type: ignore[method-assign]
     try:
         with served.client() as client:
             jobs = [client.post("/v1/videos", json={"prompt": "a red fox", "exact": exact}).json() for exact in (True, False)]
-            assert [served.engine._records[job["id"]].request.exact for job in jobs] == [True, False]
+            for job in jobs:
+                sse_events(client, job["id"])
+            assert [submitted[job["id"]].exact for job in jobs] == [True, False]
             fused_images = {}
             for exact in (True, False):
                 recorder.records.clear()
@@ -533,5 +539,10 @@ def test_an_exact_job_is_an_exact_request_and_runs_its_rows_alone(card_id: str, 
             assert fused_images == {True: False, False: True}
             bad = client.post("/v1/videos", json={"prompt": "a fox", "exact": "sometimes"})
             assert bad.status_code == 400 and "exact" in bad.text
+            background = client.post("/v1/videos", json={"prompt": "a fox", "priority": "batch"}).json()
+            sse_events(client, background["id"])
+            assert submitted[background["id"]].priority == "batch" and submitted[jobs[0]["id"]].priority == "interactive"
+            bad = client.post("/v1/videos", json={"prompt": "a fox", "priority": "urgent"})
+            assert bad.status_code == 400 and "priority" in bad.text
     finally:
         served.server.stop()

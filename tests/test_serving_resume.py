@@ -356,3 +356,35 @@ def test_a_write_killed_midway_leaves_the_previous_checkpoint(tmp_path: Path, mo
     assert list(tmp_path.iterdir()) == [], "delete() also removes a leftover temporary file"
     with pytest.raises(ValueError, match="not a job id"):
         checkpoints.path("../../etc/passwd")
+
+
+@pytest.mark.parametrize(("cap", "mid_loop_writes"), [(1, False), (None, True)])
+def test_a_checkpoint_over_checkpoint_max_bytes_is_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               cap: int | None, mid_loop_writes: bool) -> None:
+    """A running job whose in-flight states hold more tensor bytes than ``server.checkpoint_max_bytes``
+    keeps its previous checkpoint at that step (a GB-sized decode history would stall the event loop)."""
+    import httpx
+
+    writes: list[str] = []
+    original = CheckpointStore.write
+
+    def counting(self: CheckpointStore, job_id: str, data: bytes) -> None:
+        writes.append(job_id)
+        original(self, job_id, data)
+
+    monkeypatch.setattr(CheckpointStore, "write", counting)
+    config = DeployConfig(output_dir=tmp_path, server=ServerConfig(checkpoint_every_steps=1, checkpoint_max_bytes=cap))
+    engine = Engine(SchedulerConfig(), limits=config.limits)
+    engine.add_instance(build_instance(toy_card("toy-dit")))
+    app = create_app(engine, config)
+    server = ServerThread(app).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            job = client.post("/v1/videos", json={"prompt": "a red fox", "seed": 1}).json()
+            assert wait_for_job(client, job["id"], {"completed"})["status"] == "completed"
+    finally:
+        server.stop()
+    manager = app.state.manager
+    assert writes.count(job["id"]) >= 1  # the request's own checkpoint, written when the job is created
+    assert (writes.count(job["id"]) > 1) is mid_loop_writes
+    assert (manager.checkpoints_skipped > 0) is not mid_loop_writes

@@ -190,6 +190,7 @@ def create_app(
         enabled_extensions=config.extensions, extension_schemas=extension_schemas or {},
         rejections=rejections,
         checkpoint_every_steps=config.server.checkpoint_every_steps,
+        checkpoint_max_bytes=config.server.checkpoint_max_bytes,
         finished_history_bytes=config.server.finished_history_bytes,
     )
     heartbeat_s = config.server.sse_heartbeat_s

@@ -45,7 +45,7 @@ from fv_kernel.request.artifacts import VideoArtifact
 from fv_kernel.request.request import DiffusionParams, ImagePart, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.engine import Engine
-from fv_kernel.runtime.records import RequestHandle
+from fv_kernel.runtime.records import RequestHandle, held_tensor_bytes
 from fv_kernel.serving.errors import ApiError, from_fv_error, from_validation_errors
 from fv_kernel.serving.media import VARIANTS, preview_png, write_job_files
 from fv_kernel.serving.schemas import (
@@ -67,6 +67,7 @@ log = logging.getLogger("fv.serving")
 
 #: The deploy config's defaults (``server.*``), so the two cannot drift apart.
 _DEFAULT_CHECKPOINT_EVERY_STEPS: int = ServerConfig.model_fields["checkpoint_every_steps"].default
+_DEFAULT_CHECKPOINT_MAX_BYTES: int | None = ServerConfig.model_fields["checkpoint_max_bytes"].default
 _DEFAULT_FINISHED_HISTORY_BYTES: int = ServerConfig.model_fields["finished_history_bytes"].default
 
 #: How often a synchronous images call checks whether its client is still connected.
@@ -168,6 +169,7 @@ class JobManager:
         rejections: Counter[str],
         checkpoints: CheckpointStore | None = None,
         checkpoint_every_steps: int = _DEFAULT_CHECKPOINT_EVERY_STEPS,
+        checkpoint_max_bytes: int | None = _DEFAULT_CHECKPOINT_MAX_BYTES,
         finished_history_bytes: int = _DEFAULT_FINISHED_HISTORY_BYTES,
     ) -> None:
         self.engine = engine
@@ -176,6 +178,9 @@ class JobManager:
         #: Each unfinished video job's program checkpoint (its request from the start).
         self.checkpoints = checkpoints if checkpoints is not None else CheckpointStore(output_dir / "checkpoints")
         self.checkpoint_every_steps = checkpoint_every_steps
+        self.checkpoint_max_bytes = checkpoint_max_bytes
+        #: Mid-loop checkpoints not written because they were over ``checkpoint_max_bytes``.
+        self.checkpoints_skipped = 0
         #: The latest ProgramRun of each running job that checkpoints (for a last checkpoint at shutdown).
         self._runs: dict[str, ProgramRun] = {}
         self._stopping = False
@@ -262,8 +267,13 @@ class JobManager:
             self._runs[job_id] = run
             if run.steps % every:
                 return
+            checkpoint = run.checkpoint()
+            cap = self.checkpoint_max_bytes
+            if cap is not None and held_tensor_bytes(checkpoint) > cap:
+                self.checkpoints_skipped += 1
+                return
             # Serializing is part of the step: a state that cannot be written fails the job, naming loop and field.
-            data = run.checkpoint().to_bytes()
+            data = checkpoint.to_bytes()
             try:
                 self.checkpoints.write(job_id, data)
             except OSError as exc:  # the previous checkpoint is intact; the job keeps running
@@ -375,7 +385,7 @@ class JobManager:
                 diffusion=DiffusionParams(
                     width=width, height=height, frames=frames, fps=fps, steps=body.steps, guidance=body.guidance, seed=seed,
                 ),
-                plugin_params=self._plugin_params(body.extensions), exact=body.exact,
+                plugin_params=self._plugin_params(body.extensions), exact=body.exact, priority=body.priority,
                 output=OutputSpec(stream_previews=stream_previews),
             )
         except ValidationError as exc:

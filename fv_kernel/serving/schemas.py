@@ -68,6 +68,11 @@ class _Generation(BaseModel):
         default=False,
         description="bit-identical to this request run alone: its rows never share a fused call with other requests'",
     )
+    priority: Literal["interactive", "batch"] = Field(
+        default="interactive",
+        description="scheduling class: an interactive request's steps run before batch-class ones unless those waited "
+                    "longer than scheduler.batch.batch_class_max_wait_s",
+    )
 
 
 class VideoCreate(_Generation):
