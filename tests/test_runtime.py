@@ -319,3 +319,22 @@ def test_scheduler_seconds_count_the_scheduler_not_the_loops_host_code(monkeypat
     m = engine.metrics
     assert m.loop_host_seconds >= 10 * 0.02 * 0.9, m.loop_host_seconds  # 2 requests x 5 advances
     assert m.scheduler_seconds < 0.05, m.scheduler_seconds
+
+
+def test_the_request_queue_admits_an_aged_batch_class_request_before_interactive_ones() -> None:
+    """Interactive first, FIFO within a class; a batch-class request queued longer than
+    batch_class_max_wait_s goes first, so a steady stream of interactive requests cannot starve it
+    (request-level scheduling admits one request at a time from the head of this order)."""
+    from types import SimpleNamespace
+
+    from fv_kernel.runtime.scheduler import RequestQueue
+
+    def record(name: str, priority: str, queued_at: float) -> Any:
+        return SimpleNamespace(name=name, request=SimpleNamespace(priority=priority), queued_at=queued_at)
+
+    queue = RequestQueue(max_queue=8, batch_class_max_wait_s=5.0)
+    for item in (record("video", "batch", 0.0), record("image-1", "interactive", 1.0), record("image-2", "interactive", 2.0)):
+        queue.push(item)  # type: ignore[arg-type]
+    assert [r.name for r in queue.ordered(now=4.0)] == ["image-1", "image-2", "video"]
+    assert [r.name for r in queue.ordered(now=6.0)] == ["video", "image-1", "image-2"]
+    assert RequestQueue(8).batch_class_max_wait_s == SchedulerConfig().batch.batch_class_max_wait_s

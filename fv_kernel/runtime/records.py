@@ -8,6 +8,7 @@ subscribers, the future of its result, its reservation, its program run);
 from __future__ import annotations
 
 import asyncio
+import time
 import typing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Literal
@@ -61,6 +62,8 @@ class RequestRecord:
         self.done: asyncio.Future[GenerationResult] = loop.create_future()
         self.task: asyncio.Task[None] | None = None
         self.status: str = "queued"
+        #: When the request was submitted (``time.monotonic()``): how long a batch-class request has waited.
+        self.queued_at = time.monotonic()
         self.steps_done = 0
         #: The request's way through its program, when it resumes a checkpoint or reports steps.
         self.program_run: ProgramRun | None = None

@@ -68,10 +68,13 @@ class SchedulerConfig(BaseModel):
 
 
 class RequestQueue:
-    """RequestScheduler's queue: bounded, FIFO within a priority class."""
+    """RequestScheduler's queue: bounded, FIFO within a priority class, interactive before batch-class,
+    except that a batch-class request queued longer than ``batch_class_max_wait_s`` goes first: a
+    steady stream of interactive requests cannot starve it (the batch scheduler's rule for steps)."""
 
-    def __init__(self, max_queue: int) -> None:
+    def __init__(self, max_queue: int, batch_class_max_wait_s: float = BatchPolicy().batch_class_max_wait_s) -> None:
         self.max_queue = max_queue
+        self.batch_class_max_wait_s = batch_class_max_wait_s
         self._items: deque[RequestRecord] = deque()
 
     def __len__(self) -> int:
@@ -89,8 +92,16 @@ class RequestQueue:
             return False
         return True
 
-    def ordered(self) -> list[RequestRecord]:
-        return sorted(self._items, key=lambda r: 0 if r.request.priority == "interactive" else 1)
+    def ordered(self, now: float | None = None) -> list[RequestRecord]:
+        """The queue in admission order (``now``: ``time.monotonic()`` by default)."""
+        now = time.monotonic() if now is None else now
+
+        def rank(record: RequestRecord) -> int:
+            if record.request.priority == "interactive":
+                return 1
+            return 0 if now - record.queued_at > self.batch_class_max_wait_s else 2
+
+        return sorted(self._items, key=rank)
 
 
 class PendingUnits:
@@ -136,7 +147,7 @@ class Scheduler:
         self.admission = AdmissionController(config.budgets)
         self.memory = ResidentMemory(config.budgets, self.admission)
         self.batcher = BatchScheduler(config.batch)
-        self.queue = RequestQueue(config.max_queue)
+        self.queue = RequestQueue(config.max_queue, config.batch.batch_class_max_wait_s)
         self.pending = PendingUnits()
         self.running: dict[str, RequestRecord] = {}
         #: Model ids whose admission is frozen by a weight sync in progress (``Engine.sync_weights``).
