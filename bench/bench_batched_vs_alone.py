@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     card = load_card(args.card, device)
     precision = args.precision or card.precision.default
     card = measuring(card, precision)
-    options = InstanceOptions(device=args.device, precision=precision)
+    assumed = card.recipe.assumes_attention
+    options = InstanceOptions(device=args.device, precision=precision,
+                              attention_backend=assumed.kind if assumed is not None else "sdpa")
     instance = build_instance(card, options)
     requests = requests_for(card, args)
     config = SchedulerConfig(batching="throughput", device_thread=False)

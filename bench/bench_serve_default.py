@@ -1,7 +1,8 @@
 """``fv serve`` with its default config: does step-level batching pay where users run it?
 
 Starts the real ``fv serve --config deploy.yaml`` (a subprocess; the config names only the
-card, its device and an output dir, so scheduling, batching and budgets are the defaults) on a
+card, its device, the attention its recipe assumes and an output dir, so scheduling, batching
+and budgets are the defaults) on a
 card rebuilt on seeded random weights (``bench/random_weights.py``: real size, no download),
 and drives it over loopback HTTP:
 
@@ -47,20 +48,25 @@ from bench_serving import percentile  # noqa: E402
 from random_weights import wan_card_for_device  # noqa: E402
 
 
-def write_card(card_id: str, device: torch.device, where: Path) -> Path:
+def write_card(card_id: str, device: torch.device, where: Path) -> tuple[Path, str]:
+    """The card file, and the attention backend its recipe assumes (the deployment must name it)."""
     card: ModelCard | None = wan_card_for_device(card_id, device)
     if card is None:
         raise SystemExit(2)
     path = where / f"{card_id}.json"
     path.write_text(card.model_dump_json(indent=2))
-    return path
+    assumed = card.recipe.assumes_attention
+    return path, assumed.kind if assumed is not None else "sdpa"
 
 
 class Server:
     """``fv serve --config`` in a subprocess, until :meth:`stop`."""
 
-    def __init__(self, card: Path, device: str, port: int, where: Path, scheduler: dict[str, Any] | None) -> None:
-        config: dict[str, Any] = {"cards": [{"model": str(card), "device": device}], "output_dir": str(where / "out")}
+    def __init__(self, card: Path, attention: str, device: str, port: int, where: Path,
+                 scheduler: dict[str, Any] | None) -> None:
+        config: dict[str, Any] = {
+            "cards": [{"model": str(card), "device": device, "attention_backend": attention}], "output_dir": str(where / "out"),
+        }
         if scheduler:
             config["scheduler"] = scheduler
         self.config = where / "deploy.yaml"
@@ -111,8 +117,9 @@ async def image(client: httpx.AsyncClient, size: str, steps: int | None, seed: i
     return time.perf_counter() - started
 
 
-async def video(client: httpx.AsyncClient, size: str, frames: int | None, steps: int | None, seed: int) -> float:
-    body: dict[str, Any] = {"prompt": f"a red fox runs through snow {seed}", "size": size, "seed": seed}
+async def video(client: httpx.AsyncClient, size: str, frames: int | None, steps: int | None, seed: int,
+                priority: str) -> float:
+    body: dict[str, Any] = {"prompt": f"a red fox runs through snow {seed}", "size": size, "seed": seed, "priority": priority}
     if frames:
         body["frames"] = frames
     if steps:
@@ -148,7 +155,7 @@ async def mixed(url: str, args: argparse.Namespace) -> dict[str, Any]:
         image_times: list[float] = []
 
         async def video_client(c: int) -> list[float]:
-            return [await video(client, args.video_size, args.video_frames, args.video_steps, 100 * c + i)
+            return [await video(client, args.video_size, args.video_frames, args.video_steps, 100 * c + i, args.video_priority)
                     for i in range(args.videos_per_client)]
 
         async def image_client(c: int) -> None:
@@ -187,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--video-clients", type=int, default=2)
     parser.add_argument("--videos-per-client", type=int, default=3)
     parser.add_argument("--image-clients", type=int, default=4)
+    parser.add_argument("--video-priority", default="interactive", choices=["interactive", "batch"],
+                        help="the videos' scheduling class (the images are interactive)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["concurrency", "mixed"])
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -197,14 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(tmp)
-        card = write_card(args.card, device, where)
+        card, attention = write_card(args.card, device, where)
         runs: list[tuple[str, dict[str, Any] | None]] = [("default", None)]
         if "mixed" not in args.skip:
             runs.append(("request-level", {"scheduling": "request"}))
         for name, scheduler in runs:
             run_dir = where / name
             run_dir.mkdir()
-            server = Server(card, args.device, args.port, run_dir, scheduler)
+            server = Server(card, attention, args.device, args.port, run_dir, scheduler)
             try:
                 asyncio.run(images_at(server.url, 1, 2, args))  # warm-up: first-use loading, allocator growth
                 row: dict[str, Any] = {}
