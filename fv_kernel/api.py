@@ -89,7 +89,7 @@ from fv_kernel.extend.registry import ExtensionSet, ExtensionSettings, Intercept
 from fv_kernel.io.media import encode_png, write_mp4
 from fv_kernel.facade import Finished, GenerateOptions, Video, VideoGenerator, load
 from fv_kernel.loop.capture import LogProbSampler, capture_slice, deterministic_flags
-from fv_kernel.loop.contract import CancelToken, LoopContext
+from fv_kernel.loop.contract import CancelToken, LoopContext, ResidentModel, StepHooks
 from fv_kernel.loop.plan import (
     CachePlan,
     CacheRef,

@@ -31,6 +31,7 @@ from fv_kernel.api import (
     TaskType,
     TextPart,
     build_instance,
+    run_concurrently,
 )
 from fv_kernel.testing import StepRecorder, run_staggered
 
@@ -139,3 +140,17 @@ def test_row0_timestep_bug_fails_the_check(wan_card: Any) -> None:
     assert run.diffs[0] <= FUSED_ATOL  # the first request's rows are row 0: its timestep is right
     assert run.diffs[1] > 100 * FUSED_ATOL, f"the row-0 timestep bug drifted only {run.diffs[1]:.3g}"
     print(f"wan-tiny with the row-0 timestep bug: diffs vs alone {run.diffs}")
+
+
+def test_a_capturing_request_never_shares_a_fused_call(wan_card: Any) -> None:
+    """Behaviour capture (RL rollouts) records what the request's own forward did: under throughput
+    batching its rows run alone, bit-identical to its run alone, while the others fuse."""
+    instance = build_instance(wan_card("wan-tiny"))
+    requests = [_request(i) for i in range(3)]
+    requests[1] = requests[1].with_updates(output=requests[1].output.model_copy(update={"capture_behavior": "final"}))
+    recorder = StepRecorder()
+    results = run_concurrently(_engine(instance, recorder), requests)
+    rows = [(rid, fused) for rec in recorder.of_kind("diffusion_step") for rid, fused in zip(rec.request_ids, rec.fused)]
+    assert any(fused for rid, fused in rows if rid != "wm1"), "the two plain requests fuse"
+    assert not any(fused for rid, fused in rows if rid == "wm1"), "the capturing request ran inside a fused call"
+    assert _video_diff(_engine(instance).generate(requests[1]), results[1]) == 0.0
