@@ -151,3 +151,15 @@ def test_the_engine_counts_fused_calls_by_how_many_requests_they_held() -> None:
         if sum(rec.fused) > 1:
             expected[sum(rec.fused)] = expected.get(sum(rec.fused), 0) + 1
     assert expected and engine.metrics.fused_calls_by_size == expected and 3 not in expected  # the exact one never fused
+
+
+def test_an_undeclared_card_is_named_in_the_log_when_it_is_added(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="fv.engine"):
+        Engine(SchedulerConfig()).add_instance(build_instance(_undeclared()))
+        Engine(SchedulerConfig()).add_instance(build_instance(toy_card("toy-dit")))
+        Engine(SchedulerConfig(batching="exact")).add_instance(build_instance(_undeclared()))
+    named = [r.getMessage() for r in caplog.records if "declares no parity.batched_vs_alone" in r.getMessage()]
+    assert named == ["card 'toy-dit' declares no parity.batched_vs_alone at fp32: its steps run unfused (as under "
+                     "batching: exact) unless an op is batch-invariant"]
