@@ -100,7 +100,7 @@ class FlowGRPO(OnlineRL):
         o: GRPOOptions = self.options  # type: ignore[assignment]
         record0 = rollouts[0].record
         sampler = sde_sampler_of(record0.sampler)
-        sigma_max = float(record0.sigmas[1]) if len(record0.sigmas) > 2 else 0.5
+        sigma_max = float(record0.sigmas[1])  # as the rollout's sampler took it (flow_grpo's sigmas[1])
         context = as_input(torch.cat([r.record.prompt_embeds for r in rollouts]).float())
         steps = [s.step for s in record0.steps if s.log_prob is not None]
         total, ratios = 0.0, []

@@ -83,7 +83,7 @@ class FlowSDESampler(FlowEulerSampler):
 
     def _mean_std(self, state: SamplerState, model_output: torch.Tensor, sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         i = state.step_index
-        sigma_max = float(state.sigmas[1]) if state.num_steps > 1 else 0.5
+        sigma_max = float(state.sigmas[1])  # flow_grpo's sigma_max; 0 for a 1-step schedule [1, 0]
         return sde_mean_std(sample, model_output, state.sigmas[i], state.sigmas[i + 1], self.noise_level, sigma_max)
 
     def log_prob(

@@ -197,11 +197,10 @@ def test_the_tolerance_is_far_below_what_a_wrong_term_moves():
     assert 0.5 * math.log(2 * math.pi) > 100 * _LOGP_TOL["atol"]
 
 
-@pytest.mark.xfail(strict=True, reason="fv takes sigma_max = 0.5 for a 1-step schedule; flow_grpo takes sigmas[1] = 0")
 def test_one_step_schedule_uses_flow_grpos_sigma_max():
     """With one inference step the schedule is [1, 0]; flow_grpo's sigma_max = sigmas[1] = 0 gives
-    std_dev_t = a. fv's sampler substitutes 0.5 (std_dev_t = a * sqrt(2)), and grpo.py's update does the same,
-    so rollout and training agree with each other but not with flow_grpo. Strict: fixing it makes this XPASS."""
+    std_dev_t = a. fv's sampler once substituted 0.5 (std_dev_t = a * sqrt(2)) there, and grpo.py's update
+    the same, so rollout and training agreed with each other but not with flow_grpo."""
     sampler = FlowSDESampler(shift=1.0, noise_level=0.7)
     state = sampler.init_state(1)
     sigmas = [float(s) for s in state.sigmas]
