@@ -84,6 +84,9 @@ class GenerateOptions(TypedDict, total=False):
     upsample_prompt: bool
     #: Token budget of the prompt rewrite (the card's default if omitted).
     max_tokens: int | None
+    #: Bit-identical to this prompt generated alone: its rows never share a fused call with the
+    #: other prompts' (by default a list is fused, within the card's ``parity.batched_vs_alone``).
+    exact: bool
 
 
 _OPTION_NAMES = frozenset(GenerateOptions.__annotations__)
@@ -260,7 +263,7 @@ class VideoGenerator:
             ar = _typed("ar", lambda: ARParams(max_tokens=max_tokens, seed=seed))
         request = _typed("request", lambda: Request(
             model=self.model_id, task=task, inputs=tuple(inputs), diffusion=diffusion, ar=ar,
-            precision=options.get("precision"), prompt_upsampling=upsample,
+            precision=options.get("precision"), prompt_upsampling=upsample, exact=options.get("exact", False),
             output=OutputSpec(stream_previews=previews),
         ))
         returns = self.card.artifact_kinds(request.task)

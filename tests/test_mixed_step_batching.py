@@ -26,7 +26,7 @@ def request(i: int) -> Request:
 
 
 def engine(recorder: StepRecorder) -> Engine:
-    e = Engine(SchedulerConfig(), observers=[recorder])
+    e = Engine(SchedulerConfig(batching="exact"), observers=[recorder])  # bit-identity: throughput is test_throughput_mixed_step.py
     e.add_instance(build_instance(toy_card("toy-dit")))
     return e
 
@@ -79,7 +79,7 @@ def test_a_loop_spec_that_is_not_batchable_keeps_every_step_alone() -> None:
     loops = {k: (v.model_copy(update={"batchable": False}) if k == "denoise" else v) for k, v in card.loops.items()}
     solo_card = card.model_copy(update={"loops": loops})
     recorder = StepRecorder()
-    e = Engine(SchedulerConfig(), observers=[recorder])
+    e = Engine(SchedulerConfig(batching="exact"), observers=[recorder])  # bit-identity: throughput is test_throughput_mixed_step.py
     e.add_instance(build_instance(solo_card))
 
     async def all_at_once() -> None:

@@ -1,4 +1,5 @@
-"""wan-tiny: requests arriving mid-trajectory batch their denoise steps with the running ones.
+"""wan-tiny: requests arriving mid-trajectory batch their denoise steps with the running ones
+(``batching: exact``, bit-identical; throughput batching is ``test_throughput_mixed_step.py``).
 
 The DiT op takes one timestep per row, and the plan's params hold no per-request
 scalar, so a request joining at another's step 3 shares every step from then on, and
@@ -25,11 +26,11 @@ def test_wan_tiny_staggered_arrivals_batch_at_mixed_steps(wan_card: Any) -> None
     ]
     alone = []
     for r in requests:
-        e = Engine(SchedulerConfig())
+        e = Engine(SchedulerConfig(batching="exact"))
         e.add_instance(instance)
         alone.append(e.generate(r))
     recorder = StepRecorder()
-    e = Engine(SchedulerConfig(), observers=[recorder])
+    e = Engine(SchedulerConfig(batching="exact"), observers=[recorder])
     e.add_instance(instance)
     results = run_staggered(e, requests, loop_id="denoise", offset=2)
     batches = recorder.of_kind("diffusion_step")
