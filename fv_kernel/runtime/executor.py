@@ -74,7 +74,7 @@ class Executor:
         return await asyncio.get_running_loop().run_in_executor(self._device, fn, *args)
 
     async def execute(self, batch: list[WorkUnit]) -> tuple[BatchOutcome, float]:
-        """Run ``batch`` on the device thread: its :data:`BatchOutcome`, and the wall seconds it took.
+        """Run ``batch`` on the device thread: its :class:`BatchOutcome`, and the wall seconds it took.
 
         A batch that cannot even start (its op is missing) fails its own requests, never the
         scheduler: an exception escaping here would end the scheduling task, and every request
@@ -130,7 +130,7 @@ class Executor:
                     log.warning("fused %r step of %d requests failed; re-running them one by one", op.name,
                                 len(together), exc_info=True)
                     self._metrics.fused_fallbacks[op.name] = self._metrics.fused_fallbacks.get(op.name, 0) + 1
-                    together = []
+                    together, outcomes = [], [None] * len(batch)
             alone = [index for index, outcome in enumerate(outcomes) if outcome is None]
             for index, outcome in zip(alone, run_per_sample(op, [batch[i] for i in alone])):
                 outcomes[index] = outcome
