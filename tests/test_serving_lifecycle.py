@@ -413,17 +413,18 @@ def test_the_engine_bounds_finished_records_in_tensor_bytes() -> None:
 # --------------------------------------------------------------------------- event history
 
 
-def test_a_job_that_ended_300_jobs_ago_replays_its_whole_stream_from_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_job_that_ended_40_jobs_ago_replays_its_whole_stream_from_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fv_kernel.testing.fake_pool import fake_card
 
     instances = (build_instance(toy_card(CARD)), build_instance(fake_card(step_seconds=0.0)))
-    with serving(tmp_path / "out", *instances, finished_history_bytes=64 * 1024) as (server, _, app):
+    # 40 later jobs of about 0.5 KiB each overflow an 8 KiB bound (the default is 16 MiB).
+    with serving(tmp_path / "out", *instances, finished_history_bytes=8 * 1024) as (server, _, app):
         with httpx.Client(base_url=server.url, timeout=60.0) as client:
             first = client.post("/v1/videos", json={"model": CARD, "prompt": "first", "steps": 3}).json()
             live = whole_stream(client, first["id"])  # followed from the start, live
             assert [e["event"] for e in live][-1] == "video.completed"
             later = [client.post("/v1/videos", json={"model": "fake-video", "prompt": f"{i}", "steps": 1}).json()["id"]
-                     for i in range(300)]
+                     for i in range(40)]
             for job_id in later:
                 wait_for_job(client, job_id, FINISHED)
             assert first["id"] not in app.state.manager._live, "evicted from memory by the byte bound"
