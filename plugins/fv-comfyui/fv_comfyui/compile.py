@@ -35,11 +35,10 @@ adapters yet; ``denoise`` < 1; a batch > 1; a sampler chain fv cannot express; l
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
-
-import logging
 
 import torch
 

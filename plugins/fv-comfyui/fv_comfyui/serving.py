@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -55,6 +56,8 @@ from fv_comfyui.service import ComfyService
 from fv_comfyui.settings import DISTRIBUTION, MODELS_ENV, comfy_settings, models_file
 
 __all__ = ["MODELS_ENV", "ComfyServer", "mount"]
+
+_log = logging.getLogger("fv_comfyui")
 
 
 
@@ -309,18 +312,25 @@ class ComfyServer:
         """The engine's ``on_step`` hook: after each denoise step, the step's preview frame into ``pending``."""
         card = job.card
         latent_preview = LatentPreviewer(_schedule(job))
+        failed: list[str] = []
 
         def on_step(run: Any) -> None:
+            if failed:
+                return
             try:
                 checkpoint = run.checkpoint()  # the running loops' states (tensors referenced, not copied)
             except FvError:
                 return  # a loop whose state cannot be read this step: no preview for it
-            for running in checkpoint.running:
-                spec = card.loops.get(running.loop_id)
-                latents = running.state.get("data", {}).get("latents") if isinstance(running.state, dict) else None
-                if spec is None or spec.kind != "diffusion_denoise" or not isinstance(latents, torch.Tensor):
-                    continue
-                pending.append(preview_frame(latent_preview(latents, int(running.step))))
+            try:
+                for running in checkpoint.running:
+                    spec = card.loops.get(running.loop_id)
+                    latents = running.state.get("data", {}).get("latents") if isinstance(running.state, dict) else None
+                    if spec is None or spec.kind != "diffusion_denoise" or not isinstance(latents, torch.Tensor):
+                        continue
+                    pending.append(preview_frame(latent_preview(latents, int(running.step))))
+            except Exception as exc:  # noqa: BLE001 - a preview never fails the generation: stop previewing
+                failed.append(str(exc))
+                _log.warning("fv-comfyui: no more previews for this prompt: %s", exc)
 
         return on_step
 

@@ -176,3 +176,48 @@ def test_the_preview_is_the_denoised_estimate_along_the_last_move() -> None:
     assert not torch.allclose(_groups(_flow_path(x0, noise, 0.5)), _groups(x0), atol=1e-2)  # the latent alone is not
     assert previewer(_flow_path(x0, noise, 0.0), 3)[:2] == b"\xff\xd8"
     assert preview_frame(b"JPEG") == b"\x00\x00\x00\x01\x00\x00\x00\x01JPEG"
+
+
+def test_a_preview_is_at_most_512_pixels() -> None:
+    from PIL import Image
+
+    big = torch.randn(1, 16, 1, 96, 1200)  # a latent wider than ComfyUI's default --preview-size
+    with Image.open(io.BytesIO(LatentPreviewer(None)(big, 1))) as preview:
+        assert preview.size == (512, 41)
+    with Image.open(io.BytesIO(LatentPreviewer(None)(torch.randn(1, 16, 1, 6, 10), 1))) as preview:
+        assert preview.size == (10, 6)  # latent resolution, never upscaled
+
+
+def test_binary_frames_go_to_the_prompts_client_or_to_everyone(tmp_path: Path) -> None:
+    import asyncio
+
+    from fv_kernel.api import DeployConfig, Engine
+    from fv_comfyui.models import ModelMap
+    from fv_comfyui.serving import ComfyServer
+
+    class Socket:
+        def __init__(self) -> None:
+            self.got: list[bytes] = []
+
+        async def send_bytes(self, data: bytes) -> None:
+            self.got.append(data)
+
+    server = ComfyServer(Engine(), DeployConfig(output_dir=tmp_path), ModelMap({}))
+    mine, other = Socket(), Socket()
+    server.clients.update(mine=mine, other=other)
+    asyncio.run(server.send_bytes(b"a", "mine"))
+    asyncio.run(server.send_bytes(b"b", None))
+    assert mine.got == [b"a", b"b"] and other.got == [b"b"]
+
+
+def test_a_failing_preview_never_fails_the_prompt(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: Any, latents: torch.Tensor, step: int) -> bytes:
+        raise RuntimeError("no JPEG today")
+
+    monkeypatch.setattr(LatentPreviewer, "__call__", broken)
+    with client.websocket_connect("/ws?clientId=me") as socket:
+        socket.receive_text()
+        posted = client.post("/prompt", json={"prompt": _t2v(2), "client_id": "me"}).json()
+        messages = _until_done(socket, posted["prompt_id"])
+    assert not any(isinstance(m, bytes) for m in messages)
+    assert "execution_success" in [m["type"] for m in _json(messages, posted["prompt_id"])]
