@@ -1,7 +1,9 @@
 """``fv comfy``: run a ComfyUI workflow (UI or API format) on fv, or convert one.
 
 Declared in the plugin's manifest (``commands: comfy``), so ``fv --help`` lists it without
-importing this module. Every problem is one line on stderr and exit status 2, except a prompt
+importing this module. ``run`` prints one ``progress: node ID (CLASS) step K/N`` line on stderr per
+sampler step and one ``wrote PATH (node ID)`` line on stdout per file. Every problem is one line
+on stderr and exit status 2, except a prompt
 ComfyUI's rules refuse: that prints ComfyUI's own answer (``{"error", "node_errors"}``, one
 JSON line on stderr) and exits 2.
 """
@@ -45,6 +47,21 @@ def _read_document(path: Path) -> Any:
     if isinstance(document, dict) and isinstance(document.get("prompt"), dict) and "nodes" not in document:
         return document["prompt"]  # a saved POST /prompt body
     return document
+
+
+def _progress_printer(job: Any, prompt: dict[str, Any]) -> Any:
+    """Per sampler step, one ``progress:`` line on stderr naming the node (stdout keeps the ``wrote`` lines)."""
+    node = job.sampler_node
+    label = f"node {node} ({prompt[node]['class_type']})" if node in prompt else f"node {node}"
+
+    def on_event(event: Any) -> None:
+        if getattr(event, "type", None) != "progress" or not event.total:
+            return
+        spec = job.card.loops.get(event.loop_id)
+        if spec is not None and spec.kind == "diffusion_denoise":
+            typer.echo(f"progress: {label} step {event.step}/{event.total}", err=True)
+
+    return on_event
 
 
 @comfy_app.command("convert")
@@ -109,7 +126,7 @@ def run(
     try:
         for job in answer.jobs:
             image = service.image_path(job.image_name) if job.image_name else None
-            video = runner.run(job, image)
+            video = runner.run(job, image, on_event=_progress_printer(job, answer.prompt))
             for saved in save_outputs(video, job.outputs, output_dir):
                 typer.echo(f"wrote {output_dir / saved.subfolder / saved.filename} (node {saved.node_id})")
     except FvError as exc:

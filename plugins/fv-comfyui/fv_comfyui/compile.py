@@ -17,19 +17,25 @@ encode, image encode, denoise and decode loops):
   switch placed at step k (a card derived with ``boundary_ratio`` between the timesteps of
   steps k-1 and k) and stage 2's CFG as ``guidance_2``;
 - ``EmptyHunyuanLatentVideo``: width, height, length (frames), batch 1;
+- ``Wan22ImageToVideoLatent`` (the TI2V-5B templates): width, height, length, batch 1, on a card
+  whose image-to-video encodes the start image into the first latent frame (``i2v_mode``
+  ``first_frame``); with a ``start_image`` it is image-to-video, without one text-to-video;
 - ``CLIPTextEncode``: the prompt and negative prompt;
 - ``WanImageToVideo`` + ``LoadImage`` (+ ``CLIPVisionEncode``): image-to-video;
 - ``VAEDecode``: the card's decode loop; ``SaveAnimatedWEBP`` / ``SaveWEBM`` / ``CreateVideo`` +
   ``SaveVideo``: the files written.
 
+``UNETLoader``'s fp8 ``weight_dtype`` values are a precision request fv cannot honour yet: the
+card runs in its own precision and one warning line per prompt says so.
+
 What does not map is refused before any compute, as a ``custom_validation_failed`` node
 error whose details start with ``fv:`` and say why (``LoraLoaderModelOnly``: fv has no
-adapters yet; ``denoise`` < 1; a batch > 1; a ``weight_dtype`` other than ``default``;
-a sampler chain fv cannot express; loaders resolving to several cards or none).
+adapters yet; ``denoise`` < 1; a batch > 1; a sampler chain fv cannot express; loaders resolving to several cards or none).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -42,6 +48,11 @@ from fv_comfyui.samplers import comfy_sigmas, fv_sampler_name
 
 __all__ = ["CompileError", "SaveTarget", "ComfyJob", "CompileResult", "compile_prompt", "DEFAULT_SHIFT"]
 
+_log = logging.getLogger("fv_comfyui")
+#: ``UNETLoader.weight_dtype`` values that ask for fp8 weights (ComfyUI's ``nodes.py``).
+FP8_WEIGHT_DTYPES = ("fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
+#: The latent nodes a sampler reads: class -> the slot of its LATENT output.
+_LATENT_SOURCES = {"EmptyHunyuanLatentVideo": (0,), "WanImageToVideo": (2,), "Wan22ImageToVideoLatent": (0,)}
 #: ComfyUI's Wan models sample with shift 8.0 when no ModelSamplingSD3 says otherwise.
 DEFAULT_SHIFT = 8.0
 _LOADER_COMPONENTS = {
@@ -145,6 +156,8 @@ class _Compiler:
         self.visited: list[str] = []
         #: The CLIPVisionEncode of an image-to-video chain and its crop, when there is one.
         self.crop: tuple[str, str] | None = None
+        #: UNETLoader id -> the fp8 weight_dtype it asks for (run in the card's precision instead).
+        self.fp8: dict[str, str] = {}
 
     # -- graph helpers ----------------------------------------------------------------------
     def inputs(self, node_id: str) -> dict[str, Any]:
@@ -198,8 +211,12 @@ class _Compiler:
                 raise CompileError(src, "LoRA adapters are not supported by fv yet; remove the LoraLoaderModelOnly node",
                                    "lora_name")
             if kind == "UNETLoader":
-                if self.inputs(src)["weight_dtype"] != "default":
-                    raise CompileError(src, "fv runs the card's own precision; weight_dtype must be 'default'", "weight_dtype")
+                dtype = self.inputs(src)["weight_dtype"]
+                if dtype in FP8_WEIGHT_DTYPES:
+                    self.fp8[src] = str(dtype)
+                elif dtype != "default":  # validation lists only these; a direct caller may pass another
+                    raise CompileError(src, f"weight_dtype {dtype!r} is not one of default, {', '.join(FP8_WEIGHT_DTYPES)}",
+                                       "weight_dtype")
                 file_name, targets = self.loader_targets(src, "unet_name", "unet")
             else:
                 file_name, targets = self.loader_targets(src, "ckpt_name", "unet")
@@ -285,10 +302,14 @@ class _Compiler:
         except ValueError as exc:
             raise CompileError(node, str(exc), "sampler_name") from None
         shift, unet, unet_targets, unet_file = self.model_chain(node, "model")
-        latent, _ = self.source(node, "latent_image", {"EmptyHunyuanLatentVideo": (0,), "WanImageToVideo": (2,)})
-        i2v = latent if self.class_of(latent) == "WanImageToVideo" else None
-        positive, clip_targets = self.text(node, "positive", i2v)
-        negative, neg_clip_targets = self.text(node, "negative", i2v)
+        latent, _ = self.source(node, "latent_image", _LATENT_SOURCES)
+        kind = self.class_of(latent)
+        i2v = latent if kind == "WanImageToVideo" else None
+        if kind == "Wan22ImageToVideoLatent" and isinstance(self.inputs(latent).get("start_image"), list):
+            i2v = latent  # the start image is encoded into the first latent frame; no conditioning passes through it
+        text_via = i2v if kind == "WanImageToVideo" else None
+        positive, clip_targets = self.text(node, "positive", text_via)
+        negative, neg_clip_targets = self.text(node, "negative", text_via)
         size = self.inputs(latent)
         if int(size["batch_size"]) != 1:
             raise CompileError(latent, "fv runs one video per request; batch_size must be 1", "batch_size")
@@ -296,13 +317,14 @@ class _Compiler:
             "sampler_node": stages[-1], "stages": stages, "sampler": sampler, "shift": shift, "unet": unet,
             "unet_targets": unet_targets, "unet_file": unet_file, "steps": int(inputs["steps"]), "cfg": float(inputs["cfg"]),
             "seed": int(inputs[seed_input]), "scheduler": inputs["scheduler"], "latent": latent, "i2v": i2v,
+            "latent_kind": kind,
             "positive": positive, "negative": negative, "clip_targets": (*clip_targets, *neg_clip_targets),
             "width": int(size["width"]), "height": int(size["height"]), "length": int(size["length"]),
         }
 
     # -- image to video ---------------------------------------------------------------------
     def image(self, i2v: str) -> tuple[str, tuple[ModelTarget, ...] | None, tuple[ModelTarget, ...]]:
-        """(image file name, CLIP vision targets or None, the VAE's targets) of a WanImageToVideo."""
+        """(image file name, CLIP vision targets or None, the VAE's targets) of a WanImageToVideo or Wan22ImageToVideoLatent."""
         if not isinstance(self.inputs(i2v).get("start_image"), list):
             raise CompileError(i2v, "fv's image-to-video needs a start_image", "start_image")
         load, _ = self.source(i2v, "start_image", {"LoadImage": (0,)})
@@ -383,9 +405,11 @@ def _job(compiler: _Compiler, decode: str, image_size: Callable[[str], tuple[int
     vision = None
     if plan["i2v"] is not None:
         image_name, vision, i2v_vae = compiler.image(plan["i2v"])
-        groups.append(("vae_name (WanImageToVideo)", i2v_vae))
+        groups.append((f"vae_name ({plan['latent_kind']})", i2v_vae))
         if vision is not None:
             groups.append(("clip_vision", vision))
+    elif plan["latent_kind"] == "Wan22ImageToVideoLatent":  # text-to-video: its VAE must still be the card's
+        groups.append(("vae_name (Wan22ImageToVideoLatent)", compiler.vae(plan["latent"], "vae")))
     two_stage = "switch_step" in plan
     if two_stage:
         groups.append((f"unet_name {plan['low_file']!r}", plan["low_targets"]))
@@ -416,6 +440,13 @@ def _job(compiler: _Compiler, decode: str, image_size: Callable[[str], tuple[int
         if high_component != "transformer":
             raise CompileError(node, f"{plan['unet_file']!r} maps to {card.model_id}:{high_component}, which is not the "
                                      "card's diffusion model", "model")
+    if plan["latent_kind"] == "Wan22ImageToVideoLatent":
+        first_frame = any(spec.kind == "diffusion_denoise" and spec.config.get("i2v_mode") == "first_frame"
+                          for spec in card.loops.values())
+        if plan["i2v"] is not None and not first_frame:
+            raise CompileError(plan["latent"], f"card {card.model_id!r} does not encode the start image into the first "
+                                               "latent frame (a Wan 2.2 TI2V card does); use WanImageToVideo for it",
+                               "start_image")
     has_vision = "image_encoder" in components
     if plan["i2v"] is not None and has_vision != (vision is not None):
         raise CompileError(plan["i2v"], f"card {card.model_id!r} " + (
@@ -478,6 +509,7 @@ def compile_prompt(
     """
     jobs: dict[str, ComfyJob] = {}
     node_errors: dict[str, Any] = {}
+    fp8: dict[str, tuple[str, ComfyJob]] = {}
     for output in sorted(outputs, key=lambda o: (len(o), o)):
         compiler = _Compiler(prompt, models, cards)
         try:
@@ -485,6 +517,8 @@ def compile_prompt(
             if decode not in jobs:
                 jobs[decode] = _job(compiler, decode, image_size)
             jobs[decode].outputs.append(target)
+            for loader, dtype in compiler.fp8.items():
+                fp8.setdefault(loader, (dtype, jobs[decode]))
             if output not in jobs[decode].nodes:
                 jobs[decode].nodes.append(output)
         except CompileError as error:
@@ -492,4 +526,9 @@ def compile_prompt(
                 node_errors[error.node_id]["dependent_outputs"].append(output)
             else:
                 node_errors[error.node_id] = _node_error(prompt, error, output)
+    if fp8:
+        # fv has no fp8 weights yet: the request runs, in the card's own precision, and says so once.
+        asked = ", ".join(f"UNETLoader #{node} {dtype!r}" for node, (dtype, _) in fp8.items())
+        cards = ", ".join(sorted({f"{job.card.model_id!r} ({job.card.precision.default})" for _, job in fp8.values()}))
+        _log.warning("fv-comfyui: weight_dtype fp8 asked (%s); fv runs the card's own precision: %s", asked, cards)
     return CompileResult(jobs=list(jobs.values()), node_errors=node_errors)

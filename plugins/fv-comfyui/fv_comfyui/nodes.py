@@ -1,7 +1,7 @@
 """The ComfyUI nodes fv covers, described as ComfyUI describes them (``INPUT_TYPES``, ``RETURN_TYPES``).
 
 Names, input order, types, defaults and ranges follow ComfyUI's ``nodes.py``,
-``comfy_extras/nodes_wan.py``, ``nodes_video.py`` and ``nodes_model_advanced.py``. Only
+``comfy_extras/nodes_wan.py`` (``WanImageToVideo``, ``Wan22ImageToVideoLatent``), ``nodes_video.py`` and ``nodes_model_advanced.py``. Only
 values fv can run are listed for ``sampler_name`` and ``scheduler`` (:mod:`fv_comfyui.samplers`),
 so a value fv cannot reproduce is ``value_not_in_list``, exactly as an unknown one is in
 ComfyUI. Model file lists are filled from the user's mapping file (:mod:`fv_comfyui.models`).
@@ -158,6 +158,11 @@ def _specs(samplers: Sequence[str], schedulers: Sequence[str]) -> dict[str, Node
                   _link("clip_vision_output", "CLIP_VISION_OUTPUT", optional=True),
                   _link("start_image", "IMAGE", optional=True)),
                  ("CONDITIONING", "CONDITIONING", "LATENT"), ("positive", "negative", "latent"), "conditioning/video_models"),
+        NodeSpec("Wan22ImageToVideoLatent", "Wan22ImageToVideoLatent",
+                 (_link("vae", "VAE"), _int("width", 1280, 32, MAX_RESOLUTION, 32), _int("height", 704, 32, MAX_RESOLUTION, 32),
+                  _int("length", 49, 1, MAX_RESOLUTION, 4), _int("batch_size", 1, 1, 4096, step=None),  # type: ignore[arg-type]
+                  _link("start_image", "IMAGE", optional=True)),
+                 ("LATENT",), ("LATENT",), "conditioning/inpaint"),
         NodeSpec("KSampler", "KSampler",
                  (_link("model", "MODEL"), _int("seed", 0, 0, MAX_SEED, control_after_generate=True),
                   _int("steps", 20, 1, 10000), _float("cfg", 8.0, 0.0, 100.0, 0.1, extra={"round": 0.01}),

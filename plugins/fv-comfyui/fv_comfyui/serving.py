@@ -10,10 +10,14 @@ Routes, answering as ComfyUI's ``server.py`` does, so existing ComfyUI API clien
 - ``POST /upload/image`` (multipart ``image``, ``subfolder``, ``overwrite``) → ``{"name", "subfolder", "type"}``;
 - ``GET /object_info`` and ``/object_info/{node_class}``: the nodes fv covers, with the served
   mapping's model names;
+- ``POST /interrupt`` (optional body ``{"prompt_id"}``: only if that prompt is the one running):
+  cancels the running prompt at its next step; the queue goes on with the next one;
 - ``GET /system_stats``; ``/ws?clientId=``: ``status`` on connect and on queue changes, then per
   prompt ``execution_start``, ``execution_cached``, ``executing`` (each node; ``node: null`` at
-  the end), ``progress`` (the sampler's steps), ``executed`` (each save node's files),
-  ``execution_success`` or ``execution_error``.
+  the end), ``progress`` (the sampler's steps: ``value``/``max``, ``node``, ``prompt_id``), a
+  binary latent preview per sampler step (:mod:`fv_comfyui.previews`; off with
+  ``plugins.settings.fv-comfyui.previews: false``), ``executed`` (each save node's files), and
+  ``execution_success``, ``execution_error`` or ``execution_interrupted``.
 
 Prompts run one at a time, in order, on the server's engine (the cards ``fv serve`` serves; a
 prompt whose loaders map to another card is refused at ``POST /prompt``). The model mapping
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -35,19 +40,24 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from fastapi import Request, WebSocket, WebSocketDisconnect
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.datastructures import UploadFile  # what request.form() returns (FastAPI's is a subclass)
 
-from fv_kernel.api import DeployConfig, Engine
+from fv_kernel.api import DeployConfig, Engine, FvError
 from fv_comfyui.compile import ComfyJob
 from fv_comfyui.models import ModelMap
 from fv_comfyui.nodes import NODE_SPECS, object_info
+from fv_comfyui.previews import LatentPreviewer, preview_frame
 from fv_comfyui.run import save_outputs
 from fv_comfyui.service import ComfyService
-from fv_comfyui.settings import DISTRIBUTION, MODELS_ENV, models_file
+from fv_comfyui.settings import DISTRIBUTION, MODELS_ENV, comfy_settings, models_file
 
 __all__ = ["MODELS_ENV", "ComfyServer", "mount"]
+
+_log = logging.getLogger("fv_comfyui")
 
 
 
@@ -63,16 +73,38 @@ class _Item:
     messages: list[list[Any]] = field(default_factory=list)
     #: The node last reported as executing (named in an ``execution_error``).
     current: str | None = None
+    #: ``POST /interrupt`` asked to stop this prompt; the engine request it is running, if any.
+    interrupted: bool = False
+    request_id: str | None = None
 
     def queue_entry(self) -> list[Any]:
         return [self.number, self.prompt_id, self.prompt, self.extra_data, self.outputs]
 
 
+class _Interrupted(Exception):
+    """The running prompt was interrupted (``POST /interrupt``)."""
+
+
+def _schedule(job: ComfyJob) -> Any:
+    """The job's sigmas (ComfyUI's schedule of its ``comfy-<sampler>-<scheduler>`` sampler), or None."""
+    from fv_comfyui.samplers import comfy_sigmas
+
+    parts = str(job.options.get("sampler") or "").split("-", 2)
+    if len(parts) != 3 or parts[0] != "comfy":
+        return None
+    try:
+        return comfy_sigmas(parts[2], float(job.options["shift"]), int(job.options["steps"]))
+    except (KeyError, ValueError):
+        return None
+
+
 class ComfyServer:
     """The queue, history and websocket clients of the ComfyUI surface over one engine."""
 
-    def __init__(self, engine: Engine, config: DeployConfig, models: ModelMap) -> None:
+    def __init__(self, engine: Engine, config: DeployConfig, models: ModelMap, *, previews: bool = True) -> None:
         self.engine = engine
+        #: Latent previews over /ws at each sampler step (``plugins.settings.fv-comfyui.previews``).
+        self.previews = previews
         root = Path(config.output_dir) / "comfyui"
         self.input_dir = root / "input"
         self.output_dir = root / "output"
@@ -114,6 +146,27 @@ class ComfyServer:
                 await socket.send_text(json.dumps(message))
             except Exception:  # noqa: BLE001 - a client that went away just stops receiving
                 self.clients.pop(sid, None)
+
+    async def send_bytes(self, data: bytes, client_id: str | None) -> None:
+        """A binary message (a preview frame), to whom :meth:`send` would send it."""
+        targets = list(self.clients.items()) if client_id is None else [(client_id, self.clients.get(client_id))]
+        for sid, socket in targets:
+            if socket is None:
+                continue
+            try:
+                await socket.send_bytes(data)
+            except Exception:  # noqa: BLE001 - a client that went away just stops receiving
+                self.clients.pop(sid, None)
+
+    def interrupt(self, prompt_id: str | None = None) -> bool:
+        """Stop the running prompt (only if it is ``prompt_id``, when given); the queue goes on. Whether one was stopped."""
+        item = self.running
+        if item is None or (prompt_id is not None and item.prompt_id != prompt_id):
+            return False
+        item.interrupted = True
+        if item.request_id is not None:
+            self.engine.cancel(item.request_id, "interrupted (POST /interrupt)")
+        return True
 
     async def enqueue(self, item: _Item) -> None:
         if self.worker is None or self.worker.done():
@@ -157,6 +210,12 @@ class ComfyServer:
         try:
             for job in item.jobs:
                 outputs.update(await self.run_job(item, job))
+        except _Interrupted:
+            # As ComfyUI: to every client, recorded in the history, which says "error".
+            await self.send({"type": "execution_interrupted", "data": await self.interrupted_data(item, outputs)}, None)
+            self.finish(item, outputs, "error")
+            await self.executing(item, None)
+            return
         except Exception as exc:  # noqa: BLE001 - reported to the client as ComfyUI reports a failed node
             await self.message(item, "execution_error", {
                 "node_id": item.current,
@@ -166,10 +225,20 @@ class ComfyServer:
                 "timestamp": int(time.time() * 1000),
             }, record=True)
             self.finish(item, outputs, "error")
+            await self.executing(item, None)
             return
-        await self.executing(item, None)
+        # As ComfyUI: execution_success, the history entry, then ``executing`` null (what clients wait for).
         await self.message(item, "execution_success", {"timestamp": int(time.time() * 1000)}, record=True)
         self.finish(item, outputs, "success")
+        await self.executing(item, None)
+
+    async def interrupted_data(self, item: _Item, outputs: dict[str, Any]) -> dict[str, Any]:
+        node = item.current
+        data = {"prompt_id": item.prompt_id, "node_id": node,
+                "node_type": item.prompt[node]["class_type"] if node in item.prompt else None,
+                "executed": list(outputs), "timestamp": int(time.time() * 1000)}
+        item.messages.append(["execution_interrupted", data])
+        return data
 
     def finish(self, item: _Item, outputs: dict[str, Any], status: str) -> None:
         self.history[item.prompt_id] = {
@@ -185,16 +254,23 @@ class ComfyServer:
             kind = {"CLIPTextEncode": "text_encode", "CLIPVisionEncode": "image_encode", "WanImageToVideo": "image_encode",
                     "KSampler": "diffusion_denoise", "KSamplerAdvanced": "diffusion_denoise",
                     "VAEDecode": "vae_decode"}.get(str(item.prompt[node]["class_type"]))
+            if item.prompt[node]["class_type"] == "Wan22ImageToVideoLatent" and job.image_name is not None:
+                kind = "image_encode"  # the start image's VAE encode
             if kind is not None:
                 by_kind.setdefault(kind, []).append(node)
         saves = {t.node_id for t in job.outputs}
         for node in job.nodes:  # loaders and the like: ready as soon as the request is admitted
             if item.prompt[node]["class_type"] in ("UNETLoader", "CLIPLoader", "VAELoader", "CLIPVisionLoader",
                                                    "CheckpointLoaderSimple", "ModelSamplingSD3", "LoadImage",
-                                                   "EmptyHunyuanLatentVideo"):
+                                                   "EmptyHunyuanLatentVideo") or (
+                    item.prompt[node]["class_type"] == "Wan22ImageToVideoLatent" and job.image_name is None):
                 await self.executing(item, node)
+        if item.interrupted:
+            raise _Interrupted()
         image = self.service.load_image(job.image_name) if job.image_name else None
-        handle = self.engine.submit(job.request(image))
+        pending: list[bytes] = []
+        handle = self.engine.submit(job.request(image), on_step=self.previewer(job, pending) if self.previews else None)
+        item.request_id = handle.request_id
         shown: str | None = None
         async for event in handle.events():
             if event.type != "progress":
@@ -211,7 +287,13 @@ class ComfyServer:
                 shown = node
             if spec is not None and spec.kind == "diffusion_denoise" and event.total:
                 await self.message(item, "progress", {"value": event.step, "max": event.total, "node": node})
+                for frame in pending:  # the step's preview, after its progress, as ComfyUI sends them
+                    await self.send_bytes(frame, item.client_id)
+                pending.clear()
         result = await handle.result()
+        item.request_id = None
+        if result.status == "cancelled" and item.interrupted:
+            raise _Interrupted()
         result.raise_for_status()
         video = result.artifact("video")
         assert video is not None
@@ -225,6 +307,32 @@ class ComfyServer:
                 outputs[node] = output
                 await self.message(item, "executed", {"node": node, "display_node": node, "output": output})
         return outputs
+
+    def previewer(self, job: ComfyJob, pending: list[bytes]) -> Any:
+        """The engine's ``on_step`` hook: after each denoise step, the step's preview frame into ``pending``."""
+        card = job.card
+        latent_preview = LatentPreviewer(_schedule(job))
+        failed: list[str] = []
+
+        def on_step(run: Any) -> None:
+            if failed:
+                return
+            try:
+                checkpoint = run.checkpoint()  # the running loops' states (tensors referenced, not copied)
+            except FvError:
+                return  # a loop whose state cannot be read this step: no preview for it
+            try:
+                for running in checkpoint.running:
+                    spec = card.loops.get(running.loop_id)
+                    latents = running.state.get("data", {}).get("latents") if isinstance(running.state, dict) else None
+                    if spec is None or spec.kind != "diffusion_denoise" or not isinstance(latents, torch.Tensor):
+                        continue
+                    pending.append(preview_frame(latent_preview(latents, int(running.step))))
+            except Exception as exc:  # noqa: BLE001 - a preview never fails the generation: stop previewing
+                failed.append(str(exc))
+                _log.warning("fv-comfyui: no more previews for this prompt: %s", exc)
+
+        return on_step
 
     # -- files ----------------------------------------------------------------------------
     def folder(self, kind: str) -> Path | None:
@@ -247,7 +355,7 @@ def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:
                       f"config, or {MODELS_ENV}): no model file name maps to a card, so every ComfyUI loader "
                       "answers value_not_in_list", stacklevel=2)
         models = ModelMap({})
-    server = ComfyServer(engine, config, models)
+    server = ComfyServer(engine, config, models, previews=comfy_settings(config).previews)
     app.state.comfyui = server
 
     async def post_prompt(request: Request) -> JSONResponse:
@@ -274,6 +382,15 @@ def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:
         outputs = [t.node_id for job in answer.jobs for t in job.outputs]
         await server.enqueue(_Item(number, prompt_id, answer.prompt, extra, outputs, answer.jobs, client_id))
         return JSONResponse({"prompt_id": prompt_id, "number": number, "node_errors": answer.node_errors})
+
+    async def post_interrupt(request: Request) -> Any:
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = {}
+        prompt_id = body.get("prompt_id") if isinstance(body, dict) else None
+        server.interrupt(str(prompt_id) if prompt_id else None)
+        return Response(status_code=200)
 
     async def get_prompt() -> dict[str, Any]:
         return {"exec_info": {"queue_remaining": server.remaining()}}
@@ -351,6 +468,7 @@ def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:
 
     app.add_api_route("/prompt", post_prompt, methods=["POST"], include_in_schema=False)
     app.add_api_route("/prompt", get_prompt, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/interrupt", post_interrupt, methods=["POST"], include_in_schema=False)
     app.add_api_route("/queue", get_queue, methods=["GET"], include_in_schema=False)
     app.add_api_route("/history", get_history, methods=["GET"], include_in_schema=False)
     app.add_api_route("/history/{prompt_id}", get_history_item, methods=["GET"], include_in_schema=False)

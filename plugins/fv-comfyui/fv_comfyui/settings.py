@@ -5,6 +5,7 @@ plugins:
   settings:
     fv-comfyui:
       models: comfy-models.yaml   # the model mapping file (docs/comfyui.md)
+      previews: true              # latent previews over /ws while a sampler runs (false: none)
 ```
 
 The kernel checks only the plugin's name; the keys are checked here, strictly (an unknown key
@@ -42,6 +43,9 @@ class ComfySettings(BaseModel):
     models: Path | None = None
     """The model mapping file; a relative path is read from the current directory, as the deploy
     config's other paths (``output_dir``) are."""
+
+    previews: bool = True
+    """Send ComfyUI's latent preview images over ``/ws`` at each sampler step (``fv serve``)."""
 
 
 def comfy_settings(config: DeployConfig) -> ComfySettings:

@@ -12,6 +12,12 @@ import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WORKFLOWS = ("text_to_video_wan", "image_to_video_wan_example", "text_to_video_wan22_14B")
+#: API prompts written from ComfyUI's node definitions (fixtures/SOURCES.md), no UI pair.
+TEMPLATES = ("wan22_ti2v_5B_i2v", "wan22_ti2v_5B_t2v", "wan22_14B_t2v_fp8")
+
+
+def load_api(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / f"{name}.api.json").read_text(encoding="utf-8"))
 
 
 def load_pair(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -43,6 +49,7 @@ def input_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("comfy_input")
     write_image(folder / "flux_dev_example.png", 48, 48)
     write_image(folder / "wide.png", 64, 32, seed=1)
+    write_image(folder / "example.png", 40, 40, seed=2)  # the TI2V template's LoadImage
     return folder
 
 
@@ -68,7 +75,7 @@ def retarget(prompt: dict[str, Any], *, size: int = 32, length: int = 5, steps: 
     prompt = copy.deepcopy(prompt)
     for node in prompt.values():
         inputs = node["inputs"]
-        if node["class_type"] in ("EmptyHunyuanLatentVideo", "WanImageToVideo"):
+        if node["class_type"] in ("EmptyHunyuanLatentVideo", "WanImageToVideo", "Wan22ImageToVideoLatent"):
             inputs.update(width=size, height=size, length=length)
         if node["class_type"] == "KSampler":
             inputs.update(steps=steps)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from conftest import MODELS_FILE, load_pair, write_image
@@ -45,6 +46,9 @@ def test_fv_comfy_run_writes_the_save_nodes_files(tmp_path: Path) -> None:
     done = _fv("comfy", "run", str(workflow), "--comfy-models", str(MODELS_FILE), "-o", str(tmp_path / "out"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"wrote {tmp_path / 'out' / 'ComfyUI_00001_.webp'} (node 28)"
+    # Progress on stderr: one line per sampler step, naming the node.
+    assert [line for line in done.stderr.splitlines() if line.startswith("progress:")] == [
+        "progress: node 3 (KSampler) step 1/2", "progress: node 3 (KSampler) step 2/2"]
     from PIL import Image
 
     with Image.open(tmp_path / "out" / "ComfyUI_00001_.webp") as webp:
@@ -113,8 +117,9 @@ def test_a_partly_valid_prompt_runs_the_valid_outputs_and_says_what_it_skips(tmp
     path.write_text(json.dumps(prompt))
     result = runner.invoke(comfy_app, ["run", str(path), "--comfy-models", str(MODELS_FILE), "-o", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
-    assert result.stderr.strip() == ("warning: node 47 (SaveWEBM): Value 99.0 bigger than max of 63.0: crf; "
-                                     "skipping output(s) 47")
+    warning, *progress = result.stderr.strip().splitlines()
+    assert warning == "warning: node 47 (SaveWEBM): Value 99.0 bigger than max of 63.0: crf; skipping output(s) 47"
+    assert progress == ["progress: node 3 (KSampler) step 1/2", "progress: node 3 (KSampler) step 2/2"]
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["ComfyUI_00001_.webp"]  # 47 wrote nothing
 
 
@@ -146,5 +151,28 @@ def test_without_a_mapping_file_it_says_where_to_give_one(tmp_path: Path, monkey
     bad = _deploy_with_models(tmp_path, "{modles: m.yaml}")
     result = runner.invoke(comfy_app, ["run", str(workflow), "--config", str(bad), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert "plugins.settings.fv-comfyui.modles: Extra inputs are not permitted (allowed keys: models)" in result.stderr
+    assert "plugins.settings.fv-comfyui.modles: Extra inputs are not permitted (allowed keys: models, previews)" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_progress_lines_per_step_and_the_same_frames(tmp_path: Path, service: Any) -> None:
+    from conftest import retarget
+    from fv_comfyui.cli import _progress_printer
+    from fv_comfyui.run import JobRunner
+
+    prompt = retarget(load_pair("text_to_video_wan22_14B")[1])  # two stages: the second sampler node is named
+    prompt["37"]["inputs"]["weight_dtype"] = "fp8_e4m3fn_fast"
+    answer = service.check(prompt)
+    (job,) = answer.jobs
+    runner = JobRunner(tmp_path)
+    lines: list[str] = []
+    import typer
+
+    original = typer.echo
+    try:
+        typer.echo = lambda message, err=False: lines.append(f"{'err' if err else 'out'}: {message}")  # type: ignore[assignment]
+        streamed = runner.run(job, on_event=_progress_printer(job, answer.prompt))
+    finally:
+        typer.echo = original  # type: ignore[assignment]
+    assert lines == [f"err: progress: node 58 (KSamplerAdvanced) step {k}/4" for k in (1, 2, 3, 4)]
+    assert torch.equal(streamed.frames, runner.run(job).frames)  # the streamed run is the same run

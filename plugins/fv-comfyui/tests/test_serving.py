@@ -30,7 +30,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     # The mapping file the documented way: the deploy config's plugins.settings (no environment variable).
     deploy = work / "deploy.yaml"
-    deploy.write_text(f"plugins:\n  settings:\n    fv-comfyui: {{models: {json.dumps(str(MODELS_FILE))}}}\n")
+    # Previews off: comfy-api-simplified takes every binary websocket message for a result image (as it
+    # would from ComfyUI with previews on); the previews themselves are tested in test_serving_ws.py.
+    deploy.write_text(f"plugins:\n  settings:\n    fv-comfyui: {{models: {json.dumps(str(MODELS_FILE))}, previews: false}}\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("FV_PLUGINS", None)
     env.pop("FV_COMFY_MODELS", None)
