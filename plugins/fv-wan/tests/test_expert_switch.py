@@ -103,3 +103,11 @@ def test_facade_takes_switch_step_and_names_it_in_errors() -> None:
     with pytest.raises(InvalidRequest) as caught:
         generator.generate("a fox", steps=STEPS, switch_step=STEPS + 2, width=32, height=32, frames=5)
     assert caught.value.param == "switch_step"
+
+
+def test_the_cli_example_in_docs_models_wan_md_runs_as_written(tmp_path: Any) -> None:
+    from doc_blocks import REPO, doc_blocks, run_doc_block
+
+    (block,) = doc_blocks(REPO / "docs" / "models" / "wan.md", "plugins/fv-wan/tests/test_expert_switch.py")
+    output = run_doc_block(block, tmp_path)
+    assert (tmp_path / "fox.mp4").stat().st_size > 0, output
