@@ -259,3 +259,21 @@ def test_served_comfyui_route_accepts_and_runs_the_chain(host: Any, tmp_path: Pa
         entry = history[body["prompt_id"]]
         assert entry["status"]["status_str"] == "success", entry["status"]
         assert set(entry["outputs"]) == {"28", "47"}
+
+
+def test_chains_fv_does_not_run_are_refused_saying_why(service: Any) -> None:
+    # end_at_step 0: ComfyUI's first call then samples one sigma and divides by 1 - sigma_0 = 0.
+    prompt = _fixture("uni_pc")
+    prompt["57"]["inputs"]["end_at_step"] = prompt["58"]["inputs"]["start_at_step"] = 0
+    answer = service.check(prompt)
+    assert not answer.ok and "inside 1..5" in answer.node_errors["58"]["errors"][0]["details"]
+    # Three stages: the middle one adds no noise, so the last one's first stage is not a first stage.
+    prompt = _fixture("uni_pc")
+    prompt["59"] = json.loads(json.dumps(prompt["58"]))
+    prompt["59"]["inputs"].update(start_at_step=4, latent_image=["58", 0])
+    prompt["58"]["inputs"].update(end_at_step=4, return_with_leftover_noise="enable")
+    prompt["8"]["inputs"]["samples"] = ["59", 0]
+    answer = service.check(prompt)
+    assert not answer.ok and "must add noise" in answer.node_errors["58"]["errors"][0]["details"]
+    # Negative control: the fixture itself is accepted.
+    assert service.check(_fixture("uni_pc")).ok
