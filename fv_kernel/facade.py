@@ -75,6 +75,8 @@ class GenerateOptions(TypedDict, total=False):
     steps: int | None
     guidance: float | None
     guidance_2: float | None
+    #: Two-expert cards: the step from which the second expert runs (0..steps).
+    switch_step: int | None
     shift: float | None
     sampler: str | None
     seed: int
@@ -252,7 +254,7 @@ class VideoGenerator:
             inputs.append(_typed("negative_prompt", lambda: TextPart(text=negative, role="negative_prompt")))
         if image is not None:
             inputs.append(_typed("image", lambda: ImagePart(image=_image_tensor(image))))
-        diffusion_fields = ("height", "width", "frames", "fps", "steps", "guidance", "guidance_2", "shift", "sampler")
+        diffusion_fields = ("height", "width", "frames", "fps", "steps", "guidance", "guidance_2", "switch_step", "shift", "sampler")
         diffusion = _typed("diffusion", lambda: DiffusionParams(
             seed=seed, **{name: options[name] for name in diffusion_fields if options.get(name) is not None}
         ))

@@ -60,6 +60,10 @@ def generate(
     frames: Optional[int] = typer.Option(None, "--frames"),
     steps: Optional[int] = typer.Option(None, "--steps"),
     guidance: Optional[float] = typer.Option(None, "--guidance"),
+    guidance_2: Optional[float] = typer.Option(None, "--guidance-2", help="Guidance of the second expert (two-expert cards)."),
+    switch_step: Optional[int] = typer.Option(
+        None, "--switch-step", help="Two-expert cards: the step from which the second expert runs (0..steps; default: the card's boundary).",
+    ),
     shift: Optional[float] = typer.Option(None, "--shift"),
     sampler: Optional[str] = typer.Option(
         None, "--sampler",
@@ -109,7 +113,7 @@ def generate(
             ar=(ARParams(max_tokens=max_tokens, seed=seed)
                 if (upsample_prompt or chosen_task is TaskType.TEXT_GENERATION) and max_tokens is not None else None),
             diffusion=DiffusionParams(height=height, width=width, frames=frames, steps=steps, guidance=guidance,
-                                      shift=shift, sampler=sampler, seed=seed),
+                                      guidance_2=guidance_2, switch_step=switch_step, shift=shift, sampler=sampler, seed=seed),
         )
     except ValidationError as exc:
         message = _validation_line(exc)

@@ -102,6 +102,9 @@ class SamplerState(TensorState):
     sigmas: torch.Tensor
     timesteps: torch.Tensor
     step_index: int = 0
+    #: Steps at which the caller changes the denoiser (a two-expert card's switch). A sampler that
+    #: models each stage as its own sampler call restarts its history there; the others ignore it.
+    stage_starts: tuple[int, ...] = ()
 
     @property
     def num_steps(self) -> int:

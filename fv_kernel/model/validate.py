@@ -182,6 +182,9 @@ def resolve_request(
         )
     if d.guidance_2 is not None and (caps.defaults is None or caps.defaults.guidance_2 is None):
         raise InvalidRequest("guidance_2", f"card {card.model_id!r} has a single expert; guidance_2 does not apply", allowed="omit it")
+    if d.switch_step is not None and (caps.defaults is None or caps.defaults.guidance_2 is None):
+        raise InvalidRequest("switch_step", f"card {card.model_id!r} has a single expert; switch_step does not apply",
+                             allowed="omit it")
     select_denoise_loop(card, request)
     _check_sampler(card, request, samplers)
     defaults = caps.defaults
@@ -197,6 +200,7 @@ def resolve_request(
         steps=d.steps or defaults.steps,
         guidance=d.guidance if d.guidance is not None else defaults.guidance,
         guidance_2=d.guidance_2 if d.guidance_2 is not None else defaults.guidance_2,
+        switch_step=d.switch_step,
         shift=d.shift if d.shift is not None else defaults.shift,
         sampler=d.sampler,
         seed=d.seed,
@@ -218,6 +222,9 @@ def resolve_request(
         if cap is not None and pixels > cap:
             raise InvalidRequest("size", f"{filled.width}x{filled.height} exceeds {where} maximum of {cap} pixels", allowed=f"width*height <= {cap}")
     _check_shape(card, filled)
+    if filled.switch_step is not None and filled.steps is not None and filled.switch_step > filled.steps:
+        raise InvalidRequest("switch_step", f"{filled.switch_step} is past the last of {filled.steps} steps",
+                             allowed=f"0..{filled.steps}")
     if limits.max_steps is not None and filled.steps is not None and filled.steps > limits.max_steps:
         raise InvalidRequest("steps", f"{filled.steps} exceeds this deployment's limit", allowed=f"<= {limits.max_steps}")
     return request.with_updates(diffusion=filled)

@@ -116,6 +116,10 @@ class DiffusionParams(BaseModel):
     guidance: float | None = Field(default=None, ge=0)
     #: Guidance of a second expert (two-expert cards); ``None`` = the card's default.
     guidance_2: float | None = Field(default=None, ge=0)
+    #: The step from which a two-expert card runs its second expert (0..steps: steps ``< switch_step``
+    #: run the first); ``None`` = the card's own boundary. Samplers that model each expert's steps
+    #: as a separate sampler call restart there (``SamplerState.stage_starts``).
+    switch_step: int | None = Field(default=None, ge=0)
     shift: float | None = Field(default=None, gt=0)
     sampler: str | None = None
     seed: int = Field(default=0, ge=0, lt=2**63)

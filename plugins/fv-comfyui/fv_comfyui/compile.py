@@ -13,9 +13,9 @@ encode, image encode, denoise and decode loops):
 - ``KSampler`` (``denoise`` 1.0) and ``KSamplerAdvanced``: steps, CFG, seed and the sampler,
   mapped by :func:`fv_comfyui.samplers.fv_sampler_name`. The two-stage Wan 2.2 A14B chain
   (stage 1: ``add_noise`` on, steps 0→k, leftover noise returned; stage 2: ``add_noise`` off,
-  steps k→end, the same schedule) is one denoise run on the two-expert card with its expert
-  switch placed at step k (a card derived with ``boundary_ratio`` between the timesteps of
-  steps k-1 and k) and stage 2's CFG as ``guidance_2``;
+  steps k→end, the same schedule) is one denoise run on the two-expert card as it is installed
+  (or served), with the request's ``switch_step`` k and stage 2's CFG as ``guidance_2``; the
+  ComfyUI sampler restarts at step k as the second node does (``SamplerState.stage_starts``);
 - ``EmptyHunyuanLatentVideo``: width, height, length (frames), batch 1;
 - ``Wan22ImageToVideoLatent`` (the TI2V-5B templates): width, height, length, batch 1, on a card
   whose image-to-video encodes the start image into the first latent frame (``i2v_mode``
@@ -90,8 +90,6 @@ class ComfyJob:
     """One fv request: ``fv.load(card).generate(prompt, **options)``, written to ``outputs``."""
 
     card: ModelCard
-    #: True when the card is the installed one changed for this graph (the A14B expert switch).
-    derived: bool
     prompt: str
     options: dict[str, Any]
     image_name: str | None
@@ -107,7 +105,7 @@ class ComfyJob:
             parts.append(TextPart(text=self.options["negative_prompt"], role="negative_prompt"))
         if image is not None:
             parts.append(ImagePart(image=image))
-        fields = ("height", "width", "frames", "steps", "guidance", "guidance_2", "shift", "sampler", "seed")
+        fields = ("height", "width", "frames", "steps", "guidance", "guidance_2", "switch_step", "shift", "sampler", "seed")
         return Request(
             model=self.card.model_id, task=self.task, inputs=tuple(parts),
             diffusion=DiffusionParams(**{k: self.options[k] for k in fields if self.options.get(k) is not None}),
@@ -121,7 +119,8 @@ class ComfyJob:
         """The ``fv generate`` arguments (after ``generate``) that run the same request."""
         args = ["--model", model, "--prompt", self.prompt]
         names = {"negative_prompt": "--negative-prompt", "height": "--height", "width": "--width", "frames": "--frames",
-                 "steps": "--steps", "guidance": "--guidance", "shift": "--shift", "sampler": "--sampler", "seed": "--seed"}
+                 "steps": "--steps", "guidance": "--guidance", "guidance_2": "--guidance-2", "switch_step": "--switch-step",
+                 "shift": "--shift", "sampler": "--sampler", "seed": "--seed"}
         for key, flag in names.items():
             if self.options.get(key) is not None:
                 args += [flag, str(self.options[key])]
@@ -279,11 +278,6 @@ class _Compiler:
         for name in ("steps", "sampler_name", "scheduler"):
             if hi[name] != li[name]:
                 raise CompileError(low, f"both stages must use the same {name} ({hi[name]!r} != {li[name]!r})", name)
-        if li["sampler_name"] != "euler":
-            # ComfyUI runs each stage as its own sampler call: a multistep sampler (uni_pc) restarts
-            # its history at the second stage, which one fv denoise run does not do.
-            raise CompileError(low, f"a two-stage chain runs as one fv run only with euler; {li['sampler_name']!r} "
-                                    "restarts its multistep history at the second stage in ComfyUI", "sampler_name")
         for name in ("positive", "negative"):
             if hi[name] != li[name]:
                 raise CompileError(low, f"both stages must take the same {name} conditioning", name)
@@ -359,20 +353,6 @@ class _Compiler:
 
 def _component(targets: tuple[ModelTarget, ...], card_id: str) -> str | None:
     return next((t.component for t in targets if t.card == card_id), None)
-
-
-def _with_switch(card: ModelCard, boundary_ratio: float, guidance_2: float) -> ModelCard:
-    loops = {
-        loop_id: spec.model_copy(update={"config": {**spec.config, "boundary_ratio": boundary_ratio}})
-        if spec.kind == "diffusion_denoise" else spec
-        for loop_id, spec in card.loops.items()
-    }
-    capabilities = card.capabilities
-    if capabilities.defaults is not None:
-        defaults = capabilities.defaults.model_copy(update={"guidance_2": guidance_2})
-        capabilities = capabilities.model_copy(update={"defaults": defaults})
-    return ModelCard.model_validate({**card.model_dump(), "loops": {k: v.model_dump() for k, v in loops.items()},
-                                     "capabilities": capabilities.model_dump()})
 
 
 def _save_target(prompt: Mapping[str, Any], compiler: _Compiler, output: str) -> tuple[SaveTarget, str]:
@@ -464,16 +444,11 @@ def _job(compiler: _Compiler, decode: str, image_size: Callable[[str], tuple[int
     }
     if plan["negative"]:
         options["negative_prompt"] = plan["negative"]
-    derived = False
     if two_stage:
-        sigmas = comfy_sigmas(plan["scheduler"], plan["shift"], plan["steps"])
-        k = plan["switch_step"]
-        t_before, t_at = float(sigmas[k - 1]) * 1000.0, float(sigmas[k]) * 1000.0
-        card = _with_switch(card, (t_before + t_at) / 2000.0, plan["guidance_2"])
         options["guidance_2"] = plan["guidance_2"]
-        derived = True
+        options["switch_step"] = plan["switch_step"]
     nodes = execution_order(compiler.prompt, [decode])
-    return ComfyJob(card=card, derived=derived, prompt=plan["positive"], options=options, image_name=image_name,
+    return ComfyJob(card=card, prompt=plan["positive"], options=options, image_name=image_name,
                     outputs=[], nodes=nodes, sampler_node=node)
 
 

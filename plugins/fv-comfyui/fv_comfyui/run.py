@@ -1,9 +1,7 @@
 """Run compiled jobs on fv and write the files their save nodes name, as ComfyUI names them.
 
 A job runs exactly as ``fv generate`` would: ``fv.load(card)`` then ``generate(prompt, **options)``
-(the image by its path, read as ``--image`` reads it). A job whose card was derived for the
-graph (the A14B expert switch) runs from a card file written beside the outputs, which is
-also what ``fv generate --model FILE`` takes.
+(the image by its path, read as ``--image`` reads it).
 
 Files: ``<output_dir>/<filename_prefix>_<counter:05>_.<ext>``, the counter one past the highest
 already there for that prefix in that folder, whatever the extension, as ComfyUI's
@@ -128,14 +126,8 @@ class JobRunner:
         self._generators: dict[str, Any] = {}
 
     def model_ref(self, job: ComfyJob) -> str:
-        """The ``--model`` of the job: the card id, or the card file of a derived card."""
-        if not job.derived:
-            return job.card.model_id
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        ratio = job.card.loops["denoise"].config.get("boundary_ratio") if "denoise" in job.card.loops else None
-        path = self.work_dir / f"{job.card.model_id}-comfy-{str(ratio).replace('.', '_')}.json"
-        path.write_text(job.card.model_dump_json(indent=2), encoding="utf-8")
-        return str(path)
+        """The ``--model`` of the job: its card's id."""
+        return job.card.model_id
 
     def run(self, job: ComfyJob, image_path: Path | None = None, *, on_event: Callable[[Any], None] | None = None) -> Video:
         ref = self.model_ref(job)

@@ -7,13 +7,22 @@ table, ``ModelSamplingDiscreteFlow`` with ``ModelSamplingSD3``'s shift) and the 
 * ``euler``: k-diffusion's ``sample_euler`` on a ``CONST`` model (``denoised = x - v*sigma``,
   ``d = (x - denoised)/sigma``, ``x += d*(sigma_next - sigma)``);
 * ``uni_pc`` / ``uni_pc_bh2``: ComfyUI's own UniPC (``comfy/extra_samplers/uni_pc.py``, variant
-  ``bh1`` / ``bh2``). It is not diffusers' UniPC: it treats the k-diffusion model as a VP model
+  ``bh1`` / ``bh2``) on the ``KSampler`` node's schedule for these samplers: the scheduler's
+  sigmas for ``steps + 1`` with the next-to-last one dropped. It is not diffusers' UniPC: it treats the k-diffusion model as a VP model
   through ``SigmaConvert`` (``alpha = 1/sqrt(1+sigma^2)``, half log-SNR ``-log sigma``), works on
   ``x / sqrt(1+sigma^2)``, uses order ``min(3, steps-1)`` with lower-order warm-up and final
   steps, evaluates the model at the predictor's output, corrects every move but the last, and
   moves the final zero sigma to 0.001. ComfyUI's revisions build the ``b`` coefficients in
   different dtypes; ``b_dtype`` picks one: float64 as Comfy-Org/ComfyUI 0748e38 does (the
   default), or float32 as earlier releases do (comfyanonymous/ComfyUI 9bffd67f, v0.3.64).
+
+A state's ``stage_starts`` (a two-expert card's switch step) splits the trajectory into stages
+that run as ComfyUI runs a ``KSamplerAdvanced`` chain: each stage is its own sampler call on its
+slice of the schedule. The stage's result leaves through CONST's ``inverse_noise_scaling``
+(``x / (1 - sigma)``) and enters the next through ``noise_scaling`` with no noise
+(``(1 - sigma) * x``); UniPC starts its history, its warm-up orders and its lower-order final
+moves afresh in every stage. (ComfyUI's latent-format round trip between the two nodes,
+``process_latent_out`` then ``process_latent_in``, is not repeated: it is float rounding only.)
 
 fv's own ``euler``/``unipc`` use diffusers' schedules and formulas, which are different numbers,
 so they are not offered as substitutes. Every other ComfyUI sampler (``dpmpp_2m``, ...) and
@@ -37,9 +46,11 @@ from fv_kernel.api import FlowEulerSampler, Sampler, SamplerState
 
 __all__ = [
     "SAMPLER_NAMES",
+    "stage_bounds",
     "SCHEDULER_NAMES",
     "comfy_flow_sigma_table",
     "comfy_sigmas",
+    "ksampler_sigmas",
     "fv_sampler_name",
     "ComfyEulerSimple",
     "ComfyEulerNormal",
@@ -98,6 +109,33 @@ def comfy_sigmas(scheduler: str, shift: float, steps: int) -> torch.Tensor:
     raise ValueError(f"scheduler {scheduler!r} is not one fv runs; allowed: {', '.join(SCHEDULER_NAMES)}")
 
 
+def stage_bounds(state: SamplerState, index: int) -> tuple[int, int]:
+    """``(first, end)`` steps of the stage holding step ``index``: one ComfyUI sampler call's slice."""
+    cuts = sorted({0, state.num_steps, *(s for s in state.stage_starts if 0 < s < state.num_steps)})
+    first = max(c for c in cuts if c <= index)
+    return first, min(c for c in cuts if c > index)
+
+
+def _stage_hand_off(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """One stage's result into the next stage (ComfyUI's CONST model sampling, zero noise added):
+    ``inverse_noise_scaling`` at the end of the first call, ``noise_scaling`` at the start of the next."""
+    out = x / (1.0 - sigma)
+    return sigma * torch.zeros_like(out) + (1.0 - sigma) * out
+
+
+#: ComfyUI samplers whose ``KSampler`` schedule is made for one step more, its next-to-last sigma dropped
+#: (``KSampler.DISCARD_PENULTIMATE_SIGMA_SAMPLERS``).
+_DISCARD_PENULTIMATE = ("uni_pc", "uni_pc_bh2")
+
+
+def ksampler_sigmas(sampler_name: str, scheduler: str, shift: float, steps: int) -> torch.Tensor:
+    """``KSampler.calculate_sigmas``: the schedule a ``KSampler`` / ``KSamplerAdvanced`` node samples."""
+    if sampler_name not in _DISCARD_PENULTIMATE:
+        return comfy_sigmas(scheduler, shift, steps)
+    sigmas = comfy_sigmas(scheduler, shift, steps + 1)
+    return torch.cat([sigmas[:-2], sigmas[-1:]])
+
+
 class _ComfyEuler(FlowEulerSampler):
     """k-diffusion's Euler (no churn) on ComfyUI's schedule; ``shift`` is ``ModelSamplingSD3``'s."""
 
@@ -119,8 +157,10 @@ class _ComfyEuler(FlowEulerSampler):
         x = sample.to(torch.float32)
         denoised = x - model_output.to(torch.float32) * sigma  # CONST.calculate_denoised
         d = (x - denoised) / sigma  # k-diffusion to_d
-        next_sample = (x + d * (sigma_next - sigma)).to(model_output.dtype)
-        return state.model_copy(update={"step_index": i + 1}), next_sample
+        next_sample = x + d * (sigma_next - sigma)
+        if stage_bounds(state, i)[1] == i + 1 < state.num_steps:  # the next step starts another sampler call
+            next_sample = _stage_hand_off(next_sample, sigma_next)
+        return state.model_copy(update={"step_index": i + 1}), next_sample.to(model_output.dtype)
 
 
 class ComfyEulerSimple(_ComfyEuler):
@@ -185,9 +225,10 @@ def unipc_solver_times(sigmas: torch.Tensor) -> torch.Tensor:
 class ComfyUniPCState(SamplerState):
     """ComfyUI's UniPC memory between model calls, in UniPC's variables (``x / sqrt(1+sigma^2)``).
 
-    ``history``: ``model_prev_list``, the data predictions of the last ``<= order`` model calls,
-    oldest first. ``base``: the corrected solution at the previous sigma (the next corrector's
-    start). ``predicted``: the predictor's output at the current sigma, whose scaled value the
+    ``history``: ``model_prev_list``, the data predictions of the last ``<= order`` model calls of
+    this stage, oldest first. ``base``: the corrected solution at the previous sigma (the next
+    corrector's start); at a stage start, the stage's starting ``x`` (the previous stage's result
+    handed over), from which the fresh history begins. ``predicted``: the predictor's output at the current sigma, whose scaled value the
     model was called on. ``predicted_order``: the order that predictor used (its corrector reuses it).
     """
 
@@ -221,7 +262,7 @@ class _ComfyUniPC(Sampler):
     def init_state(self, num_inference_steps: int) -> ComfyUniPCState:
         if num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
-        sigmas = comfy_sigmas(self.scheduler, self.shift, num_inference_steps)
+        sigmas = ksampler_sigmas("uni_pc", self.scheduler, self.shift, num_inference_steps)
         timesteps = sigmas[:-1] * _MULTIPLIER
         return ComfyUniPCState(sampler=self.config_signature(), sigmas=sigmas, timesteps=timesteps)
 
@@ -316,42 +357,67 @@ class _ComfyUniPC(Sampler):
         self._check_step_inputs(state, model_output, sample, noise)
         assert isinstance(state, ComfyUniPCState)
         i, steps = state.step_index, state.num_steps
-        times = unipc_solver_times(state.sigmas)
+        # One stage is one ComfyUI sampler call on sigmas[first..end]: its own order, warm-up and
+        # lower-order final moves, counted from its first step.
+        first, end = stage_bounds(state, i)
+        moves = end - first
+        times = unipc_solver_times(state.sigmas)  # the 0.001 lands only at the last stage's end
         batch = sample.shape[0]
 
         def at(k: int) -> torch.Tensor:
             return times[k].expand(batch)
 
         velocity = model_output.to(torch.float32)
-        if i == 0:
-            # sample_unipc: the (noise-scaled) latent enters as x / sqrt(1 + sigma_0^2)
-            base = sample.to(torch.float32) / torch.sqrt(1.0 + times[0] ** 2.0)
-            history = [self._data_prediction(base, at(0), velocity)]
+        if i == first:
+            if i == 0:
+                # sample_unipc: the (noise-scaled) latent enters as x / sqrt(1 + sigma_0^2)
+                base = sample.to(torch.float32) / torch.sqrt(1.0 + times[0] ** 2.0)
+            else:  # a later stage starts from the x the previous one handed over (kept exactly)
+                assert state.base is not None
+                base = state.base
+            history = [self._data_prediction(base, at(i), velocity)]
         else:
             assert state.predicted is not None and state.base is not None
             model_t = self._data_prediction(state.predicted, at(i), velocity)
             history_times = [at(k) for k in range(i - len(state.history), i)]
             base = self._update(state.base, state.history, history_times, at(i), state.predicted_order, model_t)
-            history = [*state.history, model_t][-self._order(steps) :]
+            history = [*state.history, model_t][-self._order(moves) :]
 
-        if steps == 1:
+        if moves == 1:
             # ComfyUI's order is 0 here: its loop evaluates the model once and moves nowhere.
-            final = base / _vp_alpha(times[-1])
-            return state.model_copy(update={"step_index": 1}), (final / (1.0 - times[-1])).to(model_output.dtype)
+            return self._stage_end(state, base, end, batch, sample, model_output.dtype)
 
         move = i + 1
-        order = self._move_order(move, steps)
+        order = self._move_order(move - first, moves)
         history_times = [at(k) for k in range(move - len(history), move)]
         predicted = self._update(base, history, history_times, at(move), order, None)
+        if move == end:  # the stage's last move has no corrector
+            return self._stage_end(state, predicted, end, batch, sample, model_output.dtype)
         update = {"step_index": move, "history": history, "base": base, "predicted": predicted, "predicted_order": order}
-        new_state = state.model_copy(update=update)
-        if move == steps:
-            # the last move has no corrector; then sample_unipc's x /= alpha(t_N) and CONST's
-            # inverse_noise_scaling by the (0.001-overwritten) last sigma
-            final = predicted / _vp_alpha(times[-1])
-            return new_state, (final / (1.0 - times[-1])).to(model_output.dtype)
-        sigma = at(move).view((batch,) + (1,) * (sample.ndim - 1))
-        return new_state, (predicted * ((sigma**2 + 1.0) ** 0.5)).to(model_output.dtype)
+        return state.model_copy(update=update), self._model_input(predicted, at(move), sample.ndim, model_output.dtype)
+
+    @staticmethod
+    def _model_input(x: torch.Tensor, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> torch.Tensor:
+        """``predict_eps_sigma``: UniPC's ``x`` at time ``t`` scaled back to the model's input."""
+        sigma = t.view((t.shape[0],) + (1,) * (ndim - 1))
+        return (x * ((sigma**2 + 1.0) ** 0.5)).to(dtype)
+
+    def _stage_end(
+        self, state: ComfyUniPCState, x: torch.Tensor, end: int, batch: int, sample: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[ComfyUniPCState, torch.Tensor]:
+        """The end of one sampler call at step ``end``: the final latent, or the next stage's start."""
+        times = unipc_solver_times(state.sigmas)
+        # sample_unipc's x /= alpha(t_end), then CONST's inverse_noise_scaling by the stage's last
+        # sigma (the 0.001-overwritten one at the trajectory's end)
+        result = (x / _vp_alpha(times[end])) / (1.0 - times[end])
+        if end == state.num_steps:
+            return state.model_copy(update={"step_index": end}), result.to(dtype)
+        # the next KSamplerAdvanced: noise_scaling with no noise, then x / sqrt(1 + sigma^2); history
+        # restarts from nothing
+        sigma = state.sigmas[end]
+        start = (sigma * torch.zeros_like(result) + (1.0 - sigma) * result) / torch.sqrt(1.0 + times[end] ** 2.0)
+        update = {"step_index": end, "history": [], "base": start, "predicted": None, "predicted_order": 0}
+        return state.model_copy(update=update), self._model_input(start, times[end].expand(batch), sample.ndim, dtype)
 
 
 class ComfyUniPCSimple(_ComfyUniPC):

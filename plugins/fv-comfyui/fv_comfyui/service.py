@@ -51,9 +51,6 @@ class ComfyService:
     #: The sampler names the deployment registers (its registry's ``sampler_names()``).
     sampler_names: tuple[str, ...] = ()
     limits: RequestLimits = field(default_factory=RequestLimits)
-    #: Whether a job may run on a card derived for the graph (the A14B expert switch): ``fv comfy
-    #: run`` loads it; ``fv serve`` runs only the cards it serves, as they are.
-    allow_derived: bool = True
 
     def image_path(self, name: str) -> Path | None:
         """``LoadImage``'s file, ``name`` or ``subfolder/name`` inside the input folder (never outside it)."""
@@ -97,11 +94,6 @@ class ComfyService:
 
     def _check_request(self, job: ComfyJob) -> str | None:
         """The card's own request checks (sizes, frame rule, limits), before anything runs; None when it passes."""
-        if job.derived and not self.allow_derived:
-            ratio = job.card.loops["denoise"].config.get("boundary_ratio") if "denoise" in job.card.loops else None
-            return (f"this two-stage chain switches experts at a step the served card {job.card.model_id!r} does not "
-                    f"(it needs boundary_ratio {ratio}); the server runs its cards as served: run it with "
-                    "'fv comfy run', which derives that card")
         image = self.load_image(job.image_name) if job.image_name is not None else None
         try:
             resolve_request(job.card, job.request(image), self.limits, samplers=self.sampler_names)

@@ -115,7 +115,7 @@ class ComfyServer:
         self.service = ComfyService(
             models=models, cards={model_id: instance.card for model_id, instance in instances.items()},
             input_dir=self.input_dir, sampler_names=tuple(registry.sampler_names()) if registry else (),
-            limits=config.limits, allow_derived=False,
+            limits=config.limits,
         )
         self.folders = {**models.folders()}
         self.number = 0

@@ -49,7 +49,7 @@ def test_fixture_workflow_equals_fv_generate(name: str, service: Any, tmp_path: 
     video = runner.run(job, image)
     assert video.frames.shape[0] == 5 and video.frames.shape[-2:] == (32, 32)
 
-    model = runner.model_ref(job)  # the card id, or the derived card's file for A14B
+    model = runner.model_ref(job)
     expected = _fv_generate(job.fv_generate_args(model, str(image) if image else None), tmp_path / "out.pt")
     assert torch.equal(video.frames, expected), (video.frames - expected).abs().max()
 

@@ -28,6 +28,14 @@ from fv_comfyui.samplers import (
 )
 
 UNIPC = [cls for cls in COMFY_SAMPLERS if issubclass(cls.state_type, ComfyUniPCState)]
+
+
+def node_sigmas(scheduler: str, shift: float, steps: int) -> torch.Tensor:
+    """The sigmas a KSampler node samples uni_pc with: ``KSampler.calculate_sigmas`` puts uni_pc in
+    ``DISCARD_PENULTIMATE_SIGMA_SAMPLERS``, so the scheduler runs for steps + 1 and the next-to-last
+    sigma is dropped."""
+    longer = comfy_sigmas(scheduler, shift, steps + 1)
+    return torch.cat([longer[:-2], longer[-1:]])
 _W = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)) * 0.3
 
 
@@ -55,9 +63,12 @@ def comfy_uni_pc(
     *,
     revision: str,
     corrector: bool = True,
+    latent: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """One KSAMPLER call with ``sample_unipc`` on ``sigmas``, from ``latent`` (default: empty)."""
     sigmas = sigmas.clone()
-    x_k = sigmas[0] * (1.0 * noise) + (1.0 - sigmas[0]) * torch.zeros_like(noise)  # CONST.noise_scaling, empty latent
+    latent = torch.zeros_like(noise) if latent is None else latent
+    x_k = sigmas[0] * (1.0 * noise) + (1.0 - sigmas[0]) * latent  # CONST.noise_scaling
     ts = sigmas[:]  # a view, as in ComfyUI: the 0.001 lands in sigmas too
     if sigmas[-1] == 0:
         ts[-1] = 0.001
@@ -201,7 +212,7 @@ SHIFTS = [1.0, 8.0]
 @pytest.mark.parametrize("shift", SHIFTS)
 def test_trajectory_is_comfyuis_bit_for_bit(cls: Any, revision: str, steps: int, shift: float) -> None:
     """Every model input (the whole trajectory) and the result equal the revision's, bit for bit."""
-    sigmas = comfy_sigmas(cls.scheduler, shift, steps)
+    sigmas = node_sigmas(cls.scheduler, shift, steps)
     noise = initial_noise(steps, sigmas[0])
     comfy_calls: list[tuple[torch.Tensor, torch.Tensor]] = []
     fv_calls: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -212,6 +223,15 @@ def test_trajectory_is_comfyuis_bit_for_bit(cls: Any, revision: str, steps: int,
         assert torch.equal(s_fv, s_comfy), (i, s_fv, s_comfy)
         assert torch.equal(x_fv, x_comfy), f"model input {i}: max abs diff {(x_fv - x_comfy).abs().max().item():.3g}"
     assert torch.equal(got, expected), f"result: max abs diff {(got - expected).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("cls", UNIPC, ids=lambda c: c.name)
+def test_the_schedule_is_the_ksampler_nodes(cls: Any) -> None:
+    for steps in (1, 2, 6, 30):
+        sigmas = cls(shift=8.0).init_state(steps).sigmas
+        assert torch.equal(sigmas, node_sigmas(cls.scheduler, 8.0, steps)) and len(sigmas) == steps + 1
+        # Negative control: the scheduler's own sigmas for `steps` are not what the node samples.
+        assert steps == 1 or not torch.equal(sigmas, comfy_sigmas(cls.scheduler, 8.0, steps))
 
 
 def test_default_is_the_newest_revision() -> None:
@@ -233,7 +253,7 @@ def test_the_two_revisions_differ_and_by_how_much(scheduler: str) -> None:
     for cls in (c for c in UNIPC if c.scheduler == scheduler):
         for steps in (3, 4, 6, 8, 13, 30):
             for shift in SHIFTS:
-                sigmas = comfy_sigmas(scheduler, shift, steps)
+                sigmas = node_sigmas(scheduler, shift, steps)
                 noise = initial_noise(steps, sigmas[0])
                 new = comfy_uni_pc(const_denoiser, noise, sigmas, cls.variant, revision="0748e38")
                 old = comfy_uni_pc(const_denoiser, noise, sigmas, cls.variant, revision="9bffd67f")
@@ -252,7 +272,7 @@ def test_noise_as_drawn_is_within_rounding() -> None:
     worst = 0.0
     for cls in UNIPC:
         for steps in (1, 3, 6, 13):
-            sigmas = comfy_sigmas(cls.scheduler, 8.0, steps)
+            sigmas = node_sigmas(cls.scheduler, 8.0, steps)
             noise = initial_noise(100 + steps, sigmas[0], as_drawn=True)
             expected = comfy_uni_pc(const_denoiser, noise, sigmas, cls.variant, revision="0748e38")
             worst = max(worst, (run_fv(cls(shift=8.0), noise, steps) - expected).abs().max().item())
@@ -261,7 +281,7 @@ def test_noise_as_drawn_is_within_rounding() -> None:
 
 @pytest.mark.parametrize("steps", [3, 6])
 def test_negative_control_bh1_and_bh2_swapped_fail(steps: int) -> None:
-    sigmas = comfy_sigmas("simple", 5.0, steps)
+    sigmas = node_sigmas("simple", 5.0, steps)
     noise = initial_noise(0, sigmas[0])
     for cls, wrong in ((ComfyUniPCSimple, "bh2"), (ComfyUniPCBh2Simple, "bh1")):
         expected = comfy_uni_pc(const_denoiser, noise, sigmas, wrong, revision="0748e38")
@@ -272,7 +292,7 @@ def test_negative_control_the_corrector_is_seen() -> None:
     # The reference without its corrector (the model still called at each predicted point) must
     # not match, so the bit-for-bit test above checks the corrector too; ComfyUI calls the model
     # once per step, as fv's loop does.
-    sigmas = comfy_sigmas("simple", 5.0, 6)
+    sigmas = node_sigmas("simple", 5.0, 6)
     noise = initial_noise(1, sigmas[0])
     got = run_fv(ComfyUniPCSimple(shift=5.0), noise, 6)
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -286,7 +306,7 @@ def test_fvs_builtin_unipc_is_not_comfyuis() -> None:
     # half log-SNR (log(1-sigma) - log(sigma) rather than -log(sigma)); it is never a substitute.
     steps, shift = 6, 8.0
     ours = FlowUniPCSampler(shift=shift, solver_type="bh1").init_state(steps).sigmas
-    comfy = comfy_sigmas("simple", shift, steps)
+    comfy = node_sigmas("simple", shift, steps)
     assert not torch.allclose(ours, comfy, atol=1e-4)
     noise = initial_noise(2, comfy[0])
     diffusers_like = run_fv(FlowUniPCSampler(shift=shift, solver_type="bh2"), noise, steps)
@@ -295,7 +315,7 @@ def test_fvs_builtin_unipc_is_not_comfyuis() -> None:
 
 def test_state_round_trips_mid_trajectory() -> None:
     sampler = ComfyUniPCBh2Simple(shift=8.0)
-    sigmas = comfy_sigmas("simple", 8.0, 5)
+    sigmas = node_sigmas("simple", 8.0, 5)
     noise = initial_noise(3, sigmas[0])
     state, x = sampler.init_state(5), noise.clone()
     for _ in range(2):

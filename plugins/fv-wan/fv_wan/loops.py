@@ -345,6 +345,8 @@ class WanDenoiseState(LoopState):
     guidance: float
     guidance_2: float | None = None
     boundary_timestep: float | None = None
+    #: The request's ``switch_step``: the first step of the second expert (it overrides the boundary).
+    switch_step: int | None = None
     expand_timesteps: bool = False
     total_steps: int
     precision: str
@@ -366,7 +368,8 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
 
     Loop config: ``boundary_ratio`` (two experts: ``transformer`` while t >= ratio*1000,
     then ``transformer_2``, one sampler state across the switch, ``guidance_2`` for the
-    second), ``expand_timesteps`` (per-token timesteps, Wan 2.2), ``i2v_mode``,
+    second; a request's ``switch_step`` puts the switch at that step instead; the sampler
+    state's ``stage_starts`` names the switch step), ``expand_timesteps`` (per-token timesteps, Wan 2.2), ``i2v_mode``,
     ``cfg_dispatch`` ("sequential", the default: one forward per branch as diffusers runs them, so block
     hooks and plain runs use the same kernels; or "batched": the branches as one batch).
     """
@@ -403,6 +406,10 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         steps = binding.fixed_steps if binding is not None and binding.fixed_steps else (d.steps or 1)
         config = self.spec.config
         boundary = config.get("boundary_ratio")
+        sampler_state = sampler.init_state(steps)
+        switch = _switch_step(sampler_state.timesteps, boundary, d.switch_step)
+        if switch is not None:
+            sampler_state = sampler_state.model_copy(update={"stage_starts": (switch,)})
         up = ctx.upstream
         condition = up.get("condition")
         expand = bool(config.get("expand_timesteps", False))
@@ -412,11 +419,12 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
             first_frame_mask[:, :, 0] = 0
         return WanDenoiseState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
-            latents=latents, sampler_state=sampler.init_state(steps), rng_state=generator.get_state(),
+            latents=latents, sampler_state=sampler_state, rng_state=generator.get_state(),
             prompt_embeds=up["prompt_embeds"], negative_embeds=up.get("negative_embeds"),
             image_embeds=up.get("image_embeds"), condition=condition, first_frame_mask=first_frame_mask,
             guidance=float(d.guidance if d.guidance is not None else 1.0), guidance_2=d.guidance_2,
-            boundary_timestep=None if boundary is None else float(boundary) * 1000.0, expand_timesteps=expand,
+            boundary_timestep=None if boundary is None else float(boundary) * 1000.0, switch_step=d.switch_step,
+            expand_timesteps=expand,
             total_steps=steps, precision=model.precision, row_peak_bytes=self._row_peak_bytes(request, model),
             **self._capture_fields(request, model, ctx, latents),
         )
@@ -434,6 +442,8 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         }
 
     def _expert(self, state: WanDenoiseState, t: torch.Tensor) -> tuple[str, float]:
+        if state.switch_step is not None:
+            return _expert_by_step(state.sampler_state.step_index, state.switch_step, state.guidance, state.guidance_2)
         return _expert_at(float(t), state.boundary_timestep, state.guidance, state.guidance_2)
 
     def _rows(self, branches: int) -> int:
@@ -559,8 +569,11 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         guidance = float(d.guidance if d.guidance is not None else 1.0)
         per_token = int(bool(self.spec.config.get("expand_timesteps", False)))
         counts: dict[tuple[str, int], int] = {}
-        for t in self._sampler(d.shift, d.sampler).init_state(steps).timesteps.tolist():
-            expert, scale = _expert_at(float(t), None if boundary is None else float(boundary) * 1000.0, guidance, d.guidance_2)
+        for index, t in enumerate(self._sampler(d.shift, d.sampler).init_state(steps).timesteps.tolist()):
+            if d.switch_step is not None:
+                expert, scale = _expert_by_step(index, d.switch_step, guidance, d.guidance_2)
+            else:
+                expert, scale = _expert_at(float(t), None if boundary is None else float(boundary) * 1000.0, guidance, d.guidance_2)
             key = (expert, len(self._policy().branches(scale)))
             counts[key] = counts.get(key, 0) + 1
         latent_bytes = 4 * int(torch.Size(shape).numel())
@@ -582,6 +595,23 @@ def _expert_at(t: float, boundary_timestep: float | None, guidance: float, guida
     if boundary_timestep is None or t >= boundary_timestep:
         return "transformer", guidance
     return "transformer_2", guidance_2 if guidance_2 is not None else guidance
+
+
+def _expert_by_step(index: int, switch_step: int, guidance: float, guidance_2: float | None) -> tuple[str, float]:
+    """The expert and guidance scale of step ``index`` when the request names the switch step."""
+    if index < switch_step:
+        return "transformer", guidance
+    return "transformer_2", guidance_2 if guidance_2 is not None else guidance
+
+
+def _switch_step(timesteps: torch.Tensor, boundary_ratio: Any, switch_step: int | None) -> int | None:
+    """The first step of the second expert: the request's, else the first timestep below the boundary."""
+    if switch_step is not None:
+        return switch_step
+    if boundary_ratio is None:
+        return None
+    below = [i for i, t in enumerate(timesteps.tolist()) if float(t) < float(boundary_ratio) * 1000.0]
+    return below[0] if below else int(timesteps.shape[0])
 
 
 # --------------------------------------------------------------------------- decode
