@@ -138,6 +138,16 @@ def test_each_unknown_word_is_reported_and_a_prompt_with_no_known_word_is_refuse
     assert any("allow_outside_envelope" in w for w in loud)
 
 
+def test_with_prompt_upsampling_the_rewrite_is_what_the_encoder_reads_so_words_are_not_checked() -> None:
+    card = toy_card("toy-omni")
+    card = card.model_copy(update={"recipe": card.recipe.model_copy(update={"envelope": ENVELOPE})})
+    upsampled = Request(model="toy-omni", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="a purple dragon"),),
+                        prompt_upsampling=True)
+    assert check_envelope(card, resolve_request(card, upsampled)) == []
+    with pytest.raises(InvalidRequest, match="^prompt: "):  # the same prompt, not rewritten
+        resolve_request(card, upsampled.with_updates(prompt_upsampling=False))
+
+
 def test_negative_control_without_the_check_the_refusals_vanish(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug put back (validation without the envelope check): the same requests go through."""
     import fv_kernel.model.validate as validate
@@ -191,6 +201,13 @@ def test_facade_refuses_the_same_way_and_warns_under_the_override(card_file: Pat
         gen.generate("a red dragon", steps=1)
 
 
+def test_facade_logs_what_it_warns(card_file: Path, fv_host: PluginHost, caplog: pytest.LogCaptureFixture) -> None:
+    gen = fv.load(str(card_file), host=fv_host)
+    with caplog.at_level(logging.WARNING, logger="fv.envelope"), pytest.warns(EnvelopeWarning):
+        gen.request("a red circle", frames=5, allow_outside_envelope=True)
+    assert any("frames: 5 frames is outside" in r.getMessage() for r in caplog.records)
+
+
 def test_cli_refuses_before_any_compute_and_warns_under_the_flag(card_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "o.pt"
     base = ["generate", "--model", str(card_file), "--steps", "1", "-q", "--output", str(out)]
@@ -235,3 +252,9 @@ def test_server_refuses_seconds_frames_and_words_and_logs_under_the_override(
             assert ok.json()["frames"] == 33
         logged = " ".join(r.getMessage() for r in caplog.records)
         assert "frames: 33 frames is outside" in logged and "'dragon'" in logged
+        # images are one frame: outside a 3-frame envelope too, and the same override runs them
+        image = client.post("/v1/images/generations", json={"prompt": "a red circle", "steps": 1})
+        assert image.status_code == 400 and image.json()["error"]["param"] == "frames"
+        forced = client.post("/v1/images/generations", json={"prompt": "a red circle", "steps": 1,
+                                                             "allow_outside_envelope": True})
+        assert forced.status_code == 200, forced.text
