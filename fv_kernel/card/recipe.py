@@ -15,6 +15,7 @@ from __future__ import annotations
 from fv_kernel.card.spec import LoopSpec, ModelCard
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.request.request import Request
+from fv_kernel.request.types import TaskType
 
 __all__ = [
     "sampler_short_name", "describe_loop", "select_denoise_loop", "check_recipe_attention", "check_envelope",
@@ -143,7 +144,7 @@ def check_envelope(card: ModelCard, request: Request) -> list[str]:
                        "prompts made of its words: " + " ".join(vocabulary.words))
             else:
                 warnings.append(f"{role}: {len(unknown)} word(s) outside the vocabulary {where} reach the model as <unk>: {quoted}")
-    if request.task.value == "text_generation":
+    if request.task is TaskType.TEXT_GENERATION:
         return warnings
     d = request.diffusion
     if d.frames is not None and not envelope.accepts_frames(d.frames):

@@ -342,8 +342,8 @@ class TextVocabulary(_Spec):
 
     def content_words(self, text: str) -> list[str]:
         """The words of ``text`` in the vocabulary that carry meaning (not function words)."""
-        function = set(self.function_words)
-        return [w for w in text.split() if (w.lower() if self.lowercase else w) in set(self.words) - function]
+        content = set(self.words) - set(self.function_words)
+        return [w for w in text.split() if (w.lower() if self.lowercase else w) in content]
 
     def unknown_words(self, text: str) -> list[str]:
         """The words of ``text`` outside the vocabulary, in order, each once."""
