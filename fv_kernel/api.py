@@ -42,15 +42,17 @@ from fv_kernel.card.spec import (
     RecipeSpec,
     SamplerBinding,
     StepCostSpec,
+    TextVocabulary,
     TIER_PARITY_CONTRACTS,
     TierParityContract,
     TierParityMeasurement,
     TierParityRecord,
     TierVerdict,
     TokenGridRule,
+    TrainedEnvelope,
 )
 from fv_kernel.model.validate import RequestLimits, frames_for_seconds, resolve_for_instance, resolve_request
-from fv_kernel.card.recipe import select_denoise_loop
+from fv_kernel.card.recipe import EnvelopeWarning, check_envelope, select_denoise_loop
 from fv_kernel.errors import (
     CapacityError,
     CheckpointKeyError,

@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import queue
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal, Sequence, TypedDict, Union, overload
@@ -31,6 +33,7 @@ from pydantic import ValidationError
 
 from fv_kernel.model.instance import ModelInstance, build_instance
 from fv_kernel.model.preflight import preflight
+from fv_kernel.card.recipe import EnvelopeWarning, check_envelope
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.config import DeployConfig, load_deploy_config
 from fv_kernel.errors import InvalidRequest
@@ -54,6 +57,7 @@ __all__ = ["Finished", "GenerateOptions", "StreamEvent", "Video", "VideoGenerato
 #: What :meth:`Video.save` writes, by suffix: H.264 MP4, an animated GIF, the first frame as
 #: PNG, or the raw float32 frames (F, 3, H, W) in [0, 1] via ``torch.save``.
 SAVE_SUFFIXES = (".mp4", ".gif", ".png", ".pt")
+_log = logging.getLogger("fv.envelope")
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -89,6 +93,9 @@ class GenerateOptions(TypedDict, total=False):
     #: Bit-identical to this prompt generated alone: its rows never share a fused call with the
     #: other prompts' (by default a list is fused, within the card's ``parity.batched_vs_alone``).
     exact: bool
+    #: Run outside the card's trained envelope (frames, size, fps, prompt words) instead of being
+    #: refused; an :class:`~fv_kernel.card.recipe.EnvelopeWarning` says so.
+    allow_outside_envelope: bool
 
 
 _OPTION_NAMES = frozenset(GenerateOptions.__annotations__)
@@ -266,7 +273,7 @@ class VideoGenerator:
         request = _typed("request", lambda: Request(
             model=self.model_id, task=task, inputs=tuple(inputs), diffusion=diffusion, ar=ar,
             precision=options.get("precision"), prompt_upsampling=upsample, exact=options.get("exact", False),
-            output=OutputSpec(stream_previews=previews),
+            output=OutputSpec(stream_previews=previews), allow_outside_envelope=options.get("allow_outside_envelope", False),
         ))
         returns = self.card.artifact_kinds(request.task)
         if returns is not None and "video" not in returns:
@@ -286,14 +293,19 @@ class VideoGenerator:
         return [self._validate(self._build(p, options, previews)) for p in prompts]
 
     def _validate(self, request: Request) -> Request:
-        """The kernel's request resolution; its errors name the option, not the Request field."""
+        """The kernel's request resolution; its errors name the option, not the Request field. Unknown
+        prompt words and an overridden envelope are reported as :class:`EnvelopeWarning` s."""
         try:
-            return self.engine.validate(request)
+            resolved = self.engine.validate(request)
         except InvalidRequest as exc:
             option = _OPTION_FOR_FIELD.get(exc.param or "")
             if option is None:
                 raise
             raise InvalidRequest(option, exc.message.removeprefix(f"{exc.param}: ")) from None
+        for message in check_envelope(self.card, resolved):
+            _log.warning("%s: %s", self.model_id, message)
+            warnings.warn(f"{self.model_id}: {message}", EnvelopeWarning, stacklevel=4)
+        return resolved
 
     # -- running --------------------------------------------------------------------
     @contextlib.asynccontextmanager

@@ -309,7 +309,7 @@ def test_a_failed_request_raises_after_its_failed_event(gen: fv.VideoGenerator, 
 @pytest.mark.parametrize(
     ("kwargs", "field", "fragment"),
     [
-        ({"stesp": 3}, "stesp", "is not an option of generate; allowed: exact, fps, frames"),
+        ({"stesp": 3}, "stesp", "is not an option of generate; allowed: allow_outside_envelope, exact, fps, frames"),
         ({"steps": 0}, "steps", "greater than 0"),
         ({"steps": "two"}, "steps", "valid integer"),
         ({"steps": 11}, "steps", "11 exceeds this deployment's limit; allowed: <= 10"),  # the config's limit (below)

@@ -35,6 +35,8 @@ __all__ = [
     "LoopSpec",
     "ProgramSpec",
     "AttentionAssumption",
+    "TextVocabulary",
+    "TrainedEnvelope",
     "RecipeSpec",
     "ParityTolerance",
     "ParitySpec",
@@ -320,6 +322,86 @@ class AttentionAssumption(_Spec):
         return f"attention {self.kind!r}" + (f" ({', '.join(settings)})" if settings else "")
 
 
+class TextVocabulary(_Spec):
+    """The words a word-level text encoder knows: any other word of a prompt reaches the model as
+    ``<unk>``. A prompt's words are its whitespace-separated pieces (lower-cased with
+    ``lowercase``), exactly as the tokenizer splits them."""
+
+    words: tuple[str, ...] = Field(min_length=1)
+    #: Words of ``words`` that say nothing alone (articles, connectives): a prompt whose only known
+    #: words are these counts as having no known word.
+    function_words: tuple[str, ...] = ()
+    lowercase: bool = True
+
+    @model_validator(mode="after")
+    def _function_words_known(self) -> "TextVocabulary":
+        stray = [w for w in self.function_words if w not in self.words]
+        if stray:
+            raise ValueError(f"vocabulary.function_words {stray} are not in vocabulary.words")
+        return self
+
+    def content_words(self, text: str) -> list[str]:
+        """The words of ``text`` in the vocabulary that carry meaning (not function words)."""
+        content = set(self.words) - set(self.function_words)
+        return [w for w in text.split() if (w.lower() if self.lowercase else w) in content]
+
+    def unknown_words(self, text: str) -> list[str]:
+        """The words of ``text`` outside the vocabulary, in order, each once."""
+        known = set(self.words)
+        found: list[str] = []
+        for word in text.split():
+            key = word.lower() if self.lowercase else word
+            if key not in known and word not in found:
+                found.append(word)
+        return found
+
+
+class TrainedEnvelope(_Spec):
+    """What the weights were trained on: outside it a card makes garbage without failing.
+
+    Every field is optional; None means "not declared" and nothing is refused on it. A request
+    outside a declared field is refused (``InvalidRequest`` naming the field and the allowed
+    values) unless it overrides the envelope explicitly (``allow_outside_envelope``).
+    """
+
+    #: The frame counts trained at (exact); give this or ``max_frames``.
+    frames: tuple[int, ...] | None = None
+    #: The longest clip trained at: any count up to it that the card's frame rule accepts.
+    max_frames: int | None = Field(default=None, gt=0)
+    #: The (width, height) sizes trained at.
+    sizes: tuple[tuple[int, int], ...] | None = None
+    #: The frame rates the training clips were labelled with.
+    fps: tuple[float, ...] | None = None
+    #: A word-level text encoder's vocabulary; None for subword tokenizers (no unknown words).
+    vocabulary: TextVocabulary | None = None
+
+    @model_validator(mode="after")
+    def _well_formed(self) -> "TrainedEnvelope":
+        if self.frames is not None and self.max_frames is not None:
+            raise ValueError("give envelope.frames (exact counts) or envelope.max_frames (a bound), not both")
+        for name in ("frames", "sizes", "fps"):
+            value = getattr(self, name)
+            if value is not None and not value:
+                raise ValueError(f"envelope.{name} is empty: leave it out (not declared) or list what was trained")
+        if self.frames is not None and min(self.frames) < 1:
+            raise ValueError(f"envelope.frames must be positive counts, got {list(self.frames)}")
+        if self.sizes is not None and any(min(size) < 1 for size in self.sizes):
+            raise ValueError(f"envelope.sizes must be positive (width, height) pairs, got {[list(s) for s in self.sizes]}")
+        if self.fps is not None and min(self.fps) <= 0:
+            raise ValueError(f"envelope.fps must be positive, got {list(self.fps)}")
+        return self
+
+    def accepts_frames(self, frames: int) -> bool:
+        if self.frames is not None:
+            return frames in self.frames
+        return self.max_frames is None or frames <= self.max_frames
+
+    def describe_frames(self) -> str:
+        if self.frames is not None:
+            return ", ".join(str(f) for f in self.frames)
+        return f"<= {self.max_frames}"
+
+
 class RecipeSpec(_Spec):
     """What produced these weights, and what they assume at serve time (design §4.2)."""
 
@@ -338,6 +420,9 @@ class RecipeSpec(_Spec):
     #: The lowest rung of the parity ladder this recipe's outputs are valid under: the
     #: card's ``parity.level`` must reach it.
     consistency_required: ParityLevel = ParityLevel.C1
+    #: The frame counts, sizes, frame rates and words the weights were trained on; None or an
+    #: unset field: not declared, nothing refused (see :class:`TrainedEnvelope`).
+    envelope: TrainedEnvelope | None = None
 
 
 class ParityTolerance(_Spec):
@@ -767,6 +852,16 @@ class ModelCard(_Spec):
         """The artifact kinds the card's program for ``task`` can return (None: undeclared)."""
         program = self.programs.get(task)
         return None if program is None else program.returns
+
+    @property
+    def random_weight_components(self) -> tuple[str, ...]:
+        """The components whose weights are seeded random numbers (``random_init_seed``), not trained."""
+        return tuple(sorted(k for k, c in self.checkpoint.components.items() if c.random_init_seed is not None))
+
+    @property
+    def random_weights(self) -> bool:
+        """Whether any component is untrained: the card's outputs (text included) mean nothing."""
+        return bool(self.random_weight_components)
 
     def denoise_loops(self) -> dict[str, LoopSpec]:
         return {k: v for k, v in self.loops.items() if v.kind == "diffusion_denoise"}

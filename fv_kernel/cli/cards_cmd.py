@@ -21,6 +21,9 @@ from fv_kernel.model.validate import allowed_samplers
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
 from fv_kernel.plugins import PluginError
 
+#: How ``fv cards list`` marks a card with random weights.
+_RANDOM_MARK = "(random)"
+
 cards_app = typer.Typer(help="List, show and validate model cards.", no_args_is_help=True)
 
 
@@ -56,6 +59,7 @@ def _summary(card: ModelCard, plugin: str) -> dict[str, Any]:
         "tasks": sorted(t.value for t in card.capabilities.tasks),
         "parity": card.parity.level.value,
         "plugin": plugin,
+        "random_weights": card.random_weights,
     }
 
 
@@ -86,7 +90,9 @@ def _table(rows: list[dict[str, Any]], width: int) -> list[str]:
     beyond its method (the loop it assumes, its parents) gets its own indented line. The family
     is left to ``--json`` and ``fv cards show`` (the plugin column says it for in-repo plugins)."""
     headers = ["model_id", "recipe", "parity", "plugin"]
-    table = [[r["model_id"], r["recipe"].split(" ")[0], r["parity"], r["plugin"]] for r in rows]
+    # Untrained cards say so where the eye lands first: their output means nothing.
+    table = [[r["model_id"] + (f" {_RANDOM_MARK}" if r.get("random_weights") else ""), r["recipe"].split(" ")[0],
+              r["parity"], r["plugin"]] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
     indent = sum(widths) + 2 * len(widths)
     tasks_width = max(width - indent, 20)
@@ -98,6 +104,9 @@ def _table(rows: list[dict[str, Any]], width: int) -> list[str]:
         if summary["recipe"] != row[1]:
             lines.extend(textwrap.wrap(f"recipe: {summary['recipe']}", width, initial_indent="    ",
                                        subsequent_indent="      ", break_on_hyphens=False))
+    if any(r.get("random_weights") for r in rows):
+        lines.extend(textwrap.wrap(f"{_RANDOM_MARK}: seeded random weights, never trained (for tests and plumbing): "
+                                   "their videos and text mean nothing", width, break_on_hyphens=False))
     return lines
 
 

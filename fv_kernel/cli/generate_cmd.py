@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from fv_kernel.model.instance import build_instance
 from fv_kernel.model.preflight import preflight
-from fv_kernel.model.validate import resolve_request
+from fv_kernel.model.validate import check_envelope, resolve_request
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
 from fv_kernel.io.progress import StageProgress
 from fv_kernel.errors import FvError, InvalidRequest
@@ -76,6 +76,11 @@ def generate(
         False, "--override-recipe",
         help="Run in a --precision the card's recipe excludes (assumes_precision) instead of refusing.",
     ),
+    allow_outside_envelope: bool = typer.Option(
+        False, "--allow-outside-envelope",
+        help="Run frames, sizes, fps or prompt words outside what the card was trained on (its recipe's envelope) "
+             "instead of refusing; prints a warning.",
+    ),
     device: Optional[str] = typer.Option(
         None, "--device", help="torch device, e.g. cpu or cuda (default: the config's entry for --model, else cpu)."
     ),
@@ -109,7 +114,7 @@ def generate(
         request = Request(
             # No --model: the plugins' default card, whose id replaces this one once resolved below.
             model=model or "default", task=chosen_task, inputs=tuple(inputs), precision=precision,  # type: ignore[arg-type]
-            prompt_upsampling=upsample_prompt,
+            prompt_upsampling=upsample_prompt, allow_outside_envelope=allow_outside_envelope,
             ar=(ARParams(max_tokens=max_tokens, seed=seed)
                 if (upsample_prompt or chosen_task is TaskType.TEXT_GENERATION) and max_tokens is not None else None),
             diffusion=DiffusionParams(height=height, width=width, frames=frames, steps=steps, guidance=guidance,
@@ -140,7 +145,7 @@ def generate(
             engine = engine_for(deploy, host)
             # every input error surfaces before weights load
             try:
-                resolve_request(
+                resolved = resolve_request(
                     card, request, deploy.limits, allow_recipe_mismatch=options.allow_recipe_mismatch,
                     samplers=host.registry().sampler_names(),
                 )
@@ -148,6 +153,8 @@ def generate(
                 if exc.param == "prompt_upsampling":
                     _fail(f"{exc.message}{_cards_that_upsample(host)}")
                 raise
+            for warning in check_envelope(card, resolved):  # unknown words; an overridden envelope
+                typer.echo(f"warning: {warning}", err=True)
             # the checkpoint source is there and the weights fit, before anything is built
             preflight(card, options, (request.task,))
             loading.validated(card.model_id)
@@ -177,8 +184,11 @@ def generate(
         detail = result.error.message if result.error else result.status
         _fail(f"generation {result.status}: {detail}")
         return
+    if card.random_weights and request.task is TaskType.TEXT_GENERATION:
+        typer.echo(f"warning: card {card.model_id!r} has random weights (seeded, never trained: "
+                   f"{', '.join(card.random_weight_components)}): its text means nothing", err=True)
     try:
-        for line in write_result(result.artifacts, output, card.model_id, request.task):
+        for line in write_result(result.artifacts, output, card.model_id, request.task, random_weights=card.random_weights):
             typer.echo(line)
     except MediaError as exc:
         _fail(exc.message)
@@ -232,8 +242,14 @@ def printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
-def write_result(artifacts: list[Any], output: Path, model_id: str, task: TaskType) -> list[str]:
+def write_result(
+    artifacts: list[Any], output: Path, model_id: str, task: TaskType, *, random_weights: bool = False
+) -> list[str]:
     """Write a finished request's artifacts to ``output``; the lines to print (text escaped by :func:`printable`).
+
+    ``random_weights`` (the card's): its text means nothing, so it is never printed as if it did: a
+    rewritten prompt is not shown, and a written answer's line says so (``generate`` also warns on
+    stderr, which keeps a printed answer alone on stdout).
 
     ``text_generation``: the answer to ``.txt`` (as generated), ``.json`` (``text``, ``token_ids``,
     ``model``, ``task``) or, for ``-``, printed. Other tasks: the video by suffix; its sound (the
@@ -245,7 +261,8 @@ def write_result(artifacts: list[Any], output: Path, model_id: str, task: TaskTy
         if not texts:
             raise MediaError(f"model: card {model_id!r} returned no text for task 'text_generation'", param="model")
         answer = texts[0]
-        if str(output) == "-":
+        caveat = f" (card {model_id!r} has random weights: this text is meaningless)" if random_weights else ""
+        if str(output) == "-":  # stdout is the answer alone (a pipe); generate() warns on stderr
             return [printable(answer.text)]
         payload = answer.text
         if output.suffix.lower() == ".json":
@@ -258,8 +275,12 @@ def write_result(artifacts: list[Any], output: Path, model_id: str, task: TaskTy
             output.write_text(payload, encoding="utf-8")
         except OSError as exc:
             raise MediaError(f"output: cannot write {str(output)!r}: {exc.strerror or exc}", param="output") from None
-        return [f"wrote {output} ({len(answer.text)} characters, {len(answer.token_ids)} tokens)"]
-    lines = [f"{a.name}: {printable(a.text)}" for a in texts]
+        return [f"wrote {output} ({len(answer.text)} characters, {len(answer.token_ids)} tokens){caveat}"]
+    if random_weights:
+        lines = [f"{a.name}: not shown: card {model_id!r} has random weights, its text is meaningless "
+                 f"({len(a.text)} characters)" for a in texts]
+    else:
+        lines = [f"{a.name}: {printable(a.text)}" for a in texts]
     videos = [a for a in artifacts if isinstance(a, VideoArtifact)]
     if not videos:
         raise MediaError(f"model: card {model_id!r} returned no video for task {task.value!r}", param="model")

@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
-from fv_kernel.card.recipe import check_recipe_attention, describe_loop, sampler_short_name, select_denoise_loop
+from fv_kernel.card.recipe import (
+    OVERRIDE_HINT, check_envelope, check_recipe_attention, describe_loop, sampler_short_name, select_denoise_loop,
+)
 from fv_kernel.loop.samplers import registered_samplers
 from fv_kernel.request.request import _REQUIRED_PARTS, DiffusionParams, Request
 from fv_kernel.request.types import TaskType
@@ -25,8 +27,11 @@ from fv_kernel.model.instance import ModelInstance
 
 __all__ = [
     "RequestLimits", "resolve_request", "resolve_for_instance", "select_denoise_loop", "describe_loop", "allowed_samplers",
-    "reasoner_loops", "check_recipe_attention", "frames_for_seconds",
+    "reasoner_loops", "check_recipe_attention", "frames_for_seconds", "check_envelope", "OPENAI_SECONDS",
 ]
+
+#: The durations the OpenAI video API's ``seconds`` takes (``"4"``, ``"8"``, ``"12"``).
+OPENAI_SECONDS = (4, 8, 12)
 
 _DIFFUSION_TASKS = frozenset(TaskType) - {TaskType.TEXT_GENERATION}
 
@@ -157,7 +162,23 @@ def resolve_request(
 
     ``allow_recipe_mismatch`` is the deployment's explicit override of the recipe's
     ``assumes_precision`` (``InstanceOptions.allow_recipe_mismatch``); requests never set it.
+
+    Last, the filled request is checked against the recipe's trained envelope
+    (:func:`check_envelope`; its warnings are for the caller to report).
     """
+    resolved = _resolve(card, request, limits, allow_recipe_mismatch=allow_recipe_mismatch, samplers=samplers)
+    check_envelope(card, resolved)
+    return resolved
+
+
+def _resolve(
+    card: ModelCard,
+    request: Request,
+    limits: RequestLimits | None = None,
+    *,
+    allow_recipe_mismatch: bool = False,
+    samplers: Iterable[str] | None = None,
+) -> Request:
     limits = limits or RequestLimits()
     caps = card.capabilities
     if request.model != card.model_id:
@@ -245,18 +266,60 @@ def resolve_for_instance(instance: ModelInstance, request: Request, limits: Requ
     return resolved
 
 
-def frames_for_seconds(card: ModelCard, seconds: float, fps: float | None) -> tuple[int, float]:
-    """The frame count and rate of a clip asked for in seconds (the OpenAI video API's ``seconds``):
-    ``seconds * fps`` (the card's default fps when ``fps`` is None) rounded up to the nearest count
-    the card's frame rule accepts (Wan: 4k+1). A typed error on ``fps`` when neither gives a rate."""
-    caps = card.capabilities
-    rate = fps or (caps.defaults.fps if caps.defaults else None)
-    if rate is None:
-        raise InvalidRequest("fps", "required with seconds for this card")
+def _frames_at(card: ModelCard, seconds: float, rate: float) -> int:
     wanted = max(1, round(seconds * rate))
-    rule = caps.frame_rule
+    rule = card.capabilities.frame_rule
     k = max(0, math.ceil((wanted - rule.remainder) / rule.modulus))
     frames = rule.remainder + rule.modulus * k
     if frames < 1:
         frames += rule.modulus
+    return frames
+
+
+def _seconds_misfit(card: ModelCard, frames: int, rate: float, *, envelope: bool = True) -> str | None:
+    """Why a clip of ``frames`` at ``rate`` is not one the card makes (its maximum, its envelope), or None."""
+    caps, declared = card.capabilities, card.recipe.envelope if envelope else None
+    limit = min((m for m in (caps.max_frames, caps.token_grid.max_frames if caps.token_grid else None) if m is not None),
+                default=None)
+    if limit is not None and frames > limit:
+        return f"the card makes at most {limit} frames"
+    if declared is None:
+        return None
+    if declared.fps is not None and not any(abs(rate - f) < 1e-6 for f in declared.fps):
+        return f"it was trained at {', '.join(f'{f:g}' for f in declared.fps)} fps"
+    if not declared.accepts_frames(frames):
+        return f"it was trained on clips of {declared.describe_frames()} frames"
+    return None
+
+
+def frames_for_seconds(
+    card: ModelCard, seconds: float, fps: float | None, *, allow_outside_envelope: bool = False
+) -> tuple[int, float]:
+    """The frame count and rate of a clip asked for in seconds (the OpenAI video API's ``seconds``):
+    ``seconds * fps`` (the card's default fps when ``fps`` is None) rounded up to the nearest count
+    the card's frame rule accepts (Wan: 4k+1). A typed error on ``fps`` when neither gives a rate.
+
+    A clip longer than the card makes, or outside its trained envelope's frame counts or rates, is
+    refused on ``seconds``, allowing the OpenAI durations (:data:`OPENAI_SECONDS`) that fit at that
+    rate, unless ``allow_outside_envelope`` (then only the card's maximum refuses).
+    """
+    caps = card.capabilities
+    rate = fps or (caps.defaults.fps if caps.defaults else None)
+    if rate is None:
+        raise InvalidRequest("fps", "required with seconds for this card")
+    frames = _frames_at(card, seconds, rate)
+    misfit = _seconds_misfit(card, frames, rate, envelope=not allow_outside_envelope)
+    if misfit is not None:
+        able = [str(s) for s in OPENAI_SECONDS if _seconds_misfit(card, _frames_at(card, s, rate), rate) is None]
+        default = caps.defaults
+        clip = f"{default.frames} frames at {default.fps:g} fps, {default.frames / default.fps:.2f} s" if default else None
+        allowed = (", ".join(able) if able else "none of " + ", ".join(str(s) for s in OPENAI_SECONDS))
+        allowed += f" (at {rate:g} fps); or omit seconds" + (f" for the card's clip ({clip})" if clip else "")
+        envelope = card.recipe.envelope
+        if envelope is not None and (envelope.frames is not None or envelope.max_frames is not None or envelope.fps):
+            allowed += f", {OVERRIDE_HINT}"
+        raise InvalidRequest(
+            "seconds", f"{seconds:g} s at {rate:g} fps is {frames} frames, which card {card.model_id!r} does not make "
+            f"({misfit})", allowed=allowed,
+        )
     return frames, rate

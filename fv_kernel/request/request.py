@@ -206,6 +206,9 @@ class Request(BaseModel):
     output: OutputSpec = OutputSpec()
     #: Rewrite the prompt with the card's reasoner before generating (cards that have one).
     prompt_upsampling: bool = False
+    #: Run outside the card's trained envelope (``RecipeSpec.envelope``: frames, sizes, fps, words)
+    #: instead of being refused; the departure is reported as a warning.
+    allow_outside_envelope: bool = False
     #: Parameters for plugins the deployment enabled, keyed by plugin id. A request
     #: can never choose which plugins run; it can only parameterise enabled ones.
     plugin_params: dict[str, dict[str, Any]] = Field(default_factory=dict)

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ValidationError
 
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.config import ServerConfig
-from fv_kernel.model.validate import frames_for_seconds
+from fv_kernel.model.validate import check_envelope, frames_for_seconds
 from fv_kernel.errors import FvError
 from fv_kernel.state import StateFormatError
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun
@@ -386,14 +386,17 @@ class JobManager:
                     width=width, height=height, frames=frames, fps=fps, steps=body.steps, guidance=body.guidance, seed=seed,
                 ),
                 plugin_params=self._plugin_params(body.extensions), exact=body.exact, priority=body.priority,
-                output=OutputSpec(stream_previews=stream_previews),
+                output=OutputSpec(stream_previews=stream_previews), allow_outside_envelope=body.allow_outside_envelope,
             )
         except ValidationError as exc:
             raise self.reject(from_validation_errors(exc.errors())) from None
         try:
-            return instance, self.engine.validate(request)
+            resolved = self.engine.validate(request)
         except FvError as exc:
             raise self.reject(from_fv_error(exc)) from None
+        for warning in check_envelope(instance.card, resolved):  # unknown words; an overridden envelope
+            log.warning("request %s on %r: %s", request_id, instance.model_id, warning)
+        return instance, resolved
 
     def _submit(self, request: Request, *, on_step: Callable[[ProgramRun], None] | None = None) -> RequestHandle:
         if self._stopping:
@@ -414,7 +417,9 @@ class JobManager:
         frames, fps = body.frames, body.fps
         if body.seconds is not None:
             try:
-                frames, fps = frames_for_seconds(instance.card, body.seconds, body.fps)
+                frames, fps = frames_for_seconds(
+                    instance.card, body.seconds, body.fps, allow_outside_envelope=body.allow_outside_envelope
+                )
             except FvError as exc:
                 raise self.reject(from_fv_error(exc)) from None
         seed = body.seed if body.seed is not None else secrets.randbelow(2**31)

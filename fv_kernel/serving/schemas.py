@@ -68,6 +68,11 @@ class _Generation(BaseModel):
         default=False,
         description="bit-identical to this request run alone: its rows never share a fused call with other requests'",
     )
+    allow_outside_envelope: bool = Field(
+        default=False,
+        description="run outside the card's trained envelope (frames, size, fps, prompt words) instead of being "
+                    "refused; the server logs a warning",
+    )
     priority: Literal["interactive", "batch"] = Field(
         default="interactive",
         description="scheduling class: an interactive request's steps run before batch-class ones unless those waited "
@@ -78,7 +83,11 @@ class _Generation(BaseModel):
 class VideoCreate(_Generation):
     """``POST /v1/videos`` (JSON, or the same fields as multipart form fields)."""
 
-    seconds: float | None = Field(default=None, gt=0, le=3600, description="duration; converted to a valid frame count")
+    seconds: float | None = Field(
+        default=None, gt=0, le=3600,
+        description="duration (the OpenAI SDK sends \"4\", \"8\" or \"12\"); converted to the frame count the card "
+                    "makes at fps, or refused with the durations it can make",
+    )
     frames: int | None = Field(default=None, gt=0, le=_MAX_FRAMES)
     fps: float | None = Field(default=None, gt=0, le=240)
     #: The first frame for image-to-video: base64 (optionally a data: URL) in JSON, a file in multipart.

@@ -44,7 +44,9 @@ def test_text_generation_writes_txt_and_json_and_prints_with_dash(tmp_path: Path
     assert f"wrote {txt} ({len(record['text'])} characters, {len(record['token_ids'])} tokens)" in first.output
     printed = generate("--task", "text_generation", "--max-tokens", "12", "--output", "-")
     assert printed.exit_code == 0, printed.output
-    assert printed.output.rstrip("\n") == printable(record["text"])
+    # stdout is the answer alone; the random-weights warning goes to stderr
+    assert printed.stdout.rstrip("\n") == printable(record["text"])
+    assert "random weights" in printed.stderr and "means nothing" in printed.stderr
 
 
 def test_text_generation_refuses_a_video_suffix_before_any_compute(tmp_path: Path) -> None:

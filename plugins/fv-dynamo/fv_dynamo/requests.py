@@ -144,7 +144,7 @@ def _build(engine: Engine, body: Any, instance: ModelInstance, *, request_id: st
             diffusion=DiffusionParams(width=width, height=height, frames=frames, fps=fps, steps=body.steps,
                                       guidance=body.guidance, seed=seed),
             plugin_params=_plugin_params(engine, body.extensions),
-            output=OutputSpec(stream_previews=stream_previews),
+            output=OutputSpec(stream_previews=stream_previews), allow_outside_envelope=body.allow_outside_envelope,
         )
     except ValidationError as exc:
         raise FleetRequestError.from_api_error(api.from_validation_errors(exc.errors())) from None
@@ -178,7 +178,9 @@ def video_request(engine: Engine, payload: Mapping[str, Any]) -> Request:
     frames, fps = body.frames, body.fps
     if body.seconds is not None:
         try:
-            frames, fps = frames_for_seconds(instance.card, body.seconds, body.fps)  # fv serve's rule
+            frames, fps = frames_for_seconds(  # fv serve's rule
+                instance.card, body.seconds, body.fps, allow_outside_envelope=body.allow_outside_envelope
+            )
         except FvError as exc:
             raise FleetRequestError.from_api_error(api.from_fv_error(exc)) from None
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)

@@ -28,6 +28,7 @@ from fv_kernel.api import (
     PrecisionPolicy,
     ProgramSpec,
     RecipeSpec,
+    TrainedEnvelope,
     SamplerBinding,
     StepCostSpec,
     TaskType,
@@ -279,24 +280,30 @@ def _card(
     )
 
 
+#: What the Wan 2.1 releases were trained to make (the Wan2.1 repo's configs: ``frame_num`` 81,
+#: ``sample_fps`` 16): at most 81 frames, at 16 fps. Sizes are not declared: fv's benches and RL
+#: rollouts run these cards at reduced sizes on purpose (upstream's SUPPORTED_SIZES are in docs/cards.md).
+WAN21_RECIPE = RecipeSpec(method="base", data_contract="Wan-AI release", envelope=TrainedEnvelope(max_frames=81, fps=(16.0,)))
+
+
 def wan_cards() -> list[ModelCard]:
     """Every card fv-wan contributes (built fresh on each call: cards are immutable values)."""
     t2v, both = frozenset({T2V}), frozenset({T2V, I2V})
     d480 = dict(height=480, width=832, frames=81, fps=16.0, steps=50, guidance=5.0)
     cards = [
-        _card("wan2.1-t2v-1.3b", summary="Wan 2.1 text-to-video, 1.3B (12 heads x 128, 30 layers, ffn 8960)",
+        _card("wan2.1-t2v-1.3b", recipe=WAN21_RECIPE, summary="Wan 2.1 text-to-video, 1.3B (12 heads x 128, 30 layers, ffn 8960)",
               transformer=WanTransformerConfig.wan21_t2v_1_3b(), vae=WanVAEConfig.wan21(), tasks=t2v,
               defaults=GenerationDefaults(**d480, shift=3.0), source="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
               batched_bf16=_BATCHED_BF16_1_3B),
-        _card("wan2.1-t2v-14b", summary="Wan 2.1 text-to-video, 14B (40 heads, 40 layers, ffn 13824)",
+        _card("wan2.1-t2v-14b", recipe=WAN21_RECIPE, summary="Wan 2.1 text-to-video, 14B (40 heads, 40 layers, ffn 13824)",
               transformer=WanTransformerConfig.wan21_t2v_14b(), vae=WanVAEConfig.wan21(), tasks=t2v, cost=COST_14B,
               defaults=GenerationDefaults(height=720, width=1280, frames=81, fps=16.0, steps=50, guidance=5.0, shift=5.0),
               source="Wan-AI/Wan2.1-T2V-14B-Diffusers"),
-        _card("wan2.1-i2v-14b-480p", summary="Wan 2.1 image-to-video 480p, 14B; CLIP image tokens via added K/V",
+        _card("wan2.1-i2v-14b-480p", recipe=WAN21_RECIPE, summary="Wan 2.1 image-to-video 480p, 14B; CLIP image tokens via added K/V",
               transformer=WanTransformerConfig.wan21_i2v_14b(), vae=WanVAEConfig.wan21(), tasks=frozenset({I2V}),
               cost=COST_14B, image_encoder=True, i2v_mode="concat",
               defaults=GenerationDefaults(**d480, shift=3.0), source="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"),
-        _card("wan2.1-i2v-14b-720p", summary="Wan 2.1 image-to-video 720p, 14B; CLIP image tokens via added K/V",
+        _card("wan2.1-i2v-14b-720p", recipe=WAN21_RECIPE, summary="Wan 2.1 image-to-video 720p, 14B; CLIP image tokens via added K/V",
               transformer=WanTransformerConfig.wan21_i2v_14b(), vae=WanVAEConfig.wan21(), tasks=frozenset({I2V}),
               cost=COST_14B, image_encoder=True, i2v_mode="concat",
               defaults=GenerationDefaults(height=720, width=1280, frames=81, fps=16.0, steps=50, guidance=5.0, shift=5.0),

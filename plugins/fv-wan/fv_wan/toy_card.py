@@ -35,6 +35,8 @@ from fv_kernel.api import (
     PrecisionContract,
     PrecisionPolicy,
     RecipeSpec,
+    TextVocabulary,
+    TrainedEnvelope,
     read_card_file_beside,
 )
 from fv_wan.cards import VAE_SCHEMA, _card
@@ -44,7 +46,7 @@ from fv_wan.models.vae import WanVAEConfig
 __all__ = [
     "TOY_INIT_ID", "TOY_ID", "TOY_TRANSFORMER", "TOY_VAE", "TOY_TEXT", "TOY_DEFAULTS", "TOY_CONTEXT_LENGTH", "TOY_DATA_SEED", "weights_dir",
     "toy_tokenizer", "toy_text_encoder", "wan_toy_init_card", "wan_toy_card", "build_toy_instance", "load_full_vae",
-    "toy_parameter_count",
+    "toy_parameter_count", "toy_envelope",
 ]
 
 TOY_INIT_ID = "wan-toy-init"
@@ -238,9 +240,26 @@ def _t2v() -> Any:
     return TaskType.TEXT_TO_VIDEO
 
 
+def toy_envelope() -> TrainedEnvelope:
+    """What ``wan-toy`` was trained on (its data contract: toy-world clips of 17 frames at 64x64,
+    labelled 8 fps) and its tokenizer's words: a 33-frame clip or a prompt of other words is garbage."""
+    from fv_wan.toy.grammar import _FUNCTION_WORDS, VOCABULARY
+
+    return TrainedEnvelope(
+        frames=(TOY_DEFAULTS.frames,), sizes=((TOY_DEFAULTS.width, TOY_DEFAULTS.height),), fps=(TOY_DEFAULTS.fps,),
+        vocabulary=TextVocabulary(words=VOCABULARY, function_words=_FUNCTION_WORDS, lowercase=True),
+    )
+
+
 def wan_toy_card() -> ModelCard | None:
-    """The trained card, from the shipped directory's ``fv-card.json``; None when the weights are not installed."""
+    """The trained card, from the shipped directory's ``fv-card.json``; None when the weights are not installed.
+
+    The shipped file predates ``RecipeSpec.envelope``: its recipe gets :func:`toy_envelope` (an
+    export that declares one keeps its own)."""
     root = weights_dir()
     if not (root / "fv-card.json").is_file():
         return None
-    return read_card_file_beside(root)
+    card = read_card_file_beside(root)
+    if card.recipe.envelope is None:
+        card = card.model_copy(update={"recipe": card.recipe.model_copy(update={"envelope": toy_envelope()})})
+    return card
