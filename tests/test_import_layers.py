@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("importlinter", reason="import-linter is in the testing extra")
+pytest.importorskip("importlinter", reason="import-linter: tox's kernel env installs it")
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_PACKAGES = sorted(p.parent for p in (ROOT / "plugins").glob("fv-*/fv_*/__init__.py"))

@@ -654,7 +654,7 @@ class PrecisionContract(_Spec):
 
 
 class FrameRule(_Spec):
-    """Valid frame counts are ``modulus·k + remainder`` (Wan: 4k+1)."""
+    """Valid frame counts are ``modulus·k + remainder`` (e.g. 4k+1)."""
 
     modulus: int = Field(default=1, ge=1)
     remainder: int = Field(default=0, ge=0)

@@ -297,7 +297,7 @@ def frames_for_seconds(
 ) -> tuple[int, float]:
     """The frame count and rate of a clip asked for in seconds (the OpenAI video API's ``seconds``):
     ``seconds * fps`` (the card's default fps when ``fps`` is None) rounded up to the nearest count
-    the card's frame rule accepts (Wan: 4k+1). A typed error on ``fps`` when neither gives a rate.
+    the card's frame rule accepts (e.g. 4k+1). A typed error on ``fps`` when neither gives a rate.
 
     A clip longer than the card makes, or outside its trained envelope's frame counts or rates, is
     refused on ``seconds``, allowing the OpenAI durations (:data:`OPENAI_SECONDS`) that fit at that
