@@ -284,6 +284,18 @@ def test_json_values_have_the_documents_types(client: Any, path: str, body: dict
     assert message.startswith(f"{param}: ")
 
 
+def test_the_schemas_are_strict_for_every_caller() -> None:
+    """Strictness lives in the models, so a caller validating JSON itself (fv-dynamo's worker) refuses the same."""
+    from pydantic import ValidationError
+
+    for model in (VideoCreate, ImageGenerate):
+        with pytest.raises(ValidationError, match="exact"):
+            model.model_validate({"prompt": "x", "exact": 0})
+        with pytest.raises(ValidationError, match="guidance"):
+            model.model_validate({"prompt": "x", "guidance": False})
+        assert model.model_validate({"prompt": "x", "steps": "4"}, strict=False).steps == 4  # form text
+
+
 def test_json_takes_integers_for_numbers_and_forms_take_text(client: Any) -> None:
     ok = client.post("/v1/videos", json={"prompt": "x", "guidance": 3, "exact": True})
     assert ok.status_code == 200, ok.text

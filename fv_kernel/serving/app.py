@@ -63,8 +63,8 @@ def _encode_sse(item: StreamEvent | None) -> bytes:
 
 
 def _validate(schema: type[BaseModel], data: Mapping[str, Any], *, strict: bool) -> Any:
-    """``data`` as ``schema``. JSON is ``strict``: its types are the document's (``false`` is no
-    number, ``0`` no boolean, ``"4"`` no integer); form fields are text, parsed as their types."""
+    """``data`` as ``schema``. JSON is ``strict`` (the schemas' own setting): its types are the
+    document's (``false`` is no number, ``0`` no boolean); form fields are text, parsed as their types."""
     try:
         return schema.model_validate(dict(data), strict=strict)
     except ValidationError as exc:

@@ -77,7 +77,9 @@ def parse_size(size: str) -> tuple[int, int]:
 
 
 class _Generation(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # JSON values must have the document's types ("exact": 0, "guidance": false are refused);
+    # form fields are text and are validated with strict=False (fv_kernel.serving.app).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(default=None, min_length=1, description="card id; omitted: the only resident card")
     prompt: str = Field(min_length=1, max_length=20_000)
@@ -112,7 +114,7 @@ def _seconds_as_text(schema: dict[str, Any]) -> None:
 class VideoCreate(_Generation):
     """``POST /v1/videos`` (JSON, or the same fields as multipart form fields)."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_seconds_as_text)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_seconds_as_text)
 
     seconds: float | None = Field(default=None, gt=0, le=3600, description="duration; converted to a valid frame count")
     frames: int | None = Field(default=None, gt=0, le=_MAX_FRAMES)
