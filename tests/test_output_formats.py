@@ -68,7 +68,7 @@ def test_each_listed_format_round_trips_through_the_cli(tmp_path: Path, suffix: 
 
 def test_an_unlisted_suffix_is_refused_naming_the_list(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["generate", "--model", "anything", "--prompt", "x", "--output", str(tmp_path / "x.webm")])
-    assert result.exit_code == 2 and f"output: unsupported suffix '.webm'" in result.output
+    assert result.exit_code == 2 and "output: unsupported suffix '.webm'" in result.output
     assert "allowed: " + ", ".join(VIDEO_OUTPUT_SUFFIXES) in result.output
     with pytest.raises(MediaError, match="path: unsupported suffix '.webm'"):
         check_output_path(tmp_path / "x.webm", facade.SAVE_SUFFIXES, param="path")
