@@ -7,6 +7,7 @@ finite set, the allowed values. Products map them to structured responses
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Iterable
 
 __all__ = [
@@ -52,10 +53,17 @@ class InvalidRequest(FvError, ValueError):
 
 
 class UnknownModel(InvalidRequest):
+    """A model id no installed (or served) card has; the message offers the closest ids first."""
+
     error_type = "unknown_model"
 
     def __init__(self, model: str, known: Iterable[str]) -> None:
-        super().__init__("model", f"unknown card {model!r}", allowed=sorted(known) or "none installed")
+        known = sorted(known)
+        #: The known ids closest to ``model`` (a typo's likely target), best first.
+        self.suggestions: list[str] = difflib.get_close_matches(model, known, n=3, cutoff=0.6)
+        names = [repr(s) for s in self.suggestions]
+        hint = f" (did you mean {' or '.join(filter(None, [', '.join(names[:-1]), names[-1]]))}?)" if names else ""
+        super().__init__("model", f"unknown card {model!r}{hint}", allowed=known or "none installed")
 
 
 class RecipeMismatch(InvalidRequest):

@@ -37,7 +37,7 @@ from fv_kernel.card.recipe import EnvelopeWarning, check_envelope
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.config import DeployConfig, load_deploy_config
 from fv_kernel.errors import InvalidRequest
-from fv_kernel.io.media import check_output_path, read_image, write_artifact
+from fv_kernel.io.media import VIDEO_OUTPUT_SUFFIXES, check_output_path, read_image, write_artifact
 from fv_kernel.plugins.host import PluginHost
 from fv_kernel.request.artifacts import Artifact, AudioArtifact, Provenance, VideoArtifact
 from fv_kernel.request.events import Event
@@ -54,9 +54,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Finished", "GenerateOptions", "StreamEvent", "Video", "VideoGenerator", "load"]
 
-#: What :meth:`Video.save` writes, by suffix: H.264 MP4, an animated GIF, the first frame as
-#: PNG, or the raw float32 frames (F, 3, H, W) in [0, 1] via ``torch.save``.
-SAVE_SUFFIXES = (".mp4", ".gif", ".png", ".pt")
+#: What :meth:`Video.save` writes, by suffix: the same list as ``fv generate --output``.
+SAVE_SUFFIXES = VIDEO_OUTPUT_SUFFIXES
 _log = logging.getLogger("fv.envelope")
 
 

@@ -148,7 +148,7 @@ def test_bad_output_paths_are_refused_before_the_plugins_even_start(
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
     cases = {
-        str(tmp_path / "x.gif"): "output: unsupported suffix '.gif'",
+        str(tmp_path / "x.webm"): "output: unsupported suffix '.webm'",
         str(a_file / "out.mp4"): "is not a directory",
         "/proc/fv-out/out.mp4": "output: cannot create files in '/proc'",
         str(tmp_path): "output: unsupported suffix '(none)'",

@@ -5,6 +5,7 @@ component builder's calls: refused means built nothing."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from pathlib import Path
 from typing import Any
@@ -231,7 +232,11 @@ def test_an_uncached_hub_id_offline_says_what_to_download(
     message = caught.value.message
     assert "\n" not in message
     assert "needs checkpoint 'some-org/some-model', which is not in the local Hugging Face cache" in message
-    assert "huggingface-cli download some-org/some-model --local-dir DIR) and pass --model DIR" in message
+    assert "hf download some-org/some-model --local-dir DIR) and pass --model DIR" in message
+    assert "huggingface-cli" not in message  # deprecated; current huggingface_hub ships `hf`
+    # The command named is one the installed huggingface_hub really provides.
+    scripts = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="console_scripts")}
+    assert scripts.get("hf", "").startswith("huggingface_hub")
     assert builds == []
 
 

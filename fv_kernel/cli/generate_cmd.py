@@ -20,7 +20,7 @@ from fv_kernel.model.validate import check_envelope, resolve_request
 from fv_kernel.cli.deploy_options import ConfigOption, load_config, start_host
 from fv_kernel.io.progress import StageProgress
 from fv_kernel.errors import FvError, InvalidRequest
-from fv_kernel.io.media import MediaError, check_output_path, read_image, write_artifact
+from fv_kernel.io.media import VIDEO_OUTPUT_SUFFIXES, MediaError, check_output_path, read_image, write_artifact
 from fv_kernel.plugins import PluginError
 from fv_kernel.request.artifacts import AudioArtifact, TextArtifact, VideoArtifact
 from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
@@ -32,7 +32,8 @@ from fv_kernel.runtime.records import GenerationResult
 
 __all__ = ["generate"]
 
-_OUTPUT_SUFFIXES = (".mp4", ".pt", ".png")
+#: What a video is written as: the io layer's one list, shared with ``Video.save``.
+_OUTPUT_SUFFIXES = VIDEO_OUTPUT_SUFFIXES
 #: What ``--task text_generation`` writes: the text (.txt) or it with its model, task and token ids (.json); ``-`` prints it.
 _TEXT_OUTPUT_SUFFIXES = (".txt", ".json")
 
@@ -51,7 +52,7 @@ def _validation_line(exc: ValidationError) -> str:
 def generate(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Card id (see 'fv cards list'), a card file (.json/.yaml, checked as 'fv cards validate' does), a local checkpoint directory, or a hub id (default: the installed plugins' default card)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="What to generate."),
-    output: Path = typer.Option(..., "--output", "-o", help="Output file: .mp4 (H.264; with --task text_to_video_audio the sound is its AAC track), .pt (float32 tensor (F,3,H,W) in [0,1]), .png (first frame) (.pt/.png: the sound goes to a .wav beside it, named in the output). --task text_generation: .txt (the text), .json (text, token ids, model, task) or - (print it)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Output file: .mp4 (H.264; with --task text_to_video_audio the sound is its AAC track), .gif (animated), .pt (float32 tensor (F,3,H,W) in [0,1]), .png (first frame) (.gif/.pt/.png: the sound goes to a .wav beside it, named in the output). --task text_generation: .txt (the text), .json (text, token ids, model, task) or - (print it)."),
     negative_prompt: Optional[str] = typer.Option(None, "--negative-prompt", help="What to steer away from (cards with CFG)."),
     image: Optional[Path] = typer.Option(None, "--image", help="Conditioning image for image-to-video."),
     task: Optional[TaskType] = typer.Option(None, "--task", help="Declare the task; default: image_to_video with --image, else text_to_video."),

@@ -250,7 +250,7 @@ def check_checkpoint_source(card: ModelCard, options: "InstanceOptions", compone
             "repo id ('org/name')",
             param="model",
         )
-    download = f"download it first (huggingface-cli download {source} --local-dir DIR) and pass --model DIR"
+    download = f"download it first (hf download {source} --local-dir DIR) and pass --model DIR"
     snapshot = _cached_snapshot(source)
     if snapshot is not None:
         missing = _missing_folders(snapshot, card, from_files)

@@ -32,6 +32,8 @@ from fv_kernel.serving.middleware import AuthMiddleware, BodyLimitMiddleware, Bo
 from fv_kernel.serving.openapi import error_responses, install_openapi, request_body
 from fv_kernel.serving.plugin_routes import mount_plugin_routes
 from fv_kernel.serving.schemas import (
+    JOB_ID_PATTERN,
+    ContentVariant,
     DeletedVideo,
     ImageGenerate,
     ImagesResponse,
@@ -40,6 +42,7 @@ from fv_kernel.serving.schemas import (
     VideoCreate,
     VideoJob,
     VideoList,
+    sse_event_schema,
 )
 from fv_kernel.serving.store import DataDirLock, JobStore
 
@@ -59,9 +62,11 @@ def _encode_sse(item: StreamEvent | None) -> bytes:
     return f"id: {item.seq}\nevent: {item.event}\ndata: {data}\n\n".encode()
 
 
-def _validate(schema: type[BaseModel], data: Mapping[str, Any]) -> Any:
+def _validate(schema: type[BaseModel], data: Mapping[str, Any], *, strict: bool) -> Any:
+    """``data`` as ``schema``. JSON is ``strict`` (the schemas' own setting): its types are the
+    document's (``false`` is no number, ``0`` no boolean); form fields are text, parsed as their types."""
     try:
-        return schema.model_validate(dict(data))
+        return schema.model_validate(dict(data), strict=strict)
     except ValidationError as exc:
         raise from_validation_errors(exc.errors()) from None
 
@@ -100,13 +105,16 @@ async def _read_video_create(request: Request, limits: JsonLimits) -> tuple[Vide
                 image_bytes = await value.read()
             else:
                 fields[key] = value
+        for optional in ("extensions", "input_reference"):
+            if fields.get(optional) == "":
+                del fields[optional]  # an empty form field is an absent one (HTML forms send every field)
         if "extensions" in fields:
             fields["extensions"] = await asyncio.to_thread(parse_json_object, fields["extensions"], limits, param="extensions")
-        body = _validate(VideoCreate, fields)
+        body = _validate(VideoCreate, fields, strict=False)
         if image_bytes is not None:
             return body, image_bytes
     elif content_type in ("application/json", ""):
-        body = _validate(VideoCreate, await _read_json_object(request, limits))
+        body = _validate(VideoCreate, await _read_json_object(request, limits), strict=True)
     else:
         raise ApiError(
             415, "unsupported_media_type",
@@ -205,7 +213,8 @@ def create_app(
             store.close()
             data_dir_lock.release()
 
-    app = FastAPI(title="fv video API", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    # Swagger UI at /docs (its scripts come from a CDN; the page itself is served offline too).
+    app = FastAPI(title="fv video API", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
     install_openapi(app)
     metrics_registry = ServingMetrics(engine, rejections, store.counts_by_status)
     app.state.metrics = metrics_registry
@@ -271,7 +280,7 @@ def create_app(
     @app.get("/v1/videos", response_model=VideoList, responses=error_responses(400, 404, auth=auth))
     async def list_videos(
         limit: int = Query(default=20, ge=1, le=100),
-        after: str | None = Query(default=None),
+        after: str | None = Query(default=None, pattern=JOB_ID_PATTERN.pattern, description="the last id of the previous page"),
         order: Literal["asc", "desc"] = Query(default="desc"),
     ) -> VideoList:
         if after is not None:
@@ -299,7 +308,7 @@ def create_app(
             **error_responses(400, 404, 409, auth=auth),
         },
     )
-    async def video_content(video_id: str, variant: str = Query(default="video")) -> FileResponse:
+    async def video_content(video_id: str, variant: ContentVariant = Query(default="video")) -> FileResponse:
         path, media_type = manager.content_path(video_id, variant)
         return FileResponse(path, media_type=media_type)
 
@@ -316,7 +325,7 @@ def create_app(
         "/v1/videos/{video_id}/events", response_class=StreamingResponse,
         responses={
             200: {"description": "The job's server-sent events (see docs/serving.md)",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                  "content": {"text/event-stream": {"schema": sse_event_schema()}}},
             **error_responses(400, 404, auth=auth),
         },
     )
@@ -348,7 +357,7 @@ def create_app(
         try:
             if content_type not in ("application/json", ""):
                 raise ApiError(415, "unsupported_media_type", f"content type {content_type!r}; allowed: application/json")
-            body = _validate(ImageGenerate, await _read_json_object(request, json_limits))
+            body = _validate(ImageGenerate, await _read_json_object(request, json_limits), strict=True)
         except ApiError as exc:
             raise manager.reject(exc) from None
         try:

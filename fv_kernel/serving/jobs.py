@@ -38,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.config import ServerConfig
 from fv_kernel.model.validate import check_envelope, frames_for_seconds
-from fv_kernel.errors import FvError
+from fv_kernel.errors import FvError, UnknownModel
 from fv_kernel.state import StateFormatError
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun
 from fv_kernel.request.artifacts import VideoArtifact
@@ -326,8 +326,8 @@ class JobManager:
             ))
         instance = instances.get(model)
         if instance is None:
-            allowed = ", ".join(sorted(instances)) or "none"
-            raise self.reject(ApiError(404, "unknown_model", f"model: unknown card {model!r}; allowed: {allowed}", param="model"))
+            unknown = UnknownModel(model, instances)  # its message names the closest served ids
+            raise self.reject(ApiError(404, "unknown_model", unknown.message, param="model"))
         return instance
 
     def _plugin_params(self, extensions: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, P
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.routing import Match
 
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.serving.middleware import ASGIApp, Message, Receive, Scope, Send
@@ -136,6 +137,17 @@ class ServingMetrics:
         return encoder(self.registry), content_type
 
 
+def _plain_route(scope: Scope) -> Any:
+    """The route a request matched when the router did not record it: FastAPI records its own
+    routes in the scope, Starlette's plain routes (``/openapi.json``, ``/docs``) are not."""
+    app = scope.get("app")
+    for route in getattr(getattr(app, "router", None), "routes", ()):
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return route
+    return None
+
+
 class RequestMetricsMiddleware:
     """Observe every HTTP request's latency under its route template (``/v1/videos/{video_id}``), never its raw path."""
 
@@ -159,7 +171,7 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            route: Any = scope.get("route")
+            route: Any = scope.get("route") or _plain_route(scope)
             # Unmatched paths share one label, so a scanner cannot grow the series without bound.
             template = getattr(route, "path", None) or "unmatched"
             self.metrics.http_latency.labels(scope.get("method", ""), template, str(status)).observe(

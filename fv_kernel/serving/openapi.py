@@ -55,7 +55,7 @@ def _form_schema(model: type[BaseModel], *, file_field: str | None) -> dict[str,
         prop.pop("default", None)
         if name == "extensions":
             prop.clear()
-            prop.update(type="string", description="the extensions object as JSON text, e.g. {\"my-cache\": {}}")
+            prop.update(type="string", description="the extensions object as JSON text, e.g. {\"my-cache\": {}}; empty: none")
         elif name == file_field:
             prop.clear()
             prop.update(type="string", format="binary", description="the first frame for image-to-video, as an image file")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "VideoCreate",
@@ -24,6 +24,9 @@ __all__ = [
     "JOB_STATUSES",
     "TERMINAL_STATUSES",
     "JOB_ID_PATTERN",
+    "ContentVariant",
+    "SSE_EVENTS",
+    "sse_event_schema",
 ]
 
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
@@ -31,6 +34,29 @@ JOB_STATUSES: tuple[str, ...] = ("queued", "in_progress", "completed", "failed",
 TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
 #: Server-generated ids only; anything else is refused before it touches the store or disk.
 JOB_ID_PATTERN = re.compile(r"^video_[0-9a-f]{32}$")
+
+#: ``GET /v1/videos/{id}/content?variant=``: the MP4, or its first frame as PNG.
+ContentVariant = Literal["video", "thumbnail"]
+#: The names of the events ``GET /v1/videos/{id}/events`` streams.
+SSE_EVENTS: tuple[str, ...] = (
+    "video.queued", "video.started", "video.progress", "video.preview", "video.artifact",
+    "video.completed", "video.failed", "video.cancelled", "server.shutdown",
+)
+
+
+def sse_event_schema() -> dict[str, Any]:
+    """One server-sent event of ``GET /v1/videos/{id}/events`` (OpenAPI 3.1: the ``schema`` of an
+    event stream describes each event). ``data`` is JSON text; ``server.shutdown`` has no ``id``."""
+    return {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string", "enum": list(SSE_EVENTS)},
+            "data": {"type": "string", "contentMediaType": "application/json"},
+            "id": {"type": "string", "pattern": "^[0-9]+$"},
+        },
+    }
+
 
 # Absolute sanity bounds; the deployment's `limits:` and the card are the real caps.
 _MAX_SIDE = 16384
@@ -51,7 +77,9 @@ def parse_size(size: str) -> tuple[int, int]:
 
 
 class _Generation(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # JSON values must have the document's types ("exact": 0, "guidance": false are refused);
+    # form fields are text and are validated with strict=False (fv_kernel.serving.app).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(default=None, min_length=1, description="card id; omitted: the only resident card")
     prompt: str = Field(min_length=1, max_length=20_000)
@@ -80,8 +108,18 @@ class _Generation(BaseModel):
     )
 
 
+#: ``seconds`` as text, as OpenAI's SDK sends it (``"4"``); JSON is otherwise strictly typed.
+_SECONDS_TEXT = r"^[0-9]{1,4}(\.[0-9]{1,6})?$"
+
+
+def _seconds_as_text(schema: dict[str, Any]) -> None:
+    schema["properties"]["seconds"]["anyOf"].insert(1, {"type": "string", "pattern": _SECONDS_TEXT})
+
+
 class VideoCreate(_Generation):
     """``POST /v1/videos`` (JSON, or the same fields as multipart form fields)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_seconds_as_text)
 
     seconds: float | None = Field(
         default=None, gt=0, le=3600,
@@ -92,6 +130,13 @@ class VideoCreate(_Generation):
     fps: float | None = Field(default=None, gt=0, le=240)
     #: The first frame for image-to-video: base64 (optionally a data: URL) in JSON, a file in multipart.
     input_reference: str | None = None
+
+    @field_validator("seconds", mode="before")
+    @classmethod
+    def _seconds_text(cls, value: Any) -> Any:
+        if isinstance(value, str) and re.fullmatch(_SECONDS_TEXT, value):
+            return float(value)
+        return value
 
 
 class ImageGenerate(_Generation):

@@ -348,13 +348,18 @@ class ComfyServer:
 def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:
     """Add the ComfyUI routes to ``app`` (see the module doc)."""
     path = models_file(config)
-    if path is not None:
-        models = ModelMap.from_yaml(path)
-    else:
-        warnings.warn(f"fv-comfyui: no model mapping file (set plugins.settings.{DISTRIBUTION}.models in the deploy "
-                      f"config, or {MODELS_ENV}): no model file name maps to a card, so every ComfyUI loader "
-                      "answers value_not_in_list", stacklevel=2)
-        models = ModelMap({})
+    models = ModelMap.from_yaml(path) if path is not None else ModelMap({})
+    unwarned = [path is None]
+
+    def need_mapping() -> None:
+        """Warn, once, that no mapping is set: when a ComfyUI route needs it, not at startup
+        (a server nobody sends ComfyUI workflows to has nothing to warn about)."""
+        if unwarned[0]:
+            unwarned[0] = False
+            warnings.warn(f"fv-comfyui: no model mapping file (set plugins.settings.{DISTRIBUTION}.models in the deploy "
+                          f"config, or {MODELS_ENV}): no model file name maps to a card, so every ComfyUI loader "
+                          "answers value_not_in_list", stacklevel=2)
+
     server = ComfyServer(engine, config, models, previews=comfy_settings(config).previews)
     app.state.comfyui = server
 
@@ -367,6 +372,7 @@ def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:
         if not isinstance(body, dict) or "prompt" not in body:
             error = {"type": "no_prompt", "message": "No prompt provided", "details": "No prompt provided", "extra_info": {}}
             return JSONResponse({"error": error, "node_errors": {}}, status_code=400)
+        need_mapping()
         answer = await asyncio.to_thread(server.service.check, body["prompt"], body.get("partial_execution_targets"))
         if not answer.ok:
             return JSONResponse(answer.body(), status_code=answer.status)
@@ -437,6 +443,7 @@ def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:
         return {"name": path.name, "subfolder": subfolder, "type": kind}
 
     async def get_object_info() -> dict[str, Any]:
+        need_mapping()  # its model lists come from the mapping
         return object_info({**server.folders, "input": server.service.input_files()})
 
     async def get_object_info_node(node_class: str) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,13 +29,45 @@ def test_models_come_from_the_environment(tmp_path: Path, monkeypatch: pytest.Mo
     assert "wan2.1_t2v_1.3B_fp16.safetensors" in info["UNETLoader"]["input"]["required"]["unet_name"][0]
 
 
-def test_without_the_variable_every_loader_is_empty_and_it_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _recorded(action: Any) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        action()
+    return [str(w.message) for w in caught]
+
+
+def test_without_a_mapping_the_server_starts_quietly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fv serve`` mounts these routes at startup: no mapping was asked for, so nothing to warn about yet."""
+    monkeypatch.delenv(MODELS_ENV, raising=False)
+    assert _recorded(lambda: mount(FastAPI(), Engine(), DeployConfig(output_dir=tmp_path))) == []
+
+
+@pytest.mark.parametrize("route", ["object_info", "prompt"])
+def test_without_a_mapping_a_comfyui_route_says_so_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str,
+) -> None:
     monkeypatch.delenv(MODELS_ENV, raising=False)
     app = FastAPI()
+    mount(app, Engine(), DeployConfig(output_dir=tmp_path))
+    client = TestClient(app)
+
+    def use() -> Any:
+        if route == "object_info":
+            return client.get("/object_info/UNETLoader").json()
+        return client.post("/prompt", json={"prompt": {}})
+
     with pytest.warns(UserWarning, match="no model mapping file .*plugins.settings.fv-comfyui.models.*FV_COMFY_MODELS"):
-        mount(app, Engine(), DeployConfig(output_dir=tmp_path))
-    info = TestClient(app).get("/object_info/UNETLoader").json()
-    assert info["UNETLoader"]["input"]["required"]["unet_name"][0] == []
+        answer = use()
+    if route == "object_info":
+        assert answer["UNETLoader"]["input"]["required"]["unet_name"][0] == []
+    assert _recorded(use) == []  # once per server, not per request
+
+
+def test_with_a_mapping_no_route_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MODELS_ENV, str(MODELS_FILE))
+    app = FastAPI()
+    mount(app, Engine(), DeployConfig(output_dir=tmp_path))
+    assert _recorded(lambda: TestClient(app).get("/object_info/UNETLoader")) == []
 
 
 def test_a_bad_mapping_file_raises_for_the_kernel_to_contain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -160,7 +160,7 @@ def test_offline_every_card_passes_or_names_what_to_download(cards: dict[str, Mo
     message = caught.value.message
     assert "\n" not in message
     if card.checkpoint.source is not None:
-        assert f"huggingface-cli download {card.checkpoint.source} " in message and "--model DIR" in message
+        assert f"hf download {card.checkpoint.source} " in message and "--model DIR" in message
     else:
         assert "--model PATH" in message
 
