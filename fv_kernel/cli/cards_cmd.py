@@ -79,7 +79,7 @@ def list_cards(
         typer.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        typer.echo("no cards: install a model plugin, e.g. 'pip install fv-wan'")
+        typer.echo("no cards: install a model plugin (from the fv checkout: pip install ./plugins/<plugin>)")
         return
     for line in _table(rows, shutil.get_terminal_size((80, 24)).columns):
         typer.echo(line)

@@ -113,7 +113,7 @@ def serve(
     try:
         from fv_kernel.serving import create_app, serve_forever
     except ImportError as exc:
-        typer.echo(f"error: fv serve needs the serve extra (pip install 'fv-kernel[serve]'): {exc}", err=True)
+        typer.echo(f"error: fv serve needs the serve extra (in your fv checkout: pip install '.[serve]'): {exc}", err=True)
         raise typer.Exit(2) from None
     from fv_kernel.plugins import PluginError
     from fv_kernel.deploy.engine import build_engine

@@ -1,6 +1,6 @@
 """Artifact writers. MP4 goes through PyAV (H.264, yuv420p); PNG through Pillow.
 
-Both are optional dependencies (``pip install fv-kernel[media]``); a missing one is a
+Both are optional dependencies (in the fv checkout: ``pip install '.[media]'``); a missing one is a
 clear :class:`MediaError`, not an ImportError from deep inside a request.
 """
 
@@ -41,7 +41,7 @@ def read_image(path: str | Path) -> torch.Tensor:
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:
-        raise InvalidRequest("image", "reading images needs Pillow (pip install 'fv-kernel[media]')") from None
+        raise InvalidRequest("image", "reading images needs Pillow (in your fv checkout: pip install '.[media]')") from None
     import numpy as np
 
     try:
@@ -139,7 +139,7 @@ def write_mp4(
     try:
         import av
     except ImportError as exc:
-        raise MediaError(f"writing MP4 needs PyAV (pip install 'fv-kernel[media]'): {exc}") from None
+        raise MediaError(f"writing MP4 needs PyAV (in your fv checkout: pip install '.[media]'): {exc}") from None
     from fractions import Fraction
 
     if audio is not None and sample_rate is None:
@@ -180,7 +180,7 @@ def write_gif(frames: torch.Tensor, fps: float, path: str | Path) -> Path:
     try:
         from PIL import Image
     except ImportError as exc:
-        raise MediaError(f"writing GIF needs Pillow (pip install 'fv-kernel[media]'): {exc}") from None
+        raise MediaError(f"writing GIF needs Pillow (in your fv checkout: pip install '.[media]'): {exc}") from None
     images = [Image.fromarray(frame) for frame in frames_to_uint8(frames).numpy()]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +193,7 @@ def encode_png(frame: torch.Tensor) -> bytes:
     try:
         from PIL import Image
     except ImportError as exc:
-        raise MediaError(f"writing PNG needs Pillow (pip install 'fv-kernel[media]'): {exc}") from None
+        raise MediaError(f"writing PNG needs Pillow (in your fv checkout: pip install '.[media]'): {exc}") from None
     pixels = frames_to_uint8(frame.unsqueeze(0))[0].numpy()
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")

@@ -1,6 +1,6 @@
 """Serving product: ``fv serve``, an OpenAI-style video API over the Engine (FastAPI + uvicorn).
 
-Needs the ``serve`` extra (``pip install 'fv-kernel[serve]'``). Importing this package
+Needs the ``serve`` extra (in the fv checkout: ``pip install '.[serve]'``). Importing this package
 imports FastAPI; the rest of the kernel never does.
 """
 

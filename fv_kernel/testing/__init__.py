@@ -1,6 +1,6 @@
 """fv conformance kit: an opt-in pytest plugin (``pytest_plugins = ["fv_kernel.testing"]``).
 
-Install with ``pip install "fv-kernel[testing]"``. It is not auto-loaded into pytest
+Install with ``pip install ".[testing]"`` in the fv checkout (fv is on no package index). It is not auto-loaded into pytest
 sessions. Each kit lives in its own module and is re-exported here:
 
 - :mod:`.plugin_kit`: the plugin host fixtures and :class:`PluginConformance`;
