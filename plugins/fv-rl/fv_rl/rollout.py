@@ -11,6 +11,7 @@ interleave with whatever else the engine serves under the one scheduler.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -27,6 +28,8 @@ from fv_kernel.api import (
     TaskType,
     TextPart,
     VideoArtifact,
+    check_envelope,
+    resolve_request,
 )
 
 __all__ = ["RolloutSettings", "Rollout", "rollout_group", "rollout_groups"]
@@ -49,6 +52,8 @@ class RolloutSettings(BaseModel):
     #: The scheduling class rollouts run at next to serving traffic.
     priority: Literal["interactive", "batch"] = "batch"
 
+_log = logging.getLogger("fv.rl")
+
 
 @dataclass(frozen=True)
 class Rollout:
@@ -66,6 +71,10 @@ def _request(model_id: str, prompt: str, seed: int, s: RolloutSettings) -> Reque
         diffusion=DiffusionParams(steps=s.steps, guidance=s.guidance, height=s.height, width=s.width, frames=s.frames,
                                   sampler=s.sampler, seed=seed),
         output=OutputSpec(capture_behavior=s.capture),
+        # A training config names its rollout geometry on purpose (fine-tuning at another size than
+        # the card was trained at is what it asks for): the envelope is overridden, and said once
+        # per batch of groups (rollout_groups).
+        allow_outside_envelope=True,
     )
 
 
@@ -101,5 +110,13 @@ async def rollout_group(
 async def rollout_groups(
     engine: Engine, model_id: str, prompts: Sequence[str], seeds: Sequence[Sequence[int]], settings: RolloutSettings
 ) -> list[list[Rollout]]:
-    """One group per prompt (``seeds[i]`` for ``prompts[i]``), all groups at once under the one scheduler."""
+    """One group per prompt (``seeds[i]`` for ``prompts[i]``), all groups at once under the one scheduler.
+
+    Where the rollouts leave the card's trained envelope (another size, unknown prompt words),
+    each departure is logged once as a warning on the ``fv.rl`` logger."""
+    card = engine.instances[model_id].card
+    departures = dict.fromkeys(message for prompt in prompts
+                               for message in check_envelope(card, resolve_request(card, _request(model_id, prompt, 0, settings))))
+    for message in departures:
+        _log.warning("rollouts of %s: %s", model_id, message)
     return list(await asyncio.gather(*(rollout_group(engine, model_id, p, s, settings) for p, s in zip(prompts, seeds))))

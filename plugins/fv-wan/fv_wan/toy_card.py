@@ -262,4 +262,13 @@ def wan_toy_card() -> ModelCard | None:
     card = read_card_file_beside(root)
     if card.recipe.envelope is None:
         card = card.model_copy(update={"recipe": card.recipe.model_copy(update={"envelope": toy_envelope()})})
+    from fv_kernel.api import TaskType
+
+    if TaskType.TEXT_TO_IMAGE in card.capabilities.tasks and 1 not in (card.recipe.envelope.frames or (1,)):
+        # Trained on 17-frame clips only: one frame is outside the envelope (it made a blob), so the
+        # card does not offer images rather than refusing each one on ``frames``.
+        tasks = card.capabilities.tasks - {TaskType.TEXT_TO_IMAGE}
+        programs = {task: program for task, program in card.programs.items() if task in tasks}
+        card = card.model_copy(update={"capabilities": card.capabilities.model_copy(update={"tasks": tasks}),
+                                       "programs": programs})
     return card

@@ -136,3 +136,12 @@ def test_envelope_survives_the_card_file(toy, tmp_path: Path) -> None:  # noqa: 
     (tmp_path / "fv-card.json").write_text(toy.model_dump_json())
     assert json.loads((tmp_path / "fv-card.json").read_text())["recipe"]["envelope"]["frames"] == [17]
     assert read_card_file_beside(tmp_path).recipe.envelope == toy.recipe.envelope
+
+
+def test_wan_toy_offers_no_images_since_one_frame_is_outside_its_envelope(toy) -> None:  # noqa: ANN001
+    """Its shipped file lists text_to_image; every such request would be refused on ``frames``,
+    so the card does not offer the task (and the every-card defaults gate holds for it)."""
+    assert toy.capabilities.tasks == {TaskType.TEXT_TO_VIDEO}
+    image = Request(model="wan-toy", task=TaskType.TEXT_TO_IMAGE, inputs=(TextPart(text=QUICKSTART),))
+    with pytest.raises(InvalidRequest, match=r"^task: card 'wan-toy' cannot run 'text_to_image'"):
+        resolve_request(toy, image)
