@@ -79,7 +79,7 @@ def list_cards(
         typer.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        typer.echo("no cards: install a model plugin (from the fv checkout: pip install ./plugins/<plugin>)")
+        typer.echo("no cards: install a model plugin (fv checkout: pip install ./plugins/NAME)")
         return
     for line in _table(rows, shutil.get_terminal_size((80, 24)).columns):
         typer.echo(line)
