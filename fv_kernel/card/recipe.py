@@ -152,6 +152,6 @@ def check_envelope(card: ModelCard, request: Request) -> list[str]:
     if envelope.sizes is not None and d.width is not None and d.height is not None and (d.width, d.height) not in envelope.sizes:
         depart("size", f"{_size(d.width, d.height)} (width x height) is outside the sizes {where}",
                ", ".join(_size(w, h) for w, h in envelope.sizes))
-    if envelope.fps is not None and d.fps is not None and not any(abs(d.fps - f) < 1e-6 for f in envelope.fps):
-        depart("fps", f"{d.fps:g} fps is outside the frame rates {where}", ", ".join(f"{f:g}" for f in envelope.fps))
+    if d.fps is not None and not envelope.accepts_fps(d.fps):
+        depart("fps", f"{d.fps:g} fps is outside the frame rates {where}", envelope.describe_fps())
     return warnings

@@ -401,6 +401,13 @@ class TrainedEnvelope(_Spec):
             return ", ".join(str(f) for f in self.frames)
         return f"<= {self.max_frames}"
 
+    def accepts_fps(self, fps: float) -> bool:
+        # Rates are labels (16.0 vs 16): equal within float noise, not by identity.
+        return self.fps is None or any(abs(fps - f) < 1e-6 for f in self.fps)
+
+    def describe_fps(self) -> str:
+        return ", ".join(f"{f:g}" for f in self.fps or ())
+
 
 class RecipeSpec(_Spec):
     """What produced these weights, and what they assume at serve time (design §4.2)."""

@@ -285,8 +285,8 @@ def _seconds_misfit(card: ModelCard, frames: int, rate: float, *, envelope: bool
         return f"the card makes at most {limit} frames"
     if declared is None:
         return None
-    if declared.fps is not None and not any(abs(rate - f) < 1e-6 for f in declared.fps):
-        return f"it was trained at {', '.join(f'{f:g}' for f in declared.fps)} fps"
+    if not declared.accepts_fps(rate):
+        return f"it was trained at {declared.describe_fps()} fps"
     if not declared.accepts_frames(frames):
         return f"it was trained on clips of {declared.describe_frames()} frames"
     return None
