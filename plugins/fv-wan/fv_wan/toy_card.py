@@ -35,6 +35,7 @@ from fv_kernel.api import (
     PrecisionContract,
     PrecisionPolicy,
     RecipeSpec,
+    TaskType,
     TextVocabulary,
     TrainedEnvelope,
     read_card_file_beside,
@@ -262,8 +263,6 @@ def wan_toy_card() -> ModelCard | None:
     card = read_card_file_beside(root)
     if card.recipe.envelope is None:
         card = card.model_copy(update={"recipe": card.recipe.model_copy(update={"envelope": toy_envelope()})})
-    from fv_kernel.api import TaskType
-
     if TaskType.TEXT_TO_IMAGE in card.capabilities.tasks and 1 not in (card.recipe.envelope.frames or (1,)):
         # Trained on 17-frame clips only: one frame is outside the envelope (it made a blob), so the
         # card does not offer images rather than refusing each one on ``frames``.
