@@ -86,14 +86,15 @@ class _Interrupted(Exception):
 
 
 def _schedule(job: ComfyJob) -> Any:
-    """The job's sigmas (ComfyUI's schedule of its ``comfy-<sampler>-<scheduler>`` sampler), or None."""
-    from fv_comfyui.samplers import comfy_sigmas
+    """The job's sigmas, as its ``comfy-<sampler>-<scheduler>`` sampler makes them (``init_state``:
+    uni_pc's drops the next-to-last sigma, as ``KSampler`` does), or None."""
+    from fv_comfyui.samplers import COMFY_SAMPLERS
 
-    parts = str(job.options.get("sampler") or "").split("-", 2)
-    if len(parts) != 3 or parts[0] != "comfy":
+    sampler = {cls.name: cls for cls in COMFY_SAMPLERS}.get(str(job.options.get("sampler") or ""))
+    if sampler is None:
         return None
     try:
-        return comfy_sigmas(parts[2], float(job.options["shift"]), int(job.options["steps"]))
+        return sampler(shift=float(job.options["shift"])).init_state(int(job.options["steps"])).sigmas
     except (KeyError, ValueError):
         return None
 

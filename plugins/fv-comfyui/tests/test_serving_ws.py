@@ -163,6 +163,23 @@ def _groups(latent: torch.Tensor) -> torch.Tensor:
     return torch.stack([frame[0::3].mean(0), frame[1::3].mean(0), frame[2::3].mean(0)])
 
 
+@pytest.mark.parametrize("sampler", ["euler", "uni_pc", "uni_pc_bh2"])
+def test_the_preview_schedule_is_the_one_the_sampler_runs(sampler: str) -> None:
+    """The previewer's sigmas are the running sampler's: for uni_pc, KSampler's schedule for one step
+    more with the next-to-last sigma dropped (written out here), not the plain scheduler's."""
+    from types import SimpleNamespace
+
+    from fv_comfyui.samplers import comfy_sigmas
+    from fv_comfyui.serving import _schedule
+
+    job = SimpleNamespace(options={"sampler": f"comfy-{sampler}-simple", "shift": 8.0, "steps": 6})
+    plain = comfy_sigmas("simple", 8.0, 6)
+    longer = comfy_sigmas("simple", 8.0, 7)
+    expected = plain if sampler == "euler" else torch.cat([longer[:6], longer[7:]])
+    assert torch.equal(_schedule(job), expected)
+    assert _schedule(SimpleNamespace(options={"sampler": "unipc", "shift": 8.0, "steps": 6})) is None  # not a comfy sampler
+
+
 def test_the_preview_is_the_denoised_estimate_along_the_last_move() -> None:
     generator = torch.Generator().manual_seed(0)
     x0 = torch.randn(1, 16, 3, 6, 10, generator=generator)
