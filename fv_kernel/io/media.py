@@ -17,19 +17,15 @@ import torch
 from fv_kernel.errors import FvError, InvalidRequest
 
 __all__ = [
-    "VIDEO_OUTPUT_FORMATS", "VIDEO_OUTPUT_SUFFIXES", "MediaError", "read_image", "check_output_path", "frames_to_uint8", "write_mp4", "write_gif", "encode_png", "write_png_frames",
+    "VIDEO_OUTPUT_SUFFIXES", "MediaError", "read_image", "check_output_path", "frames_to_uint8", "write_mp4", "write_gif", "encode_png", "write_png_frames",
     "write_tensor", "write_wav", "write_artifact",
 ]
 
 
-#: The one list of files a video is written as (``fv generate --output``, ``Video.save``), by suffix.
-VIDEO_OUTPUT_FORMATS: dict[str, str] = {
-    ".mp4": "H.264 MP4 (a sound track, when there is one, as AAC)",
-    ".gif": "animated GIF",
-    ".png": "the first frame as PNG",
-    ".pt": "the float32 frames (F, 3, H, W) in [0, 1] via torch.save",
-}
-VIDEO_OUTPUT_SUFFIXES: tuple[str, ...] = tuple(VIDEO_OUTPUT_FORMATS)
+#: The one list of files a video is written as (``fv generate --output``, ``Video.save``), by suffix:
+#: H.264 MP4 (a sound track, when there is one, as AAC), animated GIF, the first frame as PNG, and
+#: the float32 frames (F, 3, H, W) in [0, 1] via ``torch.save``.
+VIDEO_OUTPUT_SUFFIXES: tuple[str, ...] = (".mp4", ".gif", ".png", ".pt")
 
 
 class MediaError(FvError):
