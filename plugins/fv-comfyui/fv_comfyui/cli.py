@@ -122,7 +122,7 @@ def run(
         first = entry["errors"][0]
         typer.echo(f"warning: node {node_id} ({entry['class_type']}): {first['message']}: {first['details']}; "
                    f"skipping output(s) {', '.join(entry['dependent_outputs'])}", err=True)
-    runner = JobRunner(output_dir / ".fv-cards", config=deploy)
+    runner = JobRunner(config=deploy)
     try:
         for job in answer.jobs:
             image = service.image_path(job.image_name) if job.image_name else None

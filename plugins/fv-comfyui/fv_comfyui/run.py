@@ -120,17 +120,12 @@ def save_outputs(video: Video, targets: Iterable[SaveTarget], output_dir: Path) 
 class JobRunner:
     """Runs jobs, keeping one loaded generator per card (file) across them."""
 
-    def __init__(self, work_dir: Path, *, config: DeployConfig | None = None) -> None:
-        self.work_dir = work_dir
+    def __init__(self, *, config: DeployConfig | None = None) -> None:
         self.config = config
         self._generators: dict[str, Any] = {}
 
-    def model_ref(self, job: ComfyJob) -> str:
-        """The ``--model`` of the job: its card's id."""
-        return job.card.model_id
-
     def run(self, job: ComfyJob, image_path: Path | None = None, *, on_event: Callable[[Any], None] | None = None) -> Video:
-        ref = self.model_ref(job)
+        ref = job.card.model_id  # a job runs its card as installed (a chain's switch is a request option)
         if ref not in self._generators:
             self._generators[ref] = load(ref, config=self.config)
         generator = self._generators[ref]

@@ -356,7 +356,7 @@ class _ComfyUniPC(Sampler):
     ) -> tuple[ComfyUniPCState, torch.Tensor]:
         self._check_step_inputs(state, model_output, sample, noise)
         assert isinstance(state, ComfyUniPCState)
-        i, steps = state.step_index, state.num_steps
+        i = state.step_index
         # One stage is one ComfyUI sampler call on sigmas[first..end]: its own order, warm-up and
         # lower-order final moves, counted from its first step.
         first, end = stage_bounds(state, i)

@@ -49,7 +49,7 @@ from starlette.datastructures import UploadFile  # what request.form() returns (
 from fv_kernel.api import DeployConfig, Engine, FvError
 from fv_comfyui.compile import ComfyJob
 from fv_comfyui.models import ModelMap
-from fv_comfyui.nodes import NODE_SPECS, object_info
+from fv_comfyui.nodes import object_info
 from fv_comfyui.previews import LatentPreviewer, preview_frame
 from fv_comfyui.run import save_outputs
 from fv_comfyui.service import ComfyService

@@ -155,7 +155,7 @@ def test_without_a_mapping_file_it_says_where_to_give_one(tmp_path: Path, monkey
     assert not (tmp_path / "out").exists()
 
 
-def test_progress_lines_per_step_and_the_same_frames(tmp_path: Path, service: Any) -> None:
+def test_progress_lines_per_step_and_the_same_frames(service: Any) -> None:
     from conftest import retarget
     from fv_comfyui.cli import _progress_printer
     from fv_comfyui.run import JobRunner
@@ -164,7 +164,7 @@ def test_progress_lines_per_step_and_the_same_frames(tmp_path: Path, service: An
     prompt["37"]["inputs"]["weight_dtype"] = "fp8_e4m3fn_fast"
     answer = service.check(prompt)
     (job,) = answer.jobs
-    runner = JobRunner(tmp_path)
+    runner = JobRunner()
     lines: list[str] = []
     import typer
 

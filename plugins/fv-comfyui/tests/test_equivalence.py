@@ -45,19 +45,19 @@ def test_fixture_workflow_equals_fv_generate(name: str, service: Any, tmp_path: 
     assert answer.ok, answer.body()
     (job,) = answer.jobs
     image = service.image_path(job.image_name) if job.image_name else None
-    runner = JobRunner(tmp_path / "cards")
+    runner = JobRunner()
     video = runner.run(job, image)
     assert video.frames.shape[0] == 5 and video.frames.shape[-2:] == (32, 32)
 
-    model = runner.model_ref(job)
+    model = job.card.model_id
     expected = _fv_generate(job.fv_generate_args(model, str(image) if image else None), tmp_path / "out.pt")
     assert torch.equal(video.frames, expected), (video.frames - expected).abs().max()
 
 
-def test_negative_control_another_seed_differs(service: Any, tmp_path: Path) -> None:
+def test_negative_control_another_seed_differs(service: Any) -> None:
     prompt = retarget(load_pair("text_to_video_wan")[1], steps=2)
     (job,) = service.check(prompt).jobs
-    runner = JobRunner(tmp_path)
+    runner = JobRunner()
     first = runner.run(job).frames
     job.options["seed"] += 1
     assert not torch.equal(first, runner.run(job).frames)

@@ -207,16 +207,15 @@ def test_fixture_chain_compiles_to_the_installed_card_with_its_switch_step(servi
     assert own == 4
 
 
-def test_fixture_chain_runs_with_the_restart_in_the_denoise_loop(service: Any, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fixture_chain_runs_with_the_restart_in_the_denoise_loop(service: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from fv_comfyui.run import JobRunner
 
     (job,) = service.check(_fixture("uni_pc")).jobs
-    video = JobRunner(tmp_path).run(job)
+    video = JobRunner().run(job)
     assert video.frames.shape == (5, 3, 32, 32) and video.frames.std() > 0.01
     # Negative control: the same run without the restart (one UniPC history across the switch) differs.
     monkeypatch.setattr(comfy_samplers, "stage_bounds", _no_stages)
-    unsplit = JobRunner(tmp_path).run(job)
+    unsplit = JobRunner().run(job)
     assert (unsplit.frames - video.frames).abs().max().item() > 1e-3
 
 

@@ -139,7 +139,7 @@ def test_ti2v_template_equals_fv_generate(name: str, service: Any, tmp_path: Pat
     answer = service.check(retarget(load_api(name), steps=2))
     (job,) = answer.jobs
     image = service.image_path(job.image_name) if job.image_name else None
-    video = JobRunner(tmp_path / "cards").run(job, image)
+    video = JobRunner().run(job, image)
     assert video.frames.shape[0] == 5 and video.frames.shape[-2:] == (32, 32)
     args = job.fv_generate_args(job.card.model_id, str(image) if image else None)
     assert ("--image" in args) == (name == "wan22_ti2v_5B_i2v")
