@@ -83,6 +83,18 @@ from fv_kernel.compute.compile import (
     select_compute_tiers,
 )
 from fv_kernel.compute.fused import select_fused_ops
+from fv_kernel.compute.lora import (
+    AdapterError,
+    AdapterKeyError,
+    AdapterStack,
+    AdapterWeights,
+    LowRankUpdate,
+    MergedAdapters,
+    RowAdapters,
+    merge_adapters,
+    rows_adapted,
+    stack_key,
+)
 from fv_kernel.extend.hooks import BlockHooks, RequestHooks
 from fv_kernel.extend.interceptors import BlockCall, BlockInterceptor, BlockSequence, Interceptor, StepInterceptor
 from fv_kernel.extend.observers import BlockObserver, NaNWatch, Observer, ParityAligner, StepRecord
