@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from fv_kernel.cache.keys import content_hash
 from fv_kernel.errors import FvError
 
 __all__ = [
@@ -152,13 +152,24 @@ class AdapterWeights:
             object.__setattr__(self, "version", self._content_version())
 
     def _content_version(self) -> str:
-        items: list[object] = [self.component]
+        digest = hashlib.sha256(self.component.encode())
+
+        def feed(label: str, tensor: torch.Tensor | None) -> None:
+            digest.update(f"|{label}".encode())
+            if tensor is not None:
+                t = tensor.detach().cpu().contiguous()
+                digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+                digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
         for path in sorted(self.low_rank):
             u = self.low_rank[path]
-            items += [path, u.down, u.up, u.alpha, u.bias if u.bias is not None else "-"]
+            feed(f"{path}:down", u.down)
+            feed(f"{path}:up", u.up)
+            feed(f"{path}:alpha={u.alpha!r}", None)
+            feed(f"{path}:bias", u.bias)
         for path in sorted(self.deltas):
-            items += [path, self.deltas[path]]
-        return content_hash(items)[:16]
+            feed(f"{path}:delta", self.deltas[path])
+        return digest.hexdigest()[:16]
 
     @property
     def nbytes(self) -> int:
