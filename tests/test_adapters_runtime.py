@@ -16,6 +16,7 @@ from fv_kernel.model.adapters import convert_peft
 from fv_kernel.model.instance import ADAPTER_LOAD_COST, ModelInstance, build_instance
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
+from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.runtime.cost import CostModel
 from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially
 from fv_kernel.runtime.executor import MergePolicy
@@ -190,3 +191,20 @@ def test_a_load_runs_between_another_requests_steps(files: Path) -> None:
     load = next(i for i, (kind, _) in enumerate(kinds) if kind == "cache_io")
     steps_of_first = [i for i, (kind, ids) in enumerate(kinds) if kind == "diffusion_step" and first.request_id in ids]
     assert steps_of_first[0] < load < steps_of_first[-1]  # the first request kept stepping around the load
+
+
+def test_a_weight_sync_unmerges_first_so_the_new_weights_stay(files: Path) -> None:
+    eng = engine(files, merge="auto")
+    inst = eng.instances["toy-dit"]
+    frames(run_serially(eng, [t2v(AdapterRef(name="style"), steps=12)]))
+    assert inst.merged_stack("dit") is not None
+    new = {k: v.clone() for k, v in build_component("dit", 7).state_dict().items()}
+
+    async def sync_then_plain() -> None:
+        async with eng.running():
+            await eng.sync_weights("toy-dit", lambda instance: instance.component("dit").load_state_dict(new))
+            await eng.generate_async(t2v())  # a forward without the stack: it would restore what was merged
+
+    run_blocking(sync_then_plain())
+    assert inst.merged_stack("dit") is None
+    assert all(torch.equal(new[k], v) for k, v in inst.component("dit").state_dict().items())
