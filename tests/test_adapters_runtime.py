@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save
 
 from fv_kernel.cache.adapters import AdapterRegistry, AdapterSettings
 from fv_kernel.card.spec import AdapterRef
@@ -25,6 +26,7 @@ from fv_kernel.runtime.pricing import adapter_load_key
 from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.testing.adapters import peft_lora_tensors, write_peft_lora
 from fv_kernel.testing.batching import StepRecorder, run_staggered
+from fv_kernel.testing.interleave_kit import AdapterInterleaveConformance
 from fv_kernel.testing.toy import build_component, toy_card
 
 DIT_TARGETS = ("blocks.0.qkv", "blocks.1.mlp.0", "proj_out")
@@ -208,3 +210,24 @@ def test_a_weight_sync_unmerges_first_so_the_new_weights_stay(files: Path) -> No
     run_blocking(sync_then_plain())
     assert inst.merged_stack("dit") is None
     assert all(torch.equal(new[k], v) for k, v in inst.component("dit").state_dict().items())
+
+
+class TestToyAdapterInterleave(AdapterInterleaveConformance):
+    """The interleave gate on the toy card, with a DiT adapter, none, and a DiT + text-encoder stack."""
+
+    card_ids = ("toy-dit",)
+    steps = 2
+    adapter_stacks = ((AdapterRef(name="style"),), (), (AdapterRef(name="sketch", scale=0.7), AdapterRef(name="words")))
+
+    def load_card(self, model_id: str) -> Any:
+        return toy_card(model_id)
+
+    def adapter_registry(self, cards: Any) -> AdapterRegistry:
+        registry = AdapterRegistry(convert_peft)
+        dit, lm = build_component("dit", 1), build_component("lm", 0)
+        for name, module, component, targets, seed in (("style", dit, "dit", DIT_TARGETS, 0),
+                                                       ("sketch", dit, "dit", DIT_TARGETS, 1),
+                                                       ("words", lm, "lm", ("qkv.0", "out.1"), 2)):
+            data = save(peft_lora_tensors(module, component, targets, seed=seed, std=0.3))
+            registry.add_bytes(f"{name}.safetensors", data)
+        return registry
