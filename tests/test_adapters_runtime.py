@@ -231,3 +231,33 @@ class TestToyAdapterInterleave(AdapterInterleaveConformance):
             data = save(peft_lora_tensors(module, component, targets, seed=seed, std=0.3))
             registry.add_bytes(f"{name}.safetensors", data)
         return registry
+
+
+def test_text_generation_applies_lm_adapters_per_request(files: Path) -> None:
+    def chat(*adapters: AdapterRef) -> Request:
+        from fv_kernel.request.request import ARParams
+
+        return Request(model="toy-lm", task=TaskType.TEXT_GENERATION, inputs=(TextPart(text="hello"),), adapters=adapters,
+                       ar=ARParams(max_tokens=6, temperature=0.0))
+
+    def lm_engine(batching: str) -> Engine:
+        registry = AdapterRegistry(convert_peft, AdapterSettings(merge="never"))
+        registry.scan(files)
+        eng = Engine(SchedulerConfig(device_thread=False, batching=batching), adapters=registry)  # type: ignore[arg-type]
+        eng.add_instance(build_instance(toy_card("toy-lm")))
+        return eng
+
+    requests = [chat(AdapterRef(name="words", scale=3.0)), chat()]
+    together = run_concurrently(lm_engine("exact"), requests)
+    alone = run_serially(lm_engine("exact"), requests)
+    tokens = [r.raise_for_status().artifact("text").token_ids for r in together]  # type: ignore[union-attr]
+    assert tokens == [r.raise_for_status().artifact("text").token_ids for r in alone]  # type: ignore[union-attr]
+    # The adapter is applied: the hidden states of its prefill differ from the plain one's.
+    eng = lm_engine("exact")
+    inst = eng.instances["toy-lm"]
+    inst.load_for_task(TaskType.TEXT_GENERATION)
+    words = eng.validate(requests[0])
+    ids = torch.tensor([[104, 105]])
+    plain = inst.op("lm_prefill").fn({"ids": ids, **inst.adapter_inputs(eng.validate(requests[1]), "lm")}, {})
+    adapted = inst.op("lm_prefill").fn({"ids": ids, **inst.adapter_inputs(words, "lm")}, {})
+    assert not torch.allclose(plain["logits"], adapted["logits"], atol=1e-4)
