@@ -267,3 +267,21 @@ def test_a_text_encoder_adapter_never_gets_stale_embeddings(tmp_path: Path, monk
     cache.clear()
     encode(req())
     assert torch.equal(encode(req(AdapterRef(name="words"))), plain)
+
+
+def test_two_names_for_the_same_bytes_are_both_registered(tmp_path: Path) -> None:
+    reg = AdapterRegistry(convert_peft)
+    first = reg.add_file(lora(tmp_path, "a"))
+    second = reg.add_bytes("b.safetensors", (tmp_path / "a.safetensors").read_bytes())
+    assert first.version == second.version and reg.get("a").name == "a" and reg.get("b").name == "b"
+    assert reg.id_of(first.version) == reg.id_of(second.version)  # one copy in the tiers
+
+
+def test_an_upload_that_does_not_convert_is_not_written(tmp_path: Path) -> None:
+    tensors = peft_lora_tensors(build_component("dit", 1), "dit", ["proj_out"])
+    tensors["dit.proj_out.hada_w1_a"] = torch.ones(2)
+    data = __import__("safetensors.torch", fromlist=["save"]).save(tensors)
+    reg = AdapterRegistry(convert_peft, AdapterSettings(upload_directory=tmp_path / "up"))
+    with pytest.raises(Exception, match="hada_w1_a"):
+        reg.add_bytes("bad.safetensors", data)
+    assert not (tmp_path / "up").exists() or not any((tmp_path / "up").iterdir())

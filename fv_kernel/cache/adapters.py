@@ -159,7 +159,9 @@ class AdapterRegistry:
         self._convert = converter
         self._lock = threading.RLock()
         self._names: dict[str, str] = {}  # name -> current version
+        #: One entry per content version (two names with the same bytes share its tiers and id).
         self._versions: dict[str, _Version] = {}
+        self._infos: dict[tuple[str, str], AdapterInfo] = {}
         self._ids: dict[int, str] = {}
         self._cpu = _Tier(self.settings.cpu_budget_bytes)
         self._device: dict[str, _Tier] = {}
@@ -170,7 +172,7 @@ class AdapterRegistry:
     def list(self) -> list[AdapterInfo]:
         """Every registered adapter's current version, by name."""
         with self._lock:
-            return [self._versions[self._names[n]].info for n in sorted(self._names)]
+            return [self._infos[(n, self._names[n])] for n in sorted(self._names)]
 
     def names(self) -> list[str]:
         with self._lock:
@@ -184,10 +186,10 @@ class AdapterRegistry:
             if current is None:
                 raise UnknownAdapter(name, self._names, param=param)
             wanted = version or current
-            entry = self._versions.get(wanted)
-            if entry is None or entry.info.name != name:
+            info = self._infos.get((name, wanted))
+            if info is None:
                 raise UnknownAdapter(f"{name}@{wanted}", [f"{name}@{current}"], param=param)
-            return entry.info
+            return info
 
     def id_of(self, version: str) -> int:
         """The small integer that stands for ``version`` in step inputs (``adapter_ids``)."""
@@ -231,6 +233,7 @@ class AdapterRegistry:
         name = name or filename[: -len(ADAPTER_SUFFIX)]
         self._check_name(name)
         file = read_adapter_bytes(data, where=f"upload {filename!r}", max_bytes=self.settings.max_file_bytes)
+        weights = self._converted(name, file)  # a file that does not convert is never written
         path: str | None = None
         kept: bytes | None = data
         if self.settings.upload_directory is not None:
@@ -242,7 +245,7 @@ class AdapterRegistry:
                 partial.write_bytes(data)
                 partial.replace(target)
             path, kept = str(target.resolve()), None
-        return self._register(name, file, path, kept, "upload", assumes_loop, assumes_steps)
+        return self._register(name, file, path, kept, "upload", assumes_loop, assumes_steps, weights)
 
     def scan(self, directory: str | Path) -> list[AdapterInfo]:
         """Register every ``*.safetensors`` file directly in ``directory`` under its stem."""
@@ -258,13 +261,18 @@ class AdapterRegistry:
                 param="name",
             )
 
-    def _register(
-        self, name: str, file: AdapterFile, path: str | None, data: bytes | None, source: Any,
-        assumes_loop: str | None, assumes_steps: int | None,
-    ) -> AdapterInfo:
+    def _converted(self, name: str, file: AdapterFile) -> Mapping[str, Any]:
         weights = self._convert(dict(file.tensors), name=name, metadata=dict(file.metadata))
         if not weights:
             raise AdapterFileError(f"adapter {name!r}: the converter found no component to change")
+        return weights
+
+    def _register(
+        self, name: str, file: AdapterFile, path: str | None, data: bytes | None, source: Any,
+        assumes_loop: str | None, assumes_steps: int | None, weights: Mapping[str, Any] | None = None,
+    ) -> AdapterInfo:
+        if weights is None:
+            weights = self._converted(name, file)
         loop = assumes_loop if assumes_loop is not None else file.metadata.get(ASSUMES_LOOP_KEY)
         steps_raw: Any = assumes_steps if assumes_steps is not None else file.metadata.get(ASSUMES_STEPS_KEY)
         try:
@@ -281,12 +289,13 @@ class AdapterRegistry:
         )
         with self._lock:
             entry = self._versions.get(version)
-            if entry is None or entry.info.name != name:
+            if entry is None:
                 entry = _Version(info, data, id=len(self._ids))
                 self._ids[entry.id] = version
                 self._versions[version] = entry
-            else:
-                entry.info, entry.data = info, data if data is not None else entry.data
+            elif entry.data is None and data is not None:
+                entry.data = data  # bytes in memory outlast a file that may change on disk
+            self._infos[(name, version)] = info
             self._names[name] = version
             self._put(self._cpu, version, {c: _pin(w) for c, w in weights.items()}, pinned=set())
         return info
