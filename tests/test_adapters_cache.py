@@ -98,8 +98,14 @@ def test_uploads_are_size_checked_and_stored_by_version(tmp_path: Path) -> None:
     assert info.path == str((tmp_path / "up" / f"{info.version}.safetensors").resolve())
     with pytest.raises(AdapterFileError, match="adapter name"):
         reg.add_bytes("x.safetensors", data, name="../../etc")
-    in_memory = AdapterRegistry(convert_peft).add_bytes("x.safetensors", data)
-    assert in_memory.path is None
+    scratch = AdapterRegistry(convert_peft)
+    kept = scratch.add_bytes("x.safetensors", data)
+    assert Path(kept.path).read_bytes() == data and "fv-adapter-uploads-" in kept.path  # on disk, not in memory
+    del scratch
+    import gc
+
+    gc.collect()
+    assert not Path(kept.path).exists()  # the temporary directory goes with its registry
 
 
 # -- tiers --------------------------------------------------------------------------------------------

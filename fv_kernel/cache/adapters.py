@@ -20,6 +20,7 @@ weights, which need only ``nbytes``, ``max_rank`` and ``to(device)``.
 from __future__ import annotations
 
 import re
+import tempfile
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -51,8 +52,8 @@ class AdapterSettings(BaseModel):
     enabled: bool = True
     #: A directory whose ``*.safetensors`` files are registered at start (name: the file's stem).
     directory: Path | None = None
-    #: Where uploaded adapters are written (content-addressed, ``<version>.safetensors``);
-    #: None: uploads are kept in memory.
+    #: Where uploaded adapters are written (content-addressed, ``<version>.safetensors``); None: a
+    #: temporary directory of the process, removed when the registry goes (uploads never sit in memory).
     upload_directory: Path | None = None
     #: The largest adapter file (or upload) accepted, in bytes.
     max_file_bytes: int = Field(default=2 * 2**30, gt=0)
@@ -90,8 +91,8 @@ class AdapterInfo(BaseModel):
     name: str
     #: The first 16 hex digits of the sha256 of the file's bytes.
     version: str
-    #: The file it is read from; None for an upload kept in memory.
-    path: str | None
+    #: The file it is read from.
+    path: str
     size_bytes: int
     #: The card components it changes (``transformer``, ``text_encoder``...).
     components: tuple[str, ...]
@@ -120,7 +121,6 @@ class TierStats:
 @dataclass
 class _Version:
     info: AdapterInfo
-    data: bytes | None = None  # an upload kept in memory
     id: int = 0
 
 
@@ -166,6 +166,7 @@ class AdapterRegistry:
         self._cpu = _Tier(self.settings.cpu_budget_bytes)
         self._device: dict[str, _Tier] = {}
         self._pins: dict[tuple[str, str], int] = {}
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
 
     # ------------------------------------------------------------------ names and versions
 
@@ -215,7 +216,7 @@ class AdapterRegistry:
         name = name or path.stem
         self._check_name(name)
         file = read_adapter_file(path, max_bytes=self.settings.max_file_bytes)
-        return self._register(name, file, str(path.resolve()), None, source, assumes_loop, assumes_steps)
+        return self._register(name, file, str(path.resolve()), source, assumes_loop, assumes_steps)
 
     def add_bytes(
         self, filename: str, data: bytes, *, name: str | None = None,
@@ -234,18 +235,22 @@ class AdapterRegistry:
         self._check_name(name)
         file = read_adapter_bytes(data, where=f"upload {filename!r}", max_bytes=self.settings.max_file_bytes)
         weights = self._converted(name, file)  # a file that does not convert is never written
-        path: str | None = None
-        kept: bytes | None = data
+        directory = self._upload_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / f"{file.sha256[:16]}{ADAPTER_SUFFIX}"
+        if not target.exists():
+            partial = target.with_suffix(".partial")
+            partial.write_bytes(data)
+            partial.replace(target)
+        return self._register(name, file, str(target.resolve()), "upload", assumes_loop, assumes_steps, weights)
+
+    def _upload_directory(self) -> Path:
         if self.settings.upload_directory is not None:
-            directory = self.settings.upload_directory
-            directory.mkdir(parents=True, exist_ok=True)
-            target = directory / f"{file.sha256[:16]}{ADAPTER_SUFFIX}"
-            if not target.exists():
-                partial = target.with_suffix(".partial")
-                partial.write_bytes(data)
-                partial.replace(target)
-            path, kept = str(target.resolve()), None
-        return self._register(name, file, path, kept, "upload", assumes_loop, assumes_steps, weights)
+            return self.settings.upload_directory
+        with self._lock:
+            if self._scratch is None:
+                self._scratch = tempfile.TemporaryDirectory(prefix="fv-adapter-uploads-")
+            return Path(self._scratch.name)
 
     def scan(self, directory: str | Path) -> list[AdapterInfo]:
         """Register every ``*.safetensors`` file directly in ``directory`` under its stem."""
@@ -268,7 +273,7 @@ class AdapterRegistry:
         return weights
 
     def _register(
-        self, name: str, file: AdapterFile, path: str | None, data: bytes | None, source: Any,
+        self, name: str, file: AdapterFile, path: str, source: Any,
         assumes_loop: str | None, assumes_steps: int | None, weights: Mapping[str, Any] | None = None,
     ) -> AdapterInfo:
         if weights is None:
@@ -290,11 +295,9 @@ class AdapterRegistry:
         with self._lock:
             entry = self._versions.get(version)
             if entry is None:
-                entry = _Version(info, data, id=len(self._ids))
+                entry = _Version(info, id=len(self._ids))
                 self._ids[entry.id] = version
                 self._versions[version] = entry
-            elif entry.data is None and data is not None:
-                entry.data = data  # bytes in memory outlast a file that may change on disk
             self._infos[(name, version)] = info
             self._names[name] = version
             self._put(self._cpu, version, {c: _pin(w) for c, w in weights.items()}, pinned=set())
@@ -338,8 +341,8 @@ class AdapterRegistry:
                 self._cpu.entries.move_to_end(version)
                 return hit[0]
             entry = self._versions[version]
-        where = entry.info.path or f"upload {entry.info.name!r}"
-        file = read_adapter_bytes(entry.data, where=where) if entry.data is not None else read_adapter_file(entry.info.path or "")
+        where = entry.info.path
+        file = read_adapter_file(where)
         if file.sha256[:16] != version:
             raise AdapterFileError(
                 f"adapter {entry.info.name!r} version {version}: its file {where} changed since it was registered; "
