@@ -124,7 +124,8 @@ def test_a_replaced_adapter_keeps_the_version_a_request_pinned(registry: Adapter
 # -- distilled adapters -----------------------------------------------------------------------------
 
 
-def test_a_distilled_adapter_fills_its_step_count_and_refuses_another(registry: AdapterRegistry) -> None:
+def test_a_distilled_adapter_fills_its_step_count_and_refuses_another(registry: AdapterRegistry,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
     inst = instance(registry)
     resolved = resolve_for_instance(inst, t2v(AdapterRef(name="lightning")))
     assert resolved.diffusion.steps == 2  # the card's default is 4
@@ -135,7 +136,9 @@ def test_a_distilled_adapter_fills_its_step_count_and_refuses_another(registry: 
     # Negative control: without the adapter, 50 steps is fine.
     assert resolve_for_instance(inst, t2v(diffusion=DiffusionParams(steps=50))).diffusion.steps == 50
     overridden = instance(registry, allow_recipe_mismatch=True)
-    assert resolve_for_instance(overridden, t2v(AdapterRef(name="lightning"), diffusion=DiffusionParams(steps=50))).diffusion.steps == 50
+    with caplog.at_level("WARNING", logger="fv.card"):
+        ran = resolve_for_instance(overridden, t2v(AdapterRef(name="lightning"), diffusion=DiffusionParams(steps=50)))
+    assert ran.diffusion.steps == 50 and "adapter 'lightning' assumes 2 steps; running 50" in caplog.text
 
 
 def test_a_distilled_adapter_refuses_another_loop(registry: AdapterRegistry) -> None:

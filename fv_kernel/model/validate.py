@@ -2,12 +2,15 @@
 
 :func:`resolve_request` fills the card's defaults, checks shapes against the card's
 capabilities and the deployment's limits, enforces ``RecipeSpec.assumes_loop`` /
-``assumes_precision``, and checks ``output.modalities`` against what the card's
-program returns. Every failure is a typed error naming the field.
+``assumes_precision``, resolves the adapter stack (the card's default, then the request's;
+unknown names, stack size, distilled adapters' loop and step count), and checks
+``output.modalities`` against what the card's program returns. Every failure is a typed
+error naming the field.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 from typing import Iterable
@@ -31,6 +34,8 @@ __all__ = [
     "RequestLimits", "resolve_request", "resolve_for_instance", "select_denoise_loop", "describe_loop", "allowed_samplers",
     "reasoner_loops", "check_recipe_attention", "frames_for_seconds", "check_envelope", "OPENAI_SECONDS",
 ]
+
+log = logging.getLogger("fv.card")
 
 #: The durations the OpenAI video API's ``seconds`` takes (``"4"``, ``"8"``, ``"12"``).
 OPENAI_SECONDS = (4, 8, 12)
@@ -205,12 +210,14 @@ def _check_distilled(
     card: ModelCard, request: Request, loop_id: str | None, active: list[tuple[str, AdapterInfo]], allow_recipe_mismatch: bool,
 ) -> None:
     """A distilled adapter runs only in the loop and step count it was distilled for."""
-    if allow_recipe_mismatch:
-        return
     override = "an explicit override runs it anyway: deploy config 'override_recipe: true', fv generate --override-recipe"
     for _, info in active:
         subject = f"adapter {info.name!r}"
         if info.assumes_loop is not None and loop_id is not None and loop_id != info.assumes_loop:
+            if allow_recipe_mismatch:
+                log.warning("%s assumes loop %r; running loop %r because the recipe was overridden", subject,
+                            info.assumes_loop, loop_id)
+                continue
             raise RecipeMismatch(
                 "adapters", model_id=card.model_id, method=card.recipe.method, subject=subject,
                 assumes=describe_loop(card.loops[info.assumes_loop]),
@@ -218,6 +225,10 @@ def _check_distilled(
             )
         steps = request.diffusion.steps
         if info.assumes_steps is not None and steps is not None and steps != info.assumes_steps:
+            if allow_recipe_mismatch:
+                log.warning("%s assumes %d steps; running %d because the recipe was overridden", subject,
+                            info.assumes_steps, steps)
+                continue
             raise RecipeMismatch(
                 "steps", model_id=card.model_id, method=card.recipe.method, subject=subject,
                 assumes=f"{info.assumes_steps} steps (it is distilled for them)", asked=f"{steps} steps ({override})",
