@@ -14,7 +14,8 @@ apply a stack, which agree to rounding:
   :meth:`MergedAdapters.restore` gives the base weights back bit-exactly.
 - **per row** (:class:`RowAdapters`, :func:`rows_adapted`): the base linear runs once for all
   rows of a batched forward, then each row's updates are added, rows grouped into one segment
-  per adapter (Punica's segmented gather GEMM: shrink ``x·Aᵀ``, expand ``·Bᵀ``). Requests with
+  per adapter (Punica's segmented gather GEMM: shrink ``x·Aᵀ``, expand ``·Bᵀ``; in Triton on
+  CUDA, :mod:`fv_kernel.compute.lora_triton`, else in torch). Requests with
   different adapters share one forward. A full delta is applied per row only on a linear's
   weight or bias; one on another parameter (a modulation table, a norm) can only be merged.
 """
@@ -30,6 +31,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from fv_kernel.compute.lora_triton import RowKernelUnavailable, lora_sgmv, rank_block
 from fv_kernel.errors import FvError
 
 __all__ = [
@@ -42,6 +44,12 @@ __all__ = [
     "merge_adapters",
     "stack_key",
     "RowAdapters",
+    "RowKernel",
+    "RowKernelUnavailable",
+    "ROW_KERNELS",
+    "AutoRowKernel",
+    "TritonRowKernel",
+    "select_row_kernel",
     "rows_adapted",
 ]
 
@@ -317,30 +325,179 @@ class _Segment:
 #: linear at ``path`` into ``out`` in place. ``x``/``out`` have the rows on dim 0.
 RowKernel = Callable[[torch.Tensor, torch.Tensor, Sequence[_Segment], str], None]
 
+#: The names :class:`RowAdapters` takes for its ``kernel``.
+ROW_KERNELS = ("auto", "torch", "triton")
 
-def _torch_row_kernel(x: torch.Tensor, out: torch.Tensor, segments: Sequence[_Segment], path: str) -> None:
-    """The portable path: for each adapter, gather its rows, shrink, expand, scatter-add."""
+
+def _torch_row_kernel(
+    x: torch.Tensor, out: torch.Tensor, segments: Sequence[_Segment], path: str, *, low_rank: bool = True
+) -> None:
+    """The portable path: for each adapter, gather its rows, shrink, expand, scatter-add.
+
+    ``low_rank=False`` adds only the LoRA biases and full deltas (the Triton kernel's remainder).
+    """
     for seg in segments:
+        update = seg.adapter.low_rank.get(path)
+        lora_bias = update.bias if update is not None else None
+        update = update if low_rank else None
+        weight = seg.adapter.deltas.get(f"{path}.weight")
+        bias = seg.adapter.deltas.get(f"{path}.bias")
+        if update is None and weight is None and bias is None and lora_bias is None:
+            continue
         rows = seg.rows.to(x.device)
         xs = x.index_select(0, rows)
         shape = (-1,) + (1,) * (xs.dim() - 1)
         scales = seg.scales.to(device=x.device, dtype=torch.float32).view(shape)
-        update = seg.adapter.low_rank.get(path)
-        delta = torch.zeros((), dtype=torch.float32, device=x.device)
+        delta = torch.zeros((), dtype=x.dtype, device=x.device)
         if update is not None:
             down = update.down.to(device=x.device, dtype=x.dtype)
             up = update.up.to(device=x.device, dtype=x.dtype)
             delta = (xs @ down.t()) @ up.t() * update.scale
-            if update.bias is not None:
-                delta = delta + update.bias.to(device=x.device, dtype=x.dtype)
-        weight = seg.adapter.deltas.get(f"{path}.weight")
+        if lora_bias is not None:
+            delta = delta + lora_bias.to(device=x.device, dtype=x.dtype)
         if weight is not None:
             delta = delta + xs @ weight.to(device=x.device, dtype=x.dtype).t()
-        bias = seg.adapter.deltas.get(f"{path}.bias")
         if bias is not None:
             delta = delta + bias.to(device=x.device, dtype=x.dtype)
         shape_rows = (rows.numel(),) + tuple(out.shape[1:])
         out.index_add_(0, rows, (delta.float() * scales).to(out.dtype).expand(shape_rows))
+
+
+def _on_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without a stream sync (pinned, non-blocking) on CUDA."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class TritonRowKernel:
+    """The per-row update as a segmented gather GEMM in Triton (:mod:`fv_kernel.compute.lora_triton`).
+
+    Low-rank updates of all segments go through two launches per linear (shrink, expand), their
+    adapters' ``A``/``B`` stacked and zero-padded to one rank block; LoRA biases and full deltas
+    (rare, and cheap: one add per row) take the torch path. Stacks and routing are kept per linear
+    and per routing, keyed by content (adapter versions, rows, strengths), at most ``max_cached``
+    of each: an instance kept across forwards (steps of one batch) builds them once. Not
+    differentiable: :class:`RowAdapters` picks the torch path when autograd needs the update.
+    """
+
+    def __init__(self, *, max_cached: int = 1024) -> None:
+        from fv_kernel.compute.fused import triton_available
+
+        if not triton_available():
+            raise RowKernelUnavailable("kernel='triton' needs the triton package, which is not importable")
+        self.max_cached = max_cached
+        self._stacks: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._routes: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
+
+    @staticmethod
+    def _remember(cache: dict, key: tuple[object, ...], build: Callable[[], object], limit: int) -> object:  # type: ignore[type-arg]
+        if key in cache:
+            cache[key] = cache.pop(key)  # most recent last
+            return cache[key]
+        value = cache[key] = build()
+        while len(cache) > limit:
+            cache.pop(next(iter(cache)))
+        return value
+
+    def _stack(
+        self, path: str, adapters: Sequence[AdapterWeights], dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        updates = [a.low_rank[path] for a in adapters]
+        block = rank_block(max(u.rank for u in updates))
+        first = updates[0]
+        downs = torch.zeros(len(updates), block, first.in_features, dtype=dtype, device=device)
+        ups = torch.zeros(len(updates), first.out_features, block, dtype=dtype, device=device)
+        for slot, u in enumerate(updates):
+            downs[slot, : u.rank].copy_(u.down)
+            ups[slot, :, : u.rank].copy_(u.up)
+        return downs, ups, _on_device([u.scale for u in updates], torch.float32, device)
+
+    @staticmethod
+    def _route(segments: Sequence[_Segment], device: torch.device) -> tuple[torch.Tensor, ...]:
+        entries = sorted(
+            (int(row), slot, float(scale))
+            for slot, seg in enumerate(segments)
+            for row, scale in zip(seg.rows.tolist(), seg.scales.tolist())
+        )
+        active = sorted({row for row, _, _ in entries})
+        starts = [0]
+        for row in active:
+            starts.append(starts[-1] + sum(1 for r, _, _ in entries if r == row))
+        return (
+            _on_device([r for r, _, _ in entries], torch.int32, device),
+            _on_device([s for _, s, _ in entries], torch.int32, device),
+            _on_device([c for _, _, c in entries], torch.float32, device),
+            _on_device(active, torch.int32, device),
+            _on_device(starts, torch.int32, device),
+        )
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, segments: Sequence[_Segment], path: str) -> None:
+        low_rank = [seg for seg in segments if path in seg.adapter.low_rank]
+        if low_rank:
+            adapters = [seg.adapter for seg in low_rank]
+            stack_id = (path, tuple((a.name, a.version) for a in adapters), x.dtype, x.device)
+            downs, ups, slot_scales = self._remember(  # type: ignore[misc]
+                self._stacks, stack_id, lambda: self._stack(path, adapters, x.dtype, x.device), self.max_cached
+            )
+            route_id = (
+                tuple((a.name, a.version, tuple(s.rows.tolist()), tuple(s.scales.tolist())) for a, s in zip(adapters, low_rank)),
+                x.device,
+            )
+            route = self._remember(self._routes, route_id, lambda: self._route(low_rank, x.device), self.max_cached)
+            x3 = x.reshape(x.shape[0], -1, x.shape[-1]).contiguous()
+            target = out if out.is_contiguous() else out.contiguous()
+            lora_sgmv(x3, target.view(out.shape[0], -1, out.shape[-1]), downs, ups, slot_scales, *route)  # type: ignore[misc]
+            if target is not out:
+                out.copy_(target)
+        _torch_row_kernel(x, out, segments, path, low_rank=False)
+
+
+def _needs_autograd(x: torch.Tensor, segments: Sequence[_Segment], path: str) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if x.requires_grad:
+        return True
+    for seg in segments:
+        update = seg.adapter.low_rank.get(path)
+        if update is not None and (update.down.requires_grad or update.up.requires_grad):
+            return True
+    return False
+
+
+class AutoRowKernel:
+    """``kernel='auto'``: Triton for CUDA tensors when triton is importable and no gradient is needed
+    through the update; the torch path otherwise (CPU, no triton, LoRA training)."""
+
+    def __init__(self) -> None:
+        self._triton: TritonRowKernel | None = None
+
+    def pick(self, x: torch.Tensor, segments: Sequence[_Segment], path: str) -> RowKernel:
+        """The kernel this call runs: reads only ``x.device`` and whether autograd needs the update."""
+        from fv_kernel.compute.fused import triton_available
+
+        if x.device.type == "cuda" and triton_available() and not _needs_autograd(x, segments, path):
+            if self._triton is None:
+                self._triton = TritonRowKernel()
+            return self._triton
+        return _torch_row_kernel
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, segments: Sequence[_Segment], path: str) -> None:
+        self.pick(x, segments, path)(x, out, segments, path)
+
+
+def select_row_kernel(kernel: "RowKernel | str | None") -> RowKernel:
+    """The per-row kernel for ``kernel``: ``'auto'`` (or None), ``'torch'``, ``'triton'``, or a callable."""
+    if kernel is None or kernel == "auto":
+        return AutoRowKernel()
+    if kernel == "torch":
+        return _torch_row_kernel
+    if kernel == "triton":
+        return TritonRowKernel()
+    if callable(kernel):
+        return kernel
+    raise AdapterError(f"kernel must be one of {', '.join(map(repr, ROW_KERNELS))} or a callable; got {kernel!r}", param="kernel")
 
 
 class RowAdapters:
@@ -349,15 +506,19 @@ class RowAdapters:
     Build it from one stack per row (:meth:`from_stacks`; an empty stack is a row with no
     adapter), or from the ``adapter_ids`` / ``adapter_scales`` tensors a loop puts in a step's
     inputs (:meth:`from_ids`). Apply it with :func:`rows_adapted` around the forward.
+
+    ``kernel`` computes the updates: ``'auto'`` (None) picks the Triton segmented GEMM for CUDA
+    tensors when triton is importable and no gradient must flow through the update, else the torch
+    path; ``'torch'`` and ``'triton'`` force one; a callable (:data:`RowKernel`) replaces both.
     """
 
-    def __init__(self, rows: int, segments: Sequence[_Segment], *, kernel: RowKernel | None = None) -> None:
+    def __init__(self, rows: int, segments: Sequence[_Segment], *, kernel: RowKernel | str | None = None) -> None:
         self.rows = rows
         self.segments = tuple(segments)
-        self.kernel: RowKernel = kernel or _torch_row_kernel
+        self.kernel: RowKernel = select_row_kernel(kernel)
 
     @classmethod
-    def from_stacks(cls, stacks: Sequence[AdapterStack], *, kernel: RowKernel | None = None) -> "RowAdapters | None":
+    def from_stacks(cls, stacks: Sequence[AdapterStack], *, kernel: RowKernel | str | None = None) -> "RowAdapters | None":
         """None when no row has an adapter (the forward then runs exactly as without this)."""
         by_adapter: dict[tuple[str, str], tuple[AdapterWeights, list[int], list[float]]] = {}
         for row, stack in enumerate(stacks):
@@ -380,7 +541,7 @@ class RowAdapters:
         scales: torch.Tensor,
         lookup: Callable[[int], AdapterWeights],
         *,
-        kernel: RowKernel | None = None,
+        kernel: RowKernel | str | None = None,
     ) -> "RowAdapters | None":
         """From ``ids`` ``[rows, k]`` (−1 pads a shorter stack) and ``scales`` ``[rows, k]``."""
         if ids.dim() != 2 or tuple(ids.shape) != tuple(scales.shape):
