@@ -435,6 +435,9 @@ def kernel_checks(device: str) -> dict[str, Any]:
     twice = [per_row(model, x, ROW_STACKS, kernel, device) for _ in range(2)]  # the second from the kept stacks
     results["kept_stacks_equal"] = bool(torch.equal(twice[0], twice[1]))
     results["kept_stacks"] = len(kernel._stacks)
+    tight = TritonRowKernel(max_stack_bytes=1)  # every new stack evicts the one before
+    results["tight_budget"] = rel(per_row(model, x, ROW_STACKS, tight, device), want)
+    results["tight_budget_stacks"] = len(tight._stacks)
     return results
 
 
@@ -460,6 +463,61 @@ def test_triton_comparison_catches_a_shuffled_row_map_and_a_dropped_alpha(kernel
 def test_triton_kernel_keeps_its_stacks_across_forwards(kernels: dict[str, Any]) -> None:
     assert kernels["kept_stacks_equal"]
     assert kernels["kept_stacks"] == 7  # one per linear with a low-rank update, built once
+
+
+def test_triton_kernel_stacks_stay_within_their_byte_budget(kernels: dict[str, Any]) -> None:
+    assert kernels["tight_budget_stacks"] == 1
+    assert kernels["tight_budget"] < 1e-6
+
+
+# --------------------------------------------------------------------------- the kernels built for an H200
+
+
+def sm90_facts(kernel: str, width: int) -> dict[str, int]:
+    """Both kernels compiled for sm_90 on the CPU (no GPU) at Wan 1.3B's bf16 shapes: a single-frame
+    480x832 row (1,560 tokens), rank 32, ``width`` the linear's input (shrink) or output (expand)."""
+    import re
+
+    from fv_kernel.compute.fused import triton_available
+    from fv_kernel.compute.lora_triton import _kernels
+    from fv_kernel.testing.triton_checks import compile_for_sm90
+
+    if not triton_available():
+        pytest.skip("needs triton")
+    shrink, expand = _kernels()
+    pointers = {"entry_slot_ptr": "*i32"}
+    if kernel == "shrink":
+        build = compile_for_sm90(
+            shrink, {**pointers, "x_ptr": "*bf16", "a_ptr": "*bf16", "t_ptr": "*fp32", "entry_row_ptr": "*i32",
+                     "tokens": 1560, "width_in": width},
+            {"BLOCK_M": 64, "BLOCK_K": 64, "BLOCK_R": 32, "PRECISION": "tf32"},
+        )  # fmt: skip
+    else:
+        build = compile_for_sm90(
+            expand, {**pointers, "t_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "active_row_ptr": "*i32",
+                     "row_start_ptr": "*i32", "entry_scale_ptr": "*fp32", "slot_scale_ptr": "*fp32",
+                     "tokens": 1560, "width_out": width},
+            {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_R": 32, "PRECISION": "tf32"},
+        )  # fmt: skip
+    return {
+        "wgmma": build.ptx.count("wgmma.mma_async"),
+        "wide_loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32|cp\.async\.cg\.shared\.global.*0x10", build.ptx)),
+        "narrow_loads": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b16|cp\.async\.ca\.shared\.global.*0x2,", build.ptx)),
+        "spill_bytes": build.spill_bytes,
+    }
+
+
+@pytest.mark.parametrize(("kernel", "width"), [("shrink", 1536), ("expand", 8960)])
+def test_kernels_compile_for_sm90_with_tensor_cores_wide_loads_and_no_spills(kernel: str, width: int) -> None:
+    facts = sm90_facts(kernel, width)
+    assert facts["wgmma"] > 0 and facts["wide_loads"] > 0 and facts["narrow_loads"] == 0, facts
+    assert facts["spill_bytes"] == 0, facts
+
+
+def test_sm90_check_catches_rows_not_16_byte_aligned() -> None:
+    """Negative control: an input width that is no multiple of 8 elements gathers x 2 bytes at a time."""
+    facts = sm90_facts("shrink", 1530)
+    assert facts["narrow_loads"] > 0 and facts["wide_loads"] == 0, facts
 
 
 if __name__ == "__main__":  # the fixture's fresh-process run (TRITON_INTERPRET=1 set by the caller)
