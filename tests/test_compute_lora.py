@@ -173,6 +173,20 @@ def test_comparison_catches_a_dropped_alpha(monkeypatch: pytest.MonkeyPatch) -> 
     assert rel(per_row(model, x, ROW_STACKS, "torch"), reference(model, x, ROW_STACKS)) > 1e-2
 
 
+#: Rows whose stacks list adapters in another order than the batch first meets them.
+REORDERED = [[("light", 0.6)], [("char", 0.5), ("light", -0.7), ("style", 0.9)], [("style", 1.0), ("char", -0.4)]]
+
+
+def rows_alone_vs_batched(model: Tiny, x: torch.Tensor, kernel: Any, device: str = "cpu") -> list[bool]:
+    """Whether each row of a mixed batch equals the same request run alone, bit for bit."""
+    batched = per_row(model, x[: len(REORDERED)], REORDERED, kernel, device)
+    return [bool(torch.equal(per_row(model, x[i : i + 1], [stack], kernel, device)[0], batched[i])) for i, stack in enumerate(REORDERED)]
+
+
+def test_mixed_batch_rows_equal_each_request_alone_bit_for_bit() -> None:
+    assert rows_alone_vs_batched(tiny_model(), inputs(), "torch") == [True] * len(REORDERED)
+
+
 def test_rows_without_adapters_are_the_base_forward_bit_for_bit() -> None:
     model, x = tiny_model(), inputs()
     with torch.no_grad():
@@ -431,6 +445,7 @@ def kernel_checks(device: str) -> dict[str, Any]:
         results["dropped_alpha"] = rel(per_row(model, x, ROW_STACKS, "triton", device), want)
     finally:
         LowRankUpdate.scale = scale  # type: ignore[method-assign]
+    results["alone_vs_batched"] = rows_alone_vs_batched(model, x, "triton", device)
     kernel = TritonRowKernel()
     twice = [per_row(model, x, ROW_STACKS, kernel, device) for _ in range(2)]  # the second from the kept stacks
     results["kept_stacks_equal"] = bool(torch.equal(twice[0], twice[1]))
@@ -453,6 +468,7 @@ def test_triton_kernel_matches_the_reference(kernels: dict[str, Any]) -> None:
     assert kernels["sgmv_tiles"] < 1e-6
     assert kernels["triton"] < 1e-6
     assert kernels["rows_2d"] < 1e-6
+    assert kernels["alone_vs_batched"] == [True] * len(REORDERED)  # bit for bit
 
 
 def test_triton_comparison_catches_a_shuffled_row_map_and_a_dropped_alpha(kernels: dict[str, Any]) -> None:

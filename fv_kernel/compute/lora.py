@@ -541,9 +541,11 @@ class RowAdapters:
                 entry[2].append(float(scale))
         if not by_adapter:
             return None
+        # Segments in one order whatever else the batch holds (by name, version): a row's stack is then
+        # summed in the same order batched as alone, so its result does not depend on its neighbours.
         segments = [
             _Segment(adapter, torch.tensor(rows, dtype=torch.int64), torch.tensor(scales, dtype=torch.float32))
-            for adapter, rows, scales in by_adapter.values()
+            for _, (adapter, rows, scales) in sorted(by_adapter.items())
         ]
         return cls(len(stacks), segments, kernel=kernel)
 
