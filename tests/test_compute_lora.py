@@ -263,6 +263,17 @@ def test_unknown_module_is_an_adapter_key_error_naming_it() -> None:
         merge_adapters(model, [(bad, 1.0)])
 
 
+def test_an_adapter_is_checked_once_per_component(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, other = tiny_model(), tiny_model()
+    style = adapter("style", RAW["style"])
+    style.check(model)
+    monkeypatch.setattr(model, "named_modules", lambda *a, **k: pytest.fail("walked the modules again"))
+    style.check(model)  # remembered
+    monkeypatch.setattr(other, "named_modules", lambda *a, **k: iter(()))
+    with pytest.raises(AdapterKeyError):  # another component is checked anew (here: one without linears)
+        style.check(other)
+
+
 def test_swapped_up_and_down_are_named() -> None:
     model = tiny_model()
     down, up = torch.randn(3, WIDTH), torch.randn(WIDTH, 3)
