@@ -33,7 +33,7 @@ from fv_kernel.compute.lora import (
     select_row_kernel,
 )
 from fv_kernel.compute.lora_triton import lora_sgmv, rank_block
-from fv_kernel.testing.triton_checks import run_kernel_checks
+from fv_kernel.testing.triton_checks import REQUIRE_KERNELS, run_kernel_checks
 
 CUDA = torch.cuda.is_available()
 WIDTH, HIDDEN, TOKENS = 8, 12, 5
@@ -510,6 +510,8 @@ def sm90_facts(kernel: str, width: int) -> dict[str, int]:
     from fv_kernel.testing.triton_checks import compile_for_sm90
 
     if not triton_available():
+        if REQUIRE_KERNELS:
+            pytest.fail("FV_REQUIRE_TRITON_KERNELS=1 but triton is not importable")
         pytest.skip("needs triton")
     shrink, expand = _kernels()
     pointers = {"entry_slot_ptr": "*i32"}
