@@ -457,6 +457,7 @@ def kernel_checks(device: str) -> dict[str, Any]:
     finally:
         LowRankUpdate.scale = scale  # type: ignore[method-assign]
     results["alone_vs_batched"] = rows_alone_vs_batched(model, x, "triton", device)
+    results["no_tokens"] = list(per_row(model, x[:, :0], ROW_STACKS, "triton", device).shape)
     kernel = TritonRowKernel()
     twice = [per_row(model, x, ROW_STACKS, kernel, device) for _ in range(2)]  # the second from the kept stacks
     results["kept_stacks_equal"] = bool(torch.equal(twice[0], twice[1]))
@@ -480,6 +481,7 @@ def test_triton_kernel_matches_the_reference(kernels: dict[str, Any]) -> None:
     assert kernels["triton"] < 1e-6
     assert kernels["rows_2d"] < 1e-6
     assert kernels["alone_vs_batched"] == [True] * len(REORDERED)  # bit for bit
+    assert kernels["no_tokens"] == [len(ROW_STACKS), 0, 6]  # an empty sequence launches nothing
 
 
 def test_triton_comparison_catches_a_shuffled_row_map_and_a_dropped_alpha(kernels: dict[str, Any]) -> None:

@@ -162,7 +162,7 @@ def lora_sgmv(
             f"{tuple(ups.shape)} do not fit (contiguous [rows, L, in] / [rows, L, out] / [slots, R, in] / [slots, out, R])"
         )
     entries = entry_rows.numel()
-    if entries == 0:
+    if entries == 0 or tokens == 0:
         return
     shrink, expand = _kernels()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
