@@ -300,7 +300,6 @@ class Run:
         if fv_base is not None:
             data["fv_base_over_diffusers"] = round(fv_base["ms"] / timing["ms"], 3)
         self.record("diffusers.base", **data)
-        del twin
 
 
 def environment(device: torch.device) -> dict[str, Any]:

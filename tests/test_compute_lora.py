@@ -290,6 +290,14 @@ def test_bad_kernel_name_lists_the_choices() -> None:
     assert info.value.param == "kernel"
 
 
+def test_triton_asked_for_without_triton_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fv_kernel.compute.lora_triton import RowKernelUnavailable
+
+    monkeypatch.setattr("fv_kernel.compute.fused.triton_available", lambda: False)
+    with pytest.raises(RowKernelUnavailable, match="kernel='triton' needs the triton package"):
+        RowAdapters.from_stacks([[(adapter("style", RAW["style"]), 1.0)]], kernel="triton")
+
+
 def test_routing_for_another_batch_size_is_refused() -> None:
     model = tiny_model()
     routing = RowAdapters.from_stacks([[(adapter("style", RAW["style"]), 1.0)], []], kernel="torch")
