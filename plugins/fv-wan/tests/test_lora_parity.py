@@ -131,7 +131,8 @@ def write_lora(
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     with safe_open(str(path), framework="pt") as handle:
-        return {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (safe_open is no dict), dict(handle.metadata() or {})
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
+        return tensors, dict(handle.metadata() or {})
 
 
 def _fv_output(ours: WanTransformer, path: Path, strength: float, mode: str, name: str = "lora") -> torch.Tensor:
