@@ -65,6 +65,8 @@ from fv_kernel.errors import (
     RequestCancelled,
     StepFailed,
     UnknownModel,
+    UnknownAdapter,
+    AdapterFileError,
 )
 from fv_kernel.compute.attention import AttentionBackend, AttentionShapeError
 from fv_kernel.config import DeployConfig, DeployConfigError, load_deploy_config
@@ -95,6 +97,9 @@ from fv_kernel.compute.lora import (
     rows_adapted,
     stack_key,
 )
+from fv_kernel.cache.adapters import AdapterInfo, AdapterRegistry, AdapterSettings
+from fv_kernel.card.adapters import AdapterFile, read_adapter_bytes, read_adapter_file
+from fv_kernel.model.adapters import AdapterConverter, combined_stack, convert_peft, converter_for
 from fv_kernel.extend.hooks import BlockHooks, RequestHooks
 from fv_kernel.extend.interceptors import BlockCall, BlockInterceptor, BlockSequence, Interceptor, StepInterceptor
 from fv_kernel.extend.observers import BlockObserver, NaNWatch, Observer, ParityAligner, StepRecord
@@ -189,6 +194,7 @@ from fv_kernel.request.artifacts import (
 from fv_kernel.request.events import ErrorInfo, Event
 from fv_kernel.request.request import (
     ActionPart,
+    AdapterRef,
     ARParams,
     AudioPart,
     DiffusionParams,

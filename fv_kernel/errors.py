@@ -15,6 +15,8 @@ __all__ = [
     "InvalidRequest",
     "UnknownModel",
     "RecipeMismatch",
+    "UnknownAdapter",
+    "AdapterFileError",
     "CheckpointKeyError",
     "CheckpointNotFound",
     "CapacityError",
@@ -71,15 +73,36 @@ class RecipeMismatch(InvalidRequest):
 
     error_type = "recipe_mismatch"
 
-    def __init__(self, param: str, *, model_id: str, method: str, assumes: str, asked: str) -> None:
-        FvError.__init__(
-            self,
-            f"{param}: card {model_id!r} (recipe {method!r}) assumes {assumes}; the request asked for {asked}",
-            param=param,
-        )
+    def __init__(self, param: str, *, model_id: str, method: str, assumes: str, asked: str, subject: str | None = None) -> None:
+        # ``subject``: what assumes it when not the card's own recipe (a distilled adapter).
+        who = subject or f"card {model_id!r} (recipe {method!r})"
+        FvError.__init__(self, f"{param}: {who} assumes {assumes}; the request asked for {asked}", param=param)
         self.allowed = assumes
         self.assumes = assumes
         self.asked = asked
+
+
+class UnknownAdapter(InvalidRequest):
+    """A request (or a card's default stack) names an adapter the deployment has not registered."""
+
+    error_type = "unknown_adapter"
+
+    def __init__(self, name: str, known: Iterable[str], *, param: str = "adapters") -> None:
+        known = sorted(known)
+        #: The registered names closest to ``name``, best first.
+        self.suggestions: list[str] = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(repr(s) for s in self.suggestions)}?)" if self.suggestions else ""
+        super().__init__(param, f"unknown adapter {name!r}{hint}", allowed=known or "none registered")
+        self.name = name
+
+
+class AdapterFileError(FvError, ValueError):
+    """An adapter file (or upload) that cannot be registered: unreadable, too large, a bad name or path."""
+
+    error_type = "invalid_adapter_file"
+
+    def __init__(self, message: str, *, param: str = "adapters") -> None:
+        super().__init__(message, param=param)
 
 
 class CheckpointKeyError(FvError, KeyError):

@@ -18,10 +18,11 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fv_kernel.request.request import ArtifactKind
+from fv_kernel.request.request import AdapterRef, ArtifactKind
 from fv_kernel.request.types import PRECISIONS, Precision, TaskType
 
 __all__ = [
+    "AdapterRef",
     "ImportString",
     "ParityLevel",
     "BatchedVsAlone",
@@ -430,6 +431,20 @@ class RecipeSpec(_Spec):
     #: The frame counts, sizes, frame rates and words the weights were trained on; None or an
     #: unset field: not declared, nothing refused (see :class:`TrainedEnvelope`).
     envelope: TrainedEnvelope | None = None
+    #: The default adapter stack (registered names and strengths), applied before a request's
+    #: own adapters; a request naming one of them sets its strength (0 turns it off).
+    adapters: tuple[AdapterRef, ...] = ()
+
+    @field_validator("adapters")
+    @classmethod
+    def _distinct_adapters(cls, value: tuple[AdapterRef, ...]) -> tuple[AdapterRef, ...]:
+        names = [ref.name for ref in value]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"recipe.adapters names {repeated} more than once; give each adapter once")
+        if any(ref.version is not None for ref in value):
+            raise ValueError("recipe.adapters entries take a name and a scale; versions are pinned per request")
+        return value
 
 
 class ParityTolerance(_Spec):
@@ -781,11 +796,20 @@ class ModelCard(_Spec):
     checkpoint: CheckpointManifest
     #: Builds the resident instance: ``"module:function"`` taking (card, InstanceOptions).
     factory: str
+    #: How an adapter (LoRA) file's tensors map onto this card's components: ``"module:function"``
+    #: of a converter ``convert(state_dict, *, name, metadata) -> {component_id: AdapterWeights}``.
+    #: None: the kernel's diffusers/PEFT converter (``fv_kernel.model.adapters:convert_peft``).
+    adapter_format: str | None = None
 
     @field_validator("factory")
     @classmethod
     def _check_factory(cls, value: str) -> str:
         return ImportString(value)
+
+    @field_validator("adapter_format")
+    @classmethod
+    def _check_adapter_format(cls, value: str | None) -> str | None:
+        return None if value is None else ImportString(value)
 
     @field_validator("model_id")
     @classmethod

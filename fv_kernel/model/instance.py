@@ -14,17 +14,23 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from torch import nn
+
+from fv_kernel.cache.adapters import AdapterInfo, AdapterRegistry
 from fv_kernel.cache.paged_kv import PagedKVPool
+from fv_kernel.compute.lora import AdapterError, MergedAdapters, RowAdapters, merge_adapters
 from fv_kernel.card.refs import import_object
 from fv_kernel.card.spec import LoopSpec, ModelCard
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.loop.contract import Loop
 from fv_kernel.loop.plan import StepOp
+from fv_kernel.model.adapters import combined_stack
 from fv_kernel.model.preflight import preflight
 from fv_kernel.card.recipe import check_recipe_attention
 from fv_kernel.model.options import InstanceOptions
 from fv_kernel.plugins.registry import DeployRegistry, kernel_registry
 from fv_kernel.program.base import Program, program_for
+from fv_kernel.request.request import Request
 from fv_kernel.request.types import TaskType
 
 __all__ = ["ModelInstance", "loop_class_for", "build_instance"]
@@ -64,6 +70,10 @@ class ModelInstance:
     _ops: dict[str, StepOp] = field(default_factory=dict)
     _loops: dict[str, Loop] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: The deployment's adapter registry (set by the engine); None: adapters are disabled.
+    adapters: AdapterRegistry | None = None
+    #: Per component, the stack merged into its weights now: ((version, scale), ...) and the restore.
+    _merged: dict[str, tuple[tuple[tuple[str, float], ...], MergedAdapters]] = field(default_factory=dict)
 
     @property
     def model_id(self) -> str:
@@ -168,6 +178,109 @@ class ModelInstance:
 
     def program(self, task: TaskType) -> Program:
         return program_for(self.card, task)
+
+    # ------------------------------------------------------------------ adapters (docs/adapters.md)
+
+    @property
+    def adapters_enabled(self) -> bool:
+        return self.adapters is not None and self.adapters.settings.enabled
+
+    def adapter_stack(self, request: Request, component: str | None = None) -> list[tuple[AdapterInfo, float]]:
+        """The adapters ``request`` runs with (card defaults, then its own), at nonzero strength,
+        those changing ``component`` only when one is given. Versions are the request's pinned ones."""
+        if not self.adapters_enabled:
+            return []
+        assert self.adapters is not None
+        stack = []
+        for param, ref in combined_stack(self.card, request):
+            if ref.scale == 0:
+                continue
+            info = self.adapters.get(ref.name, ref.version, param=param)
+            if component is None or component in info.components:
+                stack.append((info, ref.scale))
+        return stack
+
+    def adapter_inputs(self, request: Request, component: str, rows: int = 1) -> dict[str, torch.Tensor]:
+        """``adapter_ids`` (int64 ``[rows, K]``, −1 pads) and ``adapter_scales`` (fp32 ``[rows, K]``)
+        for ``component``'s forward: every row carries the request's stack. ``K`` is the
+        deployment's ``adapters.max_stack`` for every request, so steps with different stacks
+        (or none) have the same inputs and still batch. ``{}`` when adapters are disabled."""
+        if not self.adapters_enabled:
+            return {}
+        assert self.adapters is not None
+        k = self.adapters.settings.max_stack
+        stack = self.adapter_stack(request, component)
+        if len(stack) > k:
+            raise InvalidRequest("adapters", f"{len(stack)} adapters change {component!r}", allowed=f"at most {k} (adapters.max_stack)")
+        ids = torch.full((rows, k), -1, dtype=torch.int64)
+        scales = torch.zeros((rows, k), dtype=torch.float32)
+        for slot, (info, scale) in enumerate(stack):
+            ids[:, slot] = self.adapters.id_of(info.version)
+            scales[:, slot] = scale
+        return {"adapter_ids": ids, "adapter_scales": scales}
+
+    def adapter_versions(self, request: Request, component: str) -> tuple[tuple[str, str], ...]:
+        """``CacheKey.adapter_versions`` for a value ``component`` computes: each adapter changing it,
+        as ``(name, "<version>@<strength>")`` in stack order (a strength change is another key)."""
+        return tuple((info.name, f"{info.version}@{scale!r}") for info, scale in self.adapter_stack(request, component))
+
+    @staticmethod
+    def _row_stacks(ids: torch.Tensor, scales: torch.Tensor) -> list[tuple[tuple[int, float], ...]]:
+        return [
+            tuple((int(i), float(s)) for i, s in zip(row_ids, row_scales) if int(i) >= 0)
+            for row_ids, row_scales in zip(ids.tolist(), scales.tolist())
+        ]
+
+    def row_adapters(self, inputs: Mapping[str, torch.Tensor], component: str) -> RowAdapters | None:
+        """The per-row routing of a (batched) forward of ``component`` from its step inputs, with
+        the adapters' weights from the device tier; None when no row has an adapter, or when the
+        stack every row carries is merged into the weights now."""
+        ids = inputs.get("adapter_ids")
+        if ids is None or self.adapters is None:
+            return None
+        scales = inputs["adapter_scales"]
+        registry = self.adapters
+        merged = self._merged.get(component)
+        if merged is not None:
+            want = tuple((registry.id_of(v), s) for v, s in merged[0])
+            rows = self._row_stacks(ids, scales)
+            if any(row != want for row in rows):
+                raise AdapterError(
+                    f"component {component!r} has a stack merged into its weights, and this forward has rows with "
+                    "another; the executor unmerges before such a batch", param="adapters",
+                )
+            return None
+
+        def lookup(adapter_id: int) -> Any:
+            return registry.weights(registry.version_of(adapter_id), component, self.device)
+
+        return RowAdapters.from_ids(ids, scales, lookup)
+
+    def merged_stack(self, component: str) -> tuple[tuple[str, float], ...] | None:
+        """The stack (``(version, strength)`` pairs) merged into ``component`` now, if any."""
+        merged = self._merged.get(component)
+        return None if merged is None else merged[0]
+
+    def merge_stack(self, component: str, stack: tuple[tuple[str, float], ...]) -> None:
+        """Merge ``stack`` (``(version, strength)`` pairs) into ``component``'s weights, unmerging
+        (an exact restore) whatever stack was merged before. An empty stack only unmerges."""
+        if self.merged_stack(component) == stack:
+            return
+        self.unmerge(component)
+        if not stack:
+            return
+        assert self.adapters is not None
+        root = self.components[component]
+        if not isinstance(root, nn.Module):
+            raise AdapterError(f"component {component!r} is not a torch module; adapters cannot merge into it")
+        weights = [(self.adapters.weights(version, component, self.device), scale) for version, scale in stack]
+        self._merged[component] = (stack, merge_adapters(root, weights))
+
+    def unmerge(self, component: str) -> None:
+        """Restore ``component``'s base weights bit-exactly, if a stack is merged into them."""
+        merged = self._merged.pop(component, None)
+        if merged is not None:
+            merged[1].restore()
 
 
 def build_instance(card: ModelCard, options: InstanceOptions | None = None) -> ModelInstance:

@@ -14,7 +14,9 @@ from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fv_kernel.cache.adapters import AdapterInfo, AdapterRegistry
 from fv_kernel.card.spec import ModelCard
+from fv_kernel.model.adapters import combined_stack
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.card.recipe import (
     OVERRIDE_HINT, check_envelope, check_recipe_attention, describe_loop, sampler_short_name, select_denoise_loop,
@@ -145,6 +147,83 @@ def _check_modalities(card: ModelCard, request: Request) -> None:
         )
 
 
+def _resolve_adapters(
+    card: ModelCard, request: Request, registry: AdapterRegistry | None,
+) -> tuple[Request, list[tuple[str, AdapterInfo]]]:
+    """The request with its whole stack (card defaults, then its own) pinned to the registered
+    versions, and the active adapters (nonzero strength) with the field each came from."""
+    stack = combined_stack(card, request)
+    if not stack:
+        return request, []
+    if registry is None or not registry.settings.enabled:
+        param = stack[0][0].removesuffix(".name")
+        where = "card's default stack (recipe.adapters) names" if param.startswith("recipe.") else "request names"
+        raise InvalidRequest(
+            param, f"the {where} adapter {stack[0][1].name!r}, but this deployment has adapters disabled",
+            allowed="no adapters, or a deployment with an adapters: section",
+        )
+    pinned, active = [], []
+    for param, ref in stack:
+        info = registry.get(ref.name, ref.version, param=param)
+        foreign = sorted(set(info.components) - set(card.components))
+        if foreign:
+            raise InvalidRequest(
+                param, f"adapter {ref.name!r} changes components {foreign} that card {card.model_id!r} does not have",
+                allowed=f"adapters for components {sorted(card.components)}",
+            )
+        pinned.append(ref.model_copy(update={"version": info.version}))
+        if ref.scale != 0:
+            active.append((param, info))
+    k = registry.settings.max_stack
+    if len(active) > k:
+        raise InvalidRequest("adapters", f"the stack has {len(active)} adapters (the card's defaults included)",
+                             allowed=f"at most {k} (adapters.max_stack)")
+    # The defaults are pinned too (re-resolving gives the same stack: a request entry replaces the
+    # default of its name in place), so no step of this request sees another version.
+    return request.with_updates(adapters=tuple(pinned)), active
+
+
+def _distilled_defaults(card: ModelCard, request: Request, active: list[tuple[str, AdapterInfo]]) -> Request:
+    """A distilled adapter's loop and step count fill what the request leaves out."""
+    d = request.diffusion
+    for param, info in active:
+        if info.assumes_loop is not None and info.assumes_loop not in card.loops:
+            raise InvalidRequest(
+                param, f"adapter {info.name!r} assumes loop {info.assumes_loop!r}, which card {card.model_id!r} does not have",
+                allowed=sorted(card.loops),
+            )
+        if info.assumes_steps is not None and d.steps is None:
+            d = d.model_copy(update={"steps": info.assumes_steps})
+        if info.assumes_loop is not None and d.sampler is None:
+            binding = card.loops[info.assumes_loop].sampler
+            if binding is not None:
+                d = d.model_copy(update={"sampler": binding.name})
+    return request if d is request.diffusion else request.with_updates(diffusion=d)
+
+
+def _check_distilled(
+    card: ModelCard, request: Request, loop_id: str | None, active: list[tuple[str, AdapterInfo]], allow_recipe_mismatch: bool,
+) -> None:
+    """A distilled adapter runs only in the loop and step count it was distilled for."""
+    if allow_recipe_mismatch:
+        return
+    override = "an explicit override runs it anyway: deploy config 'override_recipe: true', fv generate --override-recipe"
+    for _, info in active:
+        subject = f"adapter {info.name!r}"
+        if info.assumes_loop is not None and loop_id is not None and loop_id != info.assumes_loop:
+            raise RecipeMismatch(
+                "adapters", model_id=card.model_id, method=card.recipe.method, subject=subject,
+                assumes=describe_loop(card.loops[info.assumes_loop]),
+                asked=f"{describe_loop(card.loops[loop_id])} ({override})",
+            )
+        steps = request.diffusion.steps
+        if info.assumes_steps is not None and steps is not None and steps != info.assumes_steps:
+            raise RecipeMismatch(
+                "steps", model_id=card.model_id, method=card.recipe.method, subject=subject,
+                assumes=f"{info.assumes_steps} steps (it is distilled for them)", asked=f"{steps} steps ({override})",
+            )
+
+
 def resolve_request(
     card: ModelCard,
     request: Request,
@@ -152,6 +231,7 @@ def resolve_request(
     *,
     allow_recipe_mismatch: bool = False,
     samplers: Iterable[str] | None = None,
+    adapters: AdapterRegistry | None = None,
 ) -> Request:
     """A copy of ``request`` with the card's defaults filled in, or a typed error.
 
@@ -161,12 +241,20 @@ def resolve_request(
     the recipe fixes the loop.
 
     ``allow_recipe_mismatch`` is the deployment's explicit override of the recipe's
-    ``assumes_precision`` (``InstanceOptions.allow_recipe_mismatch``); requests never set it.
+    ``assumes_precision`` and of a distilled adapter's loop and step count
+    (``InstanceOptions.allow_recipe_mismatch``); requests never set it.
+
+    ``adapters`` is the deployment's registry (None: adapters disabled): the request's adapters
+    and the card's default stack must name registered adapters (``UnknownAdapter`` naming
+    ``adapters[i].name``), and their versions are pinned in the result. An adapter that declares
+    ``assumes_loop`` / ``assumes_steps`` fills the request's sampler and steps when it gives none,
+    and refuses others (``RecipeMismatch``) unless ``allow_recipe_mismatch``.
 
     Last, the filled request is checked against the recipe's trained envelope
     (:func:`check_envelope`; its warnings are for the caller to report).
     """
-    resolved = _resolve(card, request, limits, allow_recipe_mismatch=allow_recipe_mismatch, samplers=samplers)
+    resolved = _resolve(card, request, limits, allow_recipe_mismatch=allow_recipe_mismatch, samplers=samplers,
+                        adapters=adapters)
     check_envelope(card, resolved)
     return resolved
 
@@ -178,6 +266,7 @@ def _resolve(
     *,
     allow_recipe_mismatch: bool = False,
     samplers: Iterable[str] | None = None,
+    adapters: AdapterRegistry | None = None,
 ) -> Request:
     limits = limits or RequestLimits()
     caps = card.capabilities
@@ -190,6 +279,7 @@ def _resolve(
     _check_text(card, request)
     _check_precision(card, request, allow_recipe_mismatch)
     _check_modalities(card, request)
+    request, active = _resolve_adapters(card, request, adapters)
     if request.task is TaskType.TEXT_GENERATION:
         if limits.max_tokens is not None and request.ar is not None and request.ar.max_tokens > limits.max_tokens:
             raise InvalidRequest("max_tokens", f"{request.ar.max_tokens} exceeds this deployment's limit", allowed=f"<= {limits.max_tokens}")
@@ -206,11 +296,14 @@ def _resolve(
     if d.switch_step is not None and (caps.defaults is None or caps.defaults.guidance_2 is None):
         raise InvalidRequest("switch_step", f"card {card.model_id!r} has a single expert; switch_step does not apply",
                              allowed="omit it")
-    select_denoise_loop(card, request)
+    request = _distilled_defaults(card, request, active)
+    d = request.diffusion
+    loop_id = select_denoise_loop(card, request)
     _check_sampler(card, request, samplers)
     defaults = caps.defaults
     if defaults is None:
         _check_shape(card, d)
+        _check_distilled(card, request, loop_id, active, allow_recipe_mismatch)
         return request
     frames = 1 if request.task is TaskType.TEXT_TO_IMAGE and d.frames is None else (d.frames or defaults.frames)
     filled = DiffusionParams(
@@ -248,7 +341,9 @@ def _resolve(
                              allowed=f"0..{filled.steps}")
     if limits.max_steps is not None and filled.steps is not None and filled.steps > limits.max_steps:
         raise InvalidRequest("steps", f"{filled.steps} exceeds this deployment's limit", allowed=f"<= {limits.max_steps}")
-    return request.with_updates(diffusion=filled)
+    resolved = request.with_updates(diffusion=filled)
+    _check_distilled(card, resolved, loop_id, active, allow_recipe_mismatch)
+    return resolved
 
 
 def resolve_for_instance(instance: ModelInstance, request: Request, limits: RequestLimits | None = None) -> Request:
@@ -256,7 +351,7 @@ def resolve_for_instance(instance: ModelInstance, request: Request, limits: Requ
     samplers, and its one precision (a request may ask for it, not change it)."""
     resolved = resolve_request(
         instance.card, request, limits, allow_recipe_mismatch=instance.options.allow_recipe_mismatch,
-        samplers=instance.registry.sampler_names(),
+        samplers=instance.registry.sampler_names(), adapters=instance.adapters,
     )
     if resolved.precision is not None and resolved.precision != instance.precision:
         raise InvalidRequest(

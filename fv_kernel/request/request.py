@@ -7,6 +7,8 @@ without an image, a negative size) cannot be constructed.
 
 from __future__ import annotations
 
+import math
+import re
 import uuid
 from typing import Annotated, Any, Literal, Union
 
@@ -27,6 +29,8 @@ __all__ = [
     "ARParams",
     "ArtifactKind",
     "OutputSpec",
+    "AdapterRef",
+    "MAX_ADAPTER_SCALE",
     "Request",
 ]
 
@@ -178,6 +182,43 @@ class OutputSpec(BaseModel):
         return [a for a in artifacts if a.kind in self.modalities or a.kind == "behavior"]
 
 
+#: The largest strength magnitude an adapter may be given (ComfyUI's LoRA loaders allow -100..100).
+MAX_ADAPTER_SCALE = 100.0
+
+_ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class AdapterRef(BaseModel):
+    """One adapter (a LoRA) of a stack, by its registered name, at a strength.
+
+    ``version`` pins a content version (the registry's ``AdapterInfo.version``); validation
+    fills it, so a request keeps the weights it was admitted with when a file of the same name
+    is replaced while it runs. Leave it out to take the registered version.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    scale: float = 1.0
+    version: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _ADAPTER_NAME_RE.match(value):
+            raise ValueError(
+                f"adapter name {value!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("scale")
+    @classmethod
+    def _scale(cls, value: float) -> float:
+        if not math.isfinite(value) or abs(value) > MAX_ADAPTER_SCALE:
+            raise ValueError(f"adapter scale {value!r} is outside -{MAX_ADAPTER_SCALE:g}..{MAX_ADAPTER_SCALE:g}")
+        return float(value)
+
+
 _REQUIRED_PARTS: dict[TaskType, tuple[str, ...]] = {
     TaskType.TEXT_TO_VIDEO: ("text",),
     TaskType.TEXT_TO_IMAGE: ("text",),
@@ -218,6 +259,10 @@ class Request(BaseModel):
     exact: bool = False
     #: Scheduling class: latency-class work is preferred over batch-class at equal age.
     priority: Literal["interactive", "batch"] = "interactive"
+    #: Adapters (LoRAs) to apply, by registered name, after the card's default stack
+    #: (``RecipeSpec.adapters``); naming an adapter of the default stack sets its strength
+    #: (0 turns it off). Validation checks the names and pins their versions.
+    adapters: tuple[AdapterRef, ...] = ()
 
     @model_validator(mode="after")
     def _inputs_match_task(self) -> "Request":
@@ -228,6 +273,14 @@ class Request(BaseModel):
         prompts = [p for p in self.inputs if isinstance(p, TextPart) and p.role == "prompt"]
         if len(prompts) > 1:
             raise ValueError("a request takes at most one prompt TextPart")
+        seen: dict[str, int] = {}
+        for index, ref in enumerate(self.adapters):
+            if ref.name in seen:
+                raise ValueError(
+                    f"adapters[{index}].name {ref.name!r} repeats adapters[{seen[ref.name]}]; give each adapter once "
+                    "(its strengths add up: use one entry with their sum)"
+                )
+            seen[ref.name] = index
         if self.task is TaskType.TEXT_GENERATION and self.ar is None:
             object.__setattr__(self, "ar", ARParams())
         return self
