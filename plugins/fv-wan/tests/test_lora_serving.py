@@ -22,6 +22,7 @@ from fv_kernel.api import (
     DiffusionParams,
     Engine,
     GenerationResult,
+    InvalidRequest,
     ModelInstance,
     RecipeMismatch,
     Request,
@@ -162,6 +163,15 @@ def test_text_encoder_adapter_never_gets_a_cached_embedding_of_another_stack(reg
     assert_artifacts_identical(alone.artifacts, results[1].artifacts, what="after another stack's cached embedding")
 
 
+def test_a_transformer_only_adapter_shares_the_text_embedding_cache(registry: AdapterRegistry) -> None:
+    prompt = "a fox in the snow"
+    plain, styled = _request(0, (), prompt=prompt), _request(1, (AdapterRef(name="style"),), prompt=prompt)
+    engine, recorder = _engine(registry)
+    for result in run_serially(engine, [plain, styled]):
+        result.raise_for_status()
+    assert len([r for r in recorder.of_kind("encoder_chunk") if r.op == "encode_text"]) == 1
+
+
 def test_negative_control_a_key_without_adapter_versions_serves_stale_embeddings(
     registry: AdapterRegistry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -290,3 +300,27 @@ class TestWanInterleaveWithAdapters(InterleaveConformance):
     def requests_for(self, card: Any, *, seeds: Any = (0,), prefix: str = "", vary_size: bool = False) -> list[Request]:
         requests = super().requests_for(card, seeds=seeds, prefix=prefix, vary_size=vary_size)
         return [r.model_copy(update={"adapters": STACKS[i % len(STACKS)]}) for i, r in enumerate(requests)]
+
+
+def test_an_adapter_for_a_module_the_card_lacks_fails_naming_it(registry: AdapterRegistry, tmp_path: Path) -> None:
+    """An I2V LoRA's image K projection on the T2V wan-tiny: the request fails with the key named."""
+    own = AdapterRegistry(convert_wan_lora, AdapterSettings())
+    from safetensors.torch import save_file
+
+    save_file({"diffusion_model.blocks.0.cross_attn.k_img.lora_down.weight": torch.ones(2, 24) * 0.1,
+               "diffusion_model.blocks.0.cross_attn.k_img.lora_up.weight": torch.ones(24, 2) * 0.1},
+              str(tmp_path / "i2v_only.safetensors"))  # fmt: skip
+    own.add_file(tmp_path / "i2v_only.safetensors")
+    engine, _ = _engine(own)
+    (result,) = run_serially(engine, [_request(0, (AdapterRef(name="i2v_only"),))])
+    assert result.status == "failed" and result.error is not None
+    assert "blocks.0.attn2.add_k_proj" in result.error.message and "i2v_only" in result.error.message
+
+
+def test_a_low_noise_expert_adapter_on_a_one_expert_card_is_refused(tmp_path: Path) -> None:
+    instance = _instance(None)
+    registry = AdapterRegistry(convert_wan_lora, AdapterSettings())
+    registry.add_file(write_wan_lora(tmp_path / "low.transformer_2.safetensors", instance.component("transformer")))
+    instance.adapters = registry
+    with pytest.raises(InvalidRequest, match="transformer_2"):
+        resolve_for_instance(instance, _request(0, (AdapterRef(name="low.transformer_2"),)))
