@@ -324,3 +324,26 @@ def test_a_low_noise_expert_adapter_on_a_one_expert_card_is_refused(tmp_path: Pa
     instance.adapters = registry
     with pytest.raises(InvalidRequest, match="transformer_2"):
         resolve_for_instance(instance, _request(0, (AdapterRef(name="low.transformer_2"),)))
+
+
+def test_a_merged_stack_is_applied_once_not_again_per_row(registry: AdapterRegistry) -> None:
+    """With the request's stack merged into the weights (the scheduler's fast path for a long run of
+    one stack), the op runs the merged weights and adds nothing per row: the same result to rounding."""
+    instance = _instance(registry)
+    model = instance.component("transformer")
+    op = fv_wan.instance._dit_op("transformer", model, instance=instance)
+    # a strength fp32 holds exactly: the instance compares the merged stack with the step's fp32 scales
+    stack = (AdapterRef(name="style", scale=0.75),)
+    generator = torch.Generator().manual_seed(1)
+    inputs = {"x": torch.randn(2, 16, 2, 4, 4, generator=generator), "t": torch.tensor([700.0, 700.0]),
+              "context": torch.randn(2, 16, 32, generator=generator),
+              **instance.adapter_inputs(resolve_for_instance(instance, _request(0, stack)), "transformer", rows=2)}  # fmt: skip
+    params = {"dispatch": "batched"}
+    per_row = op.fn(inputs, params)["v"]
+    instance.merge_stack("transformer", ((registry.get("style").version, 0.75),))
+    try:
+        merged = op.fn(inputs, params)["v"]
+    finally:
+        instance.unmerge("transformer")
+    assert (merged - per_row).abs().max() <= 1e-5
+    assert torch.equal(op.fn(inputs, params)["v"], per_row)  # unmerged: the base weights back exactly
