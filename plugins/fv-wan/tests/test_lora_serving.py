@@ -343,6 +343,11 @@ def test_a_merged_stack_is_applied_once_not_again_per_row(registry: AdapterRegis
     instance.merge_stack("transformer", ((registry.get("style").version, 0.75),))
     try:
         merged = op.fn(inputs, params)["v"]
+        # negative control: the stack added per row on top of the merged weights is far off
+        style = registry.weights(registry.get("style").version, "transformer", "cpu")
+        with torch.no_grad(), rows_adapted(model, RowAdapters.from_stacks([[(style, 0.75)]] * 2)):
+            twice = model(inputs["x"], inputs["t"], inputs["context"]).float()
+        assert (twice - per_row).abs().max() > 1e-2
     finally:
         instance.unmerge("transformer")
     assert (merged - per_row).abs().max() <= 1e-5
