@@ -842,23 +842,43 @@ ORIGINAL_TO_DIFFUSERS_KEYMAP: tuple[tuple[str, str], ...] = (
 ORIGINAL_KEY_PREFIXES: tuple[str, ...] = ("model.diffusion_model.", "diffusion_model.")
 
 
+def _compiled_keymap(underscores: bool) -> tuple[tuple[re.Pattern[str], str], ...]:
+    rules = []
+    for pattern, replacement in ORIGINAL_TO_DIFFUSERS_KEYMAP:
+        # kohya/Musubi names join the path with "_": the same rules, a separator of either kind.
+        rules.append((re.compile(pattern.replace(r"\.", r"[._]") if underscores else pattern), replacement))
+    return tuple(rules)
+
+
+_KEYMAP_RULES = {False: _compiled_keymap(False), True: _compiled_keymap(True)}
+
+
+def original_key_to_diffusers(key: str, *, underscores: bool = False) -> str | None:
+    """One original-layout parameter name (prefix already stripped) in the diffusers layout, or None.
+
+    ``underscores``: the path may use ``_`` where the original has ``.`` (kohya/Musubi LoRA names:
+    ``blocks_0_self_attn_q.weight`` -> ``blocks.0.attn1.to_q.weight``).
+    """
+    for pattern, replacement in _KEYMAP_RULES[underscores]:
+        match = pattern.fullmatch(key)
+        if match:
+            return match.expand(replacement)
+    return None
+
+
 def convert_original_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename an original-Wan-layout state dict to the diffusers layout; raise listing any unmapped keys."""
-    rules = [(re.compile(pattern), replacement) for pattern, replacement in ORIGINAL_TO_DIFFUSERS_KEYMAP]
     converted: dict[str, torch.Tensor] = {}
     unmapped: list[str] = []
     for key, value in state_dict.items():
         stripped = next((key[len(p) :] for p in ORIGINAL_KEY_PREFIXES if key.startswith(p)), key)
-        for pattern, replacement in rules:
-            match = pattern.fullmatch(stripped)
-            if match:
-                new_key = match.expand(replacement)
-                if new_key in converted:
-                    raise WanStateDictError(f"two original keys map to {new_key!r} (second: {key!r})")
-                converted[new_key] = value
-                break
-        else:
+        new_key = original_key_to_diffusers(stripped)
+        if new_key is None:
             unmapped.append(key)
+            continue
+        if new_key in converted:
+            raise WanStateDictError(f"two original keys map to {new_key!r} (second: {key!r})")
+        converted[new_key] = value
     if unmapped:
         raise WanStateDictError(f"{len(unmapped)} original Wan keys match no rename rule: {sorted(unmapped)}")
     return converted
