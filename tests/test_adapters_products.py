@@ -113,8 +113,10 @@ def test_an_upload_over_the_file_limit_is_refused_and_json_keeps_its_own_cap(ser
     # Larger than the server's 64 KiB body cap but within the adapter limit: not refused for size.
     answer = client.post("/v1/adapters", files={"file": ("junk.safetensors", b"\0" * (128 * 1024))})
     assert answer.status_code == 400 and answer.json()["error"]["type"] != "body_too_large", answer.text
-    too_big = client.post("/v1/adapters", files={"file": ("big.safetensors", b"\0" * (300 * 1024))})
-    assert too_big.status_code == 413, too_big.text
+    over = client.post("/v1/adapters", files={"file": ("big.safetensors", b"\0" * (300 * 1024))})
+    assert over.status_code == 400 and "adapters.max_file_bytes" in over.json()["error"]["message"], over.text
+    too_big = client.post("/v1/adapters", files={"file": ("big.safetensors", b"\0" * (400 * 1024))})
+    assert too_big.status_code == 413, too_big.text  # past the upload route's cap: refused before it is read
     json_body = client.post("/v1/videos", content=b"{" + b" " * (100 * 1024) + b"}", headers={"content-type": "application/json"})
     assert json_body.status_code == 413  # the larger cap is the upload route's only
 
@@ -157,55 +159,65 @@ def test_lora_option_parses_file_and_strength(tmp_path: Path) -> None:
         parse_lora_option(f"{file}:nan")
 
 
-def _generate(args: list[str]) -> Any:
+@pytest.fixture
+def card_file(tmp_path: Path) -> str:
+    """The toy card as a card file: what --model and fv.load take for a card no plugin installs."""
+    path = tmp_path / "toy-dit.json"
+    path.write_text(toy_card(CARD).model_dump_json())
+    return str(path)
+
+
+def _generate(card_file: str, args: list[str]) -> Any:
     from fv_kernel.cli.app import app
 
-    return CliRunner().invoke(app, ["generate", "--model", CARD, "--prompt", "a red ball", "--quiet", *args])
+    return CliRunner().invoke(app, ["generate", "--model", card_file, "--prompt", "a red ball", "--quiet", *args])
 
 
-def test_fv_generate_lora_changes_the_video_and_strength_zero_does_not(tmp_path: Path) -> None:
+def test_fv_generate_lora_changes_the_video_and_strength_zero_does_not(tmp_path: Path, card_file: str) -> None:
     file = lora_file(tmp_path / "style.safetensors", seed=4)
     outputs = {}
     for label, extra in {"plain": [], "lora": ["--lora", f"{file}:1.0"], "zero": ["--lora", f"{file}:0"]}.items():
         out = tmp_path / f"{label}.pt"
-        result = _generate(["--output", str(out), *extra])
+        result = _generate(card_file, ["--output", str(out), *extra])
         assert result.exit_code == 0, result.output
         outputs[label] = torch.load(out)
     assert not torch.equal(outputs["plain"], outputs["lora"])
     assert torch.equal(outputs["plain"], outputs["zero"])
 
 
-def test_fv_generate_bad_lora_is_one_error_line(tmp_path: Path) -> None:
-    result = _generate(["--output", str(tmp_path / "x.pt"), "--lora", str(tmp_path / "none.safetensors")])
+def test_fv_generate_bad_lora_is_one_error_line(tmp_path: Path, card_file: str) -> None:
+    result = _generate(card_file, ["--output", str(tmp_path / "x.pt"), "--lora", str(tmp_path / "none.safetensors")])
     assert result.exit_code == 2 and "lora" in result.output and "Traceback" not in result.output
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    result = _generate(["--output", str(tmp_path / "x.pt"), "--lora", str(tmp_path / "junk.safetensors")])
+    result = _generate(card_file, ["--output", str(tmp_path / "x.pt"), "--lora", str(tmp_path / "junk.safetensors")])
     assert result.exit_code == 2 and "error:" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "x.pt").exists()
 
 
-def test_fv_adapters_list_shows_name_rank_components_and_assumptions(tmp_path: Path) -> None:
+def test_fv_adapters_list_shows_name_rank_components_and_assumptions(tmp_path: Path, card_file: str) -> None:
     from fv_kernel.cli.app import app
 
-    lora_file(tmp_path / "style.safetensors")
-    lora_file(tmp_path / "fast.safetensors", seed=5, metadata={"fv.assumes_steps": "2"})
-    result = CliRunner().invoke(app, ["adapters", "list", "--model", CARD, "--dir", str(tmp_path), "--json"])
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    lora_file(loras / "style.safetensors")
+    lora_file(loras / "fast.safetensors", seed=5, metadata={"fv.assumes_steps": "2"})
+    result = CliRunner().invoke(app, ["adapters", "list", "--model", card_file, "--dir", str(loras), "--json"])
     assert result.exit_code == 0, result.output
     rows = {row["name"]: row for row in json.loads(result.output)}
     assert set(rows) == {"style", "fast"}
     assert rows["style"]["components"] == ["dit"] and rows["style"]["rank"] == 2
     assert rows["fast"]["assumes_steps"] == 2
-    table = CliRunner().invoke(app, ["adapters", "list", "--model", CARD, "--dir", str(tmp_path)])
+    table = CliRunner().invoke(app, ["adapters", "list", "--model", card_file, "--dir", str(loras)])
     assert table.exit_code == 0 and "fast" in table.output and "2 steps" in table.output
-    bad = CliRunner().invoke(app, ["adapters", "list", "--model", CARD, "--dir", str(tmp_path / "nope")])
+    bad = CliRunner().invoke(app, ["adapters", "list", "--model", card_file, "--dir", str(tmp_path / "nope")])
     assert bad.exit_code == 2 and "dir" in bad.output
 
 
-def test_facade_loras_accepts_paths_pairs_and_names(tmp_path: Path) -> None:
+def test_facade_loras_accepts_paths_pairs_and_names(tmp_path: Path, card_file: str) -> None:
     import fv_kernel as fv
 
     file = lora_file(tmp_path / "style.safetensors", seed=6)
-    generator = fv.load(CARD)
+    generator = fv.load(card_file)
     plain = generator.generate("a red ball", seed=1).frames
     by_path = generator.generate("a red ball", seed=1, loras=[str(file)]).frames
     by_pair = generator.generate("a red ball", seed=1, loras=[(file, 1.0)]).frames
