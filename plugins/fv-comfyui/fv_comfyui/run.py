@@ -1,7 +1,8 @@
 """Run compiled jobs on fv and write the files their save nodes name, as ComfyUI names them.
 
 A job runs exactly as ``fv generate`` would: ``fv.load(card)`` then ``generate(prompt, **options)``
-(the image by its path, read as ``--image`` reads it).
+(the image by its path, read as ``--image`` reads it; its LoRA nodes' files registered with the
+generator's engine and passed as ``loras``).
 
 Files: ``<output_dir>/<filename_prefix>_<counter:05>_.<ext>``, the counter one past the highest
 already there for that prefix in that folder, whatever the extension, as ComfyUI's
@@ -25,6 +26,7 @@ import torch
 
 from fv_kernel.api import DeployConfig, Video, load
 from fv_comfyui.compile import ComfyJob, SaveTarget
+from fv_comfyui.loras import LoraLibrary
 
 __all__ = ["OutputFileError", "SavedFile", "JobRunner", "save_outputs", "frames_uint8"]
 
@@ -120,8 +122,9 @@ def save_outputs(video: Video, targets: Iterable[SaveTarget], output_dir: Path) 
 class JobRunner:
     """Runs jobs, keeping one loaded generator per card (file) across them."""
 
-    def __init__(self, *, config: DeployConfig | None = None) -> None:
+    def __init__(self, *, config: DeployConfig | None = None, loras: LoraLibrary | None = None) -> None:
         self.config = config
+        self.loras = loras or LoraLibrary(None)
         self._generators: dict[str, Any] = {}
 
     def run(self, job: ComfyJob, image_path: Path | None = None, *, on_event: Callable[[Any], None] | None = None) -> Video:
@@ -130,6 +133,9 @@ class JobRunner:
             self._generators[ref] = load(ref, config=self.config)
         generator = self._generators[ref]
         options = dict(job.options)
+        if job.loras:
+            refs = self.loras.register(generator.engine.adapters, job.loras)
+            options["loras"] = [{"name": ref.name, "scale": ref.scale} for ref in refs]
         if image_path is not None:
             options["image"] = str(image_path)
         if on_event is None:
