@@ -16,7 +16,10 @@ encode, image encode, denoise and decode loops):
   card: ``transformer`` on the first stage's chain, ``transformer_2`` on the second's),
   ``strength_clip`` to the text encoder when the node's CLIP output feeds the prompts and the
   file has text-encoder weights. Several nodes stack in chain order; a strength of 0 applies
-  nothing and a node with both at 0 is skipped without reading its file, as in ComfyUI;
+  nothing and a node with both at 0 is skipped without reading its file, as in ComfyUI. One
+  adapter applies one strength to all its file changes, so a node that would patch a file's
+  parts at different strengths (``strength_model`` != ``strength_clip``, or a text-encoder
+  part its CLIP output does not reach) is refused, naming the parts and strengths;
 - ``KSampler`` (``denoise`` 1.0) and ``KSamplerAdvanced``: steps, CFG, seed and the sampler,
   mapped by :func:`fv_comfyui.samplers.fv_sampler_name`. The two-stage Wan 2.2 A14B chain
   (stage 1: ``add_noise`` on, steps 0→k, leftover noise returned; stage 2: ``add_noise`` off,

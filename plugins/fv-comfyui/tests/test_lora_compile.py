@@ -40,6 +40,8 @@ def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save_file({"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 24),
                "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(24, 2),
                "some_vae.decoder.conv.lora_down.weight": torch.zeros(2, 24)}, str(root / "stray_keys.safetensors"))
+    save_file({"transformer_2.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, 24),
+               "transformer_2.blocks.0.attn1.to_q.lora_B.weight": torch.zeros(24, 2)}, str(root / "low_expert_diffusers.safetensors"))
     (root / "garbage.safetensors").write_bytes(b"not a safetensors file")
     (root / "pickled.ckpt").write_bytes(b"never offered")
     return root
@@ -262,3 +264,15 @@ def test_the_compile_keeps_converted_files_and_rereads_a_changed_one(lora_servic
     assert len(reads) == 1
     comfy_lora(lora_dir / "style" / "ink.safetensors", seed=3, rank=3)  # replaced: read again
     assert service.check(prompt).ok and len(reads) == 2
+
+
+def test_a_file_made_for_the_other_expert_is_refused_on_this_chain(lora_service: Any) -> None:
+    prompt = _template()
+    prompt["83"]["inputs"]["lora_name"] = "low_expert_diffusers.safetensors"  # diffusers' transformer_2. keys, high chain
+    kind, details = _error(lora_service.check(prompt), "83")
+    assert kind == "custom_validation_failed"
+    assert "its weights are for 'transformer_2', but the node is on the chain of 'transformer'" in details
+    prompt = _template()
+    prompt["85"]["inputs"]["lora_name"] = "low_expert_diffusers.safetensors"  # on its own expert's chain: fine
+    (job,) = lora_service.check(prompt).jobs
+    assert job.loras[1].components == ("transformer_2",)
