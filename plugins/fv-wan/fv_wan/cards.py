@@ -277,6 +277,8 @@ def _card(
         ),
         checkpoint=CheckpointManifest(layout="embedded" if tiny else "diffusers", source=source, components=checkpoint),
         factory=f"{_PKG}.instance:build_wan_instance",
+        # Every Wan LoRA format in the wild (diffusers/PEFT, original/ComfyUI, kohya/Musubi, full deltas).
+        adapter_format=WAN_ADAPTER_FORMAT,
     )
 
 
@@ -284,6 +286,10 @@ def _card(
 #: ``sample_fps`` 16): at most 81 frames, at 16 fps. Sizes are not declared: fv's benches and RL
 #: rollouts run these cards at reduced sizes on purpose (upstream's SUPPORTED_SIZES are in docs/cards.md).
 WAN21_RECIPE = RecipeSpec(method="base", data_contract="Wan-AI release", envelope=TrainedEnvelope(max_frames=81, fps=(16.0,)))
+
+
+#: The converter every Wan card names (``ModelCard.adapter_format``).
+WAN_ADAPTER_FORMAT = f"{_PKG}.lora:convert_wan_lora"
 
 
 def wan_cards() -> list[ModelCard]:

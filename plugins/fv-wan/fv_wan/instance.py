@@ -33,10 +33,12 @@ from fv_kernel.api import (
     InvalidCard,
     ModelCard,
     ModelInstance,
+    RowAdapters,
     StepOp,
     parse_component_config,
     read_safetensors,
     resolve_source,
+    rows_adapted,
     select_compute_tiers,
     select_fused_ops,
 )
@@ -54,7 +56,7 @@ from fv_wan.models.transformer import (
 )
 from fv_wan.models.vae import CausalCache, WanVAE, WanVAEConfig
 
-__all__ = ["build_wan_instance", "configure_transformer", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops", "dit_inputs"]
+__all__ = ["build_wan_instance", "configure_transformer", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops", "dit_inputs", "adapter_routing"]
 
 def _component_dtype(card: ModelCard, component_id: str, options: InstanceOptions) -> torch.dtype:
     policy = card.components[component_id].precision_policy
@@ -263,7 +265,8 @@ def wan_ops(
         text_encoder: WanTextEncoder = comps["text_encoder"]
 
         def encode_text(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-            embeds = text_encoder.embed_ids(inputs["ids"], inputs["mask"], int(params["max_len"]), dtype=torch.float32)
+            with rows_adapted(text_encoder, adapter_routing(instance, inputs, "text_encoder")):
+                embeds = text_encoder.embed_ids(inputs["ids"], inputs["mask"], int(params["max_len"]), dtype=torch.float32)
             return {"embeds": embeds}
 
         ops["encode_text"] = StepOp("encode_text", encode_text)
@@ -291,7 +294,7 @@ def wan_ops(
             graphs = None
             if compute is not None and compute.cuda_graphs:
                 graphs = _graphed_forward(instance, expert, comps[expert], compute, compile_cache or CompileCache())
-            ops[f"dit_forward:{expert}"] = _dit_op(expert, comps[expert], graphs)
+            ops[f"dit_forward:{expert}"] = _dit_op(expert, comps[expert], graphs, instance=instance)
 
     if "vae_decoder" in comps:
         vae_dec: WanVAE = comps["vae_decoder"]
@@ -357,14 +360,31 @@ def _graph_batch(
     return batch
 
 
-def _dit_op(expert: str, model: WanTransformer, graphs: GraphedStep | None = None) -> StepOp:
+def adapter_routing(
+    instance: ModelInstance | None, inputs: Mapping[str, torch.Tensor], component: str, rows: slice | list[int] | None = None
+) -> RowAdapters | None:
+    """The per-row adapters of a forward of ``component`` over ``rows`` of the step's inputs (all
+    by default): None when the step carries no ``adapter_ids`` or no selected row has an adapter."""
+    ids = inputs.get("adapter_ids")
+    if ids is None or instance is None:
+        return None
+    scales = inputs["adapter_scales"]
+    if rows is not None:
+        ids, scales = ids[rows], scales[rows]
+    return instance.row_adapters({"adapter_ids": ids, "adapter_scales": scales}, component)
+
+
+def _dit_op(
+    expert: str, model: WanTransformer, graphs: GraphedStep | None = None, *, instance: ModelInstance | None = None
+) -> StepOp:
     def dit_forward(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """One denoise forward over N rows (guidance branches, and requests when fused).
 
         ``dispatch="sequential"`` runs one forward per guidance branch (diffusers' two-forward CFG):
         the rows are request-major, ``params["branches"]`` per request, and the requests fused
         into this step share their branch's forward. ``"batched"`` runs all rows as one batch.
-        Same math, different kernels.
+        Same math, different kernels. Rows with adapters get them per row (``adapter_ids``); a
+        forward with any skips the CUDA graphs, which capture no hooks.
         """
         x, t, context, image = dit_inputs(model, inputs)
         hooks = params.get("block_hooks")
@@ -372,9 +392,11 @@ def _dit_op(expert: str, model: WanTransformer, graphs: GraphedStep | None = Non
             # Block hooks keep per-branch state: each row runs alone through them.
             rows = []
             for i in range(x.shape[0]):
-                inputs_i = model.prepare(x[i : i + 1], t[i : i + 1], context[i : i + 1], None if image is None else image[i : i + 1])
-                hidden = hooks.run(i, _WanBlocks(model, inputs_i), inputs_i.x)
-                rows.append(model.finish(hidden, inputs_i))
+                # the adapters reach prepare's embedders and finish's proj_out, not only the blocks
+                with rows_adapted(model, adapter_routing(instance, inputs, expert, slice(i, i + 1))):
+                    inputs_i = model.prepare(x[i : i + 1], t[i : i + 1], context[i : i + 1], None if image is None else image[i : i + 1])
+                    hidden = hooks.run(i, _WanBlocks(model, inputs_i), inputs_i.x)
+                    rows.append(model.finish(hidden, inputs_i))
             return {"v": torch.cat(rows).float()}
         runner = None
         branches = int(params.get("branches", x.shape[0]))  # without it: every row is its own branch
@@ -383,15 +405,19 @@ def _dit_op(expert: str, model: WanTransformer, graphs: GraphedStep | None = Non
                 raise ValueError(f"dit_forward: {x.shape[0]} rows are not whole requests of {branches} branches")
             def branch(j: int) -> torch.Tensor:
                 rows = (x[j::branches], t[j::branches], context[j::branches], None if image is None else image[j::branches])
-                if graphs is not None:  # each branch's forward replays its batch size's graph
+                routing = adapter_routing(instance, inputs, expert, slice(j, None, branches))
+                if graphs is not None and routing is None:  # each branch's forward replays its batch size's graph
                     return graphs(_graph_batch(*rows))["v"]
-                return model(*rows, block_runner=runner).float()
+                with rows_adapted(model, routing):
+                    return model(*rows, block_runner=runner).float()
 
             out = torch.stack([branch(j) for j in range(branches)], dim=1).flatten(0, 1)  # back to request-major rows
-        elif graphs is not None:
-            return graphs(_graph_batch(x, t, context, image))
         else:
-            out = model(x, t, context, image, block_runner=runner)
+            routing = adapter_routing(instance, inputs, expert)
+            if graphs is not None and routing is None:
+                return graphs(_graph_batch(x, t, context, image))
+            with rows_adapted(model, routing):
+                out = model(x, t, context, image, block_runner=runner)
         return {"v": out.float()}
 
     return StepOp(f"dit_forward:{expert}", dit_forward, supports_block_hooks=True)

@@ -123,6 +123,8 @@ class WanTextEncodeState(LoopState):
     ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     max_len: int = TEXT_CONTEXT_LENGTH
+    #: The pending rows' text-encoder adapters (``ModelInstance.adapter_inputs``); empty when adapters are off.
+    adapter_inputs: dict[str, torch.Tensor] = {}
 
 
 def text_context_length(card: ModelCard) -> int:
@@ -134,8 +136,9 @@ def text_context_length(card: ModelCard) -> int:
 class WanTextEncodeLoop(Loop[WanTextEncodeState]):
     """UMT5 over the prompt (and the negative prompt when CFG runs), through the feature cache.
 
-    The cache key holds the encoder's weights version, the precision and the cleaned
-    text, so the same prompt on the same weights runs the encoder once.
+    The cache key holds the encoder's weights version, its adapters (name, version, strength),
+    the precision and the cleaned text, so the same prompt on the same weights runs the encoder
+    once, and a text-encoder LoRA never gets another stack's embeddings.
     """
 
     kind = "text_encode"
@@ -150,10 +153,11 @@ class WanTextEncodeLoop(Loop[WanTextEncodeState]):
         # The precision the encoder really runs in ("card" resolves to the instance's), so two
         # instances at different precisions sharing one cache never share an entry.
         precision = _component_precision(model, "text_encoder")
+        adapter_versions = model.adapter_versions(request, "text_encoder")
         keys = [
             CacheKey(
                 model_id=model.model_id, component_id="text_encoder", weights_version=model.weights_version,
-                precision=precision, input_hash=content_hash([text, max_len]),
+                adapter_versions=adapter_versions, precision=precision, input_hash=content_hash([text, max_len]),
             ).digest()
             for text in texts
         ]
@@ -164,6 +168,7 @@ class WanTextEncodeLoop(Loop[WanTextEncodeState]):
             embeds.append(hit["embeds"] if hit is not None else None)
         pending = [i for i, e in enumerate(embeds) if e is None]
         ids = mask = None
+        adapter_inputs: dict[str, torch.Tensor] = {}
         if pending:
             tokenizer = model.component("text_encoder").tokenizer
             tokens = tokenizer(
@@ -171,9 +176,11 @@ class WanTextEncodeLoop(Loop[WanTextEncodeState]):
                 add_special_tokens=True, return_attention_mask=True, return_tensors="pt",
             )
             ids, mask = tokens.input_ids, tokens.attention_mask
+            adapter_inputs = model.adapter_inputs(request, "text_encoder", rows=len(pending))
         return WanTextEncodeState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
             texts=texts, cache_keys=keys, embeds=embeds, pending_rows=pending, ids=ids, mask=mask, max_len=max_len,
+            adapter_inputs=adapter_inputs,
         )
 
     def next(self, state: WanTextEncodeState) -> WorkPlan | Done:
@@ -186,7 +193,7 @@ class WanTextEncodeLoop(Loop[WanTextEncodeState]):
         )
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.ENCODER_CHUNK, op="encode_text",
-            inputs={"ids": state.ids, "mask": state.mask}, params={"max_len": state.max_len},
+            inputs={"ids": state.ids, "mask": state.mask, **state.adapter_inputs}, params={"max_len": state.max_len},
             shape_sig=ShapeSignature.of(tokens=state.max_len), cache=CachePlan(writes=writes),
         )
 
@@ -194,7 +201,9 @@ class WanTextEncodeLoop(Loop[WanTextEncodeState]):
         embeds = list(state.embeds)
         for j, row in enumerate(state.pending_rows):
             embeds[row] = result.outputs["embeds"][j : j + 1]
-        return state.model_copy(update={"embeds": embeds, "pending_rows": [], "ids": None, "mask": None, "step": state.step + 1})
+        return state.model_copy(
+            update={"embeds": embeds, "pending_rows": [], "ids": None, "mask": None, "adapter_inputs": {}, "step": state.step + 1}
+        )
 
     def finalize(self, state: WanTextEncodeState) -> LoopResult:
         outputs: dict[str, Any] = {"prompt_embeds": state.embeds[0]}
@@ -361,6 +370,9 @@ class WanDenoiseState(LoopState):
     model_id: str = ""
     weights_version: str = ""
     attention_backend: str = ""
+    #: Per expert, the request's adapters as one step-input row (``ModelInstance.adapter_inputs``),
+    #: repeated for every guidance branch; empty when adapters are off.
+    adapter_inputs: dict[str, dict[str, torch.Tensor]] = {}
 
 
 class WanDenoiseLoop(Loop[WanDenoiseState]):
@@ -426,6 +438,10 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
             boundary_timestep=None if boundary is None else float(boundary) * 1000.0, switch_step=d.switch_step,
             expand_timesteps=expand,
             total_steps=steps, precision=model.precision, row_peak_bytes=self._row_peak_bytes(request, model),
+            adapter_inputs={
+                expert: model.adapter_inputs(request, expert)
+                for expert in ("transformer", "transformer_2") if expert in model.card.components
+            },
             **self._capture_fields(request, model, ctx, latents),
         )
 
@@ -497,6 +513,8 @@ class WanDenoiseLoop(Loop[WanDenoiseState]):
         }
         if state.image_embeds is not None:
             inputs["image_embeds"] = state.image_embeds.expand(n, *state.image_embeds.shape[1:])
+        # the expert this step runs, with this request's adapters for it, on every branch row (cond and uncond alike)
+        inputs.update({k: v.expand(n, *v.shape[1:]) for k, v in state.adapter_inputs.get(expert, {}).items()})
         tokens = int(x.shape[2] * (x.shape[3] // 2) * (x.shape[4] // 2))
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.DIFFUSION_STEP, op=f"dit_forward:{expert}",

@@ -134,7 +134,10 @@ def convert_wan_lora(
         origin = component or "transformer"
         if component is None:
             component = default
-        if naming != "diffusers":
+        if component == "text_encoder":
+            # diffusers names the UMT5 modules from the HF model, which fv's text encoder holds as .model
+            path = f"model.{path}"
+        elif naming != "diffusers":
             mapped = _map_original(path, role, underscores=naming == "kohya")
             if mapped is None:
                 unmapped.append(key)

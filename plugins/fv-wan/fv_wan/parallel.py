@@ -39,9 +39,10 @@ from fv_kernel.api import (
     SequenceParallelAttention,
     StepOp,
     gather_sequence,
+    rows_adapted,
     shard_sequence,
 )
-from fv_wan.instance import dit_inputs, wan_ops
+from fv_wan.instance import adapter_routing, dit_inputs, wan_ops
 from fv_wan.models.transformer import WanBlockInputs, WanTransformer, WanTransformerConfig
 from fv_wan.models.vae import WanVAEConfig
 from fv_wan.parallel_vae import parallel_decode_op
@@ -103,7 +104,7 @@ class WanParallel:
         ops = wan_ops(instance, compute=compute)
         for expert in ("transformer", "transformer_2"):
             if expert in instance.components:
-                ops[f"dit_forward:{expert}"] = parallel_dit_op(expert, instance.components[expert], runtime)
+                ops[f"dit_forward:{expert}"] = parallel_dit_op(expert, instance.components[expert], runtime, instance=instance)
         if runtime.plan.vae > 1 and "vae_decoder" in instance.components:
             ops["vae_decode_frame"] = parallel_decode_op(instance.components["vae_decoder"], runtime)
         return ops
@@ -151,8 +152,10 @@ def _gather_rows(mine: torch.Tensor, rows: int, group: Any) -> torch.Tensor:
     return torch.stack(order)
 
 
-def parallel_dit_op(expert: str, model: WanTransformer, runtime: ParallelRuntime) -> StepOp:
-    """The denoise forward of one rank: its CFG rows, its sequence chunk."""
+def parallel_dit_op(
+    expert: str, model: WanTransformer, runtime: ParallelRuntime, *, instance: ModelInstance | None = None
+) -> StepOp:
+    """The denoise forward of one rank: its CFG rows, its sequence chunk (each row with its adapters)."""
     cfg_group = runtime.group("cfgp")
     cfg_size, cfg_rank = dist.get_world_size(cfg_group), dist.get_rank(cfg_group)
 
@@ -163,7 +166,8 @@ def parallel_dit_op(expert: str, model: WanTransformer, runtime: ParallelRuntime
         mine = list(range(cfg_rank, rows, cfg_size)) if split else list(range(rows))
 
         def forward(index: list[int]) -> torch.Tensor:
-            return _sp_forward(model, runtime, x[index], t[index], context[index], None if image is None else image[index])
+            with rows_adapted(model, adapter_routing(instance, inputs, expert, index)):
+                return _sp_forward(model, runtime, x[index], t[index], context[index], None if image is None else image[index])
 
         if params.get("dispatch", "batched") == "sequential":
             out = torch.cat([forward([i]) for i in mine])

@@ -40,7 +40,7 @@ from fv_kernel.api import (
     TrainedEnvelope,
     read_card_file_beside,
 )
-from fv_wan.cards import VAE_SCHEMA, _card
+from fv_wan.cards import VAE_SCHEMA, WAN_ADAPTER_FORMAT, _card
 from fv_wan.models.transformer import WanTransformerConfig
 from fv_wan.models.vae import WanVAEConfig
 
@@ -261,6 +261,8 @@ def wan_toy_card() -> ModelCard | None:
     if not (root / "fv-card.json").is_file():
         return None
     card = read_card_file_beside(root)
+    if card.adapter_format is None:  # the shipped file predates ModelCard.adapter_format
+        card = card.model_copy(update={"adapter_format": WAN_ADAPTER_FORMAT})
     if card.recipe.envelope is None:
         card = card.model_copy(update={"recipe": card.recipe.model_copy(update={"envelope": toy_envelope()})})
     if TaskType.TEXT_TO_IMAGE in card.capabilities.tasks and 1 not in (card.recipe.envelope.frames or (1,)):

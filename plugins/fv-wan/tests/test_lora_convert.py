@@ -75,7 +75,10 @@ def test_components_by_prefix_and_expert_targeting() -> None:
     low = {"transformer_2.blocks.0.attn1.to_q.lora_A.weight": down, "transformer_2.blocks.0.attn1.to_q.lora_B.weight": up}
     original = {"diffusion_model.blocks.0.self_attn.q.lora_down.weight": down,
                 "diffusion_model.blocks.0.self_attn.q.lora_up.weight": up}  # fmt: skip
-    assert set(convert_wan_lora({**te, **low}, name="both", metadata={})) == {"text_encoder", "transformer_2"}
+    both = convert_wan_lora({**te, **low}, name="both", metadata={})
+    assert set(both) == {"text_encoder", "transformer_2"}
+    # fv's text encoder holds the HF UMT5 model as .model
+    assert list(both["text_encoder"].low_rank) == ["model.encoder.block.0.layer.0.SelfAttention.q"]
     assert set(convert_wan_lora(original, name="style", metadata={})) == {"transformer"}
     assert set(convert_wan_lora(original, name="style.transformer_2", metadata={})) == {"transformer_2"}
     assert set(convert_wan_lora(original, name="s", metadata={"fv_component": "transformer_2"})) == {"transformer_2"}
