@@ -32,7 +32,8 @@ from fv_kernel.api import (
     read_adapter_file,
 )
 
-__all__ = ["LORA_SUFFIX", "LoraFileError", "LoraUse", "LoraFolder", "LoraLibrary", "adapter_name", "adapter_refs"]
+__all__ = ["LORA_SUFFIX", "LoraFileError", "LoraUse", "LoraFolder", "LoraLibrary", "adapter_name", "adapter_refs",
+           "adapter_registry"]
 
 #: The only LoRA files offered (safetensors hold tensors, never code).
 LORA_SUFFIX = ".safetensors"
@@ -46,6 +47,15 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 class LoraFileError(ValueError):
     """A LoRA file is missing, unreadable, or maps to nothing of the card; the message says which."""
+
+
+def adapter_registry(instance: Any) -> Any:
+    """The adapter registry of a resident card (``ModelInstance.adapters``); :class:`LoraFileError`
+    when the deployment has adapters disabled."""
+    if not getattr(instance, "adapters_enabled", False):
+        raise LoraFileError(f"card {instance.model_id!r} runs with adapters disabled (the deploy config's adapters: "
+                            "section), so its LoRA nodes cannot run")
+    return instance.adapters
 
 
 @dataclass(frozen=True)

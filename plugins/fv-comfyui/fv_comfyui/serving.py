@@ -48,7 +48,7 @@ from starlette.datastructures import UploadFile  # what request.form() returns (
 
 from fv_kernel.api import DeployConfig, Engine, FvError
 from fv_comfyui.compile import ComfyJob
-from fv_comfyui.loras import LoraFolder, LoraLibrary
+from fv_comfyui.loras import LoraFolder, LoraLibrary, adapter_registry
 from fv_comfyui.models import ModelMap
 from fv_comfyui.nodes import object_info
 from fv_comfyui.previews import LatentPreviewer, preview_frame
@@ -272,7 +272,9 @@ class ComfyServer:
             raise _Interrupted()
         image = self.service.load_image(job.image_name) if job.image_name else None
         # The LoRA files as the engine's adapters (read and converted once; again only when a file changes).
-        adapters = await asyncio.to_thread(self.service.loras.register, self.engine.adapters, job.loras) if job.loras else ()
+        adapters = await asyncio.to_thread(
+            self.service.loras.register, adapter_registry(self.engine.instances[card.model_id]), job.loras,
+        ) if job.loras else ()
         pending: list[bytes] = []
         handle = self.engine.submit(job.request(image, adapters), on_step=self.previewer(job, pending) if self.previews else None)
         item.request_id = handle.request_id
