@@ -102,6 +102,7 @@ def run(
     """Run a ComfyUI workflow on fv and write the files its save nodes name."""
     from fv_kernel.api import DeployConfig, DeployConfigError, FvError, PluginError, PluginHost, load_deploy_config
     from fv_comfyui.convert import WorkflowFormatError
+    from fv_comfyui.loras import LoraFileError
     from fv_comfyui.models import ComfyModelsError, ModelMap
     from fv_comfyui.run import JobRunner, OutputFileError, save_outputs
     from fv_comfyui.service import service_for
@@ -140,5 +141,5 @@ def run(
                 typer.echo(f"wrote {output_dir / saved.subfolder / saved.filename} (node {saved.node_id})")
     except FvError as exc:
         _fail(exc.message)
-    except OutputFileError as exc:
+    except (OutputFileError, LoraFileError) as exc:
         _fail(str(exc))

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 
@@ -167,11 +167,13 @@ def _node_error(prompt: Mapping[str, Any], error: CompileError, output: str) -> 
 
 class _Compiler:
     def __init__(self, prompt: Mapping[str, Any], models: ModelMap, cards: Mapping[str, ModelCard],
-                 loras: LoraLibrary | None = None) -> None:
+                 loras: LoraLibrary | None = None, adapters_off: Collection[str] = ()) -> None:
         self.prompt = prompt
         self.models = models
         self.cards = cards
         self.loras = loras or LoraLibrary(None)
+        #: Cards served with adapters disabled: their LoRA nodes cannot run.
+        self.adapters_off = adapters_off
         self.visited: list[str] = []
         #: The CLIPVisionEncode of an image-to-video chain and its crop, when there is one.
         self.crop: tuple[str, str] | None = None
@@ -374,6 +376,9 @@ class _Compiler:
         strength_clip = float(inputs["strength_clip"]) if kind == "LoraLoader" else 0.0
         if strength_model == 0.0 and strength_clip == 0.0:
             return None  # ComfyUI returns the node's inputs unchanged, without reading the file
+        if card.model_id in self.adapters_off:
+            raise CompileError(node, f"card {card.model_id!r} is served with adapters disabled, so LoRA nodes cannot "
+                                     "run; turn them on with an adapters: section in the deploy config", "lora_name")
         name = str(inputs["lora_name"])
         adapter = adapter_name(name, expert)
         try:
@@ -556,17 +561,19 @@ def compile_prompt(
     cards: Mapping[str, ModelCard],
     image_size: Callable[[str], tuple[int, int] | None] = lambda name: None,
     loras: LoraLibrary | None = None,
+    adapters_off: Collection[str] = (),
 ) -> CompileResult:
     """Compile the validated ``outputs`` of ``prompt``; an output that fv cannot run gets a node error instead.
 
     Outputs that read one ``VAEDecode`` share one job. ``image_size`` gives a ``LoadImage`` file's
-    (width, height) when known; ``loras`` the LoRA folder (none: a LoRA node is refused).
+    (width, height) when known; ``loras`` the LoRA folder (none: a LoRA node is refused);
+    ``adapters_off`` the cards whose deployment has adapters disabled (a LoRA node on them is refused).
     """
     jobs: dict[str, ComfyJob] = {}
     node_errors: dict[str, Any] = {}
     fp8: dict[str, tuple[str, ComfyJob]] = {}
     for output in sorted(outputs, key=lambda o: (len(o), o)):
-        compiler = _Compiler(prompt, models, cards, loras)
+        compiler = _Compiler(prompt, models, cards, loras, adapters_off)
         try:
             target, decode = _save_target(prompt, compiler, output)
             if decode not in jobs:

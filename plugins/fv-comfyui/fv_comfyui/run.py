@@ -137,11 +137,14 @@ class JobRunner:
         self.loras = loras or LoraLibrary(None)
         self._generators: dict[str, Any] = {}
 
+    def generator(self, model_id: str) -> Any:
+        """The loaded generator of card ``model_id`` (``fv.load``, once per runner)."""
+        if model_id not in self._generators:
+            self._generators[model_id] = load(model_id, config=self.config)
+        return self._generators[model_id]
+
     def run(self, job: ComfyJob, image_path: Path | None = None, *, on_event: Callable[[Any], None] | None = None) -> Video:
-        ref = job.card.model_id  # a job runs its card as installed (a chain's switch is a request option)
-        if ref not in self._generators:
-            self._generators[ref] = load(ref, config=self.config)
-        generator = self._generators[ref]
+        generator = self.generator(job.card.model_id)  # the card as installed (a chain's switch is a request option)
         if job.loras:
             return self._run_with_adapters(generator, job, image_path, on_event)
         options = dict(job.options)

@@ -54,6 +54,8 @@ class ComfyService:
     limits: RequestLimits = field(default_factory=RequestLimits)
     #: The LoRA folder (``lora_name``'s list) and its files converted for the cards.
     loras: LoraLibrary = field(default_factory=lambda: LoraLibrary(None))
+    #: Cards served with adapters disabled (``fv serve`` knows; a LoRA node on them is refused at compile).
+    adapters_off: frozenset[str] = frozenset()
 
     def image_path(self, name: str) -> Path | None:
         """``LoadImage``'s file, ``name`` or ``subfolder/name`` inside the input folder (never outside it)."""
@@ -114,7 +116,7 @@ class ComfyService:
             return PromptAnswer(False, 400, result.error, result.node_errors, prompt if isinstance(prompt, dict) else {})
         compiled = compile_prompt(
             prompt, result.good_outputs, models=self.models, cards=self.cards, image_size=self.image_size,
-            loras=self.loras,
+            loras=self.loras, adapters_off=self.adapters_off,
         )
         node_errors = dict(result.node_errors)
         for node_id, entry in compiled.node_errors.items():

@@ -119,6 +119,7 @@ class ComfyServer:
             models=models, cards={model_id: instance.card for model_id, instance in instances.items()},
             input_dir=self.input_dir, sampler_names=tuple(registry.sampler_names()) if registry else (),
             limits=config.limits, loras=LoraLibrary(LoraFolder(loras) if loras is not None else None),
+            adapters_off=frozenset(m for m, instance in instances.items() if not instance.adapters_enabled),
         )
         self.folders = {**models.folders()}
         self.number = 0

@@ -166,3 +166,78 @@ def test_one_file_on_both_experts(host: Any, input_dir: Path, lora_dir: Path) ->
     refs = service.loras.register(instance.adapters, job.loras)
     assert {instance.adapters.get(r.name).components for r in refs} == {("transformer",), ("transformer_2",)}
     assert _frames(engine, job.request(adapters=refs)).std() > 0.01
+
+
+def test_the_runner_runs_a_lora_job_on_its_generators_engine(host: Any, input_dir: Path, lora_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """``fv comfy run``'s path: the job's request, adapters included, on the loaded card's engine."""
+    from fv_kernel.api import AdapterRef
+    from fv_comfyui.models import ModelMap
+    from fv_comfyui.run import JobRunner
+    from fv_comfyui.service import service_for
+
+    service = service_for(host, ModelMap.from_yaml(MODELS_FILE), input_dir, loras=lora_dir)
+    (job,) = service.check(_template()).jobs
+    runner = JobRunner(loras=service.loras)
+    generator = runner.generator(CARD)
+    generator.instance.adapters = AdapterRegistry(converter_for(generator.card))  # a deployment with adapters on
+    events: list[Any] = []
+    video = runner.run(job, on_event=events.append)
+    steps = [(e.step, e.total) for e in events if getattr(e, "type", None) == "progress"
+             and job.card.loops[e.loop_id].kind == "diffusion_denoise"]
+    assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    registry = generator.instance.adapters
+    registry.add_file(_copy_with_metadata(lora_dir / HIGH, tmp_path / "ref_high.safetensors", {"fv_component": "transformer"}))
+    registry.add_file(_copy_with_metadata(lora_dir / LOW, tmp_path / "ref_low.safetensors", {"fv_component": "transformer_2"}))
+    scale = 1.0000000000000002
+    by_hand = _frames(generator.engine, job.request(adapters=(AdapterRef(name="ref_high", scale=scale),
+                                                              AdapterRef(name="ref_low", scale=scale))))
+    assert torch.equal(video.frames, by_hand)
+    assert video.frames.shape == (5, 3, 32, 32)
+
+
+def test_without_adapters_a_lora_workflow_is_refused_saying_how_to_turn_them_on(host: Any, tmp_path: Path, lora_dir: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from fv_comfyui.cli import comfy_app
+    from fv_comfyui.models import ModelMap
+    from fv_comfyui.service import service_for
+    from fv_comfyui.settings import LORAS_ENV
+
+    pytest.importorskip("fastapi")
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from fv_kernel.api import DeployConfig, PluginsConfig
+    from fv_comfyui.serving import mount
+    from fv_comfyui.settings import MODELS_ENV
+
+    # fv serve: refused at POST /prompt, on the LoRA node, before anything runs.
+    monkeypatch.delenv(MODELS_ENV, raising=False)
+    engine, instance = _engine(host)
+    instance.adapters = None  # the deployment has no adapters: section
+    app = FastAPI()
+    mount(app, engine, DeployConfig(output_dir=tmp_path, plugins=PluginsConfig(settings={"fv-comfyui": {
+        "models": str(MODELS_FILE), "loras": str(lora_dir)}})))
+    response = TestClient(app).post("/prompt", json={"prompt": _template()})
+    assert response.status_code == 400
+    details = response.json()["node_errors"]["83"]["errors"][0]["details"]
+    assert "adapters disabled" in details and "adapters: section" in details
+    # Negative control: the same prompt on a card with adapters on is accepted (compiled, not run here).
+    service = service_for(host, ModelMap.from_yaml(MODELS_FILE), tmp_path, loras=lora_dir)
+    assert service.check(_template()).ok
+    # fv comfy run on a deployment without adapters: one line, exit 2 (no traceback).
+    monkeypatch.delenv(LORAS_ENV, raising=False)
+    workflow = tmp_path / "template.json"
+    workflow.write_text(json.dumps(_template()))
+    result = CliRunner().invoke(comfy_app, ["run", str(workflow), "--comfy-models", str(MODELS_FILE),
+                                            "--comfy-loras", str(lora_dir), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().startswith("error: card 'wan-tiny-a14b'") and "adapters disabled" in result.output
+    assert "Traceback" not in result.output
+    # Negative control: without --comfy-loras the LoRA names are not in the (empty) folder list.
+    refused = CliRunner().invoke(comfy_app, ["run", str(workflow), "--comfy-models", str(MODELS_FILE), "-o", str(tmp_path / "o")])
+    assert refused.exit_code == 2 and "value_not_in_list" in refused.output
