@@ -37,6 +37,6 @@ def comfy_lora(path: Path, *, seed: int, rank: int = 2, alpha: float = 1.0, ampl
 def text_encoder_weights(seed: int, rank: int = 2, width: int = 32) -> dict[str, torch.Tensor]:
     """diffusers-named text-encoder LoRA entries (``text_encoder.<module>.lora_A/B.weight``)."""
     generator = torch.Generator().manual_seed(seed)
-    module = "text_encoder.encoder.block.0.layer.0.SelfAttention.q"
+    module = "text_encoder.encoder.block.0.layer.0.SelfAttention.q"  # UMT5's own module names
     return {f"{module}.lora_A.weight": torch.randn(rank, width, generator=generator),
             f"{module}.lora_B.weight": torch.randn(width, rank, generator=generator)}

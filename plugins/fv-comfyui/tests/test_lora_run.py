@@ -241,3 +241,66 @@ def test_without_adapters_a_lora_workflow_is_refused_saying_how_to_turn_them_on(
     # Negative control: without --comfy-loras the LoRA names are not in the (empty) folder list.
     refused = CliRunner().invoke(comfy_app, ["run", str(workflow), "--comfy-models", str(MODELS_FILE), "-o", str(tmp_path / "o")])
     assert refused.exit_code == 2 and "value_not_in_list" in refused.output
+
+
+def test_lora_loader_strength_clip_changes_the_text_encoder(host: Any, input_dir: Path, tmp_path: Path) -> None:
+    """A LoraLoader on the Wan 2.1 T2V fixture: model and text-encoder weights of one file at one strength."""
+    from fv_kernel.api import AdapterRef, Engine, InstanceOptions, SchedulerConfig, build_instance
+    from fv_comfyui.models import ModelMap
+    from fv_comfyui.service import service_for
+    from fv_wan.cards import wan_cards
+    from lora_files import text_encoder_weights
+
+    from conftest import load_pair
+
+    folder = tmp_path / "loras"
+    comfy_lora(folder / "both.safetensors", seed=21, amplitude=1.0, extra=text_encoder_weights(22))
+    card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+    instance = build_instance(card, InstanceOptions(registry=host.registry()))
+    instance.adapters = AdapterRegistry(converter_for(card))
+    engine = Engine(SchedulerConfig())
+    engine.add_instance(instance)
+    service = service_for(host, ModelMap.from_yaml(MODELS_FILE), input_dir, loras=folder)
+
+    def prompt(strength_model: float, strength_clip: float) -> dict[str, Any]:
+        p = retarget(load_pair("text_to_video_wan")[1], steps=2)
+        p["90"] = {"class_type": "LoraLoader", "inputs": {"model": ["37", 0], "clip": ["38", 0], "lora_name": "both.safetensors",
+                                                      "strength_model": strength_model, "strength_clip": strength_clip}}
+        p["48"]["inputs"]["model"] = ["90", 0]
+        p["6"]["inputs"]["clip"] = p["7"]["inputs"]["clip"] = ["90", 1]
+        return p
+
+    (job,) = service.check(prompt(0.7, 0.7)).jobs
+    assert [(u.components, u.scale) for u in job.loras] == [(("text_encoder", "transformer"), 0.7)]
+    compiled = _frames(engine, job.request(adapters=service.loras.register(instance.adapters, job.loras)))
+    instance.adapters.add_file(_copy_with_metadata(folder / "both.safetensors", tmp_path / "ref.safetensors", {"copy": "1"}))
+    assert torch.equal(compiled, _frames(engine, job.request(adapters=(AdapterRef(name="ref", scale=0.7),))))
+    # Negative control: the transformer part alone (the text-encoder weights dropped) is another video.
+    from safetensors.torch import load_file, save_file
+
+    model_only = {k: v for k, v in load_file(str(folder / "both.safetensors")).items() if not k.startswith("text_encoder.")}
+    save_file(model_only, str(tmp_path / "model_part.safetensors"))
+    instance.adapters.add_file(tmp_path / "model_part.safetensors")
+    without_te = _frames(engine, job.request(adapters=(AdapterRef(name="model_part", scale=0.7),)))
+    assert (without_te - compiled).abs().max().item() > 1e-4
+
+
+def test_a_key_for_a_module_the_model_lacks_fails_the_run_naming_it(host: Any, input_dir: Path, tmp_path: Path) -> None:
+    """Keys in a known layout that name no module of this model (a bigger model's block 7) pass the
+    compile's conversion; the run fails at its first step, naming the entry, and runs nothing else."""
+    from safetensors.torch import load_file, save_file
+
+    from fv_kernel.api import StepFailed
+    from fv_comfyui.models import ModelMap
+    from fv_comfyui.service import service_for
+
+    folder = tmp_path / "loras"
+    comfy_lora(folder / HIGH, seed=31)
+    tensors = load_file(str(comfy_lora(folder / LOW, seed=32)))
+    tensors = {k.replace("blocks.1.", "blocks.7."): v for k, v in tensors.items()}
+    save_file(tensors, str(folder / LOW))
+    engine, instance = _engine(host)
+    service = service_for(host, ModelMap.from_yaml(MODELS_FILE), input_dir, loras=folder)
+    (job,) = service.check(_template()).jobs
+    with pytest.raises(StepFailed, match=r"match no module of component 'transformer_2'.*blocks\.7\.attn1"):
+        _frames(engine, job.request(adapters=service.loras.register(instance.adapters, job.loras)))
