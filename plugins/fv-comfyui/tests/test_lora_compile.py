@@ -276,3 +276,58 @@ def test_a_file_made_for_the_other_expert_is_refused_on_this_chain(lora_service:
     prompt["85"]["inputs"]["lora_name"] = "low_expert_diffusers.safetensors"  # on its own expert's chain: fine
     (job,) = lora_service.check(prompt).jobs
     assert job.loras[1].components == ("transformer_2",)
+
+
+def test_ui_workflows_with_lora_nodes_convert_and_compile(lora_service: Any) -> None:
+    """The editor's saved workflow (what a user downloads from the template browser) with a LoraLoader
+    between the loaders and the rest, and a bypassed LoraLoaderModelOnly (mode 4) that passes its model through."""
+    from fv_comfyui.convert import ui_to_api
+
+    ui = copy.deepcopy(load_pair("text_to_video_wan")[0])
+    ui["links"] = [link for link in ui["links"] if link[0] not in (74, 75, 94)]
+    ui["links"] += [[200, 37, 0, 91, 0, "MODEL"], [201, 91, 0, 90, 0, "MODEL"], [202, 38, 0, 90, 1, "CLIP"],
+                    [203, 90, 0, 48, 0, "MODEL"], [204, 90, 1, 6, 0, "CLIP"], [205, 90, 1, 7, 0, "CLIP"]]
+    by_id = {node["id"]: node for node in ui["nodes"]}
+    by_id[48]["inputs"][0]["link"], by_id[6]["inputs"][0]["link"], by_id[7]["inputs"][0]["link"] = 203, 204, 205
+    ui["nodes"] += [
+        {"id": 91, "type": "LoraLoaderModelOnly", "mode": 4, "inputs": [{"name": "model", "type": "MODEL", "link": 200}],
+         "outputs": [{"name": "MODEL", "type": "MODEL", "links": [201]}], "widgets_values": [HIGH, 1.0]},
+        {"id": 90, "type": "LoraLoader", "mode": 0,
+         "inputs": [{"name": "model", "type": "MODEL", "link": 201}, {"name": "clip", "type": "CLIP", "link": 202}],
+         "outputs": [{"name": "MODEL", "type": "MODEL", "links": [203]}, {"name": "CLIP", "type": "CLIP", "links": [204, 205]}],
+         "widgets_values": ["style/ink.safetensors", 0.6, 0.6]},
+    ]
+    api = ui_to_api(ui)
+    assert "91" not in api  # bypassed: its input passes through
+    assert api["90"]["inputs"] == {"model": ["37", 0], "clip": ["38", 0], "lora_name": "style/ink.safetensors",
+                                   "strength_model": 0.6, "strength_clip": 0.6}
+    (job,) = lora_service.check(retarget(api)).jobs
+    assert [(u.node_id, u.class_type, u.adapter, u.scale) for u in job.loras] == [("90", "LoraLoader", "comfy.style.ink", 0.6)]
+
+
+def test_registration_reads_a_file_once_per_registry_and_again_when_it_changes(lora_service: Any, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from fv_kernel.api import AdapterRegistry, converter_for
+
+    folder = tmp_path / "loras"
+    comfy_lora(folder / HIGH, seed=1)
+    comfy_lora(folder / LOW, seed=2)
+    library = LoraLibrary(LoraFolder(folder))
+    service = copy.copy(lora_service)
+    service.loras = library
+    (job,) = service.check(_template()).jobs
+    card = job.card
+    registry = AdapterRegistry(converter_for(card))
+    added: list[str] = []
+    real = registry.add_file
+    monkeypatch.setattr(registry, "add_file", lambda path, **kw: added.append(kw["name"]) or real(path, **kw))
+    refs = library.register(registry, job.loras)
+    assert [r.name for r in refs] == [u.adapter for u in job.loras] and len(added) == 2
+    library.register(registry, job.loras)
+    assert len(added) == 2  # already registered, file unchanged
+    comfy_lora(folder / LOW, seed=5, rank=3)  # the file replaced on disk
+    library.register(registry, job.loras)
+    assert added[2:] == [job.loras[1].adapter]
+    other = AdapterRegistry(converter_for(card))  # another engine's registry knows nothing yet
+    library.register(other, job.loras)
+    assert {i.name for i in other.list()} == {u.adapter for u in job.loras}
