@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from fv_kernel.cache.adapters import AdapterSettings
 from fv_kernel.model.validate import RequestLimits
 from fv_kernel.compute.compile import ComputeOptions
 from fv_kernel.errors import FvError
@@ -20,6 +21,7 @@ from fv_kernel.extend.registry import ExtensionSettings
 from fv_kernel.parallel.plan import ParallelPlan
 from fv_kernel.plugins.config import PluginsConfig
 from fv_kernel.request.types import Precision
+from fv_kernel.runtime.admission import parse_bytes
 from fv_kernel.runtime.scheduler import SchedulerConfig
 
 __all__ = ["CardDeployment", "DeployConfig", "DeployConfigError", "ServerConfig", "load_deploy_config"]
@@ -101,6 +103,23 @@ class DeployConfig(BaseModel):
     #: The pool's parallel plan (``docs/parallelism.md``); None: one process, one device.
     #: Checked against every card before any process group or weight exists.
     parallel: ParallelPlan | None = None
+    #: LoRA adapters (docs/adapters.md): where they come from, their memory tiers, the stack size
+    #: and the merge policy. None (the default): adapters are off and a request naming one is refused.
+    adapters: AdapterSettings | None = None
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _adapter_sizes(cls, value: Any) -> Any:
+        # Byte sizes may be written as in scheduler.budgets ("512MiB", "2GiB").
+        if isinstance(value, dict):
+            value = dict(value)
+            for key in ("max_file_bytes", "cpu_budget_bytes", "device_budget_bytes"):
+                if isinstance(value.get(key), str):
+                    try:
+                        value[key] = parse_bytes(value[key])
+                    except ValueError as exc:
+                        raise ValueError(f"{key}: {exc}") from None
+        return value
 
     @field_validator("cards", mode="before")
     @classmethod

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Callable, Literal, Mapping
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fv_kernel.card.adapters import (
     ADAPTER_SUFFIX, ASSUMES_LOOP_KEY, ASSUMES_STEPS_KEY, AdapterFile, read_adapter_bytes, read_adapter_file,
@@ -67,6 +67,20 @@ class AdapterSettings(BaseModel):
     #: when the cost model says that pays; ``never``: always per row. Exact requests never merge.
     merge: Literal["never", "auto"] = "auto"
 
+    @field_validator("directory")
+    @classmethod
+    def _directory_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_dir():
+            raise ValueError(f"{str(value)!r} is not a directory (the adapters to register at start)")
+        return value
+
+    @model_validator(mode="after")
+    def _distinct_directories(self) -> "AdapterSettings":
+        if self.upload_directory is not None and self.directory is not None and \
+                self.upload_directory.resolve() == self.directory.resolve():
+            raise ValueError("upload_directory must differ from directory: uploads are named by version, not by name")
+        return self
+
 
 class AdapterInfo(BaseModel):
     """What the registry knows of one adapter version (``fv adapters list``, ``GET /v1/adapters``)."""
@@ -99,6 +113,8 @@ class TierStats:
     bytes: int = 0
     entries: int = 0
     evictions: int = 0
+    #: Entries brought in (a file read and converted, or a copy to the device).
+    loads: int = 0
 
 
 @dataclass
@@ -114,6 +130,7 @@ class _Tier:
     entries: "OrderedDict[Any, tuple[dict[str, Any], int]]" = field(default_factory=OrderedDict)
     used: int = 0
     evictions: int = 0
+    loads: int = 0
 
 
 def _weights_bytes(weights: Mapping[str, Any]) -> int:
@@ -298,6 +315,12 @@ class AdapterRegistry:
             )
         tier.entries[key] = (weights, size)
         tier.used += size
+        tier.loads += 1
+
+    def stage(self, version: str) -> None:
+        """Bring ``version`` into the CPU tier (read and converted from disk if it is not there):
+        the slow half of a load, run off the device thread."""
+        self._cpu_weights(version)
 
     def _cpu_weights(self, version: str) -> dict[str, Any]:
         with self._lock:
@@ -381,9 +404,9 @@ class AdapterRegistry:
             return self._versions[version].info.weight_bytes
 
     def stats(self) -> dict[str, TierStats]:
-        """Bytes, entries and evictions per tier: ``cpu`` and each device."""
+        """Bytes, entries and evictions per tier: ``host`` (the CPU tier), then each device by name."""
         with self._lock:
-            out = {"cpu": TierStats(self._cpu.used, len(self._cpu.entries), self._cpu.evictions)}
+            out = {"host": TierStats(self._cpu.used, len(self._cpu.entries), self._cpu.evictions, self._cpu.loads)}
             for device, tier in self._device.items():
-                out[device] = TierStats(tier.used, len(tier.entries), tier.evictions)
+                out[device] = TierStats(tier.used, len(tier.entries), tier.evictions, tier.loads)
             return out

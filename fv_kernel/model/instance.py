@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -20,10 +21,10 @@ from fv_kernel.cache.adapters import AdapterInfo, AdapterRegistry
 from fv_kernel.cache.paged_kv import PagedKVPool
 from fv_kernel.compute.lora import AdapterError, MergedAdapters, RowAdapters, merge_adapters
 from fv_kernel.card.refs import import_object
-from fv_kernel.card.spec import LoopSpec, ModelCard
+from fv_kernel.card.spec import LoopSpec, ModelCard, StepCostSpec
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.loop.contract import Loop
-from fv_kernel.loop.plan import StepOp
+from fv_kernel.loop.plan import StepOp, TensorDict
 from fv_kernel.model.adapters import combined_stack
 from fv_kernel.model.preflight import preflight
 from fv_kernel.card.recipe import check_recipe_attention
@@ -33,7 +34,23 @@ from fv_kernel.program.base import Program, program_for
 from fv_kernel.request.request import Request
 from fv_kernel.request.types import TaskType
 
-__all__ = ["ModelInstance", "loop_class_for", "build_instance"]
+__all__ = [
+    "ModelInstance", "MergeGate", "loop_class_for", "build_instance", "ADAPTER_LOOP", "ADAPTER_LOAD_OP",
+    "ADAPTER_LOAD_COST", "ADAPTER_MERGE_COST",
+]
+
+#: The kernel's own step that copies an adapter to the instance's device (a ``cache_io`` unit the
+#: scheduler runs between other requests' steps), under this loop id.
+ADAPTER_LOOP = "fv.adapters"
+ADAPTER_LOAD_OP = "fv.adapter_load"
+#: Declared price of an adapter load: per byte, at a conservative 8 GB/s host-to-device copy; the
+#: profiler calibrates it from the loads it times.
+ADAPTER_LOAD_COST = StepCostSpec(unit="bytes", fixed_seconds=1e-4, per_unit_seconds=1.0 / 8e9, precision_factor={},
+                                 conservative_factor=1.5)
+#: Declared price of merging (or unmerging) a stack: per parameter element rewritten; calibrated
+#: from the transitions the instance times.
+ADAPTER_MERGE_COST = StepCostSpec(unit="params", fixed_seconds=1e-4, per_unit_seconds=2e-9, precision_factor={},
+                                  conservative_factor=1.0)
 
 log = logging.getLogger("fv.card")
 
@@ -74,6 +91,9 @@ class ModelInstance:
     adapters: AdapterRegistry | None = None
     #: Per component, the stack merged into its weights now: ((version, scale), ...) and the restore.
     _merged: dict[str, tuple[tuple[tuple[str, float], ...], MergedAdapters]] = field(default_factory=dict)
+    #: Set by the executor around each batch it runs (on the device thread): merge or per row.
+    merge_gate: "MergeGate | None" = None
+    _profiles: dict[tuple[str, tuple[str, ...]], tuple[float, int]] = field(default_factory=dict)
 
     @property
     def model_id(self) -> str:
@@ -140,10 +160,23 @@ class ModelInstance:
         return self.components[component_id]
 
     def op(self, name: str) -> StepOp:
+        if name == ADAPTER_LOAD_OP and self.adapters is not None:
+            return StepOp(ADAPTER_LOAD_OP, self._load_adapter, batch_invariant=True)
         try:
             return self._ops[name]
         except KeyError:
             raise KeyError(f"instance of {self.model_id!r} has no op {name!r} (loaded: {sorted(self._ops)})") from None
+
+    def _load_adapter(self, inputs: TensorDict, params: Mapping[str, Any]) -> TensorDict:
+        assert self.adapters is not None
+        self.adapters.load(params["version"], self.device)
+        return {}
+
+    def step_cost(self, loop_id: str) -> StepCostSpec:
+        """The declared price of a step of ``loop_id``: the card loop's, or the kernel's adapter loads'."""
+        if loop_id == ADAPTER_LOOP:
+            return ADAPTER_LOAD_COST
+        return self.card.loops[loop_id].step_cost
 
     @property
     def ops(self) -> Mapping[str, StepOp]:
@@ -234,53 +267,123 @@ class ModelInstance:
     def row_adapters(self, inputs: Mapping[str, torch.Tensor], component: str) -> RowAdapters | None:
         """The per-row routing of a (batched) forward of ``component`` from its step inputs, with
         the adapters' weights from the device tier; None when no row has an adapter, or when the
-        stack every row carries is merged into the weights now."""
+        one stack every row carries is merged into the weights.
+
+        The merged-or-per-row choice is made here, where the component is known: a forward whose
+        rows all carry one stack keeps (or, when the executor's :class:`MergeGate` says it pays,
+        makes) that stack merged; any other forward first restores the base weights exactly.
+        Without a gate (an op run outside the engine) nothing new is merged.
+        """
         ids = inputs.get("adapter_ids")
         if ids is None or self.adapters is None:
             return None
         scales = inputs["adapter_scales"]
         registry = self.adapters
+        rows = self._row_stacks(ids, scales)
+        uniform = rows[0] if rows and all(row == rows[0] for row in rows) else None
+        stack = tuple((registry.version_of(i), s) for i, s in uniform) if uniform else ()
+        gate = self.merge_gate
+        allowed = gate is None or gate.allow_merge
         merged = self._merged.get(component)
         if merged is not None:
-            want = tuple((registry.id_of(v), s) for v, s in merged[0])
-            rows = self._row_stacks(ids, scales)
-            if any(row != want for row in rows):
-                raise AdapterError(
-                    f"component {component!r} has a stack merged into its weights, and this forward has rows with "
-                    "another; the executor unmerges before such a batch", param="adapters",
-                )
-            return None
+            if stack and stack == merged[0] and allowed:
+                return None
+            self._transition(component, (), gate)
+        if stack and gate is not None and gate.allow_merge:
+            if gate.should_merge(self, component, stack, *self._stack_profile(component, stack)):
+                self._transition(component, stack, gate)
+                return None
+        elif gate is not None:
+            gate.note_mixed(self, component)
 
         def lookup(adapter_id: int) -> Any:
             return registry.weights(registry.version_of(adapter_id), component, self.device)
 
         return RowAdapters.from_ids(ids, scales, lookup)
 
+    def _stack_profile(self, component: str, stack: tuple[tuple[str, float], ...]) -> tuple[float, int]:
+        """What merging ``stack`` into ``component`` trades: the per-row updates' multiply-adds as a
+        fraction of the component's linears' (a forward's extra cost unmerged), and the parameter
+        elements a merge rewrites."""
+        key = (component, tuple(v for v, _ in stack))
+        cached = self._profiles.get(key)
+        if cached is not None:
+            return cached
+        assert self.adapters is not None
+        root = self.components[component]
+        base = sum(m.in_features * m.out_features for m in root.modules() if isinstance(m, nn.Linear)) or 1
+        params = dict(root.named_parameters())
+        extra, touched = 0, set()
+        for version, _ in stack:
+            weights = self.adapters.weights(version, component, self.device)
+            extra += sum(u.rank * (u.in_features + u.out_features) for u in weights.low_rank.values())
+            extra += sum(int(t.numel()) for path, t in weights.deltas.items() if path.endswith(".weight"))
+            touched |= {f"{p}.weight" for p in weights.low_rank} | {f"{p}.bias" for p, u in weights.low_rank.items() if u.bias is not None}
+            touched |= set(weights.deltas)
+        profile = (extra / base, sum(int(params[p].numel()) for p in touched if p in params))
+        self._profiles[key] = profile
+        return profile
+
+    def _transition(self, component: str, stack: tuple[tuple[str, float], ...], gate: "MergeGate | None") -> None:
+        """Merge ``stack`` (or, empty, only unmerge), timed and reported to ``gate`` (the cost model)."""
+        started = time.perf_counter()
+        elements = self.merge_stack(component, stack)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if gate is not None and elements:
+            gate.note_transition(self, component, elements, time.perf_counter() - started)
+
     def merged_stack(self, component: str) -> tuple[tuple[str, float], ...] | None:
         """The stack (``(version, strength)`` pairs) merged into ``component`` now, if any."""
         merged = self._merged.get(component)
         return None if merged is None else merged[0]
 
-    def merge_stack(self, component: str, stack: tuple[tuple[str, float], ...]) -> None:
+    def merge_stack(self, component: str, stack: tuple[tuple[str, float], ...]) -> int:
         """Merge ``stack`` (``(version, strength)`` pairs) into ``component``'s weights, unmerging
-        (an exact restore) whatever stack was merged before. An empty stack only unmerges."""
+        (an exact restore) whatever stack was merged before; an empty stack only unmerges. Returns
+        the parameter elements rewritten (0 when nothing changed)."""
         if self.merged_stack(component) == stack:
-            return
-        self.unmerge(component)
+            return 0
+        elements = self.unmerge(component)
         if not stack:
-            return
+            return elements
         assert self.adapters is not None
         root = self.components[component]
         if not isinstance(root, nn.Module):
             raise AdapterError(f"component {component!r} is not a torch module; adapters cannot merge into it")
         weights = [(self.adapters.weights(version, component, self.device), scale) for version, scale in stack]
-        self._merged[component] = (stack, merge_adapters(root, weights))
+        merged = merge_adapters(root, weights)
+        self._merged[component] = (stack, merged)
+        return elements + sum(int(t.numel()) for t in merged.originals.values())
 
-    def unmerge(self, component: str) -> None:
-        """Restore ``component``'s base weights bit-exactly, if a stack is merged into them."""
+    def unmerge(self, component: str) -> int:
+        """Restore ``component``'s base weights bit-exactly, if a stack is merged into them; returns
+        the parameter elements restored."""
         merged = self._merged.pop(component, None)
-        if merged is not None:
-            merged[1].restore()
+        if merged is None:
+            return 0
+        elements = sum(int(t.numel()) for t in merged[1].originals.values())
+        merged[1].restore()
+        return elements
+
+    def unmerge_all(self) -> None:
+        """Every component's base weights back (before a weight sync, or when adapters change)."""
+        for component in list(self._merged):
+            self.unmerge(component)
+
+
+class MergeGate(Protocol):
+    """The executor's say, for one batch, in whether a stack is merged (``fv_kernel.runtime.executor``)."""
+
+    #: False for an exact batch or a deployment with ``adapters.merge: never``: nothing is merged.
+    allow_merge: bool
+
+    def should_merge(self, instance: ModelInstance, component: str, stack: tuple[tuple[str, float], ...],
+                     flop_fraction: float, elements: int) -> bool: ...
+
+    def note_mixed(self, instance: ModelInstance, component: str) -> None: ...
+
+    def note_transition(self, instance: ModelInstance, component: str, elements: int, seconds: float) -> None: ...
 
 
 def build_instance(card: ModelCard, options: InstanceOptions | None = None) -> ModelInstance:

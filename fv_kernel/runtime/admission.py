@@ -99,6 +99,9 @@ class Reservation:
     pool_blocks: dict[str, int] = field(default_factory=dict)
     #: The device the bytes are reserved on (``"cuda:0"``, ``"cpu"``).
     device: str = DEFAULT_DEVICE
+    #: The adapter versions the request uses, with their bytes on the device. Requests share an
+    #: adapter's copy, so each version is counted once per device however many hold it.
+    adapters: dict[str, int] = field(default_factory=dict)
 
     @property
     def remaining_seconds(self) -> float:
@@ -122,6 +125,8 @@ class AdmissionController:
     _memory: dict[str, tuple[int, str]] = field(default_factory=dict)
     #: Capacity in blocks of every registered block pool, by engine-wide key.
     _pools: dict[str, int] = field(default_factory=dict)
+    #: Bytes the adapters in use may take per device (``adapters.device_budget_bytes``).
+    _adapter_capacity: dict[str, int] = field(default_factory=dict)
 
     # -- capacity ------------------------------------------------------------------
     def set_memory_capacity(self, device: str, capacity_bytes: int, basis: str = "") -> None:
@@ -143,6 +148,17 @@ class AdmissionController:
             return f" ({sized[1]})"
         return " (scheduler.budgets.memory_bytes)" if self.budgets.fixed_memory_bytes is not None else ""
 
+    def set_adapter_capacity(self, device: str, capacity_bytes: int) -> None:
+        """The bytes the adapters of admitted requests may take on ``device`` together."""
+        self._adapter_capacity[device] = capacity_bytes
+
+    def adapter_bytes_in_use(self, device: str, extra: Reservation | None = None) -> int:
+        """Bytes of the distinct adapter versions the admitted requests (and ``extra``) use on ``device``."""
+        versions: dict[str, int] = {}
+        for r in self._on(device) + ([extra] if extra is not None else []):
+            versions.update(r.adapters)
+        return sum(versions.values())
+
     def register_pool(self, key: str, capacity_blocks: int) -> None:
         """Make a block pool part of admission: its blocks are reserved against ``capacity_blocks``."""
         if key in self._pools:
@@ -162,7 +178,9 @@ class AdmissionController:
         return [r for r in self._held.values() if device is None or r.device == device]
 
     def resident_in_use(self, device: str | None = None) -> int:
-        return sum(r.resident_bytes for r in self._on(device))
+        """Residents' bytes on ``device`` (all when None), with each adapter version in use once."""
+        devices = {r.device for r in self._held.values()} if device is None else {device}
+        return sum(r.resident_bytes for r in self._on(device)) + sum(self.adapter_bytes_in_use(d) for d in devices)
 
     def memory_in_use(self, device: str | None = None) -> int:
         """Reserved bytes on ``device`` (all devices when None): every resident plus the largest peak."""
@@ -171,7 +189,7 @@ class AdmissionController:
         for d in devices:
             held = self._on(d)
             if held:
-                total += sum(r.resident_bytes for r in held) + max(r.peak_bytes for r in held)
+                total += self.resident_in_use(d) + max(r.peak_bytes for r in held)
         return total
 
     def peak_headroom(self) -> int | None:
@@ -193,10 +211,14 @@ class AdmissionController:
     def why_not(self, want: Reservation) -> str | None:
         """The resource that blocks ``want`` now, or None if it fits."""
         b = self.budgets
+        adapter_capacity = self._adapter_capacity.get(want.device)
+        if want.adapters and adapter_capacity is not None and self.adapter_bytes_in_use(want.device, want) > adapter_capacity:
+            return "adapter_memory"
         limit = self.memory_limit(want.device)
         if limit is not None:
             held = self._on(want.device)
-            resident = sum(r.resident_bytes for r in held) + want.resident_bytes
+            # Adapters in use sit beside the residents (each version once).
+            resident = sum(r.resident_bytes for r in held) + want.resident_bytes + self.adapter_bytes_in_use(want.device, want)
             peak = max([want.peak_bytes, *(r.peak_bytes for r in held)])
             if resident + peak > limit:
                 return "memory"
@@ -219,10 +241,16 @@ class AdmissionController:
     def never_fits(self, want: Reservation) -> str | None:
         """The resource ``want`` exceeds even with nothing else admitted (a request that can never run)."""
         b = self.budgets
+        adapter_capacity = self._adapter_capacity.get(want.device)
+        adapter_bytes = sum(want.adapters.values())
+        if adapter_capacity is not None and adapter_bytes > adapter_capacity:
+            return (f"needs {adapter_bytes} bytes of adapters on {want.device} ({len(want.adapters)} adapter version(s)); "
+                    f"the adapter budget there is {adapter_capacity} bytes (adapters.device_budget_bytes)")
         limit = self.memory_limit(want.device)
-        if limit is not None and want.memory_bytes > limit:
-            return (f"needs {want.memory_bytes} bytes of memory on {want.device} (resident {want.resident_bytes} "
-                    f"+ peak {want.peak_bytes}); the budget there is {limit} bytes{self._memory_basis(want.device)}")
+        if limit is not None and want.memory_bytes + adapter_bytes > limit:
+            return (f"needs {want.memory_bytes + adapter_bytes} bytes of memory on {want.device} (resident "
+                    f"{want.resident_bytes} + peak {want.peak_bytes} + adapters {adapter_bytes}); the budget there is "
+                    f"{limit} bytes{self._memory_basis(want.device)}")
         for key, blocks in want.pool_blocks.items():
             capacity = self._pool_capacity(key)
             if blocks > capacity:
@@ -238,7 +266,7 @@ class AdmissionController:
             raise ValueError(f"request {want.request_id} is already admitted")
         impossible = self.never_fits(want)
         if impossible is not None:
-            raise CapacityError(f"request {want.request_id} {impossible}", param="size")
+            raise CapacityError(f"request {want.request_id} {impossible}", param="adapters" if "adapters.device_budget" in impossible else "size")
         reason = self.why_not(want)
         if reason is not None:
             self.rejections[reason] = self.rejections.get(reason, 0) + 1

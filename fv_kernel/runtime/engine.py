@@ -27,6 +27,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
 
+from fv_kernel.cache.adapters import AdapterRegistry
 from fv_kernel.cache.feature import FeatureCache
 from fv_kernel.errors import FvError, QueueFull, RequestCancelled, StepFailed, UnknownModel
 from fv_kernel.extend.hooks import RequestHooks
@@ -34,8 +35,8 @@ from fv_kernel.extend.observers import BlockObserver, Observer, StepRecord
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.loop.contract import LoopContext
 from fv_kernel.loop.driver import LoopCancelled
-from fv_kernel.loop.plan import CancelScope, StepResult, WorkPlan
-from fv_kernel.model.instance import ModelInstance
+from fv_kernel.loop.plan import CancelScope, ShapeSignature, StepResult, WorkKind, WorkPlan
+from fv_kernel.model.instance import ADAPTER_LOAD_OP, ADAPTER_LOOP, ModelInstance
 from fv_kernel.model.validate import RequestLimits, resolve_for_instance
 from fv_kernel.program.base import Program
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun, run_program
@@ -70,8 +71,12 @@ class Engine:
         profile: bool = True,
         hooks: Any = None,
         extensions: ExtensionSet | None = None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         self.config = config or SchedulerConfig()
+        #: The deployment's adapter registry (docs/adapters.md); None: adapters are off. Every
+        #: instance added shares it.
+        self.adapters = adapters
         self.limits = limits or RequestLimits()
         self.cost_model = cost_model or CostModel()
         self.profiler = Profiler(self.cost_model) if profile else None
@@ -99,12 +104,14 @@ class Engine:
         self._stopping = False
         #: Weight syncs done per model id (names the next weights_version).
         self._syncs: dict[str, int] = {}
+        #: Adapter loads in flight, per (instance id, version): co-arriving requests share one.
+        self._adapter_loads: dict[tuple[str, str], asyncio.Future[None]] = {}
 
     def make_executor(self) -> Executor:
         """The executor batches run on (a subclass may announce each batch, as a parallel pool's rank 0 does)."""
         return Executor(
             self._by_instance_id, self.metrics, batching=self.config.batching, check_finite=self.config.check_finite,
-            device_thread=self.config.device_thread,
+            device_thread=self.config.device_thread, cost_model=self.cost_model,
         )
 
     # -- instances ----------------------------------------------------------------
@@ -112,7 +119,11 @@ class Engine:
         if instance.model_id in self._instances:
             raise ValueError(f"an instance of {instance.model_id!r} is already resident")
         self.extensions.check_cards([instance.card])
-        self.scheduler.memory.add_instance(instance)  # fails here, typed, for an unsizable device
+        device = self.scheduler.memory.add_instance(instance)  # fails here, typed, for an unsizable device
+        if self.adapters is not None:
+            instance.adapters = self.adapters
+        if instance.adapters is not None:
+            self.admission.set_adapter_capacity(device, instance.adapters.settings.device_budget_bytes)
         for name, pool in instance.block_pools().items():
             self.admission.register_pool(pool_key(instance, name), pool.capacity_blocks)
         self._instances[instance.model_id] = instance
@@ -301,6 +312,8 @@ class Engine:
         self.scheduler.frozen.add(model_id)
         try:
             await self._drain(instance)
+            # A merged adapter stack's restore would otherwise write the old weights back over the new.
+            await self.executor.on_device(instance.unmerge_all)
             await self.executor.on_device(load, instance)  # never concurrently with a batch
             count = self._syncs.get(model_id, 0) + 1
             self._syncs[model_id] = count
@@ -363,8 +376,10 @@ class Engine:
             services=self.services,
             hooks=self.hooks_for(record.instance, request),
         )
+        adapters = self._pin_adapters(record)
         try:
             await self._loads.ensure(record.instance, request.task)
+            await self._stage_adapters(record, adapters)
             artifacts = await run_program(program, record.instance, ctx, run=record.program_run)
         except (LoopCancelled, RequestCancelled) as exc:
             partial = exc.partial.artifacts if isinstance(exc, LoopCancelled) and exc.partial else []
@@ -391,6 +406,8 @@ class Engine:
                     self.hooks.request_finished(request.request_id, record.status)
                 except Exception:  # noqa: BLE001 - a plugin's listener must not fail the request
                     log.exception("fv_request_finished hook failed")
+            if adapters and record.instance.adapters is not None:
+                record.instance.adapters.release(adapters, record.instance.device)
             self.scheduler.running.pop(request.request_id, None)
             self._retire(request.request_id)
             for unit in self.scheduler.pending.drop_request(request.request_id):
@@ -398,6 +415,44 @@ class Engine:
                     unit.future.cancel()
             self.admission.release(request.request_id)
             self._kick()
+
+    def _pin_adapters(self, record: RequestRecord) -> list[str]:
+        """Pin the admitted request's adapter versions on its device: never evicted while it runs
+        (admission reserved their bytes). Returns the versions pinned."""
+        registry = record.instance.adapters
+        versions = list(record.reservation.adapters) if record.reservation is not None else []
+        if registry is None or not versions:
+            return []
+        registry.acquire(versions, record.instance.device)
+        return versions
+
+    async def _stage_adapters(self, record: RequestRecord, versions: list[str]) -> None:
+        """Bring the request's adapters onto its device before its first step. Reading and
+        converting a file (disk to the CPU tier) runs off the device thread, beside other requests'
+        steps; the copy to the device is a priced ``cache_io`` unit the scheduler runs between them."""
+        instance, registry = record.instance, record.instance.adapters
+        assert self._loop is not None
+        for version in versions:
+            assert registry is not None
+            while not registry.resident(version, instance.device):
+                key = (instance.instance_id, version)
+                shared = self._adapter_loads.get(key)
+                if shared is not None:  # another request is loading it: wait for that one load
+                    await asyncio.shield(shared)
+                    continue  # resident now, unless that load failed: then this request tries itself
+                shared = self._adapter_loads[key] = self._loop.create_future()
+                try:
+                    await asyncio.to_thread(registry.stage, version)
+                    size = registry.weight_bytes(version)
+                    plan = WorkPlan(
+                        loop_id=ADAPTER_LOOP, instance_id=instance.instance_id, kind=WorkKind.CACHE_IO,
+                        op=ADAPTER_LOAD_OP, params={"version": version}, shape_sig=ShapeSignature.of(bytes=size),
+                        precision="any", tag="adapter load",
+                    )
+                    await self._enqueue(record, plan)
+                finally:
+                    self._adapter_loads.pop(key, None)
+                    shared.set_result(None)
 
     def _retire(self, request_id: str) -> None:
         self._store.retire(request_id)
@@ -484,7 +539,7 @@ class Engine:
             shape_sig=plan.shape_sig, precision=plan.precision,
             request_ids=tuple(u.request_id for u in batch), steps=tuple(u.plan.step_index or 0 for u in batch),
             wall_seconds=wall, device_seconds=device_s, predicted_seconds=sum(u.price_seconds for u in batch),
-            cost_spec=instance.card.loops[plan.loop_id].step_cost, failed=failed, fused=fused,
+            cost_spec=instance.step_cost(plan.loop_id), failed=failed, fused=fused,
         )
         for observer in self.observers:
             try:

@@ -18,12 +18,13 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple
 import torch
 
 from fv_kernel.errors import FvError, NonFiniteOutput, StepFailed
-from fv_kernel.loop.plan import StepOp, StepResult
-from fv_kernel.model.instance import ModelInstance
+from fv_kernel.loop.plan import ShapeSignature, StepOp, StepResult
+from fv_kernel.model.instance import ADAPTER_MERGE_COST, ModelInstance
 from fv_kernel.runtime.batching import WorkUnit
+from fv_kernel.runtime.cost import CostKey, CostModel
 from fv_kernel.runtime.metrics import EngineMetrics
 
-__all__ = ["Executor", "BatchOutcome", "check_finite"]
+__all__ = ["Executor", "BatchOutcome", "check_finite", "MergePolicy", "merge_cost_key"]
 
 log = logging.getLogger("fv.engine")
 
@@ -38,6 +39,65 @@ class BatchOutcome(NamedTuple):
     fused: tuple[bool, ...]
 
 
+def merge_cost_key(instance: ModelInstance, elements: int) -> CostKey:
+    """The cost-model key of merging (or unmerging) ``elements`` parameter elements of ``instance``."""
+    return CostKey(instance.instance_id, "adapter_merge", ShapeSignature.of(params=elements), "any")
+
+
+class MergePolicy:
+    """When a run of forwards that all carry one adapter stack merges it into the weights.
+
+    Merging costs a weight transition now and another later (the exact restore); not merging costs
+    every forward its per-row updates. Neither the run's length nor its end is known when it
+    starts, so the policy is the classic rent-or-buy rule: the per-row cost the run has paid so far
+    (each forward's predicted price times the updates' share of the component's multiply-adds)
+    accumulates, and the stack is merged once it reaches the predicted price of the merge and the
+    unmerge. Such a run never costs more than twice the best choice made knowing its length. Both
+    prices come from the cost model; every transition the instance times calibrates the merge's.
+    A forward with mixed stacks ends the run. Exact batches never merge (a merge changes rounding).
+    """
+
+    def __init__(self, cost_model: CostModel, metrics: EngineMetrics) -> None:
+        self.cost_model = cost_model
+        self.metrics = metrics
+        #: Per (instance id, component): the stack of the run in progress and its per-row cost so far.
+        self._runs: dict[tuple[str, str], tuple[tuple[tuple[str, float], ...], float]] = {}
+
+    def gate(self, instance: ModelInstance, batch: list[WorkUnit], *, allow: bool) -> "_BatchGate":
+        return _BatchGate(self, allow, sum(unit.price_seconds for unit in batch))
+
+    def merge_price(self, instance: ModelInstance, elements: int) -> float:
+        return self.cost_model.predict(merge_cost_key(instance, elements), ADAPTER_MERGE_COST)
+
+
+class _BatchGate:
+    """One batch's view of the :class:`MergePolicy` (``ModelInstance.merge_gate`` while it runs)."""
+
+    def __init__(self, policy: MergePolicy, allow: bool, price_seconds: float) -> None:
+        self.policy = policy
+        self.allow_merge = allow
+        self.price_seconds = price_seconds
+
+    def should_merge(self, instance: ModelInstance, component: str, stack: tuple[tuple[str, float], ...],
+                     flop_fraction: float, elements: int) -> bool:
+        key = (instance.instance_id, component)
+        run_stack, paid = self.policy._runs.get(key, (stack, 0.0))
+        paid = (paid if run_stack == stack else 0.0) + self.price_seconds * flop_fraction
+        if paid >= 2 * self.policy.merge_price(instance, elements):
+            self.policy._runs.pop(key, None)
+            return True
+        self.policy._runs[key] = (stack, paid)
+        return False
+
+    def note_mixed(self, instance: ModelInstance, component: str) -> None:
+        self.policy._runs.pop((instance.instance_id, component), None)
+
+    def note_transition(self, instance: ModelInstance, component: str, elements: int, seconds: float) -> None:
+        self.policy.cost_model.observe(merge_cost_key(instance, elements), ADAPTER_MERGE_COST, seconds)
+        self.policy.metrics.adapter_transitions += 1
+        self.policy.metrics.adapter_transition_seconds += seconds
+
+
 class Executor:
     """Runs batches on one device thread (or inline on the event loop), alone or fused."""
 
@@ -49,6 +109,7 @@ class Executor:
         batching: Literal["exact", "throughput"],
         check_finite: bool,
         device_thread: bool,
+        cost_model: CostModel | None = None,
     ) -> None:
         #: The engine's instances by instance id (shared: instances added later are seen).
         self._instances = instances
@@ -57,6 +118,8 @@ class Executor:
         self.check_finite = check_finite
         self.device_thread = device_thread
         self._device: concurrent.futures.ThreadPoolExecutor | None = None
+        #: Merged or per-row adapters, per batch (docs/adapters.md).
+        self.merges = MergePolicy(cost_model or CostModel(), metrics)
 
     def start(self) -> None:
         if self.device_thread and self._device is None:
@@ -119,6 +182,34 @@ class Executor:
             start_evt.record()
         together = self.fused_rows(instance, op, batch)
         outcomes: list[StepResult | BaseException | None] = [None] * len(batch)
+        if instance.adapters is not None:
+            # Merging changes rounding: an exact unit, or exact batching, keeps every stack per row.
+            allow = (instance.adapters.settings.merge == "auto" and self.batching == "throughput"
+                     and not any(unit.exact for unit in batch))
+            # A forward's price: the fused call's units together, else one unit's.
+            fused_units = [batch[i] for i in together] or [max(batch, key=lambda u: u.price_seconds)]
+            instance.merge_gate = self.merges.gate(instance, fused_units, allow=allow)
+        try:
+            done, flags, together = self._run_units(op, plan.params, batch, together, outcomes)
+        finally:
+            instance.merge_gate = None
+        device_s = None
+        if cuda and start_evt is not None and end_evt is not None:
+            # Before any output is read: an op may hand back host tensors it copied non-blocking.
+            end_evt.record()
+            end_evt.synchronize()
+            device_s = start_evt.elapsed_time(end_evt) / 1000.0
+        if flags is not None:
+            done = flags.verdicts(batch)
+        return BatchOutcome(done, device_s, tuple(index in set(together) for index in range(len(batch))))
+
+    def _run_units(
+        self, op: StepOp, params: Mapping[str, Any], batch: list[WorkUnit], together: list[int],
+        outcomes: "list[StepResult | BaseException | None]",
+    ) -> "tuple[list[StepResult | BaseException], _FiniteFlags | None, list[int]]":
+        """The units through ``op``, the ``together`` rows fused (re-run alone if the fused call
+        raises): outcomes, their queued NaN/Inf flags, and the rows that did run fused."""
+        plan = batch[0].plan
         with torch.inference_mode():
             if together:
                 try:
@@ -138,16 +229,7 @@ class Executor:
             # The device outputs' NaN/Inf flags are queued behind the step, so the one wait below
             # covers them (read after it, they cost each batch a second wait).
             flags = _FiniteFlags(done) if self.check_finite else None
-        device_s = None
-        if cuda and start_evt is not None and end_evt is not None:
-            # Before any output is read: an op may hand back host tensors it copied non-blocking.
-            end_evt.record()
-            end_evt.synchronize()
-            device_s = start_evt.elapsed_time(end_evt) / 1000.0
-        if flags is not None:
-            done = flags.verdicts(batch)
-        fused_set = set(together)
-        return BatchOutcome(done, device_s, tuple(index in fused_set for index in range(len(batch))))
+        return done, flags, together
 
 
 def run_per_sample(op: StepOp, batch: list[WorkUnit]) -> list[StepResult | BaseException]:

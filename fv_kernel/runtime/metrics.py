@@ -29,6 +29,9 @@ class EngineMetrics:
     fused_fallbacks: dict[str, int] = field(default_factory=dict)
     #: Fused calls (rows of several requests in one call of an op), by how many requests' rows each held.
     fused_calls_by_size: dict[int, int] = field(default_factory=dict)
+    #: Adapter weight transitions (a stack merged into, or restored out of, a component) and their seconds.
+    adapter_transitions: int = 0
+    adapter_transition_seconds: float = 0.0
     completed: int = 0
     failed: int = 0
     cancelled: int = 0

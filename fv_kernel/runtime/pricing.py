@@ -10,12 +10,18 @@ instance's device.
 from __future__ import annotations
 
 from fv_kernel.loop.samplers import use_samplers
-from fv_kernel.model.instance import ModelInstance
+from fv_kernel.loop.plan import ShapeSignature, WorkKind
+from fv_kernel.model.instance import ADAPTER_LOAD_COST, ModelInstance
 from fv_kernel.request.request import Request
 from fv_kernel.runtime.admission import Reservation
-from fv_kernel.runtime.cost import CostModel
+from fv_kernel.runtime.cost import CostKey, CostModel
 
-__all__ = ["pool_key", "reservation_for"]
+__all__ = ["pool_key", "reservation_for", "adapter_load_key"]
+
+
+def adapter_load_key(instance: ModelInstance, size_bytes: int) -> CostKey:
+    """The cost-model key of copying an adapter of ``size_bytes`` to ``instance``'s device."""
+    return CostKey(instance.instance_id, WorkKind.CACHE_IO.value, ShapeSignature.of(bytes=size_bytes), "any")
 
 
 def pool_key(instance: ModelInstance, name: str) -> str:
@@ -42,7 +48,12 @@ def reservation_for(instance: ModelInstance, request: Request, cost_model: CostM
             raise ValueError(f"an estimate of {instance.model_id!r} reserves blocks of pool {name!r}; "
                              f"the instance has {sorted(pools) or 'no pools'}")
         pool_blocks[pool_key(instance, name)] = blocks
+    adapters = {info.version: info.weight_bytes for info, _ in instance.adapter_stack(request)}
+    registry = instance.adapters
+    for version, size in adapters.items():
+        if registry is not None and not registry.resident(version, instance.device):
+            seconds += cost_model.conservative(adapter_load_key(instance, size), ADAPTER_LOAD_COST)
     return Reservation(
         request.request_id, need.resident_bytes, need.peak_bytes, need.cache_blocks, seconds,
-        pool_blocks=pool_blocks, device=device,
+        pool_blocks=pool_blocks, device=device, adapters=adapters,
     )

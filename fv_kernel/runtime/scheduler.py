@@ -203,14 +203,14 @@ class Scheduler:
         """``plan`` (of a loop of ``instance``) as a unit of the loop scheduler: priced (its own
         price, else the cost model's conservative one) and kept batch-of-1 when the card's loop
         forbids batching."""
-        loop_spec = instance.card.loops[plan.loop_id]
-        if plan.batchable and not loop_spec.batchable:
+        loop_spec = instance.card.loops.get(plan.loop_id)  # None: a kernel step (an adapter load)
+        if plan.batchable and loop_spec is not None and not loop_spec.batchable:
             # The card's LoopSpec can forbid cross-request batching for every step of a loop.
             plan = plan.model_copy(update={"batchable": False})
         price = plan.resources.gpu_seconds
         if price is None:
             key = CostKey(plan.instance_id, plan.kind.value, plan.shape_sig, plan.precision)
-            price = self.cost_model.conservative(key, loop_spec.step_cost)
+            price = self.cost_model.conservative(key, instance.step_cost(plan.loop_id))
         request = record.request
         unit = WorkUnit(
             plan=plan, request_id=request.request_id, future=future, enqueued_at=time.monotonic(),

@@ -20,8 +20,10 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
+from fv_kernel.compute.lora import rows_adapted
 from fv_kernel.model.options import InstanceOptions
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.loop.plan import StepOp
@@ -247,6 +249,8 @@ class ToyDecoder(nn.Module):
 class TextEncodeState(LoopState):
     ids: torch.Tensor
     embeds: torch.Tensor | None = None
+    #: The request's adapters on the text encoder (``ModelInstance.adapter_inputs``; empty when off).
+    adapters: dict[str, torch.Tensor] = Field(default_factory=dict)
 
 
 class TextEncodeLoop(Loop[TextEncodeState]):
@@ -265,7 +269,7 @@ class TextEncodeLoop(Loop[TextEncodeState]):
             rows.append(ids + [codec.pad_id] * (ToyConfig.text_len - len(ids)))
         return TextEncodeState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
-            ids=torch.tensor(rows, dtype=torch.long),
+            ids=torch.tensor(rows, dtype=torch.long), adapters=model.adapter_inputs(request, "lm", rows=len(rows)),
         )
 
     def next(self, state: TextEncodeState) -> WorkPlan | Done:
@@ -273,7 +277,7 @@ class TextEncodeLoop(Loop[TextEncodeState]):
             return Done()
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.ENCODER_CHUNK, op="encode_text",
-            inputs={"ids": state.ids}, shape_sig=ShapeSignature.of(tokens=int(state.ids.shape[1])),
+            inputs={"ids": state.ids, **state.adapters}, shape_sig=ShapeSignature.of(tokens=int(state.ids.shape[1])),
         )
 
     def advance(self, state: TextEncodeState, result: StepResult) -> TextEncodeState:
@@ -304,6 +308,8 @@ class DenoiseState(LoopState):
     negative_embeds: torch.Tensor
     guidance: float
     total_steps: int
+    #: The request's adapters on the DiT, one row (``ModelInstance.adapter_inputs``; empty when off).
+    adapters: dict[str, torch.Tensor] = Field(default_factory=dict)
 
 
 class ToyDenoiseLoop(Loop[DenoiseState]):
@@ -334,7 +340,7 @@ class ToyDenoiseLoop(Loop[DenoiseState]):
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
             latents=latents, sampler_state=sampler.init_state(steps), rng_state=generator.get_state(),
             prompt_embeds=ctx.upstream["prompt_embeds"], negative_embeds=ctx.upstream["negative_embeds"],
-            guidance=float(d.guidance or 0.0), total_steps=steps,
+            guidance=float(d.guidance or 0.0), total_steps=steps, adapters=model.adapter_inputs(request, "dit"),
         )
 
     def next(self, state: DenoiseState) -> WorkPlan | Done:
@@ -348,7 +354,8 @@ class ToyDenoiseLoop(Loop[DenoiseState]):
         tokens = int(state.latents[0, 0].numel())
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.DIFFUSION_STEP, op="dit_forward",
-            inputs={"x": state.latents.expand(n, *state.latents.shape[1:]), "t": t, "context": context},
+            inputs={"x": state.latents.expand(n, *state.latents.shape[1:]), "t": t, "context": context,
+                    **{name: rows.expand(n, -1) for name, rows in state.adapters.items()}},
             params={"branches": n, "dispatch": self.spec.config.get("cfg_dispatch", "batched")},
             shape_sig=ShapeSignature.of(tokens=tokens, branches=n),
             emits=[], tag="+".join(branches),
@@ -591,7 +598,8 @@ def _ops(instance: ModelInstance) -> dict[str, StepOp]:
         lm: ToyLM = comps["lm"]
 
         def encode_text(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-            hidden, _ = lm.forward_with_cache(inputs["ids"], None)
+            with rows_adapted(lm, instance.row_adapters(inputs, "lm")):
+                hidden, _ = lm.forward_with_cache(inputs["ids"], None)
             return {"hidden": hidden}
 
         def lm_prefill(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -610,17 +618,25 @@ def _ops(instance: ModelInstance) -> dict[str, StepOp]:
 
         def dit_forward(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
             hooks = params.get("block_hooks")
+
+            def row(i: int) -> dict[str, torch.Tensor]:
+                return {name: tensor[i : i + 1] for name, tensor in inputs.items()}
+
             if hooks is None and params.get("dispatch") == "sequential":
-                rows = [dit(inputs["x"][i : i + 1], inputs["t"][i : i + 1], inputs["context"][i : i + 1])
-                        for i in range(inputs["x"].shape[0])]
+                rows = []
+                for i in range(inputs["x"].shape[0]):
+                    with rows_adapted(dit, instance.row_adapters(row(i), "dit")):
+                        rows.append(dit(inputs["x"][i : i + 1], inputs["t"][i : i + 1], inputs["context"][i : i + 1]))
                 return {"v": torch.cat(rows)}
             if hooks is None:
-                return {"v": dit(inputs["x"], inputs["t"], inputs["context"])}
+                with rows_adapted(dit, instance.row_adapters(inputs, "dit")):
+                    return {"v": dit(inputs["x"], inputs["t"], inputs["context"])}
             rows = []
             for i in range(inputs["x"].shape[0]):
-                prepared = dit.prepare(inputs["x"][i : i + 1], inputs["t"][i : i + 1], inputs["context"][i : i + 1])
-                hidden = hooks.run(i, ToyBlocks(dit, prepared), prepared["tokens"])
-                rows.append(dit.finish(hidden, prepared))
+                with rows_adapted(dit, instance.row_adapters(row(i), "dit")):
+                    prepared = dit.prepare(inputs["x"][i : i + 1], inputs["t"][i : i + 1], inputs["context"][i : i + 1])
+                    hidden = hooks.run(i, ToyBlocks(dit, prepared), prepared["tokens"])
+                    rows.append(dit.finish(hidden, prepared))
             return {"v": torch.cat(rows)}
 
         ops["dit_forward"] = StepOp("dit_forward", dit_forward, supports_block_hooks=True)

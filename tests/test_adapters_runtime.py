@@ -1,0 +1,192 @@
+"""Adapters in the engine: mixed stacks in one batched forward, merged runs priced by the cost
+model, admission's reservation and pins, and adapter loads as scheduled ``cache_io`` units."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from fv_kernel.cache.adapters import AdapterRegistry, AdapterSettings
+from fv_kernel.card.spec import AdapterRef
+from fv_kernel.model.adapters import convert_peft
+from fv_kernel.model.instance import ADAPTER_LOAD_COST, ModelInstance, build_instance
+from fv_kernel.request.request import DiffusionParams, Request, TextPart
+from fv_kernel.request.types import TaskType
+from fv_kernel.runtime.cost import CostModel
+from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially
+from fv_kernel.runtime.executor import MergePolicy
+from fv_kernel.runtime.metrics import EngineMetrics
+from fv_kernel.runtime.pricing import adapter_load_key
+from fv_kernel.runtime.scheduler import SchedulerConfig
+from fv_kernel.testing.adapters import peft_lora_tensors, write_peft_lora
+from fv_kernel.testing.batching import StepRecorder, run_staggered
+from fv_kernel.testing.toy import build_component, toy_card
+
+DIT_TARGETS = ("blocks.0.qkv", "blocks.1.mlp.0", "proj_out")
+
+
+def lora(tmp: Path, name: str, *, seed: int, component: str = "dit", targets: tuple[str, ...] = DIT_TARGETS) -> Path:
+    module = build_component(component, 1)
+    return write_peft_lora(tmp / f"{name}.safetensors", peft_lora_tensors(module, component, targets, seed=seed, std=0.3))
+
+
+@pytest.fixture()
+def files(tmp_path: Path) -> Path:
+    lora(tmp_path, "style", seed=0)
+    lora(tmp_path, "sketch", seed=1)
+    lora(tmp_path, "words", seed=2, component="lm", targets=("qkv.0", "out.1"))
+    return tmp_path
+
+
+def engine(files: Path, *, batching: str = "throughput", merge: str = "never", **settings: Any) -> Engine:
+    registry = AdapterRegistry(convert_peft, AdapterSettings(merge=merge, **settings))  # type: ignore[arg-type]
+    registry.scan(files)
+    eng = Engine(SchedulerConfig(device_thread=False, batching=batching), adapters=registry)  # type: ignore[arg-type]
+    eng.add_instance(build_instance(toy_card("toy-dit")))
+    return eng
+
+
+def t2v(*adapters: AdapterRef, seed: int = 0, steps: int = 4, exact: bool = False) -> Request:
+    # The toy's unipc loop runs a step's CFG rows in one forward (its euler loop runs them one by one).
+    return Request(model="toy-dit", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="a fox"),), adapters=adapters,
+                   diffusion=DiffusionParams(seed=seed, steps=steps, sampler="unipc"), exact=exact)
+
+
+MIXED = [
+    t2v(AdapterRef(name="style"), seed=1),
+    t2v(AdapterRef(name="sketch", scale=0.7), seed=1),
+    t2v(seed=1),
+    t2v(AdapterRef(name="style", scale=0.5), AdapterRef(name="words"), seed=1),
+]
+
+
+def frames(results: list[Any]) -> list[torch.Tensor]:
+    return [r.raise_for_status().artifact("video").frames for r in results]
+
+
+def test_mixed_stacks_share_fused_forwards_and_equal_each_request_alone(files: Path) -> None:
+    together_engine = engine(files)
+    together = frames(run_concurrently(together_engine, MIXED))
+    assert max(together_engine.metrics.fused_calls_by_size, default=0) >= 3  # different stacks, one call
+    alone = frames(run_serially(engine(files), MIXED))
+    for got, want in zip(together, alone):
+        assert (got - want).abs().max().item() <= 1e-6  # the toy card's batched_vs_alone tolerance
+    assert all(not torch.allclose(together[2], other, atol=1e-3) for i, other in enumerate(together) if i != 2)
+
+
+def test_exact_batching_is_bit_identical_with_mixed_stacks(files: Path) -> None:
+    together = frames(run_concurrently(engine(files, batching="exact"), MIXED))
+    alone = frames(run_serially(engine(files, batching="exact"), MIXED))
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+
+
+def test_a_shuffled_row_map_is_caught(files: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    alone = frames(run_serially(engine(files), MIXED))
+    original = ModelInstance.row_adapters
+
+    def shuffled(self: ModelInstance, inputs: Any, component: str) -> Any:
+        ids = inputs.get("adapter_ids")
+        if ids is not None and ids.shape[0] > 1:
+            inputs = {**inputs, "adapter_ids": ids.flip(0), "adapter_scales": inputs["adapter_scales"].flip(0)}
+        return original(self, inputs, component)
+
+    monkeypatch.setattr(ModelInstance, "row_adapters", shuffled)
+    together = frames(run_concurrently(engine(files), MIXED))
+    assert max((got - want).abs().max().item() for got, want in zip(together, alone)) > 1e-3
+
+
+def test_a_long_run_of_one_stack_merges_and_another_stack_restores_the_weights(files: Path) -> None:
+    eng = engine(files, merge="auto")
+    inst = eng.instances["toy-dit"]
+    dit = inst.component("dit")
+    base = {k: v.clone() for k, v in dit.state_dict().items()}
+    styled = frames(run_serially(eng, [t2v(AdapterRef(name="style"), steps=12)]))[0]
+    assert eng.metrics.adapter_transitions == 1 and inst.merged_stack("dit") is not None
+    per_row = frames(run_serially(engine(files, merge="never"), [t2v(AdapterRef(name="style"), steps=12)]))[0]
+    assert (styled - per_row).abs().max().item() <= 1e-5  # merged differs from per row by rounding only
+    plain = frames(run_serially(eng, [t2v(steps=12)]))[0]
+    assert inst.merged_stack("dit") is None and all(torch.equal(base[k], v) for k, v in dit.state_dict().items())
+    assert torch.equal(plain, frames(run_serially(engine(files), [t2v(steps=12)]))[0])
+    key_samples = [k for k in eng.cost_model.snapshot() if k["kind"] == "adapter_merge"]
+    assert key_samples and all(k["samples"] >= 1 for k in key_samples)  # transitions calibrate the merge price
+
+
+def test_merge_policy_is_rent_or_buy_on_the_cost_models_prices() -> None:
+    cost, metrics = CostModel(), EngineMetrics()
+    policy = MergePolicy(cost, metrics)
+    inst = SimpleNamespace(instance_id="i")
+    merge_price = policy.merge_price(inst, 1000)  # type: ignore[arg-type]
+    step = SimpleNamespace(price_seconds=merge_price)  # one forward costs one merge; its updates a tenth of it
+    gate = policy.gate(inst, [step], allow=True)  # type: ignore[arg-type,list-item]
+    a, b = (("va", 1.0),), (("vb", 1.0),)
+    decisions = [gate.should_merge(inst, "dit", a, 0.1, 1000) for _ in range(20)]  # type: ignore[arg-type]
+    assert decisions.index(True) == 19  # 20 forwards of updates = merge + unmerge
+    for _ in range(10):
+        gate.should_merge(inst, "dit", a, 0.1, 1000)  # type: ignore[arg-type]
+    gate.note_mixed(inst, "dit")  # type: ignore[arg-type]
+    assert not any(gate.should_merge(inst, "dit", a, 0.1, 1000) for _ in range(19))  # type: ignore[arg-type]
+    assert not gate.should_merge(inst, "dit", b, 0.1, 1000)  # type: ignore[arg-type]  # another stack: a new run
+    gate.note_transition(inst, "dit", 1000, merge_price * 10)  # type: ignore[arg-type]  # measured: 10x dearer
+    assert policy.merge_price(inst, 1000) > 5 * merge_price and metrics.adapter_transitions == 1  # type: ignore[arg-type]
+
+
+def test_exact_requests_and_merge_never_keep_stacks_per_row(files: Path) -> None:
+    exact = engine(files, merge="auto")
+    got = frames(run_serially(exact, [t2v(AdapterRef(name="style"), steps=12, exact=True)]))[0]
+    assert exact.metrics.adapter_transitions == 0
+    want = frames(run_serially(engine(files, merge="never"), [t2v(AdapterRef(name="style"), steps=12, exact=True)]))[0]
+    assert torch.equal(got, want)
+    never = engine(files, merge="never")
+    frames(run_serially(never, [t2v(AdapterRef(name="style"), steps=12)]))
+    assert never.metrics.adapter_transitions == 0
+
+
+def test_loads_are_priced_cache_io_units_run_once_per_device(files: Path) -> None:
+    eng = engine(files)
+    inst = eng.instances["toy-dit"]
+    registry = inst.adapters
+    assert registry is not None
+    request, plain = eng.validate(t2v(AdapterRef(name="style"))), eng.validate(t2v())
+    style = registry.get("style")
+    cold = eng.reservation_for(request)
+    assert cold.adapters == {style.version: style.weight_bytes}
+    load_price = eng.cost_model.conservative(adapter_load_key(inst, style.weight_bytes), ADAPTER_LOAD_COST)
+    assert cold.gpu_seconds == pytest.approx(eng.reservation_for(plain).gpu_seconds + load_price)
+    results = run_concurrently(eng, [t2v(AdapterRef(name="style"), seed=s) for s in range(3)])
+    assert all(r.status == "completed" for r in results)
+    assert eng.metrics.units_by_kind.get("cache_io") == 1 and registry.stats()["cpu"].loads == 1  # one shared load
+    assert registry.resident(style.version, "cpu") and registry.pinned(style.version, "cpu") == 0
+    assert eng.cost_model.samples(adapter_load_key(inst, style.weight_bytes)) == 1  # the profiler timed it
+    # A resident adapter's load is not priced again.
+    assert eng.reservation_for(request).gpu_seconds == pytest.approx(eng.reservation_for(plain).gpu_seconds)
+
+
+def test_admission_holds_a_request_whose_adapters_do_not_fit_beside_the_running_ones(files: Path) -> None:
+    one = AdapterRegistry(convert_peft).add_file(files / "style.safetensors").weight_bytes
+    eng = engine(files, device_budget_bytes=one)
+    results = run_concurrently(eng, [t2v(AdapterRef(name="style")), t2v(AdapterRef(name="sketch"))])
+    assert [r.status for r in results] == ["completed", "completed"]
+    assert eng.metrics.rejections.get("admission_adapter_memory", 0) >= 1  # the second waited for the first
+    too_small = engine(files, device_budget_bytes=one // 2)
+    result = run_concurrently(too_small, [t2v(AdapterRef(name="style"))])[0]
+    assert result.status == "failed" and result.error is not None and result.error.param == "adapters"
+    assert "adapters.device_budget_bytes" in result.error.message
+
+
+def test_a_load_runs_between_another_requests_steps(files: Path) -> None:
+    recorder = StepRecorder()
+    registry = AdapterRegistry(convert_peft, AdapterSettings(merge="never"))
+    registry.scan(files)
+    eng = Engine(SchedulerConfig(device_thread=False), adapters=registry, observers=[recorder])
+    eng.add_instance(build_instance(toy_card("toy-dit")))
+    first, second = t2v(steps=8, seed=1), t2v(AdapterRef(name="sketch"), steps=8, seed=2)
+    results = run_staggered(eng, [first, second], loop_id="denoise_unipc", offset=3)
+    assert [r.status for r in results] == ["completed", "completed"]
+    kinds = [(r.kind, r.request_ids) for r in recorder.records]
+    load = next(i for i, (kind, _) in enumerate(kinds) if kind == "cache_io")
+    steps_of_first = [i for i, (kind, ids) in enumerate(kinds) if kind == "diffusion_step" and first.request_id in ids]
+    assert steps_of_first[0] < load < steps_of_first[-1]  # the first request kept stepping around the load
