@@ -119,7 +119,8 @@ def run(
         host = PluginHost(deploy.plugins)
         host.start()
         loras = comfy_loras if comfy_loras is not None else loras_folder(deploy)
-        service = service_for(host, models, input_dir or workflow.parent, limits=deploy.limits, loras=loras)
+        service = service_for(host, models, input_dir or workflow.parent, limits=deploy.limits, loras=loras,
+                              adapters=deploy.adapters is not None and deploy.adapters.enabled)
         answer = service.check(document)
     except (ComfyModelsError, WorkflowFormatError, ComfySettingsError, PluginError) as exc:
         _fail(" ".join(str(exc).split()))

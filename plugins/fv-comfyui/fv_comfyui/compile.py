@@ -172,7 +172,7 @@ class _Compiler:
         self.models = models
         self.cards = cards
         self.loras = loras or LoraLibrary(None)
-        #: Cards served with adapters disabled: their LoRA nodes cannot run.
+        #: Cards run with adapters disabled: their LoRA nodes cannot run.
         self.adapters_off = adapters_off
         self.visited: list[str] = []
         #: The CLIPVisionEncode of an image-to-video chain and its crop, when there is one.
@@ -377,7 +377,7 @@ class _Compiler:
         if strength_model == 0.0 and strength_clip == 0.0:
             return None  # ComfyUI returns the node's inputs unchanged, without reading the file
         if card.model_id in self.adapters_off:
-            raise CompileError(node, f"card {card.model_id!r} is served with adapters disabled, so LoRA nodes cannot "
+            raise CompileError(node, f"card {card.model_id!r} runs with adapters disabled, so LoRA nodes cannot "
                                      "run; turn them on with an adapters: section in the deploy config", "lora_name")
         name = str(inputs["lora_name"])
         adapter = adapter_name(name, expert)

@@ -54,7 +54,8 @@ class ComfyService:
     limits: RequestLimits = field(default_factory=RequestLimits)
     #: The LoRA folder (``lora_name``'s list) and its files converted for the cards.
     loras: LoraLibrary = field(default_factory=lambda: LoraLibrary(None))
-    #: Cards served with adapters disabled (``fv serve`` knows; a LoRA node on them is refused at compile).
+    #: Cards run with adapters disabled (the deploy config has no ``adapters:`` section); a LoRA node on
+    #: them is refused at compile.
     adapters_off: frozenset[str] = frozenset()
 
     def image_path(self, name: str) -> Path | None:
@@ -154,9 +155,10 @@ def service_for(
     limits: RequestLimits | None = None,
     cards: set[str] | None = None,
     loras: Path | None = None,
+    adapters: bool = True,
 ) -> ComfyService:
     """A service over ``host``'s installed cards (or only ``cards``: what a server serves); ``loras``:
-    ComfyUI's ``models/loras`` folder."""
+    ComfyUI's ``models/loras`` folder; ``adapters``: whether the deployment has adapters on."""
     entries = CardCatalog(host).entries()
     installed = {card_id: entry.card for card_id, entry in entries.items() if cards is None or card_id in cards}
     models.check_cards(set(entries))
@@ -164,4 +166,5 @@ def service_for(
         models=models, cards=installed, input_dir=input_dir,
         sampler_names=tuple(host.registry().sampler_names()), limits=limits or RequestLimits(),
         loras=LoraLibrary(LoraFolder(loras) if loras is not None else None),
+        adapters_off=frozenset() if adapters else frozenset(installed),
     )

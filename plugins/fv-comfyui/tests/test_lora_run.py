@@ -14,12 +14,15 @@ import pytest
 import torch
 
 from conftest import MODELS_FILE, load_api, retarget
-from fv_kernel.api import AdapterRegistry, converter_for
+from fv_kernel.api import AdapterRegistry, AdapterSettings, converter_for
 from lora_files import comfy_lora
 
 HIGH = "wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors"
 LOW = "wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors"
 CARD = "wan-tiny-a14b"
+#: Adapters applied per row on every run (never merged into the weights), so two runs of one request
+#: are bit-identical: merging rounds differently, and the engine picks it by measured cost.
+PER_ROW = AdapterSettings(merge="never")
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +43,7 @@ def _engine(host: Any) -> tuple[Any, Any]:
 
     card = next(c for c in wan_cards() if c.model_id == CARD)
     instance = build_instance(card, InstanceOptions(registry=host.registry()))  # with fv-comfyui's samplers
-    instance.adapters = AdapterRegistry(converter_for(card))  # a deployment with adapters on
-    engine = Engine(SchedulerConfig())
+    engine = Engine(SchedulerConfig(), adapters=AdapterRegistry(converter_for(card), PER_ROW))  # a deployment with adapters on
     engine.add_instance(instance)
     return engine, instance
 
@@ -180,7 +182,7 @@ def test_the_runner_runs_a_lora_job_on_its_generators_engine(host: Any, input_di
     (job,) = service.check(_template()).jobs
     runner = JobRunner(loras=service.loras)
     generator = runner.generator(CARD)
-    generator.instance.adapters = AdapterRegistry(converter_for(generator.card))  # a deployment with adapters on
+    generator.instance.adapters = AdapterRegistry(converter_for(generator.card), PER_ROW)  # a deployment with adapters on
     events: list[Any] = []
     video = runner.run(job, on_event=events.append)
     steps = [(e.step, e.total) for e in events if getattr(e, "type", None) == "progress"
@@ -229,15 +231,21 @@ def test_without_adapters_a_lora_workflow_is_refused_saying_how_to_turn_them_on(
     # Negative control: the same prompt on a card with adapters on is accepted (compiled, not run here).
     service = service_for(host, ModelMap.from_yaml(MODELS_FILE), tmp_path, loras=lora_dir)
     assert service.check(_template()).ok
-    # fv comfy run on a deployment without adapters: one line, exit 2 (no traceback).
+    # fv comfy run without an adapters: section: refused before the card loads, ComfyUI's answer on stderr.
     monkeypatch.delenv(LORAS_ENV, raising=False)
     workflow = tmp_path / "template.json"
     workflow.write_text(json.dumps(_template()))
     result = CliRunner().invoke(comfy_app, ["run", str(workflow), "--comfy-models", str(MODELS_FILE),
                                             "--comfy-loras", str(lora_dir), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
-    assert result.output.strip().startswith("error: card 'wan-tiny-a14b'") and "adapters disabled" in result.output
+    answer = json.loads(result.output.strip().splitlines()[-1])
+    assert "adapters disabled" in answer["node_errors"]["83"]["errors"][0]["details"]
     assert "Traceback" not in result.output
+    # A runtime refusal (a card loaded without a registry) is one error line too.
+    from fv_comfyui.loras import LoraFileError, adapter_registry
+
+    with pytest.raises(LoraFileError, match="'wan-tiny-a14b' runs with adapters disabled"):
+        adapter_registry(instance)
     # Negative control: without --comfy-loras the LoRA names are not in the (empty) folder list.
     refused = CliRunner().invoke(comfy_app, ["run", str(workflow), "--comfy-models", str(MODELS_FILE), "-o", str(tmp_path / "o")])
     assert refused.exit_code == 2 and "value_not_in_list" in refused.output
@@ -257,8 +265,7 @@ def test_lora_loader_strength_clip_changes_the_text_encoder(host: Any, input_dir
     comfy_lora(folder / "both.safetensors", seed=21, amplitude=1.0, extra=text_encoder_weights(22))
     card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
     instance = build_instance(card, InstanceOptions(registry=host.registry()))
-    instance.adapters = AdapterRegistry(converter_for(card))
-    engine = Engine(SchedulerConfig())
+    engine = Engine(SchedulerConfig(), adapters=AdapterRegistry(converter_for(card), PER_ROW))
     engine.add_instance(instance)
     service = service_for(host, ModelMap.from_yaml(MODELS_FILE), input_dir, loras=folder)
 
