@@ -311,3 +311,26 @@ def test_a_key_for_a_module_the_model_lacks_fails_the_run_naming_it(host: Any, i
     (job,) = service.check(_template()).jobs
     with pytest.raises(StepFailed, match=r"match no module of component 'transformer_2'.*blocks\.7\.attn1"):
         _frames(engine, job.request(adapters=service.loras.register(instance.adapters, job.loras)))
+
+
+@pytest.mark.xfail(strict=True, reason="fv.load builds its engine without the deploy config's adapter registry "
+                   "(fv_kernel.facade.load: engine_for(deploy, host) takes no adapters=adapter_registry(deploy, [card]))")
+def test_fv_comfy_run_writes_the_templates_video_with_adapters_on(tmp_path: Path, lora_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from fv_comfyui.cli import comfy_app
+    from fv_comfyui.settings import LORAS_ENV, MODELS_ENV
+
+    monkeypatch.delenv(LORAS_ENV, raising=False)
+    monkeypatch.delenv(MODELS_ENV, raising=False)
+    workflow = tmp_path / "template.json"
+    workflow.write_text(json.dumps(_template()))
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("adapters:\n  merge: never\n")
+    result = CliRunner().invoke(comfy_app, ["run", str(workflow), "--config", str(deploy), "--comfy-models", str(MODELS_FILE),
+                                            "--comfy-loras", str(lora_dir), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {tmp_path / 'out' / 'video' / 'ComfyUI_00001_.mp4'} (node 80)" in result.output
