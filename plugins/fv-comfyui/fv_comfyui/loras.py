@@ -26,8 +26,10 @@ from fv_kernel.api import (
     AdapterError,
     AdapterFileError,
     AdapterRef,
+    AdapterRegistry,
     AdapterWeights,
     ModelCard,
+    ModelInstance,
     converter_for,
     read_adapter_file,
 )
@@ -49,10 +51,10 @@ class LoraFileError(ValueError):
     """A LoRA file is missing, unreadable, or maps to nothing of the card; the message says which."""
 
 
-def adapter_registry(instance: Any) -> Any:
+def adapter_registry(instance: ModelInstance) -> AdapterRegistry:
     """The adapter registry of a resident card (``ModelInstance.adapters``); :class:`LoraFileError`
     when the deployment has adapters disabled."""
-    if not getattr(instance, "adapters_enabled", False):
+    if not instance.adapters_enabled or instance.adapters is None:
         raise LoraFileError(f"card {instance.model_id!r} runs with adapters disabled (the deploy config's adapters: "
                             "section), so its LoRA nodes cannot run")
     return instance.adapters
@@ -123,7 +125,7 @@ class LoraLibrary:
         self.folder = folder
         self._converted: OrderedDict[tuple[Any, ...], dict[str, AdapterWeights]] = OrderedDict()
         #: Per engine registry: adapter name -> the (size, mtime) of the file registered under it.
-        self._registered: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, int]]] = weakref.WeakKeyDictionary()
+        self._registered: weakref.WeakKeyDictionary[AdapterRegistry, dict[str, tuple[int, int]]] = weakref.WeakKeyDictionary()
 
     def names(self) -> list[str]:
         return self.folder.names() if self.folder is not None else []
@@ -156,7 +158,7 @@ class LoraLibrary:
         self._converted.move_to_end(key)
         return tuple(sorted(self._converted[key]))
 
-    def register(self, registry: Any, uses: Iterable[LoraUse]) -> tuple[AdapterRef, ...]:
+    def register(self, registry: AdapterRegistry, uses: Iterable[LoraUse]) -> tuple[AdapterRef, ...]:
         """Register ``uses``' files with an engine's adapter registry (again only when a file changed
         since); the request's adapter stack."""
         uses = list(uses)

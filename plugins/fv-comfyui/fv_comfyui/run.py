@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from fv_kernel.api import DeployConfig, Video, load, run_blocking
+from fv_kernel.api import DeployConfig, Video, VideoGenerator, load, run_blocking
 from fv_comfyui.compile import ComfyJob, SaveTarget
 from fv_comfyui.loras import LoraLibrary, adapter_registry
 
@@ -135,9 +135,9 @@ class JobRunner:
     def __init__(self, *, config: DeployConfig | None = None, loras: LoraLibrary | None = None) -> None:
         self.config = config
         self.loras = loras or LoraLibrary(None)
-        self._generators: dict[str, Any] = {}
+        self._generators: dict[str, VideoGenerator] = {}
 
-    def generator(self, model_id: str) -> Any:
+    def generator(self, model_id: str) -> VideoGenerator:
         """The loaded generator of card ``model_id`` (``fv.load``, once per runner)."""
         if model_id not in self._generators:
             self._generators[model_id] = load(model_id, config=self.config)
@@ -160,7 +160,7 @@ class JobRunner:
         assert video is not None
         return video
 
-    def _run_with_adapters(self, generator: Any, job: ComfyJob, image_path: Path | None,
+    def _run_with_adapters(self, generator: VideoGenerator, job: ComfyJob, image_path: Path | None,
                            on_event: Callable[[Any], None] | None) -> Video:
         adapters = self.loras.register(adapter_registry(generator.instance), job.loras)
         request = job.request(_image(image_path) if image_path is not None else None, adapters)
