@@ -120,7 +120,7 @@ def run(
         host.start()
         loras = comfy_loras if comfy_loras is not None else loras_folder(deploy)
         service = service_for(host, models, input_dir or workflow.parent, limits=deploy.limits, loras=loras,
-                              adapters=deploy.adapters is not None and deploy.adapters.enabled)
+                              adapters=deploy.adapters is None or deploy.adapters.enabled)  # as fv.load: on unless turned off
         answer = service.check(document)
     except (ComfyModelsError, WorkflowFormatError, ComfySettingsError, PluginError) as exc:
         _fail(" ".join(str(exc).split()))
