@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import threading
 import warnings
 from dataclasses import dataclass
@@ -41,10 +42,11 @@ from fv_kernel.io.media import VIDEO_OUTPUT_SUFFIXES, check_output_path, read_im
 from fv_kernel.plugins.host import PluginHost
 from fv_kernel.request.artifacts import Artifact, AudioArtifact, Provenance, VideoArtifact
 from fv_kernel.request.events import Event
-from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, OutputSpec, Request, TextPart
+from fv_kernel.request.request import AdapterRef, ARParams, DiffusionParams, ImagePart, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.blocking import run_blocking
-from fv_kernel.deploy.engine import engine_for
+from fv_kernel.cache.adapters import AdapterRegistry, AdapterSettings
+from fv_kernel.deploy.engine import adapter_registry, engine_for
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.runtime.records import GenerationResult
 from fv_kernel.deploy.model_resolution import resolve_model
@@ -95,11 +97,25 @@ class GenerateOptions(TypedDict, total=False):
     #: Run outside the card's trained envelope (frames, size, fps, prompt words) instead of being
     #: refused; an :class:`~fv_kernel.card.recipe.EnvelopeWarning` says so.
     allow_outside_envelope: bool
+    #: LoRA adapters, applied in order after the card's default stack: each a ``.safetensors``
+    #: path (strength 1.0), a ``(path, strength)`` pair, or ``{"name": ..., "scale": ...}`` naming
+    #: an adapter already registered (``generator.adapters``). Files are registered on first use.
+    loras: Sequence[Any]
 
 
 _OPTION_NAMES = frozenset(GenerateOptions.__annotations__)
 #: Request fields whose option has another name.
 _OPTION_FOR_FIELD = {"prompt_upsampling": "upsample_prompt"}
+
+
+def _adapter_name(registry: AdapterRegistry, file: Path) -> str:
+    """The name a file is registered under: its stem (made a valid name), kept when the same
+    file (same content version) is registered again, else numbered."""
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", file.stem).lstrip("._-")[:120] or "lora"
+    name, n = stem, 2
+    while name in registry.names() and registry.get(name).path != str(file.resolve()):
+        name, n = f"{stem}-{n}", n + 1
+    return name
 
 
 @dataclass(frozen=True, repr=False)
@@ -190,7 +206,9 @@ def load(
         host = PluginHost(deploy.plugins)
     host.start()
     choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe)
-    engine = engine_for(deploy, host)
+    if deploy.adapters is None:  # generate(loras=...) works without a config: adapters on, default settings
+        deploy = deploy.model_copy(update={"adapters": AdapterSettings()})
+    engine = engine_for(deploy, host, adapters=adapter_registry(deploy, [choice.card]))
     # Load the weights the plain call needs now, so a bad checkpoint fails here, not mid-request.
     tasks = choice.card.capabilities.tasks
     preload = next((t for t in (TaskType.TEXT_TO_VIDEO, TaskType.IMAGE_TO_VIDEO) if t in tasks), None)
@@ -233,6 +251,37 @@ class VideoGenerator:
     def __repr__(self) -> str:
         return f"VideoGenerator({self.model_id!r} on {self.instance.device}, {self.instance.precision})"
 
+    @property
+    def adapters(self) -> AdapterRegistry | None:
+        """The registry ``loras=`` names resolve in (None when the config turns adapters off)."""
+        return self.engine.adapters
+
+    def _adapter_refs(self, loras: Any) -> tuple[AdapterRef, ...]:
+        if isinstance(loras, (str, os.PathLike, dict)) or not isinstance(loras, Sequence):
+            loras = [loras]
+        registry = self.engine.adapters
+        if loras and registry is None:
+            raise InvalidRequest("loras", "the deploy config turns adapters off (adapters.enabled: false)")
+        refs = []
+        for index, item in enumerate(loras):
+            param = f"loras[{index}]"
+            if isinstance(item, dict):
+                refs.append(_typed(param, lambda item=item: AdapterRef(**item)))
+                continue
+            path, scale = (item if isinstance(item, tuple) and len(item) == 2 else (item, 1.0))
+            if not isinstance(path, (str, os.PathLike)) or isinstance(scale, bool) or not isinstance(scale, (int, float)):
+                raise InvalidRequest(
+                    param, f"expected a path, (path, strength) or {{'name', 'scale'}}, got {item!r}",
+                    allowed="'style.safetensors', ('style.safetensors', 0.8), {'name': 'style', 'scale': 0.8}",
+                )
+            file = Path(path)
+            if not file.is_file():
+                raise InvalidRequest(param, f"{str(file)!r}: no such file")
+            assert registry is not None
+            info = registry.add_file(file, name=_adapter_name(registry, file))
+            refs.append(_typed(param, lambda info=info, scale=scale: AdapterRef(name=info.name, scale=float(scale))))
+        return tuple(refs)
+
     # -- requests -------------------------------------------------------------------
     def request(self, prompt: str, *, previews: bool = False, **options: Unpack[GenerateOptions]) -> Request:
         """The validated :class:`Request` a call with these arguments runs (card defaults filled in).
@@ -273,6 +322,7 @@ class VideoGenerator:
             model=self.model_id, task=task, inputs=tuple(inputs), diffusion=diffusion, ar=ar,
             precision=options.get("precision"), prompt_upsampling=upsample, exact=options.get("exact", False),
             output=OutputSpec(stream_previews=previews), allow_outside_envelope=options.get("allow_outside_envelope", False),
+            adapters=self._adapter_refs(options.get("loras") or ()),
         ))
         returns = self.card.artifact_kinds(request.task)
         if returns is not None and "video" not in returns:

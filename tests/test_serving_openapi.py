@@ -140,7 +140,7 @@ def test_the_api_matches_its_document(served_schema: Any, mode: str) -> None:
 
     failures: list[str] = []
     operations = [result.ok() for result in served_schema.get_all_operations()]
-    assert len(operations) == 11
+    assert len(operations) == 13
     for operation in operations:
         strategy = operation.as_strategy(generation_mode=GenerationMode(mode))
 

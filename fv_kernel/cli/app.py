@@ -36,6 +36,7 @@ class LazyCommand:
 
 
 LAZY_COMMANDS: dict[str, LazyCommand] = {
+    "adapters": LazyCommand("fv_kernel.cli.adapters_cmd", "adapters_app", "List LoRA adapters as a deployment registers them."),
     "cards": LazyCommand("fv_kernel.cli.cards_cmd", "cards_app", "List, show and validate model cards."),
     "generate": LazyCommand(
         "fv_kernel.cli.generate_cmd", "generate", "Generate a video (or image) with one card and write it to --output."

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,9 +25,10 @@ from fv_kernel.errors import FvError, InvalidRequest
 from fv_kernel.io.media import VIDEO_OUTPUT_SUFFIXES, MediaError, check_output_path, read_image, write_artifact
 from fv_kernel.plugins import PluginError
 from fv_kernel.request.artifacts import AudioArtifact, TextArtifact, VideoArtifact
-from fv_kernel.request.request import ARParams, DiffusionParams, ImagePart, Request, TextPart
+from fv_kernel.request.request import AdapterRef, ARParams, DiffusionParams, ImagePart, Request, TextPart
 from fv_kernel.request.types import PRECISIONS, TaskType
-from fv_kernel.deploy.engine import engine_for
+from fv_kernel.cache.adapters import AdapterSettings
+from fv_kernel.deploy.engine import adapter_registry, engine_for
 from fv_kernel.deploy.model_resolution import resolve_model
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.runtime.records import GenerationResult
@@ -87,6 +90,11 @@ def generate(
     ),
     upsample_prompt: bool = typer.Option(False, "--upsample-prompt", help="Rewrite the prompt with the card's reasoner first (cards that have one)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Token budget of the prompt rewrite, or of the answer with --task text_generation (the card's default if omitted)."),
+    lora: list[str] = typer.Option(
+        [], "--lora",
+        help="A LoRA adapter file (.safetensors, any common format the card reads) and its strength, FILE[:SCALE] "
+             "(default 1.0); repeat to stack several, applied in order after the card's default stack.",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     config: Optional[Path] = ConfigOption,
 ) -> None:
@@ -105,6 +113,11 @@ def generate(
         _fail(exc.message)
     if precision is not None and precision not in PRECISIONS:
         _fail(f"precision: {precision!r} is not a precision; allowed: {', '.join(PRECISIONS)}")
+    try:
+        lora_files = [parse_lora_option(item) for item in lora]
+    except InvalidRequest as exc:
+        _fail(exc.message)
+        return
     try:
         chosen_task = task or (TaskType.IMAGE_TO_VIDEO if image is not None else TaskType.TEXT_TO_VIDEO)
         inputs: list[Any] = [TextPart(text=prompt)]
@@ -143,12 +156,25 @@ def generate(
             choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe)
             card, options = choice.card, choice.options
             request = request.with_updates(model=card.model_id)
-            engine = engine_for(deploy, host)
+            registry = None
+            if lora_files or deploy.adapters is not None:
+                if lora_files and deploy.adapters is None:  # --lora turns adapters on with the default settings
+                    deploy = deploy.model_copy(update={"adapters": AdapterSettings()})
+                registry = adapter_registry(deploy, [card])
+                if registry is None:
+                    _fail("lora: the deploy config turns adapters off (adapters.enabled: false)")
+                    return
+                refs = [
+                    AdapterRef(name=registry.add_file(path, name=_free_name(registry, path)).name, scale=scale)
+                    for path, scale in lora_files
+                ]
+                request = request.with_updates(adapters=(*request.adapters, *refs))
+            engine = engine_for(deploy, host, adapters=registry)
             # every input error surfaces before weights load
             try:
                 resolved = resolve_request(
                     card, request, deploy.limits, allow_recipe_mismatch=options.allow_recipe_mismatch,
-                    samplers=host.registry().sampler_names(),
+                    samplers=host.registry().sampler_names(), adapters=registry,
                 )
             except InvalidRequest as exc:
                 if exc.param == "prompt_upsampling":
@@ -194,6 +220,37 @@ def generate(
     except MediaError as exc:
         _fail(exc.message)
         return
+
+
+def parse_lora_option(value: str) -> tuple[Path, float]:
+    """``FILE[:SCALE]`` as (path, strength): the text after the last ``:`` is the strength when it
+    is a number (so ``C:\\x.safetensors`` and ``a:b.safetensors`` stay paths)."""
+    path_text, scale = value, 1.0
+    head, sep, tail = value.rpartition(":")
+    if sep and head:
+        try:
+            scale = float(tail)
+            path_text = head
+        except ValueError:
+            pass
+    if not math.isfinite(scale):
+        raise InvalidRequest("lora", f"{value!r}: the strength must be a finite number")
+    path = Path(path_text)
+    if path.suffix.lower() != ".safetensors":
+        raise InvalidRequest("lora", f"{value!r}: an adapter file is a .safetensors file", allowed="FILE.safetensors[:SCALE]")
+    if not path.is_file():
+        raise InvalidRequest("lora", f"{str(path)!r}: no such file")
+    return path, scale
+
+
+def _free_name(registry: Any, path: Path) -> str:
+    """The file's stem, or the stem with a number when two --lora files share one."""
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", path.stem).lstrip("._-")[:120] or "lora"
+    taken = set(registry.names())
+    name, n = stem, 2
+    while name in taken:
+        name, n = f"{stem}-{n}", n + 1
+    return name
 
 
 def _cards_that_upsample(host: Any) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
@@ -20,7 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from fv_kernel import __version__
+from fv_kernel.cache.adapters import AdapterInfo, AdapterRegistry
+from fv_kernel.compute.lora import AdapterError
 from fv_kernel.config import DeployConfig
+from fv_kernel.errors import AdapterFileError
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.request.types import TaskType
 from fv_kernel.serving import media
@@ -33,6 +37,8 @@ from fv_kernel.serving.openapi import error_responses, install_openapi, request_
 from fv_kernel.serving.plugin_routes import mount_plugin_routes
 from fv_kernel.serving.schemas import (
     JOB_ID_PATTERN,
+    AdapterList,
+    AdapterObject,
     ContentVariant,
     DeletedVideo,
     ImageGenerate,
@@ -47,6 +53,8 @@ from fv_kernel.serving.schemas import (
 from fv_kernel.serving.store import DataDirLock, JobStore
 
 __all__ = ["create_app"]
+
+log = logging.getLogger("fv.serving")
 
 #: Paths that never need the API key (liveness probes).
 OPEN_PATHS = frozenset({"/health"})
@@ -149,6 +157,64 @@ def _check_image_task(manager: JobManager, body: VideoCreate) -> None:
             "omit the image, or name a card that takes one",
             param="input_reference",
         ))
+
+
+#: Multipart framing around an uploaded adapter file (boundaries, part headers, the name field).
+_UPLOAD_OVERHEAD_BYTES = 64 * 2**10
+
+
+def _adapter_object(info: AdapterInfo) -> AdapterObject:
+    return AdapterObject(
+        name=info.name, version=info.version, size_bytes=info.size_bytes, components=list(info.components),
+        rank=info.rank, weight_bytes=info.weight_bytes, assumes_loop=info.assumes_loop,
+        assumes_steps=info.assumes_steps, source=info.source,
+    )
+
+
+async def _upload_adapter(request: Request, registry: AdapterRegistry) -> AdapterInfo:
+    """``POST /v1/adapters``: a multipart body with one ``file`` part (a ``.safetensors`` LoRA) and
+    optional ``name``, ``assumes_loop`` and ``assumes_steps`` fields. The file is converted and
+    checked before it is registered, on a worker thread."""
+    if _content_type(request) != "multipart/form-data":
+        raise ApiError(415, "unsupported_media_type", "an adapter upload is multipart/form-data with a 'file' part")
+    try:
+        form = await request.form(max_files=1, max_fields=8)
+    except BodyTooLarge:
+        raise
+    except Exception as exc:  # noqa: BLE001 - python-multipart raises several types for bad bodies
+        raise ApiError(400, "invalid_request", f"malformed multipart body: {exc}") from None
+    upload: UploadFile | None = None
+    fields: dict[str, str] = {}
+    for key, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            if key != "file":
+                raise ApiError(400, "unknown_field", f"{key}: unknown file field; allowed: file", param=key)
+            upload = value
+        elif key in ("name", "assumes_loop", "assumes_steps"):
+            if key in fields:
+                raise ApiError(400, "invalid_request", f"{key}: given more than once", param=key)
+            fields[key] = value
+        else:
+            raise ApiError(400, "unknown_field", f"{key}: unknown field; allowed: file, name, assumes_loop, assumes_steps", param=key)
+    if upload is None:
+        raise ApiError(400, "invalid_request", "file: an adapter upload needs a 'file' part", param="file")
+    steps: int | None = None
+    if fields.get("assumes_steps"):
+        try:
+            steps = int(fields["assumes_steps"])
+        except ValueError:
+            raise ApiError(400, "invalid_request", "assumes_steps: not an integer", param="assumes_steps") from None
+        if steps <= 0:
+            raise ApiError(400, "invalid_request", "assumes_steps: must be > 0", param="assumes_steps")
+    data = await upload.read()
+    try:
+        return await asyncio.to_thread(
+            registry.add_bytes, upload.filename or "", data, name=fields.get("name") or None,
+            assumes_loop=fields.get("assumes_loop") or None, assumes_steps=steps,
+        )
+    except (AdapterFileError, AdapterError) as exc:
+        info = exc.info()
+        raise ApiError(400, info["type"], info["message"], param=info["param"]) from None
 
 
 def _allowed_methods(app: FastAPI, scope: Any) -> list[str]:
@@ -367,6 +433,40 @@ def create_app(
             rejections["client_disconnected"] += 1
             return JSONResponse(error_body("client_disconnected", str(exc)), status_code=499)
 
+    # -- adapters -----------------------------------------------------------------------
+    @app.get("/v1/adapters", response_model=AdapterList, responses=error_responses(auth=auth))
+    async def list_adapters() -> AdapterList:
+        """The registered adapters (empty when the deployment has no ``adapters:`` section)."""
+        registry = engine.adapters
+        return AdapterList(data=[_adapter_object(info) for info in registry.list()] if registry is not None else [])
+
+    @app.post(
+        "/v1/adapters", response_model=AdapterObject, responses=error_responses(400, 413, 415, auth=auth),
+        openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+            "type": "object", "required": ["file"],
+            "properties": {
+                "file": {"type": "string", "format": "binary", "description": "a .safetensors LoRA"},
+                "name": {"type": "string", "description": "default: the file name's stem"},
+                "assumes_loop": {"type": "string", "description": "a distilled adapter's loop id"},
+                "assumes_steps": {"type": "string", "pattern": "^[0-9]{1,6}$", "description": "a distilled adapter's step count"},
+            },
+        }}}}},
+    )
+    async def upload_adapter(request: Request) -> AdapterObject:
+        registry = engine.adapters
+        try:
+            if registry is None:
+                raise ApiError(
+                    400, "adapters_disabled",
+                    "adapters are off in this deployment; enable them with the deploy config's 'adapters:' section",
+                    param="adapters",
+                )
+            info = await _upload_adapter(request, registry)
+        except ApiError as exc:
+            raise manager.reject(exc) from None
+        log.info("adapter %r registered from an upload (version %s, %d bytes)", info.name, info.version, info.size_bytes)
+        return _adapter_object(info)
+
     # -- service ------------------------------------------------------------------------
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(auth=auth))
     async def list_models() -> ModelList:
@@ -405,7 +505,11 @@ def create_app(
 
     # Each add_middleware wraps the previous: auth runs before anything reads the body, and the
     # latency histogram (outermost) sees every answer, refusals included.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes, rejections=rejections)
+    upload_cap = (engine.adapters.settings.max_file_bytes + _UPLOAD_OVERHEAD_BYTES) if engine.adapters is not None else None
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.server.max_body_bytes, rejections=rejections,
+        path_limits={("POST", "/v1/adapters"): upload_cap} if upload_cap is not None else None,
+    )
     app.add_middleware(AuthMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS, rejections=rejections)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics_registry)
     return app

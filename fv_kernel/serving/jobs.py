@@ -42,7 +42,7 @@ from fv_kernel.errors import FvError, UnknownModel
 from fv_kernel.state import StateFormatError
 from fv_kernel.program.resume import ProgramCheckpoint, ProgramRun
 from fv_kernel.request.artifacts import VideoArtifact
-from fv_kernel.request.request import DiffusionParams, ImagePart, OutputSpec, Request, TextPart
+from fv_kernel.request.request import AdapterRef, DiffusionParams, ImagePart, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.runtime.records import RequestHandle, held_tensor_bytes
@@ -386,6 +386,7 @@ class JobManager:
                     width=width, height=height, frames=frames, fps=fps, steps=body.steps, guidance=body.guidance, seed=seed,
                 ),
                 plugin_params=self._plugin_params(body.extensions), exact=body.exact, priority=body.priority,
+                adapters=tuple(AdapterRef(name=a.name, scale=a.scale) for a in body.adapters),
                 output=OutputSpec(stream_previews=stream_previews), allow_outside_envelope=body.allow_outside_envelope,
             )
         except ValidationError as exc:

@@ -68,15 +68,20 @@ class BodyTooLarge(Exception):
 class BodyLimitMiddleware:
     """Refuse bodies over ``max_bytes``: at once when Content-Length says so, else while reading."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int, rejections: Counter[str]) -> None:
+    def __init__(
+        self, app: ASGIApp, *, max_bytes: int, rejections: Counter[str], path_limits: dict[tuple[str, str], int] | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self._rejections = rejections
+        #: (method, path) -> its own cap, e.g. an adapter upload, which is larger than any JSON body.
+        self._path_limits = dict(path_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self._path_limits.get((scope.get("method", ""), scope.get("path", "")), self.max_bytes)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -84,9 +89,9 @@ class BodyLimitMiddleware:
                 except ValueError:
                     await _send_error(send, 400, "invalid_request", "Content-Length is not an integer")
                     return
-                if declared > self.max_bytes:
+                if declared > max_bytes:
                     self._rejections["body_too_large"] += 1
-                    await _send_error(send, 413, "body_too_large", f"request body exceeds the limit of {self.max_bytes} bytes")
+                    await _send_error(send, 413, "body_too_large", f"request body exceeds the limit of {max_bytes} bytes")
                     return
         received = 0
 
@@ -95,8 +100,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                if received > max_bytes:
+                    raise BodyTooLarge(max_bytes)
             return message
 
         await self.app(scope, counted_receive, send)

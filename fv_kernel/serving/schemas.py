@@ -20,6 +20,9 @@ __all__ = [
     "ImagesResponse",
     "ModelInfo",
     "ModelList",
+    "AdapterUse",
+    "AdapterObject",
+    "AdapterList",
     "parse_size",
     "JOB_STATUSES",
     "TERMINAL_STATUSES",
@@ -76,6 +79,18 @@ def parse_size(size: str) -> tuple[int, int]:
     return width, height
 
 
+_ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class AdapterUse(BaseModel):
+    """One adapter of a request's stack: a registered name (``GET /v1/adapters``) at a strength."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=_ADAPTER_NAME, description="a registered adapter (GET /v1/adapters)")
+    scale: float = Field(default=1.0, ge=-100, le=100, description="strength (ComfyUI's strength_model)")
+
+
 class _Generation(BaseModel):
     # JSON values must have the document's types ("exact": 0, "guidance": false are refused);
     # form fields are text and are validated with strict=False (fv_kernel.serving.app).
@@ -92,6 +107,11 @@ class _Generation(BaseModel):
     guidance: float | None = Field(default=None, ge=0, le=100)
     #: Parameters for plugins the deployment enabled (its ``extensions:``), validated by their schema.
     extensions: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    adapters: list[AdapterUse] = Field(
+        default_factory=list, max_length=64,
+        description="LoRA adapters to apply, in order, after the card's default stack (docs/adapters.md); requests with "
+                    "different adapters still share a batched forward",
+    )
     exact: bool = Field(
         default=False,
         description="bit-identical to this request run alone: its rows never share a fused call with other requests'",
@@ -236,3 +256,24 @@ class ModelInfo(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelInfo]
+
+
+class AdapterObject(BaseModel):
+    """One registered adapter version (``GET /v1/adapters``, ``POST /v1/adapters``). The server's file
+    paths are not shown."""
+
+    object: Literal["adapter"] = "adapter"
+    name: str
+    version: str = Field(description="the first 16 hex digits of the sha256 of the file")
+    size_bytes: int
+    components: list[str] = Field(description="the card components it changes (transformer, text_encoder, ...)")
+    rank: int = Field(description="its largest LoRA rank (0: full deltas only)")
+    weight_bytes: int
+    assumes_loop: str | None = None
+    assumes_steps: int | None = None
+    source: Literal["file", "directory", "upload"]
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterObject]
