@@ -1,9 +1,9 @@
 """Run compiled jobs on fv and write the files their save nodes name, as ComfyUI names them.
 
 A job runs exactly as ``fv generate`` would: ``fv.load(card)`` then ``generate(prompt, **options)``
-(the image by its path, read as ``--image`` reads it). A job with LoRA nodes registers their files
-with the loaded card's adapter registry and submits its request, adapters included, to the same
-generator's engine (``generate`` has no per-component strengths to give them).
+(the image by its path, read as ``--image`` reads it). A job's LoRA nodes are registered with the
+generator's adapter registry under fv-comfyui's names (:mod:`fv_comfyui.loras`: one per file and
+expert) and passed by name as ``loras``.
 
 Files: ``<output_dir>/<filename_prefix>_<counter:05>_.<ext>``, the counter one past the highest
 already there for that prefix in that folder, whatever the extension, as ComfyUI's
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from fv_kernel.api import DeployConfig, Video, VideoGenerator, load, run_blocking
+from fv_kernel.api import DeployConfig, Video, VideoGenerator, load
 from fv_comfyui.compile import ComfyJob, SaveTarget
 from fv_comfyui.loras import LoraLibrary, adapter_registry
 
@@ -50,15 +50,6 @@ class SavedFile:
 
     def history_entry(self) -> dict[str, str]:
         return {"filename": self.filename, "subfolder": self.subfolder, "type": "output"}
-
-
-def _image(path: Path) -> torch.Tensor:
-    """An image file as (3, H, W) in [0, 1], as ``fv generate --image`` reads it."""
-    from PIL import Image
-
-    with Image.open(path) as image:
-        rgb = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
-    return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
 
 
 def frames_uint8(frames: torch.Tensor) -> np.ndarray:
@@ -145,9 +136,10 @@ class JobRunner:
 
     def run(self, job: ComfyJob, image_path: Path | None = None, *, on_event: Callable[[Any], None] | None = None) -> Video:
         generator = self.generator(job.card.model_id)  # the card as installed (a chain's switch is a request option)
-        if job.loras:
-            return self._run_with_adapters(generator, job, image_path, on_event)
-        options = dict(job.options)
+        options: dict[str, Any] = dict(job.options)
+        if job.loras:  # registered under fv-comfyui's names (one per file and expert), then given by name
+            refs = self.loras.register(adapter_registry(generator.instance), job.loras)
+            options["loras"] = [{"name": ref.name, "scale": ref.scale} for ref in refs]
         if image_path is not None:
             options["image"] = str(image_path)
         if on_event is None:
@@ -159,22 +151,3 @@ class JobRunner:
                 video = event.video
         assert video is not None
         return video
-
-    def _run_with_adapters(self, generator: VideoGenerator, job: ComfyJob, image_path: Path | None,
-                           on_event: Callable[[Any], None] | None) -> Video:
-        adapters = self.loras.register(adapter_registry(generator.instance), job.loras)
-        request = job.request(_image(image_path) if image_path is not None else None, adapters)
-
-        async def submit() -> Any:
-            async with generator.engine.running():
-                handle = generator.engine.submit(request)
-                async for event in handle.events():
-                    if on_event is not None:
-                        on_event(event)
-                return await handle.result()
-
-        result = run_blocking(submit())
-        result.raise_for_status()
-        video = result.artifact("video")
-        assert video is not None  # a Wan card's program returns its video
-        return Video(artifact=video, artifacts=tuple(result.artifacts))

@@ -172,7 +172,7 @@ def test_one_file_on_both_experts(host: Any, input_dir: Path, lora_dir: Path) ->
 
 def test_the_runner_runs_a_lora_job_on_its_generators_engine(host: Any, input_dir: Path, lora_dir: Path,
                                                             tmp_path: Path) -> None:
-    """``fv comfy run``'s path: the job's request, adapters included, on the loaded card's engine."""
+    """``fv comfy run``'s path: ``fv.load`` and ``generate(..., loras=[{name, scale}])`` with fv-comfyui's adapters."""
     from fv_kernel.api import AdapterRef
     from fv_comfyui.models import ModelMap
     from fv_comfyui.run import JobRunner
@@ -180,9 +180,10 @@ def test_the_runner_runs_a_lora_job_on_its_generators_engine(host: Any, input_di
 
     service = service_for(host, ModelMap.from_yaml(MODELS_FILE), input_dir, loras=lora_dir)
     (job,) = service.check(_template()).jobs
-    runner = JobRunner(loras=service.loras)
+    from fv_kernel.api import DeployConfig
+
+    runner = JobRunner(config=DeployConfig(adapters=PER_ROW), loras=service.loras)
     generator = runner.generator(CARD)
-    generator.instance.adapters = AdapterRegistry(converter_for(generator.card), PER_ROW)  # a deployment with adapters on
     events: list[Any] = []
     video = runner.run(job, on_event=events.append)
     steps = [(e.step, e.total) for e in events if getattr(e, "type", None) == "progress"
@@ -315,8 +316,6 @@ def test_a_key_for_a_module_the_model_lacks_fails_the_run_naming_it(host: Any, i
         _frames(engine, job.request(adapters=service.loras.register(instance.adapters, job.loras)))
 
 
-@pytest.mark.xfail(strict=True, reason="fv.load builds its engine without an adapter registry here (lora-products' "
-                   "facade attaches one: adapters on unless the deploy config turns them off)")
 def test_fv_comfy_run_writes_the_templates_video_with_adapters_on(tmp_path: Path, lora_dir: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import json
