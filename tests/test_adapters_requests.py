@@ -221,3 +221,18 @@ def test_adapter_versions_list_only_adapters_of_the_component_with_strength(regi
     stronger = resolve_for_instance(inst, t2v(AdapterRef(name="style", scale=0.6), AdapterRef(name="words")))
     assert inst.adapter_versions(stronger, "dit") != inst.adapter_versions(request, "dit")
     assert inst.adapter_versions(t2v(), "dit") == ()
+
+
+def test_row_adapters_use_the_instances_row_kernel(registry: AdapterRegistry) -> None:
+    inst = instance(registry)
+    calls: list[str] = []
+
+    def kernel(x: torch.Tensor, out: torch.Tensor, segments: object, path: str) -> None:
+        calls.append(path)
+
+    inst.adapter_row_kernel = kernel
+    request = resolve_for_instance(inst, t2v(AdapterRef(name="style")))
+    dit = inst.component("dit")
+    with rows_adapted(dit, inst.row_adapters(inst.adapter_inputs(request, "dit"), "dit")):
+        dit(torch.randn(1, 4, 1, 2, 2), torch.tensor([1.0]), torch.randn(1, 16, 32))
+    assert sorted(set(calls)) == ["blocks.0.qkv", "proj_out"]

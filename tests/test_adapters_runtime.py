@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save
 
 from fv_kernel.cache.adapters import AdapterRegistry, AdapterSettings
 from fv_kernel.card.spec import AdapterRef
@@ -16,6 +17,7 @@ from fv_kernel.model.adapters import convert_peft
 from fv_kernel.model.instance import ADAPTER_LOAD_COST, ModelInstance, build_instance
 from fv_kernel.request.request import DiffusionParams, Request, TextPart
 from fv_kernel.request.types import TaskType
+from fv_kernel.runtime.blocking import run_blocking
 from fv_kernel.runtime.cost import CostModel
 from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially
 from fv_kernel.runtime.executor import MergePolicy
@@ -24,6 +26,7 @@ from fv_kernel.runtime.pricing import adapter_load_key
 from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.testing.adapters import peft_lora_tensors, write_peft_lora
 from fv_kernel.testing.batching import StepRecorder, run_staggered
+from fv_kernel.testing.interleave_kit import AdapterInterleaveConformance
 from fv_kernel.testing.toy import build_component, toy_card
 
 DIT_TARGETS = ("blocks.0.qkv", "blocks.1.mlp.0", "proj_out")
@@ -190,3 +193,71 @@ def test_a_load_runs_between_another_requests_steps(files: Path) -> None:
     load = next(i for i, (kind, _) in enumerate(kinds) if kind == "cache_io")
     steps_of_first = [i for i, (kind, ids) in enumerate(kinds) if kind == "diffusion_step" and first.request_id in ids]
     assert steps_of_first[0] < load < steps_of_first[-1]  # the first request kept stepping around the load
+
+
+def test_a_weight_sync_unmerges_first_so_the_new_weights_stay(files: Path) -> None:
+    eng = engine(files, merge="auto")
+    inst = eng.instances["toy-dit"]
+    frames(run_serially(eng, [t2v(AdapterRef(name="style"), steps=12)]))
+    assert inst.merged_stack("dit") is not None
+    new = {k: v.clone() for k, v in build_component("dit", 7).state_dict().items()}
+
+    async def sync_then_plain() -> None:
+        async with eng.running():
+            await eng.sync_weights("toy-dit", lambda instance: instance.component("dit").load_state_dict(new))
+            await eng.generate_async(t2v())  # a forward without the stack: it would restore what was merged
+
+    run_blocking(sync_then_plain())
+    assert inst.merged_stack("dit") is None
+    assert all(torch.equal(new[k], v) for k, v in inst.component("dit").state_dict().items())
+
+
+class TestToyAdapterInterleave(AdapterInterleaveConformance):
+    """The interleave gate on the toy card, with a DiT adapter, none, and a DiT + text-encoder stack."""
+
+    card_ids = ("toy-dit",)
+    steps = 2
+    adapter_stacks = ((AdapterRef(name="style"),), (), (AdapterRef(name="sketch", scale=0.7), AdapterRef(name="words")))
+
+    def load_card(self, model_id: str) -> Any:
+        return toy_card(model_id)
+
+    def adapter_registry(self, cards: Any) -> AdapterRegistry:
+        registry = AdapterRegistry(convert_peft)
+        dit, lm = build_component("dit", 1), build_component("lm", 0)
+        for name, module, component, targets, seed in (("style", dit, "dit", DIT_TARGETS, 0),
+                                                       ("sketch", dit, "dit", DIT_TARGETS, 1),
+                                                       ("words", lm, "lm", ("qkv.0", "out.1"), 2)):
+            data = save(peft_lora_tensors(module, component, targets, seed=seed, std=0.3))
+            registry.add_bytes(f"{name}.safetensors", data)
+        return registry
+
+
+def test_text_generation_applies_lm_adapters_per_request(files: Path) -> None:
+    def chat(*adapters: AdapterRef) -> Request:
+        from fv_kernel.request.request import ARParams
+
+        return Request(model="toy-lm", task=TaskType.TEXT_GENERATION, inputs=(TextPart(text="hello"),), adapters=adapters,
+                       ar=ARParams(max_tokens=6, temperature=0.0))
+
+    def lm_engine(batching: str) -> Engine:
+        registry = AdapterRegistry(convert_peft, AdapterSettings(merge="never"))
+        registry.scan(files)
+        eng = Engine(SchedulerConfig(device_thread=False, batching=batching), adapters=registry)  # type: ignore[arg-type]
+        eng.add_instance(build_instance(toy_card("toy-lm")))
+        return eng
+
+    requests = [chat(AdapterRef(name="words", scale=3.0)), chat()]
+    together = run_concurrently(lm_engine("exact"), requests)
+    alone = run_serially(lm_engine("exact"), requests)
+    tokens = [r.raise_for_status().artifact("text").token_ids for r in together]  # type: ignore[union-attr]
+    assert tokens == [r.raise_for_status().artifact("text").token_ids for r in alone]  # type: ignore[union-attr]
+    # The adapter is applied: the hidden states of its prefill differ from the plain one's.
+    eng = lm_engine("exact")
+    inst = eng.instances["toy-lm"]
+    inst.load_for_task(TaskType.TEXT_GENERATION)
+    words = eng.validate(requests[0])
+    ids = torch.tensor([[104, 105]])
+    plain = inst.op("lm_prefill").fn({"ids": ids, **inst.adapter_inputs(eng.validate(requests[1]), "lm")}, {})
+    adapted = inst.op("lm_prefill").fn({"ids": ids, **inst.adapter_inputs(words, "lm")}, {})
+    assert not torch.allclose(plain["logits"], adapted["logits"], atol=1e-4)

@@ -93,6 +93,9 @@ class ModelInstance:
     _merged: dict[str, tuple[tuple[tuple[str, float], ...], MergedAdapters]] = field(default_factory=dict)
     #: Set by the executor around each batch it runs (on the device thread): merge or per row.
     merge_gate: "MergeGate | None" = None
+    #: The per-row kernel every routed forward of this instance uses (``RowAdapters``' ``kernel``),
+    #: one object per instance so a kernel's own caches live as long as the instance; None: the default.
+    adapter_row_kernel: Any = None
     _profiles: dict[tuple[str, tuple[str, ...]], tuple[float, int]] = field(default_factory=dict)
 
     @property
@@ -299,7 +302,7 @@ class ModelInstance:
         def lookup(adapter_id: int) -> Any:
             return registry.weights(registry.version_of(adapter_id), component, self.device)
 
-        return RowAdapters.from_ids(ids, scales, lookup)
+        return RowAdapters.from_ids(ids, scales, lookup, kernel=self.adapter_row_kernel)
 
     def _stack_profile(self, component: str, stack: tuple[tuple[str, float], ...]) -> tuple[float, int]:
         """What merging ``stack`` into ``component`` trades: the per-row updates' multiply-adds as a

@@ -11,7 +11,8 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
-from fv_kernel.card.spec import ModelCard
+from fv_kernel.cache.adapters import AdapterRegistry
+from fv_kernel.card.spec import AdapterRef, ModelCard
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.model.validate import resolve_request
@@ -31,7 +32,7 @@ from fv_kernel.testing.card_kit import (
     assert_artifacts_identical,
 )
 
-__all__ = ["InterleaveConformance", "CachedInterleaveConformance", "artifacts_max_abs"]
+__all__ = ["InterleaveConformance", "CachedInterleaveConformance", "AdapterInterleaveConformance", "artifacts_max_abs"]
 
 
 _GENERATING_KINDS = frozenset({"diffusion_step", "diffusion_window", "chunk_step", "ar_token"})
@@ -307,6 +308,60 @@ class CachedInterleaveConformance(InterleaveConformance):
             f"plugin_params {dict(self.plugin_params)} never changed an output on {list(self.card_ids)}: "
             "the interleave gate would pass without the interceptor doing anything"
         )
+
+
+class AdapterInterleaveConformance(InterleaveConformance):
+    """The interleave gate with mixed adapter stacks (docs/adapters.md): the gate's varied requests
+    take the stacks of :attr:`adapter_stacks` in turn, so requests of one shape that batch carry
+    different stacks (or none) in one forward; each result must equal the request run alone on a
+    fresh instance, bit-identically under ``batching: exact`` and within the card's
+    ``batched_vs_alone`` under ``throughput``.
+
+    Set :attr:`card_ids`, :attr:`adapter_stacks` (at least two, one of them may be empty) and
+    override :meth:`adapter_registry` to return a fresh registry holding the adapters they name.
+    :meth:`test_adapters_change_the_output` checks that a stack really changes an output (an
+    adapter that never applies would pass the gate vacuously).
+    """
+
+    #: The stacks the gate's requests take in turn.
+    adapter_stacks: ClassVar[Sequence[Sequence[AdapterRef]]] = ()
+
+    def adapter_registry(self, cards: Sequence[ModelCard]) -> AdapterRegistry:
+        raise NotImplementedError("return a fresh AdapterRegistry holding the adapters adapter_stacks names")
+
+    def make_engine(self, cards: Sequence[ModelCard], scheduler: SchedulerConfig | None = None) -> Engine:
+        registry = self.adapter_registry(cards)
+        engine = Engine(scheduler or self.scheduler, adapters=registry)
+        for card in cards:
+            engine.add_instance(self.build(card))
+            # Warm: a load's cache_io step would put its request a step behind the others, and the
+            # gate's short runs would then never share a forward.
+            device = engine.instances[card.model_id].device
+            for info in registry.list():
+                registry.load(info.version, device)
+        return engine
+
+    def gate_requests(self, cards: Sequence[ModelCard], prefix: str) -> list[Request]:
+        assert len(self.adapter_stacks) >= 2, "adapter_stacks: at least two different stacks, or nothing mixes"
+        requests = super().gate_requests(cards, prefix)
+        return [r.with_updates(adapters=tuple(self.adapter_stacks[i % len(self.adapter_stacks)]))
+                for i, r in enumerate(requests)]
+
+    def assert_requests_vary(self, cards: Sequence[ModelCard], requests: Sequence[Request]) -> None:
+        # The varied fields are checked without the stacks (resolved here without a registry).
+        super().assert_requests_vary(cards, [r.with_updates(adapters=()) for r in requests])
+
+    def test_adapters_change_the_output(self) -> None:
+        cards = [self.load_card(m) for m in self.card_ids]
+        stack = next((s for s in self.adapter_stacks if s), None)
+        assert stack is not None, "adapter_stacks: give at least one non-empty stack"
+        for card in cards:
+            request = super().gate_requests([card], "effect-")[0]
+            adapted, plain = run_serially(self.make_engine([card]), [request.with_updates(adapters=tuple(stack)),
+                                                                     request.with_updates(request_id="effect-plain")])
+            if any(_differs(a, b) for a, b in zip(adapted.raise_for_status().artifacts, plain.raise_for_status().artifacts)):
+                return
+        raise AssertionError(f"adapter stack {list(stack)} never changed an output on {list(self.card_ids)}")
 
 
 def _differs(a: Artifact, b: Artifact) -> bool:

@@ -483,6 +483,8 @@ class ARState(LoopState):
     presence_penalty: float
     stop_ids: list[int]
     finished: bool = False
+    #: The request's adapters on the LM (``ModelInstance.adapter_inputs``; empty when off).
+    adapters: dict[str, torch.Tensor] = Field(default_factory=dict)
 
 
 class ToyARDecodeLoop(Loop[ARState]):
@@ -500,6 +502,7 @@ class ToyARDecodeLoop(Loop[ARState]):
             prompt_ids=codec.encode(request.text("prompt") or "", 64), rng_state=new_generator_state(ar.seed),
             max_tokens=ar.max_tokens, temperature=ar.temperature, top_k=ar.top_k, top_p=ar.top_p,
             presence_penalty=ar.presence_penalty, stop_ids=[codec.eos_id, *ar.stop_token_ids],
+            adapters=model.adapter_inputs(request, "lm"),
         )
 
     def next(self, state: ARState) -> WorkPlan | Done:
@@ -509,14 +512,14 @@ class ToyARDecodeLoop(Loop[ARState]):
             ids = torch.tensor([state.prompt_ids], dtype=torch.long)
             return WorkPlan(
                 loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.AR_PREFILL, op="lm_prefill",
-                inputs={"ids": ids}, shape_sig=ShapeSignature.of(tokens=len(state.prompt_ids)),
+                inputs={"ids": ids, **state.adapters}, shape_sig=ShapeSignature.of(tokens=len(state.prompt_ids)),
             )
         last = state.generated[-1]
         context = int(state.kv.shape[-2])
         text = ByteCodec().decode([last])
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.AR_TOKEN, op="lm_decode",
-            inputs={"ids": torch.tensor([[last]], dtype=torch.long), "kv": state.kv.transpose(0, 2)},
+            inputs={"ids": torch.tensor([[last]], dtype=torch.long), "kv": state.kv.transpose(0, 2), **state.adapters},
             shape_sig=ShapeSignature.of(tokens=1, context=context),
             emits=[EmitSpec(stream="text", modality="text", text=text)] if text else [],
         )
@@ -603,12 +606,14 @@ def _ops(instance: ModelInstance) -> dict[str, StepOp]:
             return {"hidden": hidden}
 
         def lm_prefill(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-            hidden, kv = lm.forward_with_cache(inputs["ids"], None)
-            return {"logits": lm.logits(hidden[:, -1:]), "kv": kv.transpose(0, 2)}
+            with rows_adapted(lm, instance.row_adapters(inputs, "lm")):
+                hidden, kv = lm.forward_with_cache(inputs["ids"], None)
+                return {"logits": lm.logits(hidden[:, -1:]), "kv": kv.transpose(0, 2)}
 
         def lm_decode(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-            hidden, kv = lm.forward_with_cache(inputs["ids"], inputs["kv"].transpose(0, 2))
-            return {"logits": lm.logits(hidden), "kv": kv.transpose(0, 2)}
+            with rows_adapted(lm, instance.row_adapters(inputs, "lm")):
+                hidden, kv = lm.forward_with_cache(inputs["ids"], inputs["kv"].transpose(0, 2))
+                return {"logits": lm.logits(hidden), "kv": kv.transpose(0, 2)}
 
         ops["encode_text"] = StepOp("encode_text", encode_text)
         ops["lm_prefill"] = StepOp("lm_prefill", lm_prefill)
