@@ -85,7 +85,8 @@ class _Module:
     diff_b: torch.Tensor | None = None
     source: str = ""
     origin: str = "transformer"
-    naming: str = "diffusers"
+    #: ``diff`` is a delta of the parameter at the path itself (a modulation table), not of a linear's weight.
+    bare_param: bool = False
 
 
 def target_component(name: str, metadata: Mapping[str, str]) -> str:
@@ -143,7 +144,7 @@ def convert_wan_lora(
                 unmapped.append(key)
                 continue
             path, role = mapped
-        entry = modules.setdefault((component, path), _Module(source=key, origin=origin, naming=naming))
+        entry = modules.setdefault((component, path), _Module(source=key, origin=origin))
         _store(entry, role, tensor, key, name)
     if unmapped:
         raise AdapterKeyError(name, default, sorted(unmapped), [])
@@ -206,8 +207,7 @@ def _store(entry: _Module, role: str, tensor: torch.Tensor, key: str, name: str)
     if getattr(entry, slot) is not None:
         raise AdapterError(f"adapter {name!r}: two entries for the same update ({key} and {entry.source})", param="adapters")
     setattr(entry, slot, tensor)
-    if role == "param_diff":
-        entry.source = "param:" + key
+    entry.bare_param = entry.bare_param or role == "param_diff"
 
 
 def _build(
@@ -219,7 +219,6 @@ def _build(
     low_rank: dict[str, LowRankUpdate],
     deltas: dict[str, torch.Tensor],
 ) -> None:
-    bare_param = entry.source.startswith("param:")
     if (entry.down is None) != (entry.up is None):
         have, miss = ("down", "up") if entry.up is None else ("up", "down")
         raise AdapterError(
@@ -245,7 +244,7 @@ def _build(
     elif entry.alpha is not None:
         raise AdapterError(f"adapter {name!r}: {component}.{path} has an alpha but no LoRA", param="adapters")
     if entry.diff is not None:
-        param = path if bare_param else f"{path}.weight"
+        param = path if entry.bare_param else f"{path}.weight"
         if not (_is_norm(path) and not bool(entry.diff.any())):
             deltas[param] = entry.diff
     if entry.diff_b is not None and not (_is_norm(path) and not bool(entry.diff_b.any())):

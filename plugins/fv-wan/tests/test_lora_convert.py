@@ -97,6 +97,8 @@ def test_a_key_that_maps_to_nothing_is_named() -> None:
         "diffusion_model.blocks.0.self_attn.qq.lora_down.weight": down,
         "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": down,
         "diffusion_model.blocks.0.self_attn.q.lora_mid.weight": down,
+        "lora_unet_blocks_0_self_attn_q.hada_w1_a": down,  # LoHa
+        "diffusion_model.blocks.0.self_attn.k.lokr_w1": down,  # LoKr
     }
     with pytest.raises(AdapterKeyError) as caught:
         convert_wan_lora(state_dict, name="odd", metadata={})
