@@ -30,6 +30,13 @@ ModelsOption = typer.Option(
 )
 
 
+LorasOption = typer.Option(
+    None, "--comfy-loras",
+    help="ComfyUI's models/loras folder: the files LoraLoader / LoraLoaderModelOnly's lora_name names. Default: "
+         "FV_COMFY_LORAS, else the deploy config's plugins.settings.fv-comfyui.loras.",
+)
+
+
 def _fail(message: str) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
@@ -85,6 +92,7 @@ def convert(
 def run(
     workflow: Path = typer.Argument(..., help="A UI workflow or an API prompt (.json); the format is detected."),
     comfy_models: Optional[Path] = ModelsOption,
+    comfy_loras: Optional[Path] = LorasOption,
     output_dir: Path = typer.Option(Path("output"), "--output-dir", "-o", help="Where the save nodes write (ComfyUI's output folder)."),
     input_dir: Optional[Path] = typer.Option(
         None, "--input-dir", help="Where LoadImage finds its files (ComfyUI's input folder; default: the workflow's folder).",
@@ -94,10 +102,11 @@ def run(
     """Run a ComfyUI workflow on fv and write the files its save nodes name."""
     from fv_kernel.api import DeployConfig, DeployConfigError, FvError, PluginError, PluginHost, load_deploy_config
     from fv_comfyui.convert import WorkflowFormatError
+    from fv_comfyui.loras import LoraFileError
     from fv_comfyui.models import ComfyModelsError, ModelMap
     from fv_comfyui.run import JobRunner, OutputFileError, save_outputs
     from fv_comfyui.service import service_for
-    from fv_comfyui.settings import DISTRIBUTION, MODELS_ENV, ComfySettingsError, models_file
+    from fv_comfyui.settings import DISTRIBUTION, MODELS_ENV, ComfySettingsError, loras_folder, models_file
 
     document = _read_document(workflow)
     try:
@@ -109,7 +118,9 @@ def run(
         models = ModelMap.from_yaml(mapping)
         host = PluginHost(deploy.plugins)
         host.start()
-        service = service_for(host, models, input_dir or workflow.parent, limits=deploy.limits)
+        loras = comfy_loras if comfy_loras is not None else loras_folder(deploy)
+        service = service_for(host, models, input_dir or workflow.parent, limits=deploy.limits, loras=loras,
+                              adapters=deploy.adapters is None or deploy.adapters.enabled)  # as fv.load: on unless turned off
         answer = service.check(document)
     except (ComfyModelsError, WorkflowFormatError, ComfySettingsError, PluginError) as exc:
         _fail(" ".join(str(exc).split()))
@@ -122,7 +133,7 @@ def run(
         first = entry["errors"][0]
         typer.echo(f"warning: node {node_id} ({entry['class_type']}): {first['message']}: {first['details']}; "
                    f"skipping output(s) {', '.join(entry['dependent_outputs'])}", err=True)
-    runner = JobRunner(config=deploy)
+    runner = JobRunner(config=deploy, loras=service.loras)
     try:
         for job in answer.jobs:
             image = service.image_path(job.image_name) if job.image_name else None
@@ -131,5 +142,5 @@ def run(
                 typer.echo(f"wrote {output_dir / saved.subfolder / saved.filename} (node {saved.node_id})")
     except FvError as exc:
         _fail(exc.message)
-    except OutputFileError as exc:
+    except (OutputFileError, LoraFileError) as exc:
         _fail(str(exc))

@@ -10,6 +10,16 @@ encode, image encode, denoise and decode loops):
   (:mod:`fv_comfyui.models`); all the loaders of a chain must resolve to one card, and a
   ``card:component`` mapping must name the component that loader loads;
 - ``ModelSamplingSD3``: the flow shift (without it, ComfyUI's Wan default, 8.0);
+- ``LoraLoaderModelOnly`` / ``LoraLoader`` (:mod:`fv_comfyui.loras`): the request's adapters.
+  ``lora_name`` is a file in the LoRA folder, converted by the card's adapter converter;
+  ``strength_model`` applies it to the diffusion model of the node's chain (on a Wan 2.2 A14B
+  card: ``transformer`` on the first stage's chain, ``transformer_2`` on the second's),
+  ``strength_clip`` to the text encoder when the node's CLIP output feeds the prompts and the
+  file has text-encoder weights. Several nodes stack in chain order; a strength of 0 applies
+  nothing and a node with both at 0 is skipped without reading its file, as in ComfyUI. One
+  adapter applies one strength to all its file changes, so a node that would patch a file's
+  parts at different strengths (``strength_model`` != ``strength_clip``, or a text-encoder
+  part its CLIP output does not reach) is refused, naming the parts and strengths;
 - ``KSampler`` (``denoise`` 1.0) and ``KSamplerAdvanced``: steps, CFG, seed and the sampler,
   mapped by :func:`fv_comfyui.samplers.fv_sampler_name`. The two-stage Wan 2.2 A14B chain
   (stage 1: ``add_noise`` on, steps 0→k, leftover noise returned; stage 2: ``add_noise`` off,
@@ -29,19 +39,21 @@ encode, image encode, denoise and decode loops):
 card runs in its own precision and one warning line per prompt says so.
 
 What does not map is refused before any compute, as a ``custom_validation_failed`` node
-error whose details start with ``fv:`` and say why (``LoraLoaderModelOnly``: fv has no
-adapters yet; ``denoise`` < 1; a batch > 1; a sampler chain fv cannot express; loaders resolving to several cards or none).
+error whose details start with ``fv:`` and say why (a LoRA file that is missing, or whose keys
+map to nothing of the card, or that has no weights for what the node patches; ``denoise`` < 1; a
+batch > 1; a sampler chain fv cannot express; loaders resolving to several cards or none).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 
-from fv_kernel.api import DiffusionParams, ImagePart, ModelCard, Request, TaskType, TextPart
+from fv_kernel.api import AdapterRef, DiffusionParams, ImagePart, ModelCard, Request, TaskType, TextPart
+from fv_comfyui.loras import LoraFileError, LoraLibrary, LoraUse, adapter_name
 from fv_comfyui.models import ModelMap, ModelTarget
 from fv_comfyui.samplers import comfy_sigmas, fv_sampler_name
 
@@ -54,6 +66,7 @@ FP8_WEIGHT_DTYPES = ("fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
 _LATENT_SOURCES = {"EmptyHunyuanLatentVideo": (0,), "WanImageToVideo": (2,), "Wan22ImageToVideoLatent": (0,)}
 #: ComfyUI's Wan models sample with shift 8.0 when no ModelSamplingSD3 says otherwise.
 DEFAULT_SHIFT = 8.0
+_TEXT_ENCODER = "text_encoder"
 _LOADER_COMPONENTS = {
     "unet": ("transformer", "transformer_2"),
     "clip": ("text_encoder",),
@@ -96,9 +109,12 @@ class ComfyJob:
     #: Node ids of the chain, in execution order (for ``executing`` messages).
     nodes: list[str]
     sampler_node: str
+    #: The LoRA nodes as adapters, in chain order (first stage's, second stage's, then CLIP-only ones).
+    loras: tuple[LoraUse, ...] = ()
 
-    def request(self, image: torch.Tensor | None = None) -> Request:
-        """The fv request this job runs (``image``: the start image, (3, H, W) in [0, 1])."""
+    def request(self, image: torch.Tensor | None = None, adapters: tuple[AdapterRef, ...] = ()) -> Request:
+        """The fv request this job runs (``image``: the start image, (3, H, W) in [0, 1]; ``adapters``:
+        its LoRA uses as registered, :meth:`fv_comfyui.loras.LoraLibrary.register`)."""
         parts: list[Any] = [TextPart(text=self.prompt)]
         if self.options.get("negative_prompt"):
             parts.append(TextPart(text=self.options["negative_prompt"], role="negative_prompt"))
@@ -106,7 +122,7 @@ class ComfyJob:
             parts.append(ImagePart(image=image))
         fields = ("height", "width", "frames", "steps", "guidance", "guidance_2", "switch_step", "shift", "sampler", "seed")
         return Request(
-            model=self.card.model_id, task=self.task, inputs=tuple(parts),
+            model=self.card.model_id, task=self.task, inputs=tuple(parts), adapters=adapters,
             diffusion=DiffusionParams(**{k: self.options[k] for k in fields if self.options.get(k) is not None}),
         )
 
@@ -116,6 +132,9 @@ class ComfyJob:
 
     def fv_generate_args(self, model: str, image_path: str | None = None) -> list[str]:
         """The ``fv generate`` arguments (after ``generate``) that run the same request."""
+        if self.loras:
+            raise ValueError("a job with LoRA nodes applies strengths per component, which `fv generate --lora` "
+                             "does not express")
         args = ["--model", model, "--prompt", self.prompt]
         names = {"negative_prompt": "--negative-prompt", "height": "--height", "width": "--width", "frames": "--frames",
                  "steps": "--steps", "guidance": "--guidance", "guidance_2": "--guidance-2", "switch_step": "--switch-step",
@@ -147,10 +166,14 @@ def _node_error(prompt: Mapping[str, Any], error: CompileError, output: str) -> 
 
 
 class _Compiler:
-    def __init__(self, prompt: Mapping[str, Any], models: ModelMap, cards: Mapping[str, ModelCard]) -> None:
+    def __init__(self, prompt: Mapping[str, Any], models: ModelMap, cards: Mapping[str, ModelCard],
+                 loras: LoraLibrary | None = None, adapters_off: Collection[str] = ()) -> None:
         self.prompt = prompt
         self.models = models
         self.cards = cards
+        self.loras = loras or LoraLibrary(None)
+        #: Cards run with adapters disabled: their LoRA nodes cannot run.
+        self.adapters_off = adapters_off
         self.visited: list[str] = []
         #: The CLIPVisionEncode of an image-to-video chain and its crop, when there is one.
         self.crop: tuple[str, str] | None = None
@@ -192,22 +215,24 @@ class _Compiler:
                 )
         return file_name, targets
 
-    def model_chain(self, node_id: str, name: str) -> tuple[float, str, tuple[ModelTarget, ...], str]:
-        """(shift, unet loader id, its targets, file name) behind a MODEL input."""
-        src, _ = self.source(node_id, name, {"ModelSamplingSD3": (0,), "UNETLoader": (0,), "CheckpointLoaderSimple": (0,),
-                                             "LoraLoaderModelOnly": (0,)})
+    def model_chain(self, node_id: str, name: str) -> tuple[float, str, tuple[ModelTarget, ...], str, list[str]]:
+        """(shift, unet loader id, its targets, file name, LoRA node ids from the loader out) behind a MODEL input."""
+        model_sources = {"ModelSamplingSD3": (0,), "UNETLoader": (0,), "CheckpointLoaderSimple": (0,),
+                         "LoraLoaderModelOnly": (0,), "LoraLoader": (0,)}
+        src, _ = self.source(node_id, name, model_sources)
         shift: float | None = None
+        loras: list[str] = []
         while True:
             kind = self.class_of(src)
             if kind == "ModelSamplingSD3":
                 if shift is None:
                     shift = float(self.inputs(src)["shift"])  # the last one applied wins, as in ComfyUI
-                src, _ = self.source(src, "model", {"ModelSamplingSD3": (0,), "UNETLoader": (0,),
-                                                    "CheckpointLoaderSimple": (0,), "LoraLoaderModelOnly": (0,)})
+                src, _ = self.source(src, "model", model_sources)
                 continue
-            if kind == "LoraLoaderModelOnly":
-                raise CompileError(src, "LoRA adapters are not supported by fv yet; remove the LoraLoaderModelOnly node",
-                                   "lora_name")
+            if kind in ("LoraLoaderModelOnly", "LoraLoader"):
+                loras.insert(0, src)  # walked from the sampler back: the one nearest the loader patches first
+                src, _ = self.source(src, "model", model_sources)
+                continue
             if kind == "UNETLoader":
                 dtype = self.inputs(src)["weight_dtype"]
                 if dtype in FP8_WEIGHT_DTYPES:
@@ -218,10 +243,10 @@ class _Compiler:
                 file_name, targets = self.loader_targets(src, "unet_name", "unet")
             else:
                 file_name, targets = self.loader_targets(src, "ckpt_name", "unet")
-            return (DEFAULT_SHIFT if shift is None else shift), src, targets, file_name
+            return (DEFAULT_SHIFT if shift is None else shift), src, targets, file_name, loras
 
-    def text(self, node_id: str, name: str, i2v_node: str | None) -> tuple[str, tuple[ModelTarget, ...]]:
-        """The text of a CONDITIONING input, and the targets of its text encoder."""
+    def text(self, node_id: str, name: str, i2v_node: str | None) -> tuple[str, tuple[ModelTarget, ...], list[str]]:
+        """The text of a CONDITIONING input, the targets of its text encoder and the LoraLoaders on its CLIP."""
         if i2v_node is not None:
             slot = 0 if name == "positive" else 1
             src, got = self.source(node_id, name, {"WanImageToVideo": (0, 1)})
@@ -231,12 +256,17 @@ class _Compiler:
             node_id = src
         src, _ = self.source(node_id, name, {"CLIPTextEncode": (0,)})
         text = str(self.inputs(src)["text"])
-        clip, slot = self.source(src, "clip", {"CLIPLoader": (0,), "CheckpointLoaderSimple": (1,)})
+        clip_sources = {"CLIPLoader": (0,), "CheckpointLoaderSimple": (1,), "LoraLoader": (1,)}
+        clip, slot = self.source(src, "clip", clip_sources)
+        loras: list[str] = []
+        while self.class_of(clip) == "LoraLoader":
+            loras.insert(0, clip)
+            clip, slot = self.source(clip, "clip", clip_sources)
         if self.class_of(clip) == "CLIPLoader":
             if self.inputs(clip)["type"] != "wan":
                 raise CompileError(clip, "fv's Wan cards encode text as ComfyUI's 'wan' CLIP type; set type to 'wan'", "type")
-            return text, self.loader_targets(clip, "clip_name", "clip")[1]
-        return text, self.loader_targets(clip, "ckpt_name", "clip")[1]
+            return text, self.loader_targets(clip, "clip_name", "clip")[1], loras
+        return text, self.loader_targets(clip, "ckpt_name", "clip")[1], loras
 
     def vae(self, node_id: str, name: str) -> tuple[ModelTarget, ...]:
         src, _ = self.source(node_id, name, {"VAELoader": (0,), "CheckpointLoaderSimple": (2,)})
@@ -283,9 +313,9 @@ class _Compiler:
         if not 0 < k < int(li["steps"]):
             raise CompileError(low, f"the switch step {k} must be inside 1..{int(li['steps']) - 1}", "start_at_step")
         plan = self.stage_plan(high, seed_input="noise_seed", stages=[high, low])
-        low_shift, low_unet, low_targets, low_file = self.model_chain(low, "model")
+        low_shift, low_unet, low_targets, low_file, low_loras = self.model_chain(low, "model")
         plan.update(low_shift=low_shift, low_unet=low_unet, low_targets=low_targets, low_file=low_file, switch_step=k,
-                    guidance_2=float(li["cfg"]))
+                    guidance_2=float(li["cfg"]), low_loras=low_loras)
         return plan
 
     def stage_plan(self, node: str, *, seed_input: str, stages: list[str]) -> dict[str, Any]:
@@ -294,15 +324,19 @@ class _Compiler:
             sampler = fv_sampler_name(inputs["sampler_name"], inputs["scheduler"])
         except ValueError as exc:
             raise CompileError(node, str(exc), "sampler_name") from None
-        shift, unet, unet_targets, unet_file = self.model_chain(node, "model")
+        shift, unet, unet_targets, unet_file, loras = self.model_chain(node, "model")
         latent, _ = self.source(node, "latent_image", _LATENT_SOURCES)
         kind = self.class_of(latent)
         i2v = latent if kind == "WanImageToVideo" else None
         if kind == "Wan22ImageToVideoLatent" and isinstance(self.inputs(latent).get("start_image"), list):
             i2v = latent  # the start image is encoded into the first latent frame; no conditioning passes through it
         text_via = i2v if kind == "WanImageToVideo" else None
-        positive, clip_targets = self.text(node, "positive", text_via)
-        negative, neg_clip_targets = self.text(node, "negative", text_via)
+        positive, clip_targets, clip_loras = self.text(node, "positive", text_via)
+        negative, neg_clip_targets, neg_clip_loras = self.text(node, "negative", text_via)
+        if clip_loras != neg_clip_loras:  # fv encodes both prompts with one text encoder and one adapter stack
+            raise CompileError(node, "the positive and negative prompts must be encoded through the same LoraLoader "
+                                     f"nodes (positive: {clip_loras or 'none'}, negative: {neg_clip_loras or 'none'})",
+                               "negative")
         size = self.inputs(latent)
         if int(size["batch_size"]) != 1:
             raise CompileError(latent, "fv runs one video per request; batch_size must be 1", "batch_size")
@@ -310,7 +344,7 @@ class _Compiler:
             "sampler_node": stages[-1], "stages": stages, "sampler": sampler, "shift": shift, "unet": unet,
             "unet_targets": unet_targets, "unet_file": unet_file, "steps": int(inputs["steps"]), "cfg": float(inputs["cfg"]),
             "seed": int(inputs[seed_input]), "scheduler": inputs["scheduler"], "latent": latent, "i2v": i2v,
-            "latent_kind": kind,
+            "latent_kind": kind, "loras": loras, "clip_loras": clip_loras,
             "positive": positive, "negative": negative, "clip_targets": (*clip_targets, *neg_clip_targets),
             "width": int(size["width"]), "height": int(size["height"]), "length": int(size["length"]),
         }
@@ -331,6 +365,49 @@ class _Compiler:
             vision = self.loader_targets(loader, "clip_name", "clip_vision")[1]
             self.crop = (enc, str(self.inputs(enc)["crop"]))
         return str(self.inputs(load)["image"]), vision, self.vae(i2v, "vae")
+
+    # -- LoRA nodes -------------------------------------------------------------------------
+    def lora_use(self, card: ModelCard, node: str, expert: str | None, clip: bool) -> LoraUse | None:
+        """What LoRA ``node`` applies: ``strength_model`` to ``expert`` when its MODEL output is on that
+        expert's chain, ``strength_clip`` to the text encoder when its CLIP output feeds the prompts.
+        None when that is nothing (strengths 0, or only a CLIP strength on a file without text-encoder weights)."""
+        inputs, kind = self.inputs(node), self.class_of(node)
+        strength_model = float(inputs["strength_model"])
+        strength_clip = float(inputs["strength_clip"]) if kind == "LoraLoader" else 0.0
+        if strength_model == 0.0 and strength_clip == 0.0:
+            return None  # ComfyUI returns the node's inputs unchanged, without reading the file
+        if card.model_id in self.adapters_off:
+            raise CompileError(node, f"card {card.model_id!r} runs with adapters disabled, so LoRA nodes cannot "
+                                     "run; turn them on with an adapters: section in the deploy config", "lora_name")
+        name = str(inputs["lora_name"])
+        adapter = adapter_name(name, expert)
+        try:
+            path = self.loras.path(name)
+            components = self.loras.components(card, path, adapter)
+        except LoraFileError as exc:
+            raise CompileError(node, str(exc), "lora_name") from None
+        wanted: dict[str, float] = {}
+        if expert is not None:
+            wanted[expert] = strength_model
+        if clip:
+            wanted[_TEXT_ENCODER] = strength_clip
+        if expert is not None and strength_model != 0.0 and expert not in components:
+            experts = [c for c in components if c in _LOADER_COMPONENTS["unet"]]
+            why = (f"its weights are for {experts[0]!r}, but the node is on the chain of {expert!r}" if experts else
+                   f"it has no weights for the diffusion model (card {card.model_id!r} maps its keys to: "
+                   f"{', '.join(components)})")
+            raise CompileError(node, f"{name!r}: {why}", "lora_name")
+        scales = {component: wanted.get(component, 0.0) for component in components}
+        if len(set(scales.values())) > 1:
+            # One adapter applies one strength to everything its file changes.
+            listed = ", ".join(f"{component} at {scale:g}" for component, scale in scales.items())
+            raise CompileError(node, f"{name!r} changes {', '.join(components)}; this node would apply {listed} "
+                                     "(a strength is 0 where the node's output does not reach that model), and fv "
+                                     "applies one strength to all of a file's weights: give them one strength", "lora_name")
+        scale = next(iter(scales.values()))
+        if scale == 0.0:
+            return None
+        return LoraUse(node, kind, name, path, adapter, components, scale)
 
     # -- the card ---------------------------------------------------------------------------
     def one_card(self, sampler_node: str, groups: list[tuple[str, tuple[ModelTarget, ...]]]) -> ModelCard:
@@ -437,6 +514,14 @@ def _job(compiler: _Compiler, decode: str, image_size: Callable[[str], tuple[int
         if size is not None and size[0] != size[1]:
             raise CompileError(crop[0], "fv's image encoder centre-crops (crop 'center'); crop 'none' is the same only "
                                         f"for a square image, and this one is {size[0]}x{size[1]}", "crop")
+    roles: dict[str, tuple[str | None, bool]] = {}  # LoRA node -> (the expert its MODEL patches, CLIP patched?)
+    for lora in plan["loras"]:
+        roles[lora] = (high_component, False)
+    for lora in plan.get("low_loras", []):
+        roles[lora] = ("transformer_2", False)
+    for lora in plan["clip_loras"]:
+        roles[lora] = (roles.get(lora, (None, False))[0], True)
+    uses = [use for lora, (expert, clip) in roles.items() if (use := compiler.lora_use(card, lora, expert, clip)) is not None]
     options: dict[str, Any] = {
         "height": plan["height"], "width": plan["width"], "frames": plan["length"], "steps": plan["steps"],
         "guidance": plan["cfg"], "shift": plan["shift"], "sampler": plan["sampler"], "seed": plan["seed"],
@@ -448,7 +533,7 @@ def _job(compiler: _Compiler, decode: str, image_size: Callable[[str], tuple[int
         options["switch_step"] = plan["switch_step"]
     nodes = execution_order(compiler.prompt, [decode])
     return ComfyJob(card=card, prompt=plan["positive"], options=options, image_name=image_name,
-                    outputs=[], nodes=nodes, sampler_node=node)
+                    outputs=[], nodes=nodes, sampler_node=node, loras=tuple(uses))
 
 
 def execution_order(prompt: Mapping[str, Any], roots: list[str]) -> list[str]:
@@ -475,17 +560,20 @@ def compile_prompt(
     models: ModelMap,
     cards: Mapping[str, ModelCard],
     image_size: Callable[[str], tuple[int, int] | None] = lambda name: None,
+    loras: LoraLibrary | None = None,
+    adapters_off: Collection[str] = (),
 ) -> CompileResult:
     """Compile the validated ``outputs`` of ``prompt``; an output that fv cannot run gets a node error instead.
 
     Outputs that read one ``VAEDecode`` share one job. ``image_size`` gives a ``LoadImage`` file's
-    (width, height) when known.
+    (width, height) when known; ``loras`` the LoRA folder (none: a LoRA node is refused);
+    ``adapters_off`` the cards whose deployment has adapters disabled (a LoRA node on them is refused).
     """
     jobs: dict[str, ComfyJob] = {}
     node_errors: dict[str, Any] = {}
     fp8: dict[str, tuple[str, ComfyJob]] = {}
     for output in sorted(outputs, key=lambda o: (len(o), o)):
-        compiler = _Compiler(prompt, models, cards)
+        compiler = _Compiler(prompt, models, cards, loras, adapters_off)
         try:
             target, decode = _save_target(prompt, compiler, output)
             if decode not in jobs:

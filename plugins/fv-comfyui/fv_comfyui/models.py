@@ -6,9 +6,10 @@ wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors: wan-tiny-a14b:transformer_2   #
 umt5_xxl_fp8_e4m3fn_scaled.safetensors: [wan-tiny, wan-tiny-i2v, wan-tiny-a14b]  # one file, several cards
 ```
 
-Every name in the file is offered in each loader's list (``unet_name``, ``clip_name``,
-``vae_name``, ``ckpt_name``, ``lora_name``): a name with no mapping is ``value_not_in_list``,
-as an absent file is in ComfyUI. Which card a graph runs on is the compiler's to decide
+Every name in the file is offered in each model loader's list (``unet_name``, ``clip_name``,
+``vae_name``, ``ckpt_name``): a name with no mapping is ``value_not_in_list``, as an absent file
+is in ComfyUI. LoRA files are not mapped: ``lora_name`` lists the LoRA folder's files
+(:mod:`fv_comfyui.loras`). Which card a graph runs on is the compiler's to decide
 (:mod:`fv_comfyui.compile`): the loaders of one graph must resolve to one card.
 """
 
@@ -23,8 +24,8 @@ import yaml
 
 __all__ = ["ComfyModelsError", "ModelTarget", "ModelMap", "LOADER_FOLDERS"]
 
-#: The folders ComfyUI's loaders list; every mapped name is offered in each.
-LOADER_FOLDERS = ("diffusion_models", "text_encoders", "vae", "clip_vision", "checkpoints", "loras")
+#: The folders ComfyUI's model loaders list; every mapped name is offered in each.
+LOADER_FOLDERS = ("diffusion_models", "text_encoders", "vae", "clip_vision", "checkpoints")
 _TARGET = re.compile(r"^(?P<card>[A-Za-z0-9][A-Za-z0-9._/-]*)(?::(?P<component>[A-Za-z_][A-Za-z0-9_]*))?$")
 
 

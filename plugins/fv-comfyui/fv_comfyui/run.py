@@ -1,7 +1,9 @@
 """Run compiled jobs on fv and write the files their save nodes name, as ComfyUI names them.
 
 A job runs exactly as ``fv generate`` would: ``fv.load(card)`` then ``generate(prompt, **options)``
-(the image by its path, read as ``--image`` reads it).
+(the image by its path, read as ``--image`` reads it). A job's LoRA nodes are registered with the
+generator's adapter registry under fv-comfyui's names (:mod:`fv_comfyui.loras`: one per file and
+expert) and passed by name as ``loras``.
 
 Files: ``<output_dir>/<filename_prefix>_<counter:05>_.<ext>``, the counter one past the highest
 already there for that prefix in that folder, whatever the extension, as ComfyUI's
@@ -23,8 +25,9 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from fv_kernel.api import DeployConfig, Video, load
+from fv_kernel.api import DeployConfig, Video, VideoGenerator, load
 from fv_comfyui.compile import ComfyJob, SaveTarget
+from fv_comfyui.loras import LoraLibrary, adapter_registry
 
 __all__ = ["OutputFileError", "SavedFile", "JobRunner", "save_outputs", "frames_uint8"]
 
@@ -120,16 +123,23 @@ def save_outputs(video: Video, targets: Iterable[SaveTarget], output_dir: Path) 
 class JobRunner:
     """Runs jobs, keeping one loaded generator per card (file) across them."""
 
-    def __init__(self, *, config: DeployConfig | None = None) -> None:
+    def __init__(self, *, config: DeployConfig | None = None, loras: LoraLibrary | None = None) -> None:
         self.config = config
-        self._generators: dict[str, Any] = {}
+        self.loras = loras or LoraLibrary(None)
+        self._generators: dict[str, VideoGenerator] = {}
+
+    def generator(self, model_id: str) -> VideoGenerator:
+        """The loaded generator of card ``model_id`` (``fv.load``, once per runner)."""
+        if model_id not in self._generators:
+            self._generators[model_id] = load(model_id, config=self.config)
+        return self._generators[model_id]
 
     def run(self, job: ComfyJob, image_path: Path | None = None, *, on_event: Callable[[Any], None] | None = None) -> Video:
-        ref = job.card.model_id  # a job runs its card as installed (a chain's switch is a request option)
-        if ref not in self._generators:
-            self._generators[ref] = load(ref, config=self.config)
-        generator = self._generators[ref]
-        options = dict(job.options)
+        generator = self.generator(job.card.model_id)  # the card as installed (a chain's switch is a request option)
+        options: dict[str, Any] = dict(job.options)
+        if job.loras:  # registered under fv-comfyui's names (one per file and expert), then given by name
+            refs = self.loras.register(adapter_registry(generator.instance), job.loras)
+            options["loras"] = [{"name": ref.name, "scale": ref.scale} for ref in refs]
         if image_path is not None:
             options["image"] = str(image_path)
         if on_event is None:

@@ -20,6 +20,7 @@ import torch
 from fv_kernel.api import CardCatalog, FvError, ModelCard, RequestLimits, resolve_request
 from fv_comfyui.compile import ComfyJob, compile_prompt
 from fv_comfyui.convert import is_ui_workflow, ui_to_api
+from fv_comfyui.loras import LoraFolder, LoraLibrary
 from fv_comfyui.models import ModelMap
 from fv_comfyui.validate import ValidationContext, validate_prompt
 
@@ -51,6 +52,11 @@ class ComfyService:
     #: The sampler names the deployment registers (its registry's ``sampler_names()``).
     sampler_names: tuple[str, ...] = ()
     limits: RequestLimits = field(default_factory=RequestLimits)
+    #: The LoRA folder (``lora_name``'s list) and its files converted for the cards.
+    loras: LoraLibrary = field(default_factory=lambda: LoraLibrary(None))
+    #: Cards run with adapters disabled (the deploy config has no ``adapters:`` section); a LoRA node on
+    #: them is refused at compile.
+    adapters_off: frozenset[str] = frozenset()
 
     def image_path(self, name: str) -> Path | None:
         """``LoadImage``'s file, ``name`` or ``subfolder/name`` inside the input folder (never outside it)."""
@@ -72,7 +78,7 @@ class ComfyService:
 
     def validation_context(self) -> ValidationContext:
         return ValidationContext(
-            folders={**self.models.folders(), "input": self.input_files()},
+            folders={**self.models.folders(), "loras": self.loras.names(), "input": self.input_files()},
             image_exists=lambda name: self.image_path(name) is not None,
         )
 
@@ -111,6 +117,7 @@ class ComfyService:
             return PromptAnswer(False, 400, result.error, result.node_errors, prompt if isinstance(prompt, dict) else {})
         compiled = compile_prompt(
             prompt, result.good_outputs, models=self.models, cards=self.cards, image_size=self.image_size,
+            loras=self.loras, adapters_off=self.adapters_off,
         )
         node_errors = dict(result.node_errors)
         for node_id, entry in compiled.node_errors.items():
@@ -147,12 +154,17 @@ def service_for(
     *,
     limits: RequestLimits | None = None,
     cards: set[str] | None = None,
+    loras: Path | None = None,
+    adapters: bool = True,
 ) -> ComfyService:
-    """A service over ``host``'s installed cards (or only ``cards``: what a server serves)."""
+    """A service over ``host``'s installed cards (or only ``cards``: what a server serves); ``loras``:
+    ComfyUI's ``models/loras`` folder; ``adapters``: whether the deployment has adapters on."""
     entries = CardCatalog(host).entries()
     installed = {card_id: entry.card for card_id, entry in entries.items() if cards is None or card_id in cards}
     models.check_cards(set(entries))
     return ComfyService(
         models=models, cards=installed, input_dir=input_dir,
         sampler_names=tuple(host.registry().sampler_names()), limits=limits or RequestLimits(),
+        loras=LoraLibrary(LoraFolder(loras) if loras is not None else None),
+        adapters_off=frozenset() if adapters else frozenset(installed),
     )

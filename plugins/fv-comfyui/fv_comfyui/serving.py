@@ -48,12 +48,13 @@ from starlette.datastructures import UploadFile  # what request.form() returns (
 
 from fv_kernel.api import DeployConfig, Engine, FvError
 from fv_comfyui.compile import ComfyJob
+from fv_comfyui.loras import LoraFolder, LoraLibrary, adapter_registry
 from fv_comfyui.models import ModelMap
 from fv_comfyui.nodes import object_info
 from fv_comfyui.previews import LatentPreviewer, preview_frame
 from fv_comfyui.run import save_outputs
 from fv_comfyui.service import ComfyService
-from fv_comfyui.settings import DISTRIBUTION, MODELS_ENV, comfy_settings, models_file
+from fv_comfyui.settings import DISTRIBUTION, MODELS_ENV, comfy_settings, loras_folder, models_file
 
 __all__ = ["MODELS_ENV", "ComfyServer", "mount"]
 
@@ -102,7 +103,8 @@ def _schedule(job: ComfyJob) -> Any:
 class ComfyServer:
     """The queue, history and websocket clients of the ComfyUI surface over one engine."""
 
-    def __init__(self, engine: Engine, config: DeployConfig, models: ModelMap, *, previews: bool = True) -> None:
+    def __init__(self, engine: Engine, config: DeployConfig, models: ModelMap, *, previews: bool = True,
+                 loras: Path | None = None) -> None:
         self.engine = engine
         #: Latent previews over /ws at each sampler step (``plugins.settings.fv-comfyui.previews``).
         self.previews = previews
@@ -116,7 +118,8 @@ class ComfyServer:
         self.service = ComfyService(
             models=models, cards={model_id: instance.card for model_id, instance in instances.items()},
             input_dir=self.input_dir, sampler_names=tuple(registry.sampler_names()) if registry else (),
-            limits=config.limits,
+            limits=config.limits, loras=LoraLibrary(LoraFolder(loras) if loras is not None else None),
+            adapters_off=frozenset(m for m, instance in instances.items() if not instance.adapters_enabled),
         )
         self.folders = {**models.folders()}
         self.number = 0
@@ -262,15 +265,19 @@ class ComfyServer:
         saves = {t.node_id for t in job.outputs}
         for node in job.nodes:  # loaders and the like: ready as soon as the request is admitted
             if item.prompt[node]["class_type"] in ("UNETLoader", "CLIPLoader", "VAELoader", "CLIPVisionLoader",
-                                                   "CheckpointLoaderSimple", "ModelSamplingSD3", "LoadImage",
-                                                   "EmptyHunyuanLatentVideo") or (
+                                                   "CheckpointLoaderSimple", "LoraLoader", "LoraLoaderModelOnly",
+                                                   "ModelSamplingSD3", "LoadImage", "EmptyHunyuanLatentVideo") or (
                     item.prompt[node]["class_type"] == "Wan22ImageToVideoLatent" and job.image_name is None):
                 await self.executing(item, node)
         if item.interrupted:
             raise _Interrupted()
         image = self.service.load_image(job.image_name) if job.image_name else None
+        # The LoRA files as the engine's adapters (read and converted once; again only when a file changes).
+        adapters = await asyncio.to_thread(
+            self.service.loras.register, adapter_registry(self.engine.instances[card.model_id]), job.loras,
+        ) if job.loras else ()
         pending: list[bytes] = []
-        handle = self.engine.submit(job.request(image), on_step=self.previewer(job, pending) if self.previews else None)
+        handle = self.engine.submit(job.request(image, adapters), on_step=self.previewer(job, pending) if self.previews else None)
         item.request_id = handle.request_id
         shown: str | None = None
         async for event in handle.events():
@@ -361,7 +368,7 @@ def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:
                           f"config, or {MODELS_ENV}): no model file name maps to a card, so every ComfyUI loader "
                           "answers value_not_in_list", stacklevel=2)
 
-    server = ComfyServer(engine, config, models, previews=comfy_settings(config).previews)
+    server = ComfyServer(engine, config, models, previews=comfy_settings(config).previews, loras=loras_folder(config))
     app.state.comfyui = server
 
     async def post_prompt(request: Request) -> JSONResponse:
@@ -445,7 +452,7 @@ def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:
 
     async def get_object_info() -> dict[str, Any]:
         need_mapping()  # its model lists come from the mapping
-        return object_info({**server.folders, "input": server.service.input_files()})
+        return object_info({**server.folders, "loras": server.service.loras.names(), "input": server.service.input_files()})
 
     async def get_object_info_node(node_class: str) -> dict[str, Any]:
         info = await get_object_info()

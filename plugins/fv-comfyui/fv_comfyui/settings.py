@@ -5,12 +5,14 @@ plugins:
   settings:
     fv-comfyui:
       models: comfy-models.yaml   # the model mapping file (docs/comfyui.md)
+      loras: ComfyUI/models/loras # the folder LoraLoader / LoraLoaderModelOnly's lora_name is read from
       previews: true              # latent previews over /ws while a sampler runs (false: none)
 ```
 
 The kernel checks only the plugin's name; the keys are checked here, strictly (an unknown key
 is an error naming it). The ``FV_COMFY_MODELS`` environment variable, when set, overrides
-``models``, as ``FV_PLUGINS`` overrides the config's plugin selection.
+``models``, as ``FV_PLUGINS`` overrides the config's plugin selection; ``FV_COMFY_LORAS``
+overrides ``loras`` the same way.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fv_kernel.api import DeployConfig
 
-__all__ = ["DISTRIBUTION", "MODELS_ENV", "ComfySettings", "ComfySettingsError", "comfy_settings", "models_file"]
+__all__ = ["DISTRIBUTION", "MODELS_ENV", "LORAS_ENV", "ComfySettings", "ComfySettingsError", "comfy_settings", "models_file",
+           "loras_folder"]
 
 #: This plugin's distribution name: its key under ``plugins.settings``.
 DISTRIBUTION = "fv-comfyui"
 #: Overrides ``plugins.settings.fv-comfyui.models`` when set.
 MODELS_ENV = "FV_COMFY_MODELS"
+#: Overrides ``plugins.settings.fv-comfyui.loras`` when set.
+LORAS_ENV = "FV_COMFY_LORAS"
 
 
 class ComfySettingsError(ValueError):
@@ -43,6 +48,10 @@ class ComfySettings(BaseModel):
     models: Path | None = None
     """The model mapping file; a relative path is read from the current directory, as the deploy
     config's other paths (``output_dir``) are."""
+
+    loras: Path | None = None
+    """ComfyUI's ``models/loras`` folder: the files ``lora_name`` offers (``.safetensors``, subfolders
+    included); a relative path is read from the current directory."""
 
     previews: bool = True
     """Send ComfyUI's latent preview images over ``/ws`` at each sampler step (``fv serve``)."""
@@ -68,3 +77,12 @@ def models_file(config: DeployConfig, environ: Mapping[str, str] | None = None) 
     if value:
         return Path(value)
     return comfy_settings(config).models
+
+
+def loras_folder(config: DeployConfig, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The LoRA folder to use: ``FV_COMFY_LORAS`` when set (non-empty), else the deploy config's ``loras``."""
+    env = os.environ if environ is None else environ
+    value = env.get(LORAS_ENV)
+    if value:
+        return Path(value)
+    return comfy_settings(config).loras

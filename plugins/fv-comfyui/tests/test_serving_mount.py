@@ -1,5 +1,6 @@
 """Mounting the ComfyUI routes: the mapping file from the deploy config's plugins.settings or FV_COMFY_MODELS
-(which overrides it), a malformed setting, and what happens without either."""
+(which overrides it), the LoRA folder likewise (loras / FV_COMFY_LORAS), a malformed setting, and what
+happens without either."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from conftest import MODELS_FILE  # noqa: E402
 from fv_kernel.api import DeployConfig, Engine, PluginsConfig  # noqa: E402
 from fv_comfyui.models import ComfyModelsError  # noqa: E402
 from fv_comfyui.serving import mount  # noqa: E402
-from fv_comfyui.settings import MODELS_ENV, ComfySettingsError, models_file  # noqa: E402
+from fv_comfyui.settings import LORAS_ENV, MODELS_ENV, ComfySettingsError, loras_folder, models_file  # noqa: E402
 
 
 def test_models_come_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,7 +106,7 @@ def test_the_environment_overrides_the_deploy_config(tmp_path: Path, monkeypatch
 
 
 @pytest.mark.parametrize(("settings", "needle"), [
-    ({"model": "m.yaml"}, "plugins.settings.fv-comfyui.model: Extra inputs are not permitted (allowed keys: models, previews)"),
+    ({"model": "m.yaml"}, "plugins.settings.fv-comfyui.model: Extra inputs are not permitted (allowed keys: models, loras, previews)"),
     ({"models": 3}, "plugins.settings.fv-comfyui.models:"),
 ])
 def test_a_malformed_setting_names_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: dict, needle: str) -> None:
@@ -113,3 +114,34 @@ def test_a_malformed_setting_names_the_key(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(ComfySettingsError) as caught:
         mount(FastAPI(), Engine(), _deploy(tmp_path, settings))
     assert needle in str(caught.value)
+
+
+def _lora_names(app: FastAPI) -> list[str]:
+    info = TestClient(app).get("/object_info/LoraLoaderModelOnly").json()
+    return info["LoraLoaderModelOnly"]["input"]["required"]["lora_name"][0]
+
+
+def test_the_lora_folder_comes_from_the_deploy_config_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MODELS_ENV, str(MODELS_FILE))
+    monkeypatch.delenv(LORAS_ENV, raising=False)
+    configured, environment = tmp_path / "configured", tmp_path / "environment"
+    for folder, name in ((configured, "a.safetensors"), (environment, "sub/b.safetensors")):
+        (folder / name).parent.mkdir(parents=True)
+        (folder / name).write_bytes(b"")
+    config = _deploy(tmp_path, {"loras": str(configured)})
+    assert loras_folder(config) == configured
+    app = FastAPI()
+    mount(app, Engine(), config)
+    assert _lora_names(app) == ["a.safetensors"]
+    (configured / "new.safetensors").write_bytes(b"")  # listed as the folder is now, as ComfyUI lists it
+    assert _lora_names(app) == ["a.safetensors", "new.safetensors"]
+    monkeypatch.setenv(LORAS_ENV, str(environment))  # the variable overrides the config
+    assert loras_folder(config) == environment
+    app = FastAPI()
+    mount(app, Engine(), config)
+    assert _lora_names(app) == ["sub/b.safetensors"]
+    monkeypatch.delenv(LORAS_ENV)
+    assert loras_folder(_deploy(tmp_path, {})) is None
+    app = FastAPI()
+    mount(app, Engine(), _deploy(tmp_path, {}))
+    assert _lora_names(app) == []

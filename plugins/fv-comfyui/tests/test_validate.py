@@ -71,10 +71,11 @@ CASES: list[tuple[str, Mutation, str, dict[str, list[str]]]] = [
      {"48": ["dependency_cycle"]}),
     ("several errors on one node", lambda p: p["40"]["inputs"].update(width=8, batch_size=0),
      "prompt_outputs_failed_validation", {"40": ["value_smaller_than_min", "value_smaller_than_min"]}),
+    ("LoRA file not in the LoRA folder (a mapped model name is no LoRA)", lambda p: p.update({"90": {
+        "class_type": "LoraLoaderModelOnly", "inputs": {"model": ["37", 0], "lora_name": "wan_2.1_vae.safetensors",
+                                                        "strength_model": 1.0}}}) or p["48"]["inputs"].update(model=["90", 0]),
+     "prompt_outputs_failed_validation", {"90": ["value_not_in_list"]}),
     # refused by fv's compiler, in the same shape
-    ("LoRA adapters", lambda p: p.update({"90": {"class_type": "LoraLoaderModelOnly", "inputs": {
-        "model": ["37", 0], "lora_name": "wan_2.1_vae.safetensors", "strength_model": 1.0}}}) or p["48"]["inputs"].update(model=["90", 0]),
-     "prompt_outputs_failed_validation", {"90": ["custom_validation_failed"]}),
     ("partial denoise", lambda p: p["3"]["inputs"].update(denoise=0.5), "prompt_outputs_failed_validation",
      {"3": ["custom_validation_failed"]}),
     ("batch of two", lambda p: p["40"]["inputs"].update(batch_size=2), "prompt_outputs_failed_validation",
