@@ -88,8 +88,11 @@ def test_the_adapter_file_is_peft_format_with_provenance(trained, base):
     assert (metadata["fv.method"], metadata["fv.base_card"], metadata["fv.model_id"]) == (method, "wan-toy", f"wan-toy-{method}-lora-ci")
     assert json.loads(metadata["fv.steps"]) == ({"dmd2": 4} if method == "dmd2" else {"epochs": 2, "updates": 2})
     assert "LoRA rank 4 alpha 8" in metadata["fv.data_contract"] == outcome.card.recipe.data_contract
+    assert json.loads(metadata["fv.seed"]) == 0
     if method == "dmd2":
         assert (metadata["fv.assumes_loop"], json.loads(metadata["fv.assumes_steps"])) == ("dmd_3step", 3)
+    else:
+        assert metadata["fv.reward"] == "colour"
     assert outcome.parity.passed
 
 

@@ -110,6 +110,8 @@ def test_an_update_trains_only_the_adapter_the_base_stays_bit_identical(method_n
     # What a sync carries: theta_old's adapter alone, labelled with this run and epoch.
     assert set(payload.low_rank) == set(learner.lora.paths) and not payload.deltas and payload.version.endswith(".1")
     assert payload.nbytes < sum(t.numel() * t.element_size() for t in base.values())
+    if method_name == "grpo":  # GRPO's theta_old is theta: the payload is the trained adapter itself
+        assert all(torch.equal(payload.low_rank[p].up, u.detach()) for p, u in zip(learner.lora.paths, learner.lora.up))
 
 
 def test_nft_old_adapter_is_the_ema_of_the_adapter_weights():
@@ -245,3 +247,52 @@ def test_an_adapter_outside_the_slot_is_refused():
         slot.set(other.adapter("ffn", "1"))
     assert slot.adapter is None  # the refused adapter was not installed; an attention one is
     slot.set(LoraWeights(transformer, attn, 2, 2.0, torch.Generator()).adapter("attn", "1"))
+
+
+def test_the_sync_copies_the_adapter_onto_the_instances_device_and_dtype():
+    instance = tiny_instance()
+    transformer = instance.component("transformer")
+    learner = Learner(DiffusionNFT(NFTOptions(lora=LORA)), transformer, seed=0, owns_old=False)
+    payload = learner.weights()
+    slot = AdapterSlot.for_rollouts(instance, payload)
+    try:
+        transformer.half()  # an instance served in another dtype than the learner's fp32 adapter
+        slot.loader(payload)(instance)
+        installed = slot.adapter.low_rank[learner.lora.paths[0]]
+        sent = payload.low_rank[learner.lora.paths[0]]
+        assert installed.down.dtype == torch.float16 and installed.down.data_ptr() != sent.down.data_ptr()
+        assert slot.adapter.version == payload.version
+    finally:
+        slot.remove()
+
+
+def test_a_run_whose_sync_does_not_reach_the_engine_stops_with_stale_rollout(tmp_path, monkeypatch):
+    """Negative control of the loop's own check: a sync that keeps the old weights_version."""
+    from fv_kernel.api import Engine, TrainingRun
+
+    real = Engine.sync_weights
+
+    async def unbumped(self, model_id, load, *, version=None):
+        return await real(self, model_id, load, version=self.instances[model_id].weights_version)
+
+    monkeypatch.setattr(Engine, "sync_weights", unbumped)
+    card = CardCatalog(host()).get("wan-tiny")
+    options = NFTOptions(lora=LORA, prompts=("a red fox",), group_size=2, epochs=1, steps=2, height=32, width=32, frames=5,
+                         eval_seeds=(5,))
+    recipe = TrainingRecipe(method="nft", card="wan-tiny", output_model_id="x", device="cpu")
+    run = TrainingRun(recipe=recipe, options=options, card=card, instance=tiny_instance(card), device=torch.device("cpu"),
+                      output=tmp_path, report=lambda *a: None)
+    with pytest.raises(StaleRollout, match="did not reach the rollout engine"):
+        DiffusionNFT(options).train(run)
+
+
+def test_dmd2_lora_student_and_critic_are_adapters_on_the_one_teacher():
+    from fv_rl.dmd2 import DMD2, DMD2Options
+
+    teacher = tiny_instance().component("transformer").eval().requires_grad_(False)
+    student, critic, student_params, critic_params, slot = DMD2(DMD2Options(lora=LORA))._views(teacher, seed=0)
+    assert isinstance(student_params, LoraWeights) and isinstance(critic_params, LoraWeights)
+    for view in (student, critic):
+        assert all(a.data_ptr() == b.data_ptr() for a, b in zip(view.parameters(), teacher.parameters()))
+    assert all(not p.requires_grad for p in teacher.parameters())
+    assert slot is not None and slot.root is student
