@@ -87,9 +87,6 @@ class OnlineOptions(BaseModel):
     def _prompts(self) -> "OnlineOptions":
         if not self.prompts:
             raise ValueError("prompts must name at least one prompt")
-        if self.lora is not None and self.orchestration == "ray":
-            # Not built: Ray workers would need the adapter slot and the version check (untested here: no Ray).
-            raise ValueError("lora runs with orchestration 'local' only (LoRA over Ray actors is not built yet)")
         return self
 
 

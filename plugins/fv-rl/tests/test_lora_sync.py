@@ -218,9 +218,6 @@ def test_lora_options_errors_name_the_field():
     recipe = TrainingRecipe(method="nft", card="wan-tiny", output_model_id="x", options={"lora": {"rank": 4, "dropout": 0.1}})
     with pytest.raises(RecipeError, match=r"options\.lora\.dropout"):
         parse_options(recipe, NFTOptions)
-    recipe = TrainingRecipe(method="grpo", card="wan-tiny", output_model_id="x", options={"lora": {}, "orchestration": "ray"})
-    with pytest.raises(RecipeError, match="orchestration 'local' only"):
-        parse_options(recipe, GRPOOptions)
     transformer = tiny_instance().component("transformer")
     with pytest.raises(InvalidRequest, match=r"options\.lora\.target_modules: 'blocks\.\*\.attn3\*' matches no linear.*allowed: "):
         target_paths(transformer, ("blocks.*.attn1.*", "blocks.*.attn3*"))
