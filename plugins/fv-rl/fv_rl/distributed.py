@@ -5,8 +5,8 @@ holding its own Engine over the rollout card (the serving loops plus capture, ex
 one process); the learner actor holds theta, theta_old, theta_ref and the optimizer and
 returns the new theta_old after each epoch; the driver (this process) computes rewards and
 advantages, spreads each epoch's prompt groups over the workers and pushes the new weights to
-every worker with ``Engine.sync_weights``. Behaviour records cross process boundaries as
-their ``to_bytes`` (the same bytes ``torch.save`` writes).
+every worker with ``Engine.sync_weights`` (with ``options.lora``: the adapter alone). Behaviour
+records cross process boundaries as their ``to_bytes`` (the same bytes ``torch.save`` writes).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class RolloutWorker:
         self.engine = Engine()
         self.engine.add_instance(self.instance)
         self._started = False
+        self.slot: Any = None  # options.lora: the rollout adapter's slot (fv_rl.lora.AdapterSlot), installed on first sync
 
     async def _start(self) -> None:
         if not self._started:
@@ -59,10 +60,16 @@ class RolloutWorker:
         await self._start()
         return _pack(await rollout_groups(self.engine, self.instance.model_id, prompts, seeds, settings))
 
-    async def load(self, state: dict[str, torch.Tensor]) -> str:
+    async def load(self, state: Any) -> str:
+        """A weight sync: the transformer's state dict, or (``options.lora``) the adapter alone."""
+        from fv_kernel.api import AdapterWeights
+        from fv_rl.lora import sync_adapter
         from fv_rl.online import load_state_into
 
         await self._start()
+        if isinstance(state, AdapterWeights):
+            self.slot = await sync_adapter(self.engine, self.instance.model_id, self.slot, state)
+            return self.instance.weights_version
         return await self.engine.sync_weights(self.instance.model_id, load_state_into(state))
 
     async def shutdown(self) -> None:
@@ -83,10 +90,11 @@ class LearnerActor:
                                   InstanceOptions(device="cpu", precision="fp32", source=source))
         self.learner = Learner(method, instance.component("transformer"), seed, owns_old=True)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.learner.old.state_dict().items()}
+    def weights(self) -> Any:
+        """theta_old as a sync sends it: the state dict, or (``options.lora``) its adapter."""
+        return self.learner.weights()
 
-    def update(self, groups: Any, advantages: torch.Tensor, epoch: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    def update(self, groups: Any, advantages: torch.Tensor, epoch: int) -> tuple[dict[str, float], Any]:
         rollouts = [r for g in _unpack(groups) for r in g]
         return self.learner.update(rollouts, advantages, epoch)
 
@@ -108,7 +116,7 @@ class RayBackend(RolloutBackend):
                 groups[i] = group
         return groups  # type: ignore[return-value]
 
-    async def load(self, state: dict[str, torch.Tensor]) -> None:
+    async def load(self, state: Any) -> None:
         await asyncio.gather(*(w.load.remote(state) for w in self.workers))
 
 
@@ -116,12 +124,16 @@ class _RemoteLearner:
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
+    async def weights(self) -> Any:
+        return await self.actor.weights.remote()
+
     async def update(self, rollouts: list[Rollout], advantages: torch.Tensor, epoch: int) -> Any:
         return await self.actor.update.remote(_pack([rollouts]), advantages, epoch)
 
 
-def run_with_ray(method: OnlineRL, run: TrainingRun, reward: Reward, history: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
-    """Train with Ray actors; returns the final rollout-policy transformer weights."""
+def run_with_ray(method: OnlineRL, run: TrainingRun, reward: Reward, history: dict[str, list[Any]]) -> Any:
+    """Train with Ray actors; returns the final rollout-policy weights (the transformer's state dict, or
+    with ``options.lora`` the adapter)."""
     try:
         import ray
     except ImportError:
@@ -137,9 +149,10 @@ def run_with_ray(method: OnlineRL, run: TrainingRun, reward: Reward, history: di
     workers = [worker_cls.remote(card_json, source) for _ in range(o.rollout_workers)]  # type: ignore[attr-defined]
     learner = learner_cls.remote(method, run.card.model_dump_json(), source, run.recipe.seed)
     try:
-        async def go() -> dict[str, torch.Tensor]:
+        async def go() -> Any:
             backend = RayBackend(workers)
-            await backend.load(await learner.weights.remote())  # every worker starts from the learner's theta_old
+            if o.lora is None:  # (with LoRA, run_epochs sends the first adapter and checks the rollouts')
+                await backend.load(await learner.weights.remote())  # every worker starts from the learner's theta_old
             await method.run_epochs(run, backend, reward, _RemoteLearner(learner), history)
             return await learner.weights.remote()
 

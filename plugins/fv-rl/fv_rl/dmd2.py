@@ -19,6 +19,12 @@ prompt through the Engine). The result is a **new card**: the parent's card plus
 ``RecipeSpec`` filled in (method ``dmd2``, parents, ``assumes_loop`` that loop, the data
 contract) and its defaults N steps, guidance 1. A request for another step count or sampler is
 refused with ``RecipeMismatch``.
+
+With ``options.lora`` the student and the critic are both LoRA adapters (:mod:`fv_rl.lora`) on
+the one frozen teacher: one copy of the transformer instead of three. The critic only has to
+follow the student's distribution away from the teacher's, which starts equal to it, so an
+adapter suffices. The new card carries the student's adapter merged in; the adapter goes beside
+it as a LoRA file whose metadata says the few-step loop it assumes.
 """
 
 from __future__ import annotations
@@ -42,8 +48,10 @@ from fv_kernel.api import (
     TrainedModel,
     TrainingRun,
     add_noise,
+    merge_adapters,
     run_blocking,
 )
+from fv_rl.lora import LORA_FILE, AdapterSlot, LoraOptions, LoraWeights, save_lora_file, sharing_clone, target_paths
 from fv_rl.online import as_input
 from fv_rl.rollout import RolloutSettings, rollout_groups
 
@@ -70,6 +78,8 @@ class DMD2Options(BaseModel):
     width: PositiveInt | None = None
     frames: PositiveInt | None = None
     log_every: PositiveInt = 10
+    #: Train the student and the critic as LoRA adapters on the frozen teacher (None: full copies).
+    lora: LoraOptions | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "DMD2Options":
@@ -126,6 +136,25 @@ class DMD2(RLMethod):
             neg = torch.cat([as_input(r.negative_embeds) for r in records]).float()  # type: ignore[arg-type]
         return cond, neg, records[0].initial_noise.shape
 
+    def _views(self, teacher: torch.nn.Module, seed: int) -> tuple[torch.nn.Module, torch.nn.Module, Any, Any, AdapterSlot | None]:
+        """(student, critic, student's trained parameters, critic's trained parameters, the student's slot)."""
+        o: DMD2Options = self.options  # type: ignore[assignment]
+        if o.lora is None:
+            student = copy.deepcopy(teacher).train().requires_grad_(True)
+            critic = copy.deepcopy(teacher).train().requires_grad_(True)
+            return student, critic, student, critic, None
+        paths = target_paths(teacher, o.lora.target_modules)
+        init = torch.Generator().manual_seed(seed)
+        views = []
+        for name in ("student", "critic"):
+            weights = LoraWeights(teacher, paths, o.lora.rank, o.lora.lora_alpha, init)
+            view = sharing_clone(teacher).train()
+            slot = AdapterSlot(view, paths)
+            slot.set(weights.adapter(f"dmd2-{name}", "live"))
+            views.append((view, weights, slot))
+        (student, s_weights, s_slot), (critic, c_weights, _) = views
+        return student, critic, s_weights, c_weights, s_slot
+
     def train(self, run: TrainingRun) -> TrainedModel:
         o: DMD2Options = self.options  # type: ignore[assignment]
         card = run.card
@@ -133,10 +162,9 @@ class DMD2(RLMethod):
             raise RecipeError("card", f"card {card.model_id!r} has no multi-step 'denoise' loop to distil from")
         cond, neg, shape = self._conditioning(run)
         teacher = run.instance.component("transformer").eval().requires_grad_(False)
-        student = copy.deepcopy(teacher).train().requires_grad_(True)
-        critic = copy.deepcopy(teacher).train().requires_grad_(True)
-        opt_student = torch.optim.AdamW(student.parameters(), lr=o.lr, weight_decay=0.0)
-        opt_critic = torch.optim.AdamW(critic.parameters(), lr=o.critic_lr, weight_decay=0.0)
+        student, critic, student_params, critic_params, student_slot = self._views(teacher, run.recipe.seed)
+        opt_student = torch.optim.AdamW(student_params.parameters(), lr=o.lr, weight_decay=0.0)
+        opt_critic = torch.optim.AdamW(critic_params.parameters(), lr=o.critic_lr, weight_decay=0.0)
         loop = few_step_loop(card, o.denoising_timesteps)
         schedule = DMDSampler(**loop.sampler.config).init_state(len(o.denoising_timesteps))  # type: ignore[union-attr]
         sigmas = schedule.sigmas
@@ -161,7 +189,7 @@ class DMD2(RLMethod):
             c_loss = F.mse_loss(critic(add_noise(x0_d, eps, s), s * TIMESTEP_SCALE, ctx).float(), eps - x0_d)
             opt_critic.zero_grad(set_to_none=True)
             c_loss.backward()
-            torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(critic_params.parameters(), 1.0)
             opt_critic.step()
 
             if step % o.critic_updates == 0:
@@ -177,12 +205,19 @@ class DMD2(RLMethod):
                 loss = self.loss({"x0": x0_student, "x0_real": x_t - sb * v_real, "x0_fake": x_t - sb * v_fake})
                 opt_student.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+                torch.nn.utils.clip_grad_norm_(student_params.parameters(), 1.0)
                 opt_student.step()
                 g_loss = float(loss.detach())
             if step % o.log_every == 0 or step == o.steps:
                 run.report("dmd2", step, o.steps, {"critic": float(c_loss.detach()), **({"dmd": g_loss} if g_loss == g_loss else {})})
 
+        adapter = None
+        if student_slot is not None:
+            # The card carries the student merged into the (no longer needed) teacher module; the adapter goes beside it.
+            adapter = student_params.adapter("dmd2-student", f"dmd2-{run.recipe.seed}-{o.steps}", detach=True)
+            student_slot.remove()
+            merge_adapters(teacher, [(adapter, 1.0)])
+            student = teacher
         student.eval().requires_grad_(False)
         geometry = {k: v for k, v in (("frames", o.frames), ("height", o.height), ("width", o.width)) if v is not None}
         recipe = RecipeSpec(
@@ -191,8 +226,15 @@ class DMD2(RLMethod):
                 f"DMD2 from teacher {card.model_id!r} on {len(o.prompts)} prompts (teacher guidance {o.teacher_guidance}), "
                 f"{n}-step schedule {list(o.denoising_timesteps)}, {o.steps} steps x batch {o.batch}, critic {o.critic_updates}:1, "
                 f"lr {o.lr} / {o.critic_lr}, seed {run.recipe.seed}"
+                + (f", LoRA rank {o.lora.rank} alpha {o.lora.lora_alpha:g} on {o.lora.target_modules}" if o.lora else "")
             ),
         )
+        if adapter is not None:
+            save_lora_file(adapter, run.output / LORA_FILE, {
+                "method": "dmd2", "base_card": card.model_id, "model_id": run.recipe.output_model_id or "",
+                "steps": {"dmd2": o.steps}, "seed": run.recipe.seed, "data_contract": recipe.data_contract,
+                "assumes_loop": loop.loop_id, "assumes_steps": n,
+            })
         return TrainedModel(
             modules={"transformer": student.cpu(), "text_encoder": run.instance.component("text_encoder").cpu()},
             recipe=recipe, steps={"dmd2": o.steps}, defaults={"steps": n, "guidance": 1.0, **geometry},

@@ -6,6 +6,10 @@ theta; after each update the new old-policy weights go into the serving instance
 ``Engine.sync_weights`` (freeze admission, drain, load, bump ``weights_version``, clear
 the caches keyed by it, resume). Evaluation is a fixed set of prompts and seeds sampled
 deterministically through the same engine before training and after every epoch.
+
+With ``options.lora`` (:mod:`fv_rl.lora`) theta, theta_old and theta_ref are adapters on one
+frozen copy of the transformer, the sync sends only theta_old's adapter, and every rollout's
+``weights_version`` is checked against the adapter the learner last sent.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import asyncio
 import copy
 import json
 import time
+import uuid
 from typing import Any, ClassVar, Literal, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from fv_kernel.api import (
+    AdapterWeights,
     Engine,
     ModelInstance,
     ParityLevel,
@@ -29,7 +35,12 @@ from fv_kernel.api import (
     RLMethod,
     TrainedModel,
     TrainingRun,
+    merge_adapters,
     resolve_reward,
+)
+from fv_rl.lora import (
+    LORA_FILE, AdapterSlot, LoraOptions, LoraWeights, check_rollout_versions, copied_adapter, save_lora_file,
+    sharing_clone, sync_adapter, target_paths,
 )
 from fv_rl.rollout import Rollout, RolloutSettings, rollout_groups
 
@@ -69,6 +80,8 @@ class OnlineOptions(BaseModel):
     orchestration: Literal["local", "ray"] = "local"
     #: Rollout actors under ``orchestration: ray`` (the prompts' groups are spread over them).
     rollout_workers: int = Field(default=2, ge=1)
+    #: Train a LoRA on the transformer instead of its weights (None: full fine-tuning); see fv_rl.lora.
+    lora: LoraOptions | None = None
 
     @model_validator(mode="after")
     def _prompts(self) -> "OnlineOptions":
@@ -152,24 +165,38 @@ class OnlineRL(RLMethod, abc.ABC):
 
             instance = run.instance
             old = instance.component("transformer")
-            state = run_with_ray(self, run, reward, history)
-            with torch.no_grad():
-                old.load_state_dict(state)
+            final = run_with_ray(self, run, reward, history)
         else:
             instance = self.rollout_instance(run)
             old = instance.component("transformer")
             learner = Learner(self, old, run.recipe.seed, owns_old=False)
             asyncio.run(self._run_local(run, instance, reward, learner, history))
+            final = learner.weights()
+        if isinstance(final, AdapterWeights):
+            # The exported card carries the adapter merged in; the adapter itself goes beside it.
+            merge_adapters(old, [(copied_adapter(final, next(old.parameters()).device), 1.0)])
+        elif o.orchestration == "ray":
+            with torch.no_grad():
+                old.load_state_dict(final)
         self._write_curves(run, history)
+        lora_note = ""
+        if o.lora is not None:
+            lora_note = f", LoRA rank {o.lora.rank} alpha {o.lora.lora_alpha:g} on {o.lora.target_modules}"
         recipe = RecipeSpec(
             # What the exported card's serving needs (its parity is checked at export: C1 against diffusers);
             # the rollout-side C2 this method relied on is tested on the loops (tests/test_c2.py).
             method=self.name, parents=(run.card.model_id,), consistency_required=ParityLevel.C1,
             data_contract=(
                 f"online RL: reward {o.reward} {dict(o.reward_options) or ''}on {len(o.prompts)} prompts x K={o.group_size}, "
-                f"{o.epochs} epochs x {o.inner_steps} steps, {o.steps} sampling steps, lr {o.lr}, seed {run.recipe.seed}"
+                f"{o.epochs} epochs x {o.inner_steps} steps, {o.steps} sampling steps, lr {o.lr}, seed {run.recipe.seed}{lora_note}"
             ),
         )
+        if isinstance(final, AdapterWeights):
+            save_lora_file(final, run.output / LORA_FILE, {
+                "method": self.name, "base_card": run.card.model_id, "model_id": run.recipe.output_model_id or "",
+                "steps": {"epochs": o.epochs, "updates": o.epochs * o.inner_steps}, "reward": o.reward,
+                "seed": run.recipe.seed, "data_contract": recipe.data_contract,
+            })
         # The exported card defaults to what the policy was optimised under (its parity check at
         # export runs there too): the rollouts' steps and geometry, guidance off.
         geometry = {k: v for k, v in (("frames", o.frames), ("height", o.height), ("width", o.width)) if v is not None}
@@ -206,11 +233,20 @@ class OnlineRL(RLMethod, abc.ABC):
         o: OnlineOptions = self.options  # type: ignore[assignment]
         start = time.perf_counter()
         eval_settings = self.settings(self.eval_sampler(), "final")
+        # LoRA: every rollout must come from the adapter the learner last sent (its version is in the record).
+        expected: str | None = None
+        if o.lora is not None:
+            initial = await learner.weights()
+            await backend.load(initial)
+            expected = initial.version
 
         async def evaluate() -> float:
             prompts = self.eval_prompts()
             groups = await backend.rollout(prompts, [list(o.eval_seeds)] * len(prompts), eval_settings)
-            return float(self.score(reward, [r for g in groups for r in g]).mean())
+            rollouts = [r for g in groups for r in g]
+            if expected is not None:
+                check_rollout_versions(rollouts, expected)
+            return float(self.score(reward, rollouts).mean())
 
         history["epoch"].append(0)
         history["eval_reward"].append(await evaluate())
@@ -220,10 +256,14 @@ class OnlineRL(RLMethod, abc.ABC):
         for epoch in range(1, o.epochs + 1):
             groups = await backend.rollout(o.prompts, self.epoch_seeds(run.recipe.seed, epoch),
                                            self.settings(self.rollout_sampler(), self.capture))
+            if expected is not None:
+                check_rollout_versions([r for g in groups for r in g], expected)
             table = torch.stack([self.score(reward, g) for g in groups])  # (prompts, K)
             advantages = group_advantages(table)
             logged, state = await learner.update([r for g in groups for r in g], advantages.flatten(), epoch)
             await backend.load(state)
+            if isinstance(state, AdapterWeights):
+                expected = state.version
             score = await evaluate()
             history["epoch"].append(epoch)
             history["eval_reward"].append(score)
@@ -235,8 +275,12 @@ class OnlineRL(RLMethod, abc.ABC):
                          history: dict[str, list[Any]]) -> None:
         engine = Engine()
         engine.add_instance(instance)
-        async with engine.running():
-            await self.run_epochs(run, LocalBackend(engine, instance.model_id), reward, _AsyncLearner(learner), history)
+        backend = LocalBackend(engine, instance.model_id)
+        try:
+            async with engine.running():
+                await self.run_epochs(run, backend, reward, _AsyncLearner(learner), history)
+        finally:
+            backend.close()  # the rollout adapter's hooks off the transformer
 
     def _write_curves(self, run: TrainingRun, history: dict[str, list[Any]]) -> None:
         o: OnlineOptions = self.options  # type: ignore[assignment]
@@ -263,31 +307,78 @@ class OnlineRL(RLMethod, abc.ABC):
 
 
 
+#: What a weight sync carries: the transformer's full state dict, or (LoRA) theta_old's adapter.
+SyncPayload = dict[str, torch.Tensor] | AdapterWeights
+
+
 class Learner:
     """theta (trained), theta_old (the rollout policy), theta_ref (KL anchor) and the optimizer.
 
     ``owns_old``: whether this learner keeps its own theta_old (a Ray learner) or shares the
     module the local Engine serves, which the weight sync then updates in place.
+
+    With ``options.lora`` the three are one frozen transformer seen through adapters: the policy
+    is a :func:`~fv_rl.lora.sharing_clone` applying the trainable adapter, theta_ref a clone
+    applying none (the base), and theta_old the served module with the adapter last synced (or,
+    owning it, this learner's module with that adapter). Only the adapter's A/B are optimised.
     """
 
     def __init__(self, method: OnlineRL, old: torch.nn.Module, seed: int, *, owns_old: bool) -> None:
         o: OnlineOptions = method.options  # type: ignore[assignment]
         self.method, self.old, self.owns_old = method, old, owns_old
-        self.policy = copy.deepcopy(old).train().requires_grad_(True)
-        self.ref = copy.deepcopy(old).eval().requires_grad_(False) if method._kl_weight() > 0 else None
-        old.eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, weight_decay=0.0)
         self.generator = torch.Generator().manual_seed(seed)
+        self.lora: LoraWeights | None = None
+        if o.lora is None:
+            self.policy = copy.deepcopy(old).train().requires_grad_(True)
+            self.ref = copy.deepcopy(old).eval().requires_grad_(False) if method._kl_weight() > 0 else None
+            old.eval().requires_grad_(False)
+            self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, weight_decay=0.0)
+            return
+        old.eval().requires_grad_(False)  # the base: frozen, shared by every view below
+        paths = target_paths(old, o.lora.target_modules)
+        # Its own generator: the training noise draws stay those of the full fine-tuning run.
+        self.lora = LoraWeights(old, paths, o.lora.rank, o.lora.lora_alpha, torch.Generator().manual_seed(seed))
+        self.old_lora = copy.deepcopy(self.lora)
+        self.policy = sharing_clone(old).train()
+        AdapterSlot(self.policy, paths).set(self.lora.adapter(f"{method.name}-policy", "live"))
+        self.ref = sharing_clone(old).eval() if method._kl_weight() > 0 else None
+        # Versions label the adapters this run sends (unique per run; no content hash, see LoraWeights.adapter).
+        self.tag = f"{method.name}-{uuid.uuid4().hex[:8]}"
+        self.synced = self._payload(0)
+        if owns_old:
+            self.old_slot = AdapterSlot(old, paths)
+            self.old_slot.set(self.synced)
+        self.optimizer = torch.optim.AdamW(self.lora.parameters(), lr=o.lr, weight_decay=0.0)
 
-    def update(self, rollouts: list[Rollout], advantages: torch.Tensor, epoch: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-        """``inner_steps`` gradient steps, then the new theta_old: (logged scalars, its state dict)."""
+    def _payload(self, epoch: int) -> AdapterWeights:
+        assert self.lora is not None
+        return self.old_lora.adapter(f"{self.method.name}-lora", f"{self.tag}.{epoch}", detach=True)
+
+    def weights(self) -> SyncPayload:
+        """The rollout policy's weights as a sync sends them (LoRA: theta_old's adapter only)."""
+        if self.lora is not None:
+            return self.synced
+        return {k: v.detach().clone() for k, v in self.old.state_dict().items()}
+
+    def update(self, rollouts: list[Rollout], advantages: torch.Tensor, epoch: int) -> tuple[dict[str, float], SyncPayload]:
+        """``inner_steps`` gradient steps, then the new theta_old: (logged scalars, what the sync sends)."""
         o: OnlineOptions = self.method.options  # type: ignore[assignment]
+        trained = self.lora if self.lora is not None else self.policy
         logged: dict[str, float] = {}
         for _ in range(o.inner_steps):
             self.optimizer.zero_grad(set_to_none=True)
             logged = self.method.update(self.policy, self.old, self.ref, rollouts, advantages, self.generator)
-            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), o.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(trained.parameters(), o.max_grad_norm)
             self.optimizer.step()
+        if self.lora is not None:
+            # theta_old's adapter follows the method's rule on the adapter weights (NFT: their EMA; GRPO: theta).
+            source = self.method.after_epoch(self.lora, self.old_lora, epoch)
+            if source is not self.old_lora:
+                self.old_lora.copy_from(source)
+            self.synced = self._payload(epoch)
+            if self.owns_old:
+                self.old_slot.set(self.synced)
+            return logged, self.synced
         source = self.method.after_epoch(self.policy, self.old, epoch)
         state = {k: v.detach().clone() for k, v in source.state_dict().items()}
         if self.owns_old:
@@ -300,7 +391,10 @@ class _AsyncLearner:
     def __init__(self, learner: Learner) -> None:
         self.learner = learner
 
-    async def update(self, rollouts: list[Rollout], advantages: torch.Tensor, epoch: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    async def weights(self) -> SyncPayload:
+        return self.learner.weights()
+
+    async def update(self, rollouts: list[Rollout], advantages: torch.Tensor, epoch: int) -> tuple[dict[str, float], SyncPayload]:
         return self.learner.update(rollouts, advantages, epoch)
 
 
@@ -312,8 +406,8 @@ class RolloutBackend(abc.ABC):
         """One group per prompt."""
 
     @abc.abstractmethod
-    async def load(self, state: dict[str, torch.Tensor]) -> None:
-        """Load new rollout-policy transformer weights (a weight sync on every engine)."""
+    async def load(self, state: SyncPayload) -> None:
+        """Load new rollout-policy weights on every engine: a full transformer state dict, or an adapter."""
 
 
 class LocalBackend(RolloutBackend):
@@ -321,9 +415,18 @@ class LocalBackend(RolloutBackend):
 
     def __init__(self, engine: Engine, model_id: str) -> None:
         self.engine, self.model_id = engine, model_id
+        self.slot: AdapterSlot | None = None
 
     async def rollout(self, prompts: Sequence[str], seeds: Sequence[Sequence[int]], settings: RolloutSettings) -> list[list[Rollout]]:
         return await rollout_groups(self.engine, self.model_id, prompts, seeds, settings)
 
-    async def load(self, state: dict[str, torch.Tensor]) -> None:
-        await self.engine.sync_weights(self.model_id, load_state_into(state))
+    async def load(self, state: SyncPayload) -> None:
+        if isinstance(state, AdapterWeights):
+            self.slot = await sync_adapter(self.engine, self.model_id, self.slot, state)
+        else:
+            await self.engine.sync_weights(self.model_id, load_state_into(state))
+
+    def close(self) -> None:
+        if self.slot is not None:
+            self.slot.remove()
+            self.slot = None
