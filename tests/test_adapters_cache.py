@@ -3,6 +3,8 @@ config's ``adapters:`` section, admission's adapter reservation and adapter-keye
 
 from __future__ import annotations
 
+import hashlib
+
 from pathlib import Path
 
 import pytest
@@ -85,7 +87,7 @@ def test_uploads_refuse_paths_in_the_file_name(tmp_path: Path, filename: str) ->
     assert not (tmp_path / "evil.safetensors").exists()
 
 
-def test_uploads_are_size_checked_and_stored_by_version(tmp_path: Path) -> None:
+def test_uploads_are_size_checked_and_stored_by_content(tmp_path: Path) -> None:
     data = lora(tmp_path, "x").read_bytes()
     small = AdapterRegistry(convert_peft, AdapterSettings(max_file_bytes=len(data) - 1))
     with pytest.raises(AdapterFileError, match="over the limit"):
@@ -95,7 +97,8 @@ def test_uploads_are_size_checked_and_stored_by_version(tmp_path: Path) -> None:
     reg = AdapterRegistry(convert_peft, AdapterSettings(upload_directory=tmp_path / "up"))
     info = reg.add_bytes("mine.safetensors", data, name="my-style")
     assert info.name == "my-style" and info.source == "upload"
-    assert info.path == str((tmp_path / "up" / f"{info.version}.safetensors").resolve())
+    stored = hashlib.sha256(data).hexdigest()[:16]
+    assert info.path == str((tmp_path / "up" / f"{stored}.safetensors").resolve())
     with pytest.raises(AdapterFileError, match="adapter name"):
         reg.add_bytes("x.safetensors", data, name="../../etc")
     scratch = AdapterRegistry(convert_peft)

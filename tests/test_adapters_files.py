@@ -63,6 +63,23 @@ def test_metadata_lora_alpha_and_alpha_pattern_are_honoured() -> None:
     assert plain.low_rank["blocks.0.q"].alpha is None and plain.low_rank["blocks.0.q"].scale == 1.0
 
 
+@pytest.mark.parametrize("strength", [0.5, 1.0])
+def test_a_lora_bias_is_scaled_by_alpha_over_rank_like_peft(strength: float) -> None:
+    """PEFT's ``lora_B`` is a Linear holding the bias, so the bias is scaled by α/r with the rest:
+    ``b' = b + s·(α/r)·bias``, written out here from the raw file tensors."""
+    net = Net()
+    tensors = peft_lora_tensors(net, "transformer", ["out"], rank=2, alpha=8.0, bias=True)
+    weights = convert_peft(tensors, name="biased", metadata={})
+    merged = merge_adapters(net, [(weights["transformer"], strength)])
+    got = net.out.bias.detach().clone()
+    merged.restore()
+    expected = (net.out.bias.double() + strength * 4.0 * tensors["transformer.out.lora_B.bias"].double()).float()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    # Negative control: the same check catches a bias left unscaled (PEFT would differ).
+    unscaled = (net.out.bias.double() + strength * tensors["transformer.out.lora_B.bias"].double()).float()
+    assert not torch.allclose(got, unscaled, atol=1e-4)
+
+
 def test_bias_components_and_default_suffix() -> None:
     net = Net()
     tensors = peft_lora_tensors(net, "transformer", ["out"], bias=True)

@@ -1,8 +1,8 @@
 """The adapter registry and the adapter cache: disk → (pinned) CPU → device (docs/adapters.md).
 
 Adapters are registered by name (a file of a scanned directory, a file given at the command
-line, an upload) and versioned by the sha256 of their bytes, so a name re-registered with other
-weights is another version and never shares a cache entry with the old one.
+line, an upload) and versioned by a sha256 over their bytes and what those convert to, so a name
+re-registered with other weights is another version and never shares a cache entry with the old one.
 
 Weights move through three tiers. Disk holds every registered file. The CPU tier holds
 converted weights (page-locked when CUDA is available, so a copy to the GPU can overlap with
@@ -19,6 +19,7 @@ weights, which need only ``nbytes``, ``max_rank`` and ``to(device)``.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tempfile
 import threading
@@ -52,7 +53,7 @@ class AdapterSettings(BaseModel):
     enabled: bool = True
     #: A directory whose ``*.safetensors`` files are registered at start (name: the file's stem).
     directory: Path | None = None
-    #: Where uploaded adapters are written (content-addressed, ``<version>.safetensors``); None: a
+    #: Where uploaded adapters are written (content-addressed: ``<first 16 hex digits of the sha256 of the bytes>.safetensors``); None: a
     #: temporary directory of the process, removed when the registry goes (uploads never sit in memory).
     upload_directory: Path | None = None
     #: The largest adapter file (or upload) accepted, in bytes.
@@ -89,7 +90,8 @@ class AdapterInfo(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    #: The first 16 hex digits of the sha256 of the file's bytes.
+    #: The content version: 16 hex digits of a sha256 over the file's bytes and the weights they
+    #: convert to (one file read for two components, e.g. each Wan 2.2 expert, is two versions).
     version: str
     #: The file it is read from.
     path: str
@@ -122,6 +124,8 @@ class TierStats:
 class _Version:
     info: AdapterInfo
     id: int = 0
+    #: The sha256 of the file's bytes, to tell a file changed on disk since it was registered.
+    file_sha256: str = ""
 
 
 @dataclass
@@ -224,7 +228,7 @@ class AdapterRegistry:
     ) -> AdapterInfo:
         """Register an upload. ``filename`` must be a bare ``.safetensors`` name (no directory
         part, no ``..``); the adapter's name defaults to its stem. Written to
-        ``upload_directory`` as ``<version>.safetensors`` when one is set."""
+        ``upload_directory`` as ``<sha256 of the bytes, 16 hex digits>.safetensors`` when one is set."""
         if not filename or any(sep in filename for sep in ("/", "\\", "\0")) or filename in (".", "..") or \
                 PurePosixPath(filename).name != filename or PureWindowsPath(filename).name != filename:
             raise AdapterFileError(f"upload file name {filename!r} must be a bare file name, without a directory part",
@@ -286,7 +290,10 @@ class AdapterRegistry:
             steps = -1
         if steps is not None and steps < 1:
             raise AdapterFileError(f"adapter {name!r}: {ASSUMES_STEPS_KEY} must be a positive step count, got {steps_raw!r}")
-        version = file.sha256[:16]
+        # The file and what it converts to: one file read for two components (a Wan 2.2 LoRA named for
+        # each expert) is two versions, never one entry overwritten by the other.
+        converted = "|".join(f"{c}={weights[c].version}" for c in sorted(weights))
+        version = hashlib.sha256(f"{file.sha256}|{converted}".encode()).hexdigest()[:16]
         info = AdapterInfo(
             name=name, version=version, path=path, size_bytes=file.size_bytes, components=tuple(sorted(weights)),
             rank=max((int(w.max_rank) for w in weights.values()), default=0), weight_bytes=_weights_bytes(weights),
@@ -295,7 +302,7 @@ class AdapterRegistry:
         with self._lock:
             entry = self._versions.get(version)
             if entry is None:
-                entry = _Version(info, id=len(self._ids))
+                entry = _Version(info, id=len(self._ids), file_sha256=file.sha256)
                 self._ids[entry.id] = version
                 self._versions[version] = entry
             self._infos[(name, version)] = info
@@ -343,7 +350,7 @@ class AdapterRegistry:
             entry = self._versions[version]
         where = entry.info.path
         file = read_adapter_file(where)
-        if file.sha256[:16] != version:
+        if file.sha256 != entry.file_sha256:
             raise AdapterFileError(
                 f"adapter {entry.info.name!r} version {version}: its file {where} changed since it was registered; "
                 "register it again"

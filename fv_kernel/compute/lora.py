@@ -89,8 +89,9 @@ class LowRankUpdate:
     """One linear module's LoRA: ``ΔW = (α/r)·B·A``, ``A`` (down) ``[r, in]``, ``B`` (up) ``[out, r]``.
 
     ``alpha`` None means a scale of 1 (no ``.alpha`` entry, or alpha already folded into A and B).
-    ``bias`` is an update of the module's bias inside the LoRA branch (diffusers' ``lora_B.bias``,
-    a ``.diff_b``), scaled by the strength like the rest.
+    ``bias`` is an update of the module's bias, scaled by the strength but not by ``α/r``: a
+    converter folds ``α/r`` into it where the format scales it (PEFT's ``lora_B.bias``, which
+    sits inside ``lora_B``), and leaves a ``.diff_b`` as it is.
     """
 
     down: torch.Tensor

@@ -105,8 +105,12 @@ def convert_peft(state_dict: Mapping[str, torch.Tensor], *, name: str, metadata:
     for (component, module), p in sorted(parts.items()):
         alpha_entry = p.get("alpha")
         alpha = float(alpha_entry.float().item()) if alpha_entry is not None else _alpha(configs.get(component, {}), module)
+        bias = p.get("lora_B.bias")
+        if bias is not None and alpha is not None:
+            # PEFT's lora_B is a Linear with the bias inside, so the bias is scaled by alpha/r too.
+            bias = bias * (alpha / int(p["lora_A.weight"].shape[0]))
         by_component.setdefault(component, {})[module] = LowRankUpdate(
-            down=p["lora_A.weight"], up=p["lora_B.weight"], alpha=alpha, bias=p.get("lora_B.bias"),
+            down=p["lora_A.weight"], up=p["lora_B.weight"], alpha=alpha, bias=bias,
         )
     return {component: AdapterWeights(name, component, low_rank=updates) for component, updates in by_component.items()}
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from fv_kernel.cache.adapters import AdapterInfo, AdapterRegistry
 from fv_kernel.cache.paged_kv import PagedKVPool
-from fv_kernel.compute.lora import AdapterError, MergedAdapters, RowAdapters, merge_adapters
+from fv_kernel.compute.lora import AdapterError, MergedAdapters, RowAdapters, merge_adapters, select_row_kernel
 from fv_kernel.card.refs import import_object
 from fv_kernel.card.spec import LoopSpec, ModelCard, StepCostSpec
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
@@ -94,8 +94,8 @@ class ModelInstance:
     #: Set by the executor around each batch it runs (on the device thread): merge or per row.
     merge_gate: "MergeGate | None" = None
     #: The per-row kernel every routed forward of this instance uses (``RowAdapters``' ``kernel``),
-    #: one object per instance so a kernel's own caches live as long as the instance; None: the default.
-    adapter_row_kernel: Any = None
+    #: one object per instance so a kernel's own caches (Triton's padded stacks) live as long as the instance.
+    adapter_row_kernel: Any = field(default_factory=lambda: select_row_kernel("auto"))
     _profiles: dict[tuple[str, tuple[str, ...]], tuple[float, int]] = field(default_factory=dict)
 
     @property
@@ -345,6 +345,9 @@ class ModelInstance:
         """Merge ``stack`` (``(version, strength)`` pairs) into ``component``'s weights, unmerging
         (an exact restore) whatever stack was merged before; an empty stack only unmerges. Returns
         the parameter elements rewritten (0 when nothing changed)."""
+        # Strengths as a step's fp32 ``adapter_scales`` carry them, so a stack merged from Python
+        # floats (0.8) is the one a forward's rows name (0.800000011920929).
+        stack = tuple((version, float(torch.tensor(scale, dtype=torch.float32))) for version, scale in stack)
         if self.merged_stack(component) == stack:
             return 0
         elements = self.unmerge(component)

@@ -264,7 +264,7 @@ class AdapterObject(BaseModel):
 
     object: Literal["adapter"] = "adapter"
     name: str
-    version: str = Field(description="the first 16 hex digits of the sha256 of the file")
+    version: str = Field(description="the content version: 16 hex digits of a sha256 over the file and what it converts to")
     size_bytes: int
     components: list[str] = Field(description="the card components it changes (transformer, text_encoder, ...)")
     rank: int = Field(description="its largest LoRA rank (0: full deltas only)")

@@ -151,9 +151,6 @@ def test_each_file_lands_on_its_expert(host: Any, input_dir: Path, lora_dir: Pat
     assert zero.loras == () and torch.equal(_frames(engine, zero.request()), base)
 
 
-@pytest.mark.xfail(strict=True, reason="kernel AdapterRegistry keys versions by the file's sha256 alone, but a converter's "
-                   "result depends on the adapter name (fv-wan's '.transformer_2'): one file registered for both experts "
-                   "shares one version, and the later registration replaces the earlier one's weights")
 def test_one_file_on_both_experts(host: Any, input_dir: Path, lora_dir: Path) -> None:
     """A style LoRA on both chains of the A14B template (the same file for both experts) runs, in one request."""
     from fv_comfyui.models import ModelMap
