@@ -137,3 +137,25 @@ def test_diffusers_load_lora_weights_gives_the_trained_function(trained, base):
     state, _ = _read(out / LORA_FILE)
     alpha_lost = _diffusers_forward(base, state, x, t, ctx)
     assert float((fv - alpha_lost).abs().max()) > 1e-4
+
+
+def test_the_trained_file_registers_as_a_serving_adapter(trained, base):
+    """The file fv train writes is an adapter a deployment serves: the card's own converter reads it
+    into the same updates the PEFT-way reader gets, and a distilled (DMD2) file declares its loop and
+    step count, so serving it with another step count is refused."""
+    from fv_kernel.api import AdapterRegistry, converter_for
+
+    method, _, out = trained
+    card = CardCatalog(host()).get("wan-toy")
+    registry = AdapterRegistry(converter_for(card))
+    info = registry.add_file(out / LORA_FILE, name=f"{method}-lora")
+    assert info.components == ("transformer",) and info.rank == 4
+    weights = registry.weights(registry.get(info.name).version, "transformer", "cpu")
+    reference = _as_adapter(*_read(out / LORA_FILE))
+    assert sorted(weights.low_rank) == sorted(reference.low_rank)
+    for path, update in reference.low_rank.items():
+        torch.testing.assert_close(weights.low_rank[path].weight_delta(), update.weight_delta(), rtol=0, atol=1e-7)
+    if method == "dmd2":
+        assert (info.assumes_loop, info.assumes_steps) == ("dmd_3step", 3)
+    else:
+        assert (info.assumes_loop, info.assumes_steps) == (None, None)

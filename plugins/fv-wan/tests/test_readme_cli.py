@@ -57,6 +57,16 @@ def test_the_readme_use_it_lines_run_as_written(tmp_path: Path) -> None:
                      scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
                                                                num_train_timesteps=1000))
     (tmp_path / "deploy.yaml").write_text("{}\n")
+    # A LoRA for wan-toy (diffusers/PEFT layout) as style.safetensors, and a directory holding one.
+    from fv_kernel.api import CardCatalog, InstanceOptions, build_instance
+    from fv_kernel.plugins import PluginHost
+    from fv_kernel.testing.adapters import peft_lora_tensors, write_peft_lora
+
+    dit = build_instance(CardCatalog(PluginHost()).get("wan-toy"), InstanceOptions(device="cpu")).component("transformer")
+    lora = peft_lora_tensors(dit, "transformer", ["blocks.0.attn1.to_q", "blocks.0.ffn.net.2"], rank=4, alpha=4.0)
+    write_peft_lora(tmp_path / "style.safetensors", lora)
+    (tmp_path / "loras").mkdir()
+    write_peft_lora(tmp_path / "loras" / "ink.safetensors", lora)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     ran, skipped = [], []
     for command, comment in readme_lines():
