@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from timing import timed_calls_ms  # bench/, beside this script
+
 from fv_kernel.model.options import InstanceOptions
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.card.spec import ModelCard
@@ -123,19 +125,7 @@ class Bench:
             fn()
         self.sync()
         self.reset_peak()
-        times = []
-        for _ in range(iters):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+        times = timed_calls_ms(fn, self.device, iters)
         return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times), "iters": iters,
                 "peak_gib": self.peak_gib()}
 

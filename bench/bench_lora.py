@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from timing import timed_calls_ms  # bench/, beside this script
 from torch import nn
 
 from fv_kernel.compute.lora import (
@@ -92,19 +94,7 @@ class Timer:
         for _ in range(self.warmup):
             fn()
         self.sync()
-        times = []
-        for _ in range(self.iters):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+        times = timed_calls_ms(fn, self.device, self.iters)
         return {"ms": round(statistics.median(times), 3), "ms_min": round(min(times), 3), "ms_max": round(max(times), 3)}
 
 

@@ -211,27 +211,21 @@ def _check_distilled(
 ) -> None:
     """A distilled adapter runs only in the loop and step count it was distilled for."""
     override = "an explicit override runs it anyway: deploy config 'override_recipe: true', fv generate --override-recipe"
+    steps = request.diffusion.steps
     for _, info in active:
         subject = f"adapter {info.name!r}"
+        mismatches = []  # (field, what the adapter assumes, why, what the request asked)
         if info.assumes_loop is not None and loop_id is not None and loop_id != info.assumes_loop:
-            if allow_recipe_mismatch:
-                log.warning("%s assumes loop %r; running loop %r because the recipe was overridden", subject,
-                            info.assumes_loop, loop_id)
-                continue
-            raise RecipeMismatch(
-                "adapters", model_id=card.model_id, method=card.recipe.method, subject=subject,
-                assumes=describe_loop(card.loops[info.assumes_loop]),
-                asked=f"{describe_loop(card.loops[loop_id])} ({override})",
-            )
-        steps = request.diffusion.steps
+            mismatches.append(("adapters", describe_loop(card.loops[info.assumes_loop]), "", describe_loop(card.loops[loop_id])))
         if info.assumes_steps is not None and steps is not None and steps != info.assumes_steps:
+            mismatches.append(("steps", f"{info.assumes_steps} steps", " (it is distilled for them)", f"{steps} steps"))
+        for param, assumes, why, asked in mismatches:
             if allow_recipe_mismatch:
-                log.warning("%s assumes %d steps; running %d because the recipe was overridden", subject,
-                            info.assumes_steps, steps)
+                log.warning("%s assumes %s; running %s because the recipe was overridden", subject, assumes, asked)
                 continue
             raise RecipeMismatch(
-                "steps", model_id=card.model_id, method=card.recipe.method, subject=subject,
-                assumes=f"{info.assumes_steps} steps (it is distilled for them)", asked=f"{steps} steps ({override})",
+                param, model_id=card.model_id, method=card.recipe.method, subject=subject,
+                assumes=assumes + why, asked=f"{asked} ({override})",
             )
 
 
