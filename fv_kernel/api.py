@@ -85,6 +85,17 @@ from fv_kernel.compute.compile import (
     select_compute_tiers,
 )
 from fv_kernel.compute.fused import select_fused_ops
+from fv_kernel.compute.fp8 import (
+    E4M3_MAX,
+    Fp8Error,
+    Fp8Kernel,
+    Fp8Linear,
+    Fp8Mode,
+    dequantize_e4m3,
+    quantize_e4m3,
+    quantize_linears,
+    quantize_rows_e4m3,
+)
 from fv_kernel.compute.lora import (
     AdapterError,
     AdapterKeyError,
