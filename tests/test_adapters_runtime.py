@@ -261,3 +261,53 @@ def test_text_generation_applies_lm_adapters_per_request(files: Path) -> None:
     plain = inst.op("lm_prefill").fn({"ids": ids, **inst.adapter_inputs(eng.validate(requests[1]), "lm")}, {})
     adapted = inst.op("lm_prefill").fn({"ids": ids, **inst.adapter_inputs(words, "lm")}, {})
     assert not torch.allclose(plain["logits"], adapted["logits"], atol=1e-4)
+
+
+def test_an_adapter_for_a_module_the_model_lacks_fails_before_any_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked against the loaded model when it is staged: the request fails naming the entries and
+    runs no step; a request beside it completes."""
+    module = build_component("dit", 1)
+    tensors = peft_lora_tensors(module, "dit", ["proj_out"], seed=3)
+    tensors = {k.replace("dit.proj_out", "dit.blocks.9.qkv"): v for k, v in tensors.items()}  # the toy has 2 blocks
+    write_peft_lora(tmp_path / "bigger.safetensors", tensors)
+    lora(tmp_path, "style", seed=0)
+
+    def run() -> tuple[list[Any], StepRecorder]:
+        recorder = StepRecorder()
+        registry = AdapterRegistry(convert_peft, AdapterSettings(merge="never"))
+        registry.scan(tmp_path)  # registered: its keys are in the PEFT layout, the model is not loaded yet
+        eng = Engine(SchedulerConfig(device_thread=False), adapters=registry, observers=[recorder])
+        eng.add_instance(build_instance(toy_card("toy-dit")))
+        return run_concurrently(eng, [bad, good]), recorder
+
+    bad, good = t2v(AdapterRef(name="bigger"), seed=1), t2v(AdapterRef(name="style"), seed=2)
+    results, recorder = run()
+    assert [r.status for r in results] == ["failed", "completed"]
+    assert "blocks.9.qkv" in results[0].error.message and "bigger" in results[0].error.message
+    assert not [r for r in recorder.records if r.kind != "cache_io" and bad.request_id in r.request_ids]
+    # Negative control: without the check at staging, the request runs steps before its forward finds the key.
+    from fv_kernel.compute import lora as lora_module
+
+    real_check = lora_module.AdapterWeights.check
+    calls = {"staging": True}
+
+    def check_after_staging(self: Any, root: Any) -> None:
+        if calls["staging"]:
+            return
+        real_check(self, root)
+
+    monkeypatch.setattr(lora_module.AdapterWeights, "check", check_after_staging)
+    original_pin = Engine._stage_adapters
+
+    async def staged(self: Engine, record: Any, versions: list[str]) -> None:
+        calls["staging"] = True
+        try:
+            await original_pin(self, record, versions)
+        finally:
+            calls["staging"] = False
+
+    monkeypatch.setattr(Engine, "_stage_adapters", staged)
+    bad, good = t2v(AdapterRef(name="bigger"), seed=1), t2v(AdapterRef(name="style"), seed=2)
+    results, recorder = run()
+    assert results[0].status == "failed"
+    assert [r for r in recorder.records if r.kind != "cache_io" and bad.request_id in r.request_ids]

@@ -196,6 +196,11 @@ class AdapterRegistry:
                 raise UnknownAdapter(f"{name}@{wanted}", [f"{name}@{current}"], param=param)
             return info
 
+    def info_of(self, version: str) -> AdapterInfo:
+        """What the registry knows of ``version`` (KeyError for a version never registered)."""
+        with self._lock:
+            return self._versions[version].info
+
     def id_of(self, version: str) -> int:
         """The small integer that stands for ``version`` in step inputs (``adapter_ids``)."""
         with self._lock:

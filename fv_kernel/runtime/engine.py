@@ -27,6 +27,8 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
 
+from torch import nn
+
 from fv_kernel.cache.adapters import AdapterRegistry
 from fv_kernel.cache.feature import FeatureCache
 from fv_kernel.errors import FvError, QueueFull, RequestCancelled, StepFailed, UnknownModel
@@ -453,6 +455,14 @@ class Engine:
                 finally:
                     self._adapter_loads.pop(key, None)
                     shared.set_result(None)
+        # Every entry against the loaded model before the first step: a file for a module this
+        # model lacks (an I2V LoRA's k_img on a T2V card) fails this request here, naming the entries.
+        for version in versions:
+            assert registry is not None
+            for component in registry.info_of(version).components:
+                module = instance.components.get(component)
+                if isinstance(module, nn.Module):
+                    registry.weights(version, component, instance.device).check(module)
 
     def _retire(self, request_id: str) -> None:
         self._store.retire(request_id)
