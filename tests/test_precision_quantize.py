@@ -135,3 +135,38 @@ def test_fv_quantize_cli_writes_a_card_fv_generate_runs(tmp_path: Path) -> None:
     assert video_file.stat().st_size > 0
     bad = CliRunner().invoke(app, ["quantize", "--model", str(card_file), "--precision-path", "fp8", "--output", str(tmp_path / "x")])
     assert bad.exit_code == 2 and bad.output.startswith("error: precision_path") and "fp8_weights" in bad.output
+
+
+def test_a_checkpoint_folder_is_written_in_its_layout_with_its_other_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A card whose weights are files: the quantized component replaces its weights, the rest is copied."""
+    from safetensors.torch import save_file
+
+    from fv_kernel.testing.toy import build_component
+
+    source = tmp_path / "src"
+    for component, seed in (("dit", 1), ("decoder", 2)):
+        (source / component).mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in build_component(component, seed).state_dict().items()},
+                  str(source / component / "diffusion_pytorch_model.safetensors"))
+        (source / component / "config.json").write_text(json.dumps({"component": component}))
+    (source / "model_index.json").write_text("{}")
+    seeded = toy_card("toy-dit")
+    data = seeded.model_dump()
+    data["checkpoint"]["source"] = str(source)
+    for component in ("dit", "decoder"):
+        data["checkpoint"]["components"][component].update(random_init_seed=None, subfolder=component)
+    from_files = ModelCard.model_validate(data)
+    assert torch.equal(video(from_files), video(seeded))  # the files hold the seeded weights
+
+    out = tmp_path / "q"
+    card = quantize_card(from_files, InstanceOptions(), "fp8_weights", out)
+    assert (out / "model_index.json").read_text() == "{}"
+    assert json.loads((out / "dit" / "config.json").read_text()) == {"component": "dit"}
+    assert (out / "decoder" / "diffusion_pytorch_model.safetensors").read_bytes() == (
+        source / "decoder" / "diffusion_pytorch_model.safetensors").read_bytes()
+    with safe_open(str(out / "dit" / "diffusion_pytorch_model.safetensors"), "pt") as f:
+        assert f.get_tensor("blocks.0.o.weight").dtype == torch.float8_e4m3fn
+    assert card.checkpoint.source == str(out.resolve())
+    at_load = video(from_files, InstanceOptions(precision_path="fp8_weights"))
+    monkeypatch.setattr(Fp8Linear, "from_linear", classmethod(lambda *a, **k: pytest.fail("quantized again")))
+    assert torch.equal(video(read_card_file_beside(out)), at_load)
