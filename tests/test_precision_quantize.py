@@ -170,3 +170,18 @@ def test_a_checkpoint_folder_is_written_in_its_layout_with_its_other_files(tmp_p
     at_load = video(from_files, InstanceOptions(precision_path="fp8_weights"))
     monkeypatch.setattr(Fp8Linear, "from_linear", classmethod(lambda *a, **k: pytest.fail("quantized again")))
     assert torch.equal(video(read_card_file_beside(out)), at_load)
+
+
+def test_preflight_charges_the_stored_fp8_weights_one_byte_each(written: tuple[ModelCard, Path]) -> None:
+    from fv_kernel.model.preflight import preflight
+
+    card = read_card_file_beside(written[1])
+    assert card.checkpoint.layout == "diffusers"  # the seeded weights are files now
+    dit = ToyDiT()
+    targets = fp8_target_paths(toy_card("toy-dit"), "dit", dit)
+    fp8 = sum(dit.get_submodule(t).weight.numel() for t in targets)
+    # Everything else in the file (biases, scales, native linears) is charged at the card's fp32.
+    rest = sum(t.numel() for t in dit.state_dict().values()) - fp8 + sum(dit.get_submodule(t).out_features for t in targets)
+    report = preflight(card, InstanceOptions())
+    assert sorted((c.precision, c.elements) for c in report.components) == sorted([("fp8_e4m3", fp8), ("fp32", rest)])
+    assert report.weights_bytes == fp8 + 4 * rest

@@ -115,7 +115,10 @@ def quantize_card(card: ModelCard, options: InstanceOptions, path: str, output: 
             "quantized_from": QuantizedFrom(model_id=card.model_id, weights_version=instance.weights_version, path=path,  # type: ignore[arg-type]
                                             components=tuple(components), tool=f"fv quantize (fv {__version__})"),
         })
-        checkpoint = card.checkpoint.model_copy(update={"source": str(output.resolve()), "components": ckpt_components})
+        # Weights that were embedded (seeded) are files now, in the diffusers folder convention.
+        layout = "diffusers" if card.checkpoint.layout == "embedded" else card.checkpoint.layout
+        checkpoint = card.checkpoint.model_copy(update={"source": str(output.resolve()), "components": ckpt_components,
+                                                        "layout": layout})
         summary = f"{card.summary} (fp8 weights for {path}, quantized from {card.model_id})".strip()
         new_card = ModelCard.model_validate({**card.model_dump(), "model_id": new_id, "summary": summary,
                                              "recipe": recipe.model_dump(), "checkpoint": checkpoint.model_dump()})
