@@ -347,3 +347,22 @@ def test_load_into_keeps_stored_fp8_weights_and_scales() -> None:
     assert module[0].weight.dtype == torch.float8_e4m3fn and module[0].weight_scale.dtype == torch.float32
     assert torch.equal(module[0].weight.float(), linear.weight.float())
     assert module[0].bias.dtype == torch.bfloat16  # everything else is cast as before
+
+
+def test_a_lora_on_an_fp8_component_is_refused_by_name(tmp_path: Path, fv_host: PluginHost) -> None:
+    from fv_kernel.testing.adapters import peft_lora_tensors, write_peft_lora
+    from fv_kernel.testing.toy import build_component
+
+    file = tmp_path / "toy-dit.json"
+    file.write_text(toy_card("toy-dit").model_dump_json())
+    on_dit = write_peft_lora(tmp_path / "dit.safetensors", peft_lora_tensors(build_component("dit", 1), "dit", ["blocks.0.o"]))
+    on_lm = write_peft_lora(tmp_path / "lm.safetensors", peft_lora_tensors(build_component("lm", 0), "lm", ["out.0"]))
+    fp8 = fv.load(str(file), host=fv_host, precision_path="fp8_weights")
+    with pytest.raises(InvalidRequest) as info:
+        fp8.generate("a red fox", loras=[on_dit])
+    assert info.value.param == "adapters" and "fp8_weights" in info.value.message
+    assert "precision_path native" in str(info.value.allowed)
+    fp8.generate("a red fox", loras=[on_lm])  # the text model's linears are not fp8 targets
+    # Negative control: the same LoRA on the native path runs and changes the video.
+    native = fv.load(str(file), host=fv_host)
+    assert not torch.equal(native.generate("a red fox", loras=[on_dit]).frames, native.generate("a red fox").frames)

@@ -21,7 +21,7 @@ from fv_kernel.cache.adapters import AdapterInfo, AdapterRegistry
 from fv_kernel.cache.paged_kv import PagedKVPool
 from fv_kernel.compute.lora import AdapterError, MergedAdapters, RowAdapters, merge_adapters, select_row_kernel
 from fv_kernel.card.refs import import_object
-from fv_kernel.card.spec import LoopSpec, ModelCard, StepCostSpec
+from fv_kernel.card.spec import FP8_LINEAR_PATHS, LoopSpec, ModelCard, StepCostSpec
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.loop.contract import Loop
 from fv_kernel.loop.plan import StepOp, TensorDict
@@ -30,7 +30,7 @@ from fv_kernel.model.preflight import preflight
 from fv_kernel.card.recipe import check_recipe_attention
 from fv_kernel.model.options import InstanceOptions
 from fv_kernel.model.precision import (
-    FP8_ATTENTION_BACKEND, PrecisionPathSelection, select_precision_path, uses_fp8_attention,
+    FP8_ATTENTION_BACKEND, PrecisionPathSelection, select_precision_path, stores_fp8, uses_fp8_attention,
 )
 from fv_kernel.plugins.registry import DeployRegistry, kernel_registry
 from fv_kernel.program.base import Program, program_for
@@ -119,6 +119,15 @@ class ModelInstance:
         if self.precision_selection is not None:
             return self.precision_selection.path
         return select_precision_path(self.card, self.options).path
+
+    @property
+    def fp8_linear_components(self) -> frozenset[str]:
+        """The components whose fp8 targets run as ``Fp8Linear`` on this instance (its path quantizes
+        linears, or its checkpoint stores them in fp8)."""
+        targeted = {c for c, globs in self.card.precision.fp8_targets.items() if globs}
+        if self.precision_path in FP8_LINEAR_PATHS:
+            return frozenset(targeted)
+        return frozenset(c for c in targeted if stores_fp8(self.card, c))
 
     @property
     def device(self) -> torch.device:
