@@ -116,9 +116,9 @@ class ModelInstance:
     def precision_path(self) -> str:
         """The precision path this instance runs (docs/precision.md), resolved at build: families read
         it when they load a component (``fv_kernel.model.precision.apply_precision_path``)."""
-        if self.precision_selection is not None:
-            return self.precision_selection.path
-        return select_precision_path(self.card, self.options).path
+        if self.precision_selection is None:  # built without build_instance: resolve once
+            self.precision_selection = select_precision_path(self.card, self.options)
+        return self.precision_selection.path
 
     @property
     def fp8_linear_components(self) -> frozenset[str]:
