@@ -366,3 +366,8 @@ def test_a_lora_on_an_fp8_component_is_refused_by_name(tmp_path: Path, fv_host: 
     # Negative control: the same LoRA on the native path runs and changes the video.
     native = fv.load(str(file), host=fv_host)
     assert not torch.equal(native.generate("a red fox", loras=[on_dit]).frames, native.generate("a red fox").frames)
+
+
+def test_auto_on_a_card_without_paths_is_native_and_says_why() -> None:
+    selection = select_precision_path(toy_card("toy-lm"), InstanceOptions(precision_path="auto"))
+    assert selection.path == "native" and "lists no precision path" in selection.reason

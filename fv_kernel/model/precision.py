@@ -116,9 +116,10 @@ def select_precision_path(card: ModelCard, options: InstanceOptions) -> Precisio
                 timed.append((m.speedup, p))
         if not timed:
             reasons = "; ".join(v.reason for v in verdicts.values() if not v.passed) or (
-                f"no listed path passing its contract was timed faster than native on {device_type}")
+                f"no listed path passing its contract was timed faster than native on {device_type}"
+                if verdicts else f"card {card.model_id!r} lists no precision path")
             return PrecisionPathSelection(path="native", asked=asked, verdicts=MappingProxyType(verdicts),
-                                          reason=f"auto: native ({reasons or 'the card lists no path'})")
+                                          reason=f"auto: native ({reasons})")
         speedup, path = max(timed)
         return PrecisionPathSelection(path=path, asked=asked, verdicts=MappingProxyType(verdicts), reason=(
             f"auto: {path!r}, {speedup:.2f}x native on {device_type}; {verdicts[path].reason}"))
