@@ -133,6 +133,9 @@ def test_fv_quantize_cli_writes_a_card_fv_generate_runs(tmp_path: Path) -> None:
     ran = CliRunner().invoke(app, ["generate", "--model", str(out), "--prompt", "a red fox", "-q", "--output", str(video_file)])
     assert ran.exit_code == 0, ran.output
     assert video_file.stat().st_size > 0
+    named = CliRunner().invoke(app, ["quantize", "--model", str(card_file), "--precision-path", "fp8_dynamic", "--output",
+                                     str(tmp_path / "n"), "--model-id", "toy-dit-f8"])
+    assert named.exit_code == 0 and read_card_file_beside(tmp_path / "n").model_id == "toy-dit-f8"
     bad = CliRunner().invoke(app, ["quantize", "--model", str(card_file), "--precision-path", "fp8", "--output", str(tmp_path / "x")])
     assert bad.exit_code == 2 and bad.output.startswith("error: precision_path") and "fp8_weights" in bad.output
 
