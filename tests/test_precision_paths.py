@@ -371,3 +371,19 @@ def test_a_lora_on_an_fp8_component_is_refused_by_name(tmp_path: Path, fv_host: 
 def test_auto_on_a_card_without_paths_is_native_and_says_why() -> None:
     selection = select_precision_path(toy_card("toy-lm"), InstanceOptions(precision_path="auto"))
     assert selection.path == "native" and "lists no precision path" in selection.reason
+
+
+def test_the_conformance_kit_catches_a_loader_that_skips_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fv_kernel.testing import CardConformance
+    from fv_kernel.testing import toy
+
+    class Kit(CardConformance):
+        card_ids = ["toy-dit"]
+
+        def load_card(self, model_id: str) -> ModelCard:
+            return toy_card(model_id)
+
+    Kit().test_precision_paths_quantize_their_targets()
+    monkeypatch.setattr(toy, "apply_precision_path", lambda *args, **kwargs: [])
+    with pytest.raises(AssertionError, match="must call apply_precision_path"):
+        Kit().test_precision_paths_quantize_their_targets()
