@@ -337,7 +337,10 @@ def test_fv_generate_precision_path_flag(tmp_path: Path) -> None:
     assert not out.exists()
     ok = CliRunner().invoke(app, [*args, "--precision-path", "fp8_weights"])
     assert ok.exit_code == 0, ok.output
-    assert out.stat().st_size > 0
+    assert out.stat().st_size > 0 and "precision path:" not in ok.output
+    auto = CliRunner().invoke(app, [*args, "--precision-path", "auto"])
+    assert auto.exit_code == 0, auto.output
+    assert "precision path: native (auto: native (precision path 'fp8_weights' of card 'toy-dit' at fp32: no trajectory" in auto.output
 
 
 def test_load_into_keeps_stored_fp8_weights_and_scales() -> None:

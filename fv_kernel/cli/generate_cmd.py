@@ -194,6 +194,9 @@ def generate(
             instance = build_instance(card, options)
             instance.load_for_task(request.task)  # weights load here, so a bad checkpoint is one typed line
             engine.add_instance(instance)
+        selection = instance.precision_selection
+        if selection is not None and selection.asked == "auto":  # say what auto chose, and why
+            typer.echo(f"precision path: {selection.path} ({selection.reason})", err=True)
         if instance.recipe_overrides:
             typer.echo(
                 f"warning: running {card.model_id!r} outside its recipe {card.recipe.method!r} "
