@@ -709,7 +709,7 @@ _TOY_BATCHED_VS_ALONE = BatchedVsAlone(
 
 
 #: toy-dit's fp8 linears: every block's attention projections and MLP; proj_in, the time embedding
-#: and proj_out stay native (as Wan's fp8 recipes keep their embedders and output projection).
+#: and proj_out stay native (as fp8 serving recipes keep embedders and the output projection).
 TOY_FP8_TARGETS = ("blocks.*.qkv", "blocks.*.o", "blocks.*.q2", "blocks.*.kv2", "blocks.*.o2", "blocks.*.mlp.0",
                    "blocks.*.mlp.2")
 _TOY_DIT_PRECISION = PrecisionContract(
