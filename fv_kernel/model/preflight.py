@@ -283,9 +283,10 @@ def check_memory(report: PreflightReport, *, reserved: int = 0) -> None:
         raise InsufficientMemory(report, reserved=reserved)
 
 
-def stored_elements(folder: Path) -> int | None:
+def stored_elements(folder: Path, *, fp8_only: bool = False) -> int | None:
     """Weight elements stored in a folder's ``*.safetensors`` files, from their headers alone (no
-    tensor is read); None when the folder holds none."""
+    tensor is read); None when the folder holds none. ``fp8_only``: only the fp8 tensors' (an fp8
+    card's e4m3 weights, which load as stored)."""
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         return None
@@ -297,8 +298,22 @@ def stored_elements(folder: Path) -> int | None:
                 header = json.loads(handle.read(length))
         except (OSError, ValueError):
             return None  # unreadable: loading will name the problem
-        total += sum(math.prod(entry["shape"]) for key, entry in header.items() if key != "__metadata__")
+        total += sum(math.prod(entry["shape"]) for key, entry in header.items()
+                     if key != "__metadata__" and (not fp8_only or str(entry.get("dtype", "")).startswith("F8")))
     return total
+
+
+def _split_stored_fp8(card: ModelCard, weights: ComponentWeights, folder: Path | None) -> list[ComponentWeights]:
+    """A component whose checkpoint stores fp8 targets (``fv quantize``): its e4m3 elements charged at one
+    byte (they load as stored), the rest at its precision."""
+    quantized = card.recipe.quantized_from
+    if folder is None or quantized is None or weights.component_id not in quantized.components:
+        return [weights]
+    fp8 = min(stored_elements(folder, fp8_only=True) or 0, weights.elements)
+    if not fp8:
+        return [weights]
+    return [ComponentWeights(weights.component_id, fp8, "fp8_e4m3"),
+            ComponentWeights(weights.component_id, weights.elements - fp8, weights.precision)]
 
 
 def _local_root(source: str | None) -> Path | None:
@@ -319,7 +334,8 @@ def _with_stored_counts(card: ModelCard, counted: list[ComponentWeights], root: 
         subfolder = card.checkpoint.components[weights.component_id].subfolder
         stored = stored_elements(root / subfolder) if subfolder else None
         elements = weights.elements if stored is None else min(weights.elements, stored)
-        charged.append(ComponentWeights(weights.component_id, elements, weights.precision))
+        charged.extend(_split_stored_fp8(card, ComponentWeights(weights.component_id, elements, weights.precision),
+                                         root / subfolder if subfolder else None))
     return charged
 
 
@@ -333,7 +349,8 @@ def _report(card: ModelCard, options: "InstanceOptions", component_ids: Sequence
         stored = stored_elements(root / subfolder) if root is not None and subfolder else None
         if stored is not None:
             spec_dtype = card.components[component_id].precision_policy.dtype
-            counted.append(ComponentWeights(component_id, stored, precision if spec_dtype == "card" else spec_dtype))
+            counted.extend(_split_stored_fp8(
+                card, ComponentWeights(component_id, stored, precision if spec_dtype == "card" else spec_dtype), root / subfolder))
             uncounted.remove(component_id)
     try:
         available: int | None = device_available_bytes(options.device)
@@ -346,7 +363,7 @@ def _report(card: ModelCard, options: "InstanceOptions", component_ids: Sequence
         uncounted=tuple(c for c in uncounted if c in from_files and manifest.layout != "embedded"),
         source=source, available_bytes=available,
         # (none when the recipe fixes the precision: another one would be a recipe mismatch)
-        smaller_precisions=() if card.recipe.assumes_precision is not None else tuple(
+        smaller_precisions=() if card.recipe.assumed_dtype is not None else tuple(
             p for p in card.precisions if ELEMENT_BYTES[p] < ELEMENT_BYTES[precision]
         ),
     )

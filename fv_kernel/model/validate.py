@@ -18,7 +18,7 @@ from typing import Iterable
 from pydantic import BaseModel, ConfigDict, Field
 
 from fv_kernel.cache.adapters import AdapterInfo, AdapterRegistry
-from fv_kernel.card.spec import ModelCard
+from fv_kernel.card.spec import FP8_LINEAR_PATHS, ModelCard
 from fv_kernel.model.adapters import combined_stack
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.card.recipe import (
@@ -83,11 +83,11 @@ def _check_sampler(card: ModelCard, request: Request, samplers: Iterable[str] | 
 def _check_precision(card: ModelCard, request: Request, allow_recipe_mismatch: bool) -> None:
     if request.precision is None:
         return
-    assumed = card.recipe.assumes_precision
+    assumed = card.recipe.assumed_dtype
     if assumed is not None and request.precision != assumed and not allow_recipe_mismatch:
         raise RecipeMismatch(
             "precision", model_id=card.model_id, method=card.recipe.method,
-            assumes=f"precision {card.recipe.assumes_precision!r}", asked=f"precision {request.precision!r}",
+            assumes=f"precision {assumed!r}", asked=f"precision {request.precision!r}",
         )
     if request.precision not in card.precision.supported:
         raise InvalidRequest(
@@ -363,7 +363,28 @@ def resolve_for_instance(instance: ModelInstance, request: Request, limits: Requ
             "precision", f"this deployment serves {instance.model_id!r} in {instance.precision!r} only",
             allowed=[instance.precision],
         )
+    _check_adapters_on_fp8(instance, resolved)
     return resolved
+
+
+def _check_adapters_on_fp8(instance: ModelInstance, request: Request) -> None:
+    """A LoRA cannot change an ``Fp8Linear`` (its e4m3 weight is neither merged into nor routed
+    around): an adapter changing a component whose linears run in fp8 is refused by name."""
+    fp8 = instance.fp8_linear_components
+    if not fp8 or not instance.adapters_enabled:
+        return
+    for info, _ in instance.adapter_stack(request):
+        hit = sorted(set(info.components) & fp8)
+        if hit:
+            plain = [p for p in instance.card.precision.allowed_paths if p not in FP8_LINEAR_PATHS]
+            # A card whose checkpoint stores fp8 weights has them on every path.
+            elsewhere = "" if instance.card.recipe.quantized_from is not None else (
+                f", or a deployment of {instance.model_id!r} on precision_path {' / '.join(plain)}")
+            raise InvalidRequest(
+                "adapters", f"adapter {info.name!r} changes {', '.join(hit)}, whose linears run in fp8 on "
+                f"precision path {instance.precision_path!r}; LoRA adapters do not apply to fp8 linears",
+                allowed=f"adapters that change none of {', '.join(sorted(fp8))}{elsewhere}",
+            )
 
 
 def _frames_at(card: ModelCard, seconds: float, rate: float) -> int:

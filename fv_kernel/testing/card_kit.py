@@ -332,6 +332,32 @@ class CardConformance(_CardKitBase):
                 resumed = run_local(request, instance, on_state=roundtrip_state)
                 assert_artifacts_identical(plain, resumed, what=f"{model_id} {request.task.value} save/resume")
 
+    def test_precision_paths_quantize_their_targets(self) -> None:
+        """On each fp8 linear path a card lists, the family loads every ``fp8_targets`` linear as an
+        ``Fp8Linear`` of the path's mode (``apply_precision_path``), and on ``native`` none."""
+        from fv_kernel.compute.fp8 import Fp8Linear
+        from fv_kernel.model.precision import fp8_target_paths
+
+        for model_id in self.card_ids:
+            card = self.load_card(model_id)
+            components = [c for c, globs in card.precision.fp8_targets.items() if globs]
+            paths = [p for p in ("fp8_weights", "fp8_dynamic") if p in card.precision.paths]
+            if card.recipe.quantized_from is None and paths:
+                paths.append("native")
+            for path in paths:
+                options = InstanceOptions(registry=self.registry(), precision_path=path, allow_recipe_mismatch=True)
+                instance = build_instance(card, options)
+                for component_id in components:
+                    module = instance.component(component_id)
+                    for name in fp8_target_paths(card, component_id, module):
+                        layer = module.get_submodule(name)
+                        if path == "native":
+                            assert not isinstance(layer, Fp8Linear), f"{model_id} {component_id}.{name} is fp8 on native"
+                        else:
+                            assert isinstance(layer, Fp8Linear) and layer.mode == path, (
+                                f"{model_id} on {path}: {component_id}.{name} is {layer!r}; the family's loader must call "
+                                "apply_precision_path(card, component_id, module, instance.precision_path)")
+
     def test_recipe_mismatch_is_typed(self) -> None:
         for model_id in self._all_ids():
             card = self.load_card(model_id)
