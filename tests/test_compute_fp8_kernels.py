@@ -10,12 +10,14 @@ interpreter in a fresh Python (see fv_kernel.testing.triton_checks); on CUDA the
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable
 
 import pytest
 import torch
 
-from fv_kernel.testing.triton_checks import run_kernel_checks
+from fv_kernel.compute.fused import triton_available
+from fv_kernel.testing.triton_checks import REQUIRE_KERNELS, run_kernel_checks
 
 CUDA = torch.cuda.is_available()
 E4M3 = torch.float8_e4m3fn
@@ -204,6 +206,51 @@ def test_fp8_attention_comparison_catches_a_dropped_v_scale(checks: dict[str, An
     from fv_kernel.compute.fp8_attention import PARITY_REL_ERROR
 
     assert checks["attention"]["dropped_v_scale.vs_exact"] > PARITY_REL_ERROR
+
+
+# --------------------------------------------------------------------------- code generated for Hopper (no GPU needed)
+
+needs_triton = pytest.mark.skipif(not triton_available() and not REQUIRE_KERNELS, reason="needs triton")
+
+_SM90_LINEAR = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+                "M": 32760, "N": 1536, "K": 1536}
+_SM90_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vt_ptr": "*fp8e4nv", "vs_ptr": "*fp32",
+                   "o_ptr": "*bf16", "LQ": 32760, "LK": 32760, "D": 128, "K_BLOCKS": 512, "sm_scale": "fp32"}
+
+
+@needs_triton
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_fp8_linear_builds_tensor_core_code_for_sm90(dynamic: bool) -> None:
+    """``fp8_dynamic`` multiplies e4m3 by e4m3 on Hopper's tensor cores (wgmma) after a saturating
+    round-to-nearest e4m3 cast; ``fp8_weights`` widens to bf16 and uses bf16 wgmma; no register spills."""
+    from fv_kernel.testing.triton_checks import compile_for_sm90
+
+    from fv_kernel.compute.fp8_triton import _fp8_linear_kernel
+
+    build = compile_for_sm90(_fp8_linear_kernel, _SM90_LINEAR, {
+        "DYNAMIC": dynamic, "HAS_BIAS": True, "EMULATE_ROUNDING": False, "PRECISION": "tf32",
+        "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4)
+    wgmma = set(re.findall(r"wgmma\.mma_async\S*", build.ptx))
+    if dynamic:
+        assert wgmma and all(".e4m3.e4m3" in op for op in wgmma), wgmma
+        assert "cvt.rn.satfinite.e4m3x2.f32" in build.ptx
+    else:
+        assert wgmma and all(".bf16.bf16" in op for op in wgmma), wgmma
+    assert build.spill_bytes == 0
+
+
+@needs_triton
+def test_fp8_attention_builds_e4m3_tensor_core_code_for_sm90() -> None:
+    from fv_kernel.testing.triton_checks import compile_for_sm90
+
+    from fv_kernel.compute.fp8_attention import K_BLOCK, Q_BLOCK
+    from fv_kernel.compute.fp8_triton import ATTENTION_WARPS, _fp8_attention_kernel
+
+    build = compile_for_sm90(_fp8_attention_kernel, _SM90_ATTENTION, {
+        "EMULATE_ROUNDING": False, "BLOCK_M": Q_BLOCK, "BLOCK_N": K_BLOCK, "BLOCK_D": 128}, num_warps=ATTENTION_WARPS)
+    wgmma = set(re.findall(r"wgmma\.mma_async\S*", build.ptx))
+    assert len(wgmma) == 2 and all(".f32.e4m3.e4m3" in op for op in wgmma), wgmma  # Q·Kᵀ and P·V
+    assert build.spill_bytes <= 128, build.spill_bytes
 
 
 if __name__ == "__main__":  # the fixture's fresh-process run (TRITON_INTERPRET=1 set by the caller)
