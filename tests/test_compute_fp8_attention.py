@@ -190,6 +190,13 @@ def test_fp8_linear_auto_kernel_takes_triton_on_cuda(monkeypatch: pytest.MonkeyP
     assert called == ["triton"]
 
 
+def test_scaled_mm_kernel_refuses_sizes_cublas_cannot_take() -> None:
+    lin = Fp8Linear.from_linear(torch.nn.Linear(24, 16), mode="fp8_dynamic", kernel="scaled_mm")
+    with pytest.raises(Fp8Error, match="divisible by 16, got 24 and 16; use kernel='triton'") as info:
+        lin(torch.randn(3, 24))
+    assert info.value.param == "kernel"
+
+
 def test_fp8_linear_unknown_kernel_names_the_choices() -> None:
     with pytest.raises(Fp8Error, match="'auto', 'torch', 'scaled_mm', 'triton'") as info:
         Fp8Linear(8, 4, kernel="cutlass")

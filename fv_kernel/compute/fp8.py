@@ -108,6 +108,11 @@ def _scaled_mm_kernel(
     if mode != "fp8_dynamic":
         w = dequantize_e4m3(weight, scale.reshape(-1, 1) if scale.dim() else scale, x.dtype)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype)).to(out_dtype)
+    if x.shape[1] % 16 or weight.shape[0] % 16:  # cuBLASLt's rule; caught here, not deep inside torch
+        raise Fp8Error(
+            f"kernel 'scaled_mm' needs in_features and out_features divisible by 16, got {x.shape[1]} and "
+            f"{weight.shape[0]}; use kernel='triton' (any size) or 'torch'", param="kernel",
+        )
     xq, xs = quantize_rows_e4m3(x)
     w_scale = (scale.reshape(1, -1) if scale.dim() else scale.reshape(1, 1).expand(1, weight.shape[0])).float().contiguous()
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs.contiguous(), scale_b=w_scale, out_dtype=torch.bfloat16,
