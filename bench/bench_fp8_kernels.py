@@ -8,13 +8,15 @@ Also sweeps the kernels' block sizes. Prints one JSON object; ``--out`` writes i
 Exits 0 with ``{"skipped": ...}`` without CUDA.
 """
 
+# ruff: noqa: B023  (every closure in a loop is timed before the loop moves on)
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +40,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def bench_linear(sweep: bool) -> dict[str, Any]:
     import triton
 
-    from fv_kernel.compute.fp8 import _scaled_mm_kernel, quantize_e4m3, quantize_rows_e4m3
+    from fv_kernel.compute.fp8 import (
+        _scaled_mm_kernel,
+        quantize_e4m3,
+        quantize_rows_e4m3,
+    )
     from fv_kernel.compute.fp8_triton import _fp8_linear_kernel, fp8_linear_triton
 
     out: dict[str, Any] = {}

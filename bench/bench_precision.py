@@ -28,20 +28,22 @@ from __future__ import annotations
 import argparse
 import copy
 import fnmatch
+import functools
 import gc
 import json
 import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, beside this script
 
-from timing import timed_calls_ms  # noqa: E402
+from timing import timed_calls_ms
 
 GiB = 2**30
 PATHS = ("native", "fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all")
@@ -128,10 +130,11 @@ class Run:
 
 def model_case(run: Run, label: str, config: Any, latent: tuple[int, int, int], text_len: int) -> dict[str, Any]:
     """Every path and diffusers for one model size; returns its rows."""
-    from fv_kernel.compute.fp8 import quantize_linears
-    from fv_kernel.compute.attention_backends import attention_callable
-    from fv_kernel.compute.fused import select_fused_ops
     from fv_wan.models.transformer import WanTransformer, cast_for_inference
+
+    from fv_kernel.compute.attention_backends import attention_callable
+    from fv_kernel.compute.fp8 import quantize_linears
+    from fv_kernel.compute.fused import select_fused_ops
 
     device, dtype = run.device, run.dtype
     with torch.device(device):
@@ -161,7 +164,7 @@ def model_case(run: Run, label: str, config: Any, latent: tuple[int, int, int], 
         twin = cast_for_inference(twin, dtype).eval().requires_grad_(False)
         with torch.no_grad():
             twin_out = twin(*inputs, return_dict=False)[0].float()
-            timing = run.time_step(lambda: twin(*inputs, return_dict=False))
+            timing = run.time_step(functools.partial(twin, *inputs, return_dict=False))
         out["rows"]["diffusers bf16"] = {**timing, "weight_bytes": weight_bytes(twin),
                                          "weight_gib": round(weight_bytes(twin) / GiB, 3)}
         del twin
@@ -181,7 +184,7 @@ def model_case(run: Run, label: str, config: Any, latent: tuple[int, int, int], 
         subject.set_fused_ops(fused)
         with torch.no_grad():
             y = subject(*inputs).float()
-            timing = run.time_step(lambda: subject(*inputs))
+            timing = run.time_step(functools.partial(subject, *inputs))
         row = {**timing, "weight_bytes": weight_bytes(subject), "weight_gib": round(weight_bytes(subject) / GiB, 3)}
         if reference is None:
             reference = y

@@ -10,10 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fv_kernel.compute.fp8_attention as fp8_attention
+from fv_kernel.compute import fp8_attention
 from fv_kernel.compute.attention_backends import AttentionBackendUnavailable
 from fv_kernel.compute.fp8 import Fp8Error, Fp8Linear
-from fv_kernel.compute.fp8_attention import PARITY_REL_ERROR, Fp8Attention, fp8_attention_torch
+from fv_kernel.compute.fp8_attention import (
+    PARITY_REL_ERROR,
+    Fp8Attention,
+    fp8_attention_torch,
+)
 from fv_kernel.compute.fused import triton_available
 from fv_kernel.plugins.registry import kernel_registry
 
@@ -129,7 +133,7 @@ def test_triton_path_on_cpu_outside_the_interpreter_is_a_typed_error(monkeypatch
     if not triton_available():
         pytest.skip("needs triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    import fv_kernel.compute.fp8_triton as fp8_triton
+    from fv_kernel.compute import fp8_triton
 
     if fp8_triton.triton_interpreted():
         pytest.skip("this process imported triton under TRITON_INTERPRET=1")
@@ -144,7 +148,11 @@ def test_triton_path_on_cpu_outside_the_interpreter_is_a_typed_error(monkeypatch
 def test_kernel_launchers_name_what_does_not_fit() -> None:
     if not triton_available():
         pytest.skip("needs triton")
-    from fv_kernel.compute.fp8_triton import Fp8KernelError, fp8_attention_kernel, fp8_linear_triton
+    from fv_kernel.compute.fp8_triton import (
+        Fp8KernelError,
+        fp8_attention_kernel,
+        fp8_linear_triton,
+    )
 
     q = torch.randn(1, 2, 8, 16)
     k = torch.zeros(2, 8, 16, dtype=torch.float8_e4m3fn)
@@ -174,7 +182,7 @@ def test_fp8_linear_auto_kernel_is_the_torch_reference_on_cpu() -> None:
 
 def test_fp8_linear_auto_kernel_takes_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """The selection itself (CPU-checkable): a CUDA activation routes to the Triton kernel."""
-    import fv_kernel.compute.fp8 as fp8
+    from fv_kernel.compute import fp8
 
     called: list[str] = []
     monkeypatch.setattr(fp8, "_triton_kernel", lambda *a: called.append("triton") or a[0])

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -111,8 +112,11 @@ def _ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 def attention_errors(device: str) -> dict[str, float]:
     """Relative errors of the Triton fp8 attention against fp64 attention and the torch reference,
     and of a kernel whose V scale was dropped (negative control)."""
-    import fv_kernel.compute.fp8_attention as fp8_attention
-    from fv_kernel.compute.fp8_attention import fp8_attention_torch, fp8_attention_triton
+    from fv_kernel.compute import fp8_attention
+    from fv_kernel.compute.fp8_attention import (
+        fp8_attention_torch,
+        fp8_attention_triton,
+    )
 
     g = torch.Generator().manual_seed(5)
     out: dict[str, float] = {}
@@ -223,9 +227,8 @@ _SM90_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vt
 def test_fp8_linear_builds_tensor_core_code_for_sm90(dynamic: bool) -> None:
     """``fp8_dynamic`` multiplies e4m3 by e4m3 on Hopper's tensor cores (wgmma) after a saturating
     round-to-nearest e4m3 cast; ``fp8_weights`` widens to bf16 and uses bf16 wgmma; no register spills."""
-    from fv_kernel.testing.triton_checks import compile_for_sm90
-
     from fv_kernel.compute.fp8_triton import _fp8_linear_kernel
+    from fv_kernel.testing.triton_checks import compile_for_sm90
 
     build = compile_for_sm90(_fp8_linear_kernel, _SM90_LINEAR, {
         "DYNAMIC": dynamic, "HAS_BIAS": True, "EMULATE_ROUNDING": False, "PRECISION": "tf32",
@@ -241,10 +244,9 @@ def test_fp8_linear_builds_tensor_core_code_for_sm90(dynamic: bool) -> None:
 
 @needs_triton
 def test_fp8_attention_builds_e4m3_tensor_core_code_for_sm90() -> None:
-    from fv_kernel.testing.triton_checks import compile_for_sm90
-
     from fv_kernel.compute.fp8_attention import K_BLOCK, Q_BLOCK
     from fv_kernel.compute.fp8_triton import ATTENTION_WARPS, _fp8_attention_kernel
+    from fv_kernel.testing.triton_checks import compile_for_sm90
 
     build = compile_for_sm90(_fp8_attention_kernel, _SM90_ATTENTION, {
         "EMULATE_ROUNDING": False, "BLOCK_M": Q_BLOCK, "BLOCK_N": K_BLOCK, "BLOCK_D": 128}, num_warps=ATTENTION_WARPS)

@@ -20,7 +20,8 @@ Quantization is done once, at load (:func:`quantize_linears`).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Literal
+from collections.abc import Callable, Iterable
+from typing import Literal
 
 import torch
 from torch import nn
@@ -30,13 +31,13 @@ from fv_kernel.errors import FvError
 __all__ = [
     "E4M3_MAX",
     "Fp8Error",
+    "Fp8Kernel",
     "Fp8Linear",
     "Fp8Mode",
-    "Fp8Kernel",
-    "quantize_e4m3",
     "dequantize_e4m3",
-    "quantize_rows_e4m3",
+    "quantize_e4m3",
     "quantize_linears",
+    "quantize_rows_e4m3",
 ]
 
 #: The largest finite e4m3 value (``torch.finfo(torch.float8_e4m3fn).max``).
@@ -187,7 +188,7 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, mode: Fp8Mode = "fp8_weights", per_channel: bool = True,
-                    kernel: str | Fp8Kernel = "auto") -> "Fp8Linear":
+                    kernel: str | Fp8Kernel = "auto") -> Fp8Linear:
         """``linear``'s weight quantized (scale per output channel, or one per tensor); its bias kept as is."""
         module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, mode=mode,
                      per_channel=per_channel, kernel=kernel, device=linear.weight.device,

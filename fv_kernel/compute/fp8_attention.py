@@ -32,8 +32,8 @@ from fv_kernel.compute.attention_backends import AttentionBackendUnavailable
 from fv_kernel.compute.fp8 import E4M3_MAX, Fp8Error
 
 __all__ = [
-    "K_BLOCK",
     "KERNEL_REL_ERROR",
+    "K_BLOCK",
     "PARITY_REL_ERROR",
     "Q_BLOCK",
     "Fp8Attention",

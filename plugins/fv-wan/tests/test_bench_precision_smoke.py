@@ -17,7 +17,7 @@ PATHS = ("native", "fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all")
 
 def test_bench_precision_runs_every_path_beside_diffusers(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(BENCH_DIR / "bench_precision.py"), str(tmp_path), "--smoke"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["errors"] == {}
@@ -43,7 +43,7 @@ def test_bench_precision_runs_every_path_beside_diffusers(tmp_path: Path) -> Non
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA exit is for machines without CUDA")
 def test_bench_precision_without_cuda_says_why_and_exits_cleanly(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(BENCH_DIR / "bench_precision.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "needs CUDA" in done.stdout
     assert "needs CUDA" in json.loads((tmp_path / "results.json").read_text())["skipped"]
