@@ -31,11 +31,13 @@ from fv_kernel.api import (
     ComponentSpec,
     InstanceOptions,
     InvalidCard,
+    InvalidRequest,
     ModelCard,
     ModelInstance,
     RowAdapters,
     StepOp,
     parse_component_config,
+    quantize_linears,
     read_safetensors,
     resolve_source,
     rows_adapted,
@@ -51,9 +53,10 @@ from fv_wan.models.transformer import (
     WanTransformer,
     WanTransformerConfig,
     cast_for_inference,
-    convert_original_state_dict,
     load_wan_state_dict,
+    original_rename_map,
 )
+from fv_wan.fp8 import WAN_FP8_TARGETS, fp8_target_linears, install_fp8_checkpoint, read_safetensors_metadata, split_fp8_checkpoint
 from fv_wan.models.vae import CausalCache, WanVAE, WanVAEConfig
 
 __all__ = ["build_wan_instance", "configure_transformer", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops", "dit_inputs", "adapter_routing"]
@@ -128,14 +131,37 @@ def configure_transformer(
     return model
 
 
+#: What each precision path does to the transformer's linears (fp8 attention is the driver's part).
+_LINEAR_MODE: "MappingProxyType[str, str | None]" = MappingProxyType({
+    "native": None, "fp8_attention": None, "fp8_weights": "fp8_weights", "fp8_dynamic": "fp8_dynamic", "fp8_all": "fp8_dynamic",
+})
+
+
 def load_transformer(
-    card: ModelCard, component_id: str, options: InstanceOptions, compute: ComputeOptions | None = None
+    card: ModelCard, component_id: str, options: InstanceOptions, compute: ComputeOptions | None = None,
+    *, precision_path: str = "native",
 ) -> WanTransformer:
-    model = _load_transformer_weights(card, component_id, options)
+    """The transformer in ``precision_path``: its fp8 linears (``fp8_weights``, ``fp8_dynamic``,
+    ``fp8_all``) are the fp8 file's own layers, or the card's ``fp8_targets`` quantized here."""
+    if precision_path not in _LINEAR_MODE:
+        raise InvalidRequest("precision_path", f"unknown precision path {precision_path!r}", allowed=list(_LINEAR_MODE))
+    mode = _LINEAR_MODE[precision_path]
+    model, fp8_layers = _load_transformer_weights(card, component_id, options, mode)
+    if mode is not None and not fp8_layers:  # bf16/fp32 weights: quantized once, here
+        quantize_linears(model, fp8_target_linears(model, _fp8_globs(card, component_id)), mode=mode)  # type: ignore[arg-type]
     return configure_transformer(model, options, compute, assumption=card.recipe.assumes_attention)
 
 
-def _load_transformer_weights(card: ModelCard, component_id: str, options: InstanceOptions) -> WanTransformer:
+def _fp8_globs(card: ModelCard, component_id: str) -> tuple[str, ...]:
+    """The card's fp8 targets for the component (Wan's attention and FFN linears by default)."""
+    targets = getattr(card.precision, "fp8_targets", None) or {}
+    return tuple(targets.get(component_id, WAN_FP8_TARGETS))
+
+
+def _load_transformer_weights(
+    card: ModelCard, component_id: str, options: InstanceOptions, fp8_mode: str | None = None,
+) -> tuple[WanTransformer, list[str]]:
+    """The transformer's weights, and the linears loaded as Fp8Linear from an fp8 file (with ``fp8_mode``)."""
     spec = card.components[component_id]
     expected = _component_config(spec, WanTransformerConfig, WanTransformerConfig.from_diffusers_config)
     dtype = _component_dtype(card, component_id, options)
@@ -145,7 +171,7 @@ def _load_transformer_weights(card: ModelCard, component_id: str, options: Insta
         seed = card.checkpoint.components[component_id].random_init_seed or 0
         model = _seeded(seed, lambda: WanTransformer(expected))
         model.rope.build_tables(device)
-        return cast_for_inference(model.to(device), dtype).eval().requires_grad_(False)
+        return cast_for_inference(model.to(device), dtype).eval().requires_grad_(False), []
     config = WanTransformerConfig.from_diffusers_config(transformer_config_from_disk(json.loads((folder / "config.json").read_text())))
     if not same_architecture(config, expected):
         raise CheckpointNotFound(
@@ -155,21 +181,29 @@ def _load_transformer_weights(card: ModelCard, component_id: str, options: Insta
         )
     config = expected  # the card's (same architecture; its RoPE table bound)
     state_dict = read_safetensors(folder, device=str(device))
+    fp8 = split_fp8_checkpoint(state_dict, read_safetensors_metadata(folder))
+    if fp8 is not None:
+        state_dict = fp8.tensors
     if is_original_layout(state_dict):
         # The original release's names: renamed (not copied) through the declared key map.
         try:
-            state_dict = convert_original_state_dict(state_dict)
+            renames = original_rename_map(state_dict)
         except WanStateDictError as exc:
             raise CheckpointNotFound(f"checkpoint {folder} (original Wan layout): {exc}", param="model") from None
+        state_dict = {renames[k]: v for k, v in state_dict.items()}
+        fp8 = fp8.renamed(renames) if fp8 is not None else None
     with torch.device("meta"):
         model = WanTransformer(config)
+    fp8_layers: list[str] = []
+    if fp8 is not None:
+        state_dict, fp8_layers = install_fp8_checkpoint(model, fp8, mode=fp8_mode, dtype=dtype)  # type: ignore[arg-type]
     expected = set(model.state_dict())
     given = {k for k in state_dict if not IGNORED_CHECKPOINT_KEY_PATTERN.search(k)}
     if expected != given:
         raise CheckpointKeyError(component_id, sorted(expected - given), sorted(given - expected))
     load_wan_state_dict(model, state_dict, assign=True)
     model.rope.build_tables(device)
-    return cast_for_inference(model, dtype).eval().requires_grad_(False)
+    return cast_for_inference(model, dtype).eval().requires_grad_(False), fp8_layers
 
 
 def load_vae(card: ModelCard, component_id: str, options: InstanceOptions) -> WanVAE:
