@@ -19,6 +19,14 @@ from fv_kernel.model.instance import ModelInstance, build_instance
 from fv_kernel.loop.plan import StepOp
 from fv_kernel.card.refs import import_object
 from fv_kernel.model.preflight import InsufficientMemory, PreflightReport, preflight
+from fv_kernel.model.precision import (
+    FP8_ATTENTION_BACKEND,
+    PrecisionPathSelection,
+    apply_precision_path,
+    fp8_target_paths,
+    select_precision_path,
+    uses_fp8_attention,
+)
 from fv_kernel.card.spec import (
     AttentionAssumption,
     BatchedVsAlone,
@@ -38,6 +46,14 @@ from fv_kernel.card.spec import (
     ParityTolerance,
     PrecisionContract,
     PrecisionPolicy,
+    FP8_ATTENTION_PATHS,
+    FP8_LINEAR_PATHS,
+    PRECISION_PATHS,
+    PrecisionPath,
+    PrecisionPathChoice,
+    PrecisionPathContract,
+    PrecisionPathMeasurement,
+    PrecisionPathVerdict,
     ProgramSpec,
     RecipeSpec,
     SamplerBinding,

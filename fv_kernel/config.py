@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fv_kernel.cache.adapters import AdapterSettings
+from fv_kernel.card.spec import PrecisionPathChoice
 from fv_kernel.model.validate import RequestLimits
 from fv_kernel.compute.compile import ComputeOptions
 from fv_kernel.errors import FvError
@@ -39,10 +40,13 @@ class CardDeployment(BaseModel):
     model: str = Field(min_length=1, description="card id, local checkpoint directory or hub id")
     device: str = "cpu"
     precision: Precision | None = None
+    #: What runs in fp8 (docs/precision.md): a path the card lists, ``native``, or ``auto`` (the
+    #: fastest listed path whose recorded measurement passes its contract); None: the card's own.
+    precision_path: PrecisionPathChoice | None = None
     attention_backend: str = "sdpa"
     compute: ComputeOptions | None = None
     local_files_only: bool = False
-    #: Deploy in a ``precision`` the card's recipe excludes (``recipe.assumes_precision``)
+    #: Deploy in a ``precision`` or ``precision_path`` the card's recipe excludes (``recipe.assumes_precision``)
     #: instead of refusing with ``recipe_mismatch``; logged when the card is loaded.
     override_recipe: bool = False
 

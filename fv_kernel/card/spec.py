@@ -47,6 +47,14 @@ __all__ = [
     "TierParityRecord",
     "TierVerdict",
     "TIER_PARITY_CONTRACTS",
+    "PrecisionPath",
+    "PrecisionPathChoice",
+    "PRECISION_PATHS",
+    "FP8_LINEAR_PATHS",
+    "FP8_ATTENTION_PATHS",
+    "PrecisionPathContract",
+    "PrecisionPathMeasurement",
+    "PrecisionPathVerdict",
     "CacheContract",
     "ParallelismContract",
     "PrecisionContract",
@@ -65,6 +73,22 @@ _LOOP_NAME_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+#: What of a denoiser runs in fp8 (docs/precision.md). ``native``: nothing (the instance's precision);
+#: ``fp8_weights``: the card's ``fp8_targets`` linears hold e4m3 weights (per-channel scales),
+#: activations native; ``fp8_dynamic``: those linears also quantize each activation row;
+#: ``fp8_attention``: attention through the ``"fp8"`` attention driver, linears native;
+#: ``fp8_all``: ``fp8_dynamic`` and ``fp8_attention``.
+PrecisionPath = Literal["native", "fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all"]
+#: A deployment's ask: a path, or ``auto`` (the fastest listed path whose measurement passes its contract).
+PrecisionPathChoice = Literal["native", "fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all", "auto"]
+PRECISION_PATHS: tuple[str, ...] = get_args(PrecisionPath)
+#: Paths whose target linears are ``Fp8Linear`` s, with the ``Fp8Linear`` mode they run.
+FP8_LINEAR_PATHS: "MappingProxyType[str, str]" = MappingProxyType(
+    {"fp8_weights": "fp8_weights", "fp8_dynamic": "fp8_dynamic", "fp8_all": "fp8_dynamic"})
+#: Paths whose attention runs through the ``"fp8"`` attention driver.
+FP8_ATTENTION_PATHS: frozenset[str] = frozenset({"fp8_attention", "fp8_all"})
 
 
 def ImportString(value: str) -> str:  # noqa: N802 - used as a validator, reads as a type
@@ -420,7 +444,19 @@ class RecipeSpec(_Spec):
     assumes_loop: str | None = None
     #: The precision a QAT recipe baked in; None when any supported precision is fine. An
     #: instance at another precision is a ``RecipeMismatch`` unless the deployment overrides it.
-    assumes_precision: Precision | None = None
+    #: A precision path (``fp8_dynamic``...) names the path a quantization-aware recipe trained
+    #: under: the card then deploys on it, and another path is a ``RecipeMismatch`` unless overridden.
+    assumes_precision: Precision | Literal["fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all"] | None = None
+
+    @property
+    def assumed_path(self) -> str | None:
+        """The precision path the recipe assumes (``assumes_precision`` naming a path), else None."""
+        return self.assumes_precision if self.assumes_precision in PRECISION_PATHS else None
+
+    @property
+    def assumed_dtype(self) -> str | None:
+        """The precision (dtype) the recipe assumes (``assumes_precision`` naming one), else None."""
+        return None if self.assumes_precision in PRECISION_PATHS else self.assumes_precision
     #: The attention the weights were trained under; None when any exact attention is fine. An
     #: instance with another attention driver is a ``RecipeMismatch`` unless the deployment
     #: overrides it (``build_instance``); the driver is configured with these settings.
@@ -504,6 +540,19 @@ class ParitySpec(_Spec):
 ComputeTierName = Literal["fused", "graphs", "blocks", "vsa"]
 
 
+def _short_trajectory(where: str, measurement: "TierParityMeasurement | PrecisionPathMeasurement",
+                      defaults: "GenerationDefaults | None") -> str | None:
+    """Why ``measurement`` is not of the card's full default trajectory (None: it is, or no defaults)."""
+    if defaults is None:
+        return None
+    wanted = (defaults.steps, defaults.frames, defaults.height, defaults.width)
+    got = (measurement.steps, measurement.frames, measurement.height, measurement.width)
+    if got[0] < wanted[0] or got[1:] != wanted[1:]:
+        return (f"{where}: measured over {got[0]} steps at {got[1]}x{got[2]}x{got[3]}; the contract needs the "
+                f"card's full default trajectory ({wanted[0]} steps at {wanted[1]}x{wanted[2]}x{wanted[3]})")
+    return None
+
+
 class TierParityContract(_Spec):
     """What a fast compute tier promises against eager at the card's precision (C1: one full
     trajectory, fixed seed, the card's default steps and shape).
@@ -533,13 +582,9 @@ class TierParityContract(_Spec):
         if measurement.key != (self.tier, model_id, precision):
             raise ValueError(f"{where}: measurement is of tier {measurement.tier!r}, card {measurement.model_id!r} "
                              f"at {measurement.precision}")
-        if defaults is not None:
-            wanted = (defaults.steps, defaults.frames, defaults.height, defaults.width)
-            got = (measurement.steps, measurement.frames, measurement.height, measurement.width)
-            if got[0] < wanted[0] or got[1:] != wanted[1:]:
-                return TierVerdict(tier=self.tier, passed=False, reason=(
-                    f"{where}: measured over {got[0]} steps at {got[1]}x{got[2]}x{got[3]}; the contract needs the "
-                    f"card's full default trajectory ({wanted[0]} steps at {wanted[1]}x{wanted[2]}x{wanted[3]})"))
+        short = _short_trajectory(where, measurement, defaults)
+        if short is not None:
+            return TierVerdict(tier=self.tier, passed=False, reason=short)
         floor = measurement.reference_psnr_db - self.psnr_margin_db
         if not measurement.psnr_db >= floor:  # NaN fails too
             return TierVerdict(tier=self.tier, passed=False, reason=(
@@ -590,12 +635,131 @@ class TierParityMeasurement(_Spec):
         return (self.tier, self.model_id, self.precision)
 
 
+class PrecisionPathMeasurement(_Spec):
+    """One full-trajectory measurement of a precision path against the native path
+    (``bench/bench_precision.py --record``): what a :class:`PrecisionPathContract` is judged on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+    path: Literal["fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all"]
+    model_id: str
+    #: The instance precision both runs used (the card's default unless the deployment chose another).
+    precision: Precision
+    steps: int = Field(gt=0)
+    frames: int = Field(gt=0)
+    height: int = Field(gt=0)
+    width: int = Field(gt=0)
+    #: PSNR (dB, inf: identical) of the path's final decoded video against the native path's, same seed.
+    psnr_db: float
+    #: The path's judge scores (points, e.g. the toy judge's ``colour`` and ``direction``); empty: not judged.
+    judge_scores: dict[str, float] = Field(default_factory=dict)
+    #: The native path's scores on the same prompts and seeds.
+    reference_judge_scores: dict[str, float] = Field(default_factory=dict)
+    #: The device type measured on (``cuda``, ``cpu``): ``auto`` reads only its own device's timings.
+    device: str = Field(min_length=1)
+    #: One denoise step's seconds on this path and on the native path (None: not timed); ``auto``
+    #: picks a path only where it is timed faster than native.
+    step_seconds: float | None = Field(default=None, gt=0)
+    reference_step_seconds: float | None = Field(default=None, gt=0)
+    #: Where it was measured: date, machine, weights, seed and command (quoted in verdicts).
+    source: str
+
+    @field_validator("device")
+    @classmethod
+    def _device_type(cls, value: str) -> str:
+        return value.split(":", 1)[0]
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """What a record keeps one measurement per: (path, card, precision)."""
+        return (self.path, self.model_id, self.precision)
+
+    @property
+    def speedup(self) -> float | None:
+        """Native step seconds over the path's (> 1: the path is faster); None when not timed."""
+        if self.step_seconds is None or self.reference_step_seconds is None:
+            return None
+        return self.reference_step_seconds / self.step_seconds
+
+
+class PrecisionPathVerdict(_Spec):
+    path: PrecisionPath
+    passed: bool
+    reason: str
+
+
+class PrecisionPathContract(_Spec):
+    """Where a card allows a precision path: the quality the path must keep against the card's
+    native path over a full trajectory (C1: fixed seed, the card's default steps and shape).
+
+    Judged by :meth:`check` on a :class:`PrecisionPathMeasurement` read from the deployment's
+    ``compute.parity_record``. ``precision_path: auto`` selects only a path that passes.
+    """
+
+    path: Literal["fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all"]
+    #: Floor on the final video's PSNR against the native path's (dB).
+    min_psnr_db: float = Field(gt=0)
+    #: Each judge score may differ from the native path's by at most this many points; None: no
+    #: judge (the measurement's scores are not read).
+    max_judge_delta: float | None = Field(default=None, ge=0)
+    #: Why these numbers (what was measured, the margin): shown by ``fv cards show``.
+    justification: str = ""
+
+    def check(self, measurement: PrecisionPathMeasurement | None, *, model_id: str, precision: str,
+              defaults: "GenerationDefaults | None") -> PrecisionPathVerdict:
+        """The verdict on ``measurement`` (None: nothing recorded) for ``model_id`` at ``precision``."""
+        where = f"precision path {self.path!r} of card {model_id!r} at {precision}"
+
+        def fail(reason: str) -> PrecisionPathVerdict:
+            return PrecisionPathVerdict(path=self.path, passed=False, reason=reason)
+
+        if measurement is None:
+            return fail(f"{where}: no trajectory measurement recorded (bench/bench_precision.py --record, named by "
+                        "compute.parity_record)")
+        if measurement.key != (self.path, model_id, precision):
+            raise ValueError(f"{where}: measurement is of path {measurement.path!r}, card {measurement.model_id!r} "
+                             f"at {measurement.precision}")
+        short = _short_trajectory(where, measurement, defaults)
+        if short is not None:
+            return fail(short)
+        if not measurement.psnr_db >= self.min_psnr_db:  # NaN fails too
+            return fail(f"{where}: final video {measurement.psnr_db:.2f} dB PSNR against the native path, below the "
+                        f"contract's {self.min_psnr_db:g} dB; {measurement.source}")
+        if self.max_judge_delta is not None:
+            if not measurement.reference_judge_scores:
+                return fail(f"{where}: the contract bounds the judge's scores, which the measurement does not record")
+            for name, native in sorted(measurement.reference_judge_scores.items()):
+                score = measurement.judge_scores.get(name)
+                if score is None:
+                    return fail(f"{where}: judge score {name!r} recorded for the native path only")
+                if not abs(score - native) <= self.max_judge_delta:
+                    return fail(f"{where}: judge score {name!r} {score:.2f} against the native path's {native:.2f}, "
+                                f"more than {self.max_judge_delta:g} points apart; {measurement.source}")
+        return PrecisionPathVerdict(path=self.path, passed=True, reason=(
+            f"{where}: {measurement.psnr_db:.2f} dB against the native path >= {self.min_psnr_db:g} dB"
+            + ("" if self.max_judge_delta is None else f", judge scores within {self.max_judge_delta:g} points")
+            + f"; {measurement.source}"))
+
+
 class TierParityRecord(_Spec):
-    """The recorded measurements a deployment's tier selection reads (a JSON file)."""
+    """The recorded measurements a deployment's tier and precision-path selection read (a JSON file)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
 
     measurements: tuple[TierParityMeasurement, ...] = ()
+    #: Precision paths against the native path (``bench/bench_precision.py --record``).
+    precision_paths: tuple[PrecisionPathMeasurement, ...] = ()
+
+    def find_path(self, path: str, model_id: str, precision: str) -> PrecisionPathMeasurement | None:
+        """The last measurement of precision path ``path`` for ``model_id`` at ``precision``, if any."""
+        found = [m for m in self.precision_paths if m.key == (path, model_id, precision)]
+        return found[-1] if found else None
+
+    def merged_paths(self, new: "tuple[PrecisionPathMeasurement, ...] | list[PrecisionPathMeasurement]") -> "TierParityRecord":
+        """This record with ``new`` replacing the path measurements of the same (path, card, precision)."""
+        keys = {m.key for m in new}
+        kept = [m for m in self.precision_paths if m.key not in keys]
+        return self.model_copy(update={"precision_paths": (*kept, *new)})
 
     def find(self, tier: str, model_id: str, precision: str) -> TierParityMeasurement | None:
         """The last measurement of ``tier`` for ``model_id`` at ``precision``, if any."""
@@ -606,7 +770,7 @@ class TierParityRecord(_Spec):
         """This record with ``new`` replacing the measurements of the same (tier, card, precision)."""
         keys = {m.key for m in new}
         kept = [m for m in self.measurements if m.key not in keys]
-        return TierParityRecord(measurements=(*kept, *new))
+        return TierParityRecord(measurements=(*kept, *new), precision_paths=self.precision_paths)
 
 
 class TierVerdict(_Spec):
@@ -667,12 +831,34 @@ class ParallelismContract(_Spec):
 class PrecisionContract(_Spec):
     default: Precision = "bf16"
     supported: frozenset[Precision] = frozenset({"fp32", "bf16"})
+    #: The precision paths this card may be served on beyond ``native``, each with its quality
+    #: contract; a path not listed is refused (``precision_path``). ``native`` is always allowed.
+    paths: dict[Literal["fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all"], PrecisionPathContract] = Field(
+        default_factory=dict)
+    #: Which linears the fp8 linear paths quantize: per component, ``fnmatch`` globs over the module's
+    #: linear paths (``blocks.*.attn1.to_q``); every glob must match at least one linear at load.
+    fp8_targets: dict[str, tuple[str, ...]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _default_supported(self) -> "PrecisionContract":
         if self.default not in self.supported:
             raise ValueError(f"default precision {self.default!r} is not in supported {sorted(self.supported)}")
+        for path, contract in self.paths.items():
+            if contract.path != path:
+                raise ValueError(f"precision.paths[{path!r}].path is {contract.path!r}; it must equal its key")
+        linear_paths = sorted(p for p in self.paths if p in FP8_LINEAR_PATHS)
+        if linear_paths and not any(self.fp8_targets.values()):
+            raise ValueError(f"precision.paths lists {linear_paths}, which quantize linears, but precision.fp8_targets "
+                             "names none; allowed: globs of each component's linears to run in fp8")
+        for component, globs in self.fp8_targets.items():
+            if len(set(globs)) != len(globs):
+                raise ValueError(f"precision.fp8_targets[{component!r}] repeats a glob: {list(globs)}")
         return self
+
+    @property
+    def allowed_paths(self) -> tuple[str, ...]:
+        """The paths this card serves: ``native`` and the listed ones, in :data:`PRECISION_PATHS` order."""
+        return tuple(p for p in PRECISION_PATHS if p == "native" or p in self.paths)
 
 
 class FrameRule(_Spec):
@@ -842,12 +1028,23 @@ class ModelCard(_Spec):
             raise ValueError(
                 f"recipe.assumes_loop {self.recipe.assumes_loop!r} is not one of the card's loops {sorted(self.loops)}"
             )
-        if self.recipe.assumes_precision is not None and self.recipe.assumes_precision not in self.precision.supported:
+        unknown_targets = sorted(set(self.precision.fp8_targets) - set(self.components))
+        if unknown_targets:
+            raise ValueError(f"precision.fp8_targets names unknown components {unknown_targets}; known: "
+                             f"{sorted(self.components)}")
+        assumed_path = self.recipe.assumed_path
+        if assumed_path is not None and assumed_path not in self.precision.paths:
+            raise ValueError(
+                f"recipe.assumes_precision {assumed_path!r} is a precision path that precision.paths does not list "
+                f"(listed: {sorted(self.precision.paths)}); list it with its contract"
+            )
+        assumed_dtype = self.recipe.assumed_dtype
+        if assumed_dtype is not None and assumed_dtype not in self.precision.supported:
             raise ValueError(
                 f"recipe.assumes_precision {self.recipe.assumes_precision!r} is not in precision.supported "
                 f"{sorted(self.precision.supported)}"
             )
-        if self.recipe.assumes_precision is not None and self.recipe.assumes_precision != self.precision.default:
+        if assumed_dtype is not None and assumed_dtype != self.precision.default:
             raise ValueError(
                 f"precision.default {self.precision.default!r} contradicts recipe.assumes_precision "
                 f"{self.recipe.assumes_precision!r}: a default deployment would run outside its recipe"

@@ -28,7 +28,7 @@ def deployment_options(deployment: CardDeployment, registry: DeployRegistry, *, 
     """
     registry.attention_backends.entry_point(deployment.attention_backend)
     return InstanceOptions(
-        device=deployment.device, precision=deployment.precision, source=source,
+        device=deployment.device, precision=deployment.precision, precision_path=deployment.precision_path, source=source,
         local_files_only=deployment.local_files_only, attention_backend=deployment.attention_backend,
         compute=deployment.compute, allow_recipe_mismatch=deployment.override_recipe, registry=registry,
     )

@@ -29,6 +29,9 @@ from fv_kernel.model.adapters import combined_stack
 from fv_kernel.model.preflight import preflight
 from fv_kernel.card.recipe import check_recipe_attention
 from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.precision import (
+    FP8_ATTENTION_BACKEND, PrecisionPathSelection, select_precision_path, uses_fp8_attention,
+)
 from fv_kernel.plugins.registry import DeployRegistry, kernel_registry
 from fv_kernel.program.base import Program, program_for
 from fv_kernel.request.request import Request
@@ -97,6 +100,9 @@ class ModelInstance:
     #: one object per instance so a kernel's own caches (Triton's padded stacks) live as long as the instance.
     adapter_row_kernel: Any = field(default_factory=lambda: select_row_kernel("auto"))
     _profiles: dict[tuple[str, tuple[str, ...]], tuple[float, int]] = field(default_factory=dict)
+    #: How ``build_instance`` resolved the deployment's ``precision_path`` (None: built otherwise;
+    #: :attr:`precision_path` then resolves it from the options).
+    precision_selection: PrecisionPathSelection | None = None
 
     @property
     def model_id(self) -> str:
@@ -105,6 +111,14 @@ class ModelInstance:
     @property
     def precision(self) -> str:
         return self.options.precision or self.card.precision.default
+
+    @property
+    def precision_path(self) -> str:
+        """The precision path this instance runs (docs/precision.md), resolved at build: families read
+        it when they load a component (``fv_kernel.model.precision.apply_precision_path``)."""
+        if self.precision_selection is not None:
+            return self.precision_selection.path
+        return select_precision_path(self.card, self.options).path
 
     @property
     def device(self) -> torch.device:
@@ -121,8 +135,10 @@ class ModelInstance:
         loops copy them into their artifacts' ``Provenance.recipe_overrides``."""
         recipe = self.card.recipe
         overrides: list[str] = []
-        if recipe.assumes_precision is not None and self.precision != recipe.assumes_precision:
+        if recipe.assumed_dtype is not None and self.precision != recipe.assumed_dtype:
             overrides.append("precision")
+        if recipe.assumed_path is not None and self.precision_path != recipe.assumed_path:
+            overrides.append("precision_path")
         if recipe.assumes_attention is not None and self.options.attention_backend != recipe.assumes_attention.kind:
             overrides.append("attention_backend")
         return tuple(overrides)
@@ -401,7 +417,7 @@ def build_instance(card: ModelCard, options: InstanceOptions | None = None) -> M
             allowed=sorted(card.precision.supported),
         )
     precision = options.precision or card.precision.default
-    assumed = card.recipe.assumes_precision
+    assumed = card.recipe.assumed_dtype
     if assumed is not None and precision != assumed:
         if not options.allow_recipe_mismatch:
             raise RecipeMismatch(
@@ -415,6 +431,19 @@ def build_instance(card: ModelCard, options: InstanceOptions | None = None) -> M
             "card %r (recipe %r) assumes precision %r; deploying it in %r because the recipe was overridden",
             card.model_id, card.recipe.method, assumed, precision,
         )
+    selection = select_precision_path(card, options)
+    log.info("card %r runs precision path %r: %s", card.model_id, selection.path, selection.reason)
+    options = options.model_copy(update={"precision_path": selection.path})
+    if uses_fp8_attention(selection.path) and options.attention_backend != FP8_ATTENTION_BACKEND:
+        if options.attention_backend != "sdpa":
+            raise InvalidRequest(
+                "precision_path", f"precision path {selection.path!r} runs attention through the "
+                f"{FP8_ATTENTION_BACKEND!r} driver, but the deployment names attention_backend "
+                f"{options.attention_backend!r}",
+                allowed=f"attention_backend 'sdpa' (the default) or {FP8_ATTENTION_BACKEND!r} with this path, or a path "
+                        f"without fp8 attention: {', '.join(p for p in card.precision.allowed_paths if not uses_fp8_attention(p))}",
+            )
+        options = options.model_copy(update={"attention_backend": FP8_ATTENTION_BACKEND})
     if check_recipe_attention(card, options.attention_backend, options.allow_recipe_mismatch):
         assert card.recipe.assumes_attention is not None
         log.warning(
@@ -425,6 +454,7 @@ def build_instance(card: ModelCard, options: InstanceOptions | None = None) -> M
     instance = factory(card, options)
     if not isinstance(instance, ModelInstance):
         raise TypeError(f"{card.factory} returned {type(instance).__name__}, expected ModelInstance")
+    instance.precision_selection = selection
     # Names a card gives (a registered loop, a sampler) resolve in this deployment now, not mid-request.
     for loop_id, spec in card.loops.items():
         if ":" not in spec.implementation:

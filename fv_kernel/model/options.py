@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fv_kernel.card.spec import PrecisionPathChoice
 from fv_kernel.compute.compile import ComputeOptions
 from fv_kernel.plugins.registry import DeployRegistry
 from fv_kernel.request.types import Precision, TaskType
@@ -18,6 +19,11 @@ class InstanceOptions(BaseModel):
 
     device: str = "cpu"
     precision: Precision | None = None
+    #: What runs in fp8 (docs/precision.md): a path the card lists in ``precision.paths``, ``native``,
+    #: or ``auto`` (the fastest listed path whose recorded measurement passes its contract, else
+    #: native). None: the card's own, the path its recipe assumes, else ``native``. The resolved
+    #: path is ``ModelInstance.precision_path``.
+    precision_path: PrecisionPathChoice | None = None
     #: Overrides the card's checkpoint source: a local directory or a hub repo id.
     source: str | None = None
     local_files_only: bool = False
@@ -30,7 +36,7 @@ class InstanceOptions(BaseModel):
     #: names resolve through; None: the kernel's built-ins only. Set by the runtime from its
     #: plugin host (``host.registry()``); not configuration, so never serialised.
     registry: DeployRegistry | None = Field(default=None, exclude=True, repr=False)
-    #: Deploy outside the card's recipe (a ``precision`` its ``assumes_precision`` excludes, an
+    #: Deploy outside the card's recipe (a ``precision`` or ``precision_path`` its ``assumes_precision`` excludes, an
     #: ``attention_backend`` other than its ``assumes_attention``) instead of refusing with ``RecipeMismatch``. Logged, and kept on the instance
     #: (``ModelInstance.recipe_overrides``).
     allow_recipe_mismatch: bool = False

@@ -346,7 +346,7 @@ def _report(card: ModelCard, options: "InstanceOptions", component_ids: Sequence
         uncounted=tuple(c for c in uncounted if c in from_files and manifest.layout != "embedded"),
         source=source, available_bytes=available,
         # (none when the recipe fixes the precision: another one would be a recipe mismatch)
-        smaller_precisions=() if card.recipe.assumes_precision is not None else tuple(
+        smaller_precisions=() if card.recipe.assumed_dtype is not None else tuple(
             p for p in card.precisions if ELEMENT_BYTES[p] < ELEMENT_BYTES[precision]
         ),
     )

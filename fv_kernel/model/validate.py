@@ -83,11 +83,11 @@ def _check_sampler(card: ModelCard, request: Request, samplers: Iterable[str] | 
 def _check_precision(card: ModelCard, request: Request, allow_recipe_mismatch: bool) -> None:
     if request.precision is None:
         return
-    assumed = card.recipe.assumes_precision
+    assumed = card.recipe.assumed_dtype
     if assumed is not None and request.precision != assumed and not allow_recipe_mismatch:
         raise RecipeMismatch(
             "precision", model_id=card.model_id, method=card.recipe.method,
-            assumes=f"precision {card.recipe.assumes_precision!r}", asked=f"precision {request.precision!r}",
+            assumes=f"precision {assumed!r}", asked=f"precision {request.precision!r}",
         )
     if request.precision not in card.precision.supported:
         raise InvalidRequest(
