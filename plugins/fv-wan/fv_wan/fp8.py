@@ -18,25 +18,33 @@ quantizes activations per token at run time, which bounds the error per row inst
 
 from __future__ import annotations
 
-import fnmatch
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Literal
 
 import torch
 from torch import nn
 
-from fv_kernel.api import Fp8Error, Fp8Linear, dequantize_e4m3
+from fv_kernel.api import (
+    Fp8Error,
+    Fp8Linear,
+    PrecisionContract,
+    PrecisionPathContract,
+    dequantize_e4m3,
+)
 
 __all__ = [
+    "WAN_FP8_MAX_JUDGE_DELTA",
+    "WAN_FP8_MIN_PSNR_DB",
     "WAN_FP8_TARGETS",
-    "Fp8Layout",
     "Fp8Checkpoint",
-    "fp8_target_linears",
+    "Fp8Layout",
+    "install_fp8_checkpoint",
     "read_safetensors_metadata",
     "split_fp8_checkpoint",
-    "install_fp8_checkpoint",
+    "wan_precision_contract",
 ]
 
 #: The linears an fp8 path quantizes in a Wan transformer (fnmatch globs over module paths):
@@ -55,17 +63,6 @@ Fp8Layout = Literal["scaled_fp8", "comfy_quant", "e4m3fn"]
 _WEIGHT_SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 _INPUT_SCALE_SUFFIXES = (".scale_input", ".input_scale")
 _SUPPORTED_FORMATS = ("float8_e4m3fn",)
-
-
-def fp8_target_linears(module: nn.Module, globs: tuple[str, ...] = WAN_FP8_TARGETS) -> list[str]:
-    """The paths of ``module``'s ``nn.Linear`` layers matched by ``globs``, in module order.
-    A glob that matches no linear is an :class:`Fp8Error` naming it (a card/model mismatch)."""
-    linears = [name for name, sub in module.named_modules() if isinstance(sub, nn.Linear)]
-    unmatched = [g for g in globs if not any(fnmatch.fnmatchcase(name, g) for name in linears)]
-    if unmatched:
-        raise Fp8Error(f"fp8 target glob(s) match no linear of the transformer: {', '.join(unmatched)}",
-                       param="precision.fp8_targets")
-    return [name for name in linears if any(fnmatch.fnmatchcase(name, g) for g in globs)]
 
 
 def read_safetensors_metadata(folder: Path) -> dict[str, str]:
@@ -94,7 +91,7 @@ class Fp8Checkpoint:
     #: Static activation scales found (weight key -> scale); not used by fv's paths (module docstring).
     input_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def renamed(self, rename: Mapping[str, str]) -> "Fp8Checkpoint":
+    def renamed(self, rename: Mapping[str, str]) -> Fp8Checkpoint:
         """The same checkpoint with keys renamed (``rename`` covers every key of ``tensors``)."""
         return Fp8Checkpoint(
             layout=self.layout, tensors={rename[k]: v for k, v in self.tensors.items()},
@@ -172,18 +169,17 @@ def split_fp8_checkpoint(state_dict: Mapping[str, torch.Tensor], metadata: Mappi
 
 def install_fp8_checkpoint(
     model: nn.Module, checkpoint: Fp8Checkpoint, *, mode: Literal["fp8_weights", "fp8_dynamic"] | None,
-    dtype: torch.dtype, kernel: str = "torch",
-) -> tuple[dict[str, torch.Tensor], list[str]]:
+    dtype: torch.dtype, kernel: str = "auto",
+) -> dict[str, torch.Tensor]:
     """Prepare ``model`` (built on ``meta``, diffusers names) for ``checkpoint`` (renamed to them).
 
     With ``mode``, each linear whose weight the file holds in e4m3 becomes an :class:`Fp8Linear`
     (per-tensor or per-channel scale, as the file has it) taking the file's bytes and scale as they
     are; other e4m3 tensors (a ``*_fp8_e4m3fn`` file may cast non-linears too) are dequantized to
     ``dtype``. ``mode=None`` (the native path) dequantizes every e4m3 tensor to ``dtype``.
-    Returns the state dict to load (``assign=True``) and the paths that became Fp8Linear.
+    Returns the state dict to load (``assign=True``).
     """
     state: dict[str, torch.Tensor] = {}
-    replaced: list[str] = []
     modules = dict(model.named_modules())
     for key, tensor in checkpoint.tensors.items():
         scale = checkpoint.weight_scales.get(key)
@@ -197,9 +193,34 @@ def install_fp8_checkpoint(
             fp8 = Fp8Linear(target.in_features, target.out_features, bias=target.bias is not None, mode=mode,
                             per_channel=scale.dim() == 1, kernel=kernel, device="meta")
             setattr(model.get_submodule(parent_path) if parent_path else model, leaf, fp8)
-            replaced.append(layer)
             state[key] = tensor
             state[f"{layer}.weight_scale"] = scale
         else:
             state[key] = dequantize_e4m3(tensor, scale.reshape(-1, *([1] * (tensor.dim() - 1))) if scale.dim() else scale, dtype)
-    return state, replaced
+    return state
+
+
+#: Final-video PSNR floor (dB) against the native path for every fp8 path of a Wan card: above
+#: 30 dB the difference is below what 8-bit video coding of the same clip already loses (H.264
+#: at ordinary quality is 30-40 dB), so the path serves the same video.
+WAN_FP8_MIN_PSNR_DB = 30.0
+#: On a card with the toy judge (wan-toy): each judge score within this many points of native (issue 34).
+WAN_FP8_MAX_JUDGE_DELTA = 2.0
+
+
+def wan_precision_contract(
+    base: PrecisionContract, components: tuple[str, ...], *, judged: bool = False,
+) -> PrecisionContract:
+    """``base`` with the fp8 paths a Wan card allows: ``fp8_targets`` on each transformer in
+    ``components``, and every path under the same quality contract (``judged``: the toy judge's
+    scores too)."""
+    why = (f"final video >= {WAN_FP8_MIN_PSNR_DB:g} dB PSNR against the native path over the card's default trajectory"
+           + (f", and the toy judge's colour and direction within {WAN_FP8_MAX_JUDGE_DELTA:g} points (issue 34)" if judged else "")
+           + "; measured by bench/bench_precision_quality.py")
+    paths = {
+        path: PrecisionPathContract(path=path, min_psnr_db=WAN_FP8_MIN_PSNR_DB,
+                                    max_judge_delta=WAN_FP8_MAX_JUDGE_DELTA if judged else None, justification=why)
+        for path in ("fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all")
+    }
+    return PrecisionContract.model_validate(
+        {**dict(base), "paths": paths, "fp8_targets": {c: WAN_FP8_TARGETS for c in components}})

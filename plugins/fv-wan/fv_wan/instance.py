@@ -19,6 +19,10 @@ from typing import Any, Mapping
 import torch
 
 from fv_kernel.api import (
+    FP8_LINEAR_PATHS,
+    PRECISION_PATHS,
+    apply_precision_path,
+    select_precision_path,
     torch_dtype,
     CompileCache,
     CompileKey,
@@ -37,7 +41,6 @@ from fv_kernel.api import (
     RowAdapters,
     StepOp,
     parse_component_config,
-    quantize_linears,
     read_safetensors,
     resolve_source,
     rows_adapted,
@@ -56,7 +59,7 @@ from fv_wan.models.transformer import (
     load_wan_state_dict,
     original_rename_map,
 )
-from fv_wan.fp8 import WAN_FP8_TARGETS, fp8_target_linears, install_fp8_checkpoint, read_safetensors_metadata, split_fp8_checkpoint
+from fv_wan.fp8 import install_fp8_checkpoint, read_safetensors_metadata, split_fp8_checkpoint
 from fv_wan.models.vae import CausalCache, WanVAE, WanVAEConfig
 
 __all__ = ["build_wan_instance", "configure_transformer", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops", "dit_inputs", "adapter_routing"]
@@ -131,37 +134,24 @@ def configure_transformer(
     return model
 
 
-#: What each precision path does to the transformer's linears (fp8 attention is the driver's part).
-_LINEAR_MODE: "MappingProxyType[str, str | None]" = MappingProxyType({
-    "native": None, "fp8_attention": None, "fp8_weights": "fp8_weights", "fp8_dynamic": "fp8_dynamic", "fp8_all": "fp8_dynamic",
-})
-
-
 def load_transformer(
     card: ModelCard, component_id: str, options: InstanceOptions, compute: ComputeOptions | None = None,
     *, precision_path: str = "native",
 ) -> WanTransformer:
-    """The transformer in ``precision_path``: its fp8 linears (``fp8_weights``, ``fp8_dynamic``,
-    ``fp8_all``) are the fp8 file's own layers, or the card's ``fp8_targets`` quantized here."""
-    if precision_path not in _LINEAR_MODE:
-        raise InvalidRequest("precision_path", f"unknown precision path {precision_path!r}", allowed=list(_LINEAR_MODE))
-    mode = _LINEAR_MODE[precision_path]
-    model, fp8_layers = _load_transformer_weights(card, component_id, options, mode)
-    if mode is not None and not fp8_layers:  # bf16/fp32 weights: quantized once, here
-        quantize_linears(model, fp8_target_linears(model, _fp8_globs(card, component_id)), mode=mode)  # type: ignore[arg-type]
+    """The transformer on ``precision_path`` (``ModelInstance.precision_path``): on the fp8 linear
+    paths its linears are an fp8 file's own layers as stored, else the card's ``fp8_targets``
+    quantized here, once; an fp8 file on the other paths is dequantized to the card's precision."""
+    if precision_path not in PRECISION_PATHS:
+        raise InvalidRequest("precision_path", f"{precision_path!r} is not a precision path", allowed=PRECISION_PATHS)
+    model = _load_transformer_weights(card, component_id, options, FP8_LINEAR_PATHS.get(precision_path))
+    apply_precision_path(card, component_id, model, precision_path, kernel="auto")
     return configure_transformer(model, options, compute, assumption=card.recipe.assumes_attention)
-
-
-def _fp8_globs(card: ModelCard, component_id: str) -> tuple[str, ...]:
-    """The card's fp8 targets for the component (Wan's attention and FFN linears by default)."""
-    targets = getattr(card.precision, "fp8_targets", None) or {}
-    return tuple(targets.get(component_id, WAN_FP8_TARGETS))
 
 
 def _load_transformer_weights(
     card: ModelCard, component_id: str, options: InstanceOptions, fp8_mode: str | None = None,
-) -> tuple[WanTransformer, list[str]]:
-    """The transformer's weights, and the linears loaded as Fp8Linear from an fp8 file (with ``fp8_mode``)."""
+) -> WanTransformer:
+    """The transformer's weights; with ``fp8_mode``, an fp8 file's e4m3 linears load as Fp8Linear."""
     spec = card.components[component_id]
     expected = _component_config(spec, WanTransformerConfig, WanTransformerConfig.from_diffusers_config)
     dtype = _component_dtype(card, component_id, options)
@@ -171,7 +161,7 @@ def _load_transformer_weights(
         seed = card.checkpoint.components[component_id].random_init_seed or 0
         model = _seeded(seed, lambda: WanTransformer(expected))
         model.rope.build_tables(device)
-        return cast_for_inference(model.to(device), dtype).eval().requires_grad_(False), []
+        return cast_for_inference(model.to(device), dtype).eval().requires_grad_(False)
     config = WanTransformerConfig.from_diffusers_config(transformer_config_from_disk(json.loads((folder / "config.json").read_text())))
     if not same_architecture(config, expected):
         raise CheckpointNotFound(
@@ -194,16 +184,15 @@ def _load_transformer_weights(
         fp8 = fp8.renamed(renames) if fp8 is not None else None
     with torch.device("meta"):
         model = WanTransformer(config)
-    fp8_layers: list[str] = []
     if fp8 is not None:
-        state_dict, fp8_layers = install_fp8_checkpoint(model, fp8, mode=fp8_mode, dtype=dtype)  # type: ignore[arg-type]
+        state_dict = install_fp8_checkpoint(model, fp8, mode=fp8_mode, dtype=dtype)  # type: ignore[arg-type]
     expected = set(model.state_dict())
     given = {k for k in state_dict if not IGNORED_CHECKPOINT_KEY_PATTERN.search(k)}
     if expected != given:
         raise CheckpointKeyError(component_id, sorted(expected - given), sorted(given - expected))
     load_wan_state_dict(model, state_dict, assign=True)
     model.rope.build_tables(device)
-    return cast_for_inference(model, dtype).eval().requires_grad_(False), fp8_layers
+    return cast_for_inference(model, dtype).eval().requires_grad_(False)
 
 
 def load_vae(card: ModelCard, component_id: str, options: InstanceOptions) -> WanVAE:
@@ -495,10 +484,13 @@ def build_wan_instance(
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise CheckpointNotFound(f"device {options.device!r} was asked for but CUDA is not available", param="device")
 
+    # build_instance resolved it already; a direct call resolves it here (auto, the recipe's path).
+    precision_path = options.precision_path if options.precision_path in PRECISION_PATHS else select_precision_path(card, options).path
+
     def load(component_id: str) -> Any:
         kind = card.components[component_id].kind
         if kind == "dit":
-            return load_transformer(card, component_id, options, compute)
+            return load_transformer(card, component_id, options, compute, precision_path=precision_path)
         component = _LOADERS[kind](card, component_id, options)
         if kind == "vae" and component_id == "vae_decoder" and compute is not None:
             # The DiT's switch: the decoder's norm + SiLU passes fuse exactly when the blocks' glue does.
