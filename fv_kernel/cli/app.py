@@ -42,6 +42,10 @@ LAZY_COMMANDS: dict[str, LazyCommand] = {
         "fv_kernel.cli.generate_cmd", "generate", "Generate a video (or image) with one card and write it to --output."
     ),
     "plugins": LazyCommand("fv_kernel.cli.plugins_cmd", "plugins_app", "Inspect and validate fv plugins."),
+    "quantize": LazyCommand(
+        "fv_kernel.cli.quantize_cmd", "quantize",
+        "Write a card's fp8 weights (e4m3, per-channel scales) and a card that loads them without quantizing again.",
+    ),
     "serve": LazyCommand(
         "fv_kernel.cli.serve_cmd", "serve",
         "Serve the OpenAI-style video API (POST /v1/videos, SSE events, /metrics) over the deployment.",
