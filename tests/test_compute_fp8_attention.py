@@ -141,6 +141,24 @@ def test_triton_path_on_cpu_outside_the_interpreter_is_a_typed_error(monkeypatch
         lin(torch.randn(3, 8))
 
 
+def test_kernel_launchers_name_what_does_not_fit() -> None:
+    if not triton_available():
+        pytest.skip("needs triton")
+    from fv_kernel.compute.fp8_triton import Fp8KernelError, fp8_attention_kernel, fp8_linear_triton
+
+    q = torch.randn(1, 2, 8, 16)
+    k = torch.zeros(2, 8, 16, dtype=torch.float8_e4m3fn)
+    with pytest.raises(Fp8KernelError, match="v_t"):
+        fp8_attention_kernel(q, k, torch.ones(2, 1), k, torch.ones(2, 16), scale=0.25, q_block=64, k_block=64)
+    w = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(Fp8KernelError, match="one per output channel"):
+        fp8_linear_triton(torch.randn(3, 8), w, torch.ones(3), None, "fp8_dynamic", torch.float32)
+    with pytest.raises(Fp8KernelError, match="do not fit"):
+        fp8_linear_triton(torch.randn(3, 7), w, torch.ones(4), None, "fp8_dynamic", torch.float32)
+    with pytest.raises(Fp8KernelError, match="'fp8_weights' or 'fp8_dynamic'"):
+        fp8_linear_triton(torch.randn(3, 8), w, torch.ones(4), None, "int8", torch.float32)
+
+
 # --------------------------------------------------------------------------- Fp8Linear kernel selection
 
 

@@ -109,33 +109,33 @@ def _ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 def attention_errors(device: str) -> dict[str, float]:
     """Relative errors of the Triton fp8 attention against fp64 attention and the torch reference,
     and of a kernel whose V scale was dropped (negative control)."""
-    import fv_kernel.compute.fp8_triton as fp8_triton
-    from fv_kernel.compute.fp8_attention import fp8_attention_torch
+    import fv_kernel.compute.fp8_attention as fp8_attention
+    from fv_kernel.compute.fp8_attention import fp8_attention_torch, fp8_attention_triton
 
     g = torch.Generator().manual_seed(5)
     out: dict[str, float] = {}
     for label, (lq, lk, d) in {"square": (100, 100, 64), "odd": (70, 77, 48)}.items():
         q, k, v = (torch.randn(1, 2, n, d, generator=g).to(device) for n in (lq, lk, lk))
         k = k + 3.0  # a large shared key offset: what K smoothing removes
-        got = fp8_triton.fp8_attention_triton(q, k, v).cpu()
+        got = fp8_attention_triton(q, k, v).cpu()
         out[f"{label}.vs_exact"] = _rel(got, _ref_attention(q.cpu(), k.cpu(), v.cpu()))
         out[f"{label}.vs_torch_reference"] = _rel(got, fp8_attention_torch(q.cpu(), k.cpu(), v.cpu()))
     q, k, v = (torch.randn(1, 1, 64, 32, generator=g).to(device) for _ in range(3))
-    big = fp8_triton.fp8_attention_triton(q * 1e4, k * 1e4, v * 1e4).cpu()
+    big = fp8_attention_triton(q * 1e4, k * 1e4, v * 1e4).cpu()
     out["saturation.finite"] = float(torch.isfinite(big).all())
-    out["empty_queries.numel"] = float(fp8_triton.fp8_attention_triton(q[:, :, :0], k, v).numel())
-    quantize_kv = fp8_triton.quantize_kv
+    out["empty_queries.numel"] = float(fp8_attention_triton(q[:, :, :0], k, v).numel())
+    quantize_kv = fp8_attention.quantize_kv
 
     def dropped_v_scale(k_, v_):  # type: ignore[no-untyped-def]
         kq, ks, vq, vs = quantize_kv(k_, v_)
         return kq, ks, vq, torch.full_like(vs, 1.0 / 448)
 
-    fp8_triton.quantize_kv = dropped_v_scale
+    fp8_attention.quantize_kv = dropped_v_scale
     try:
         q, k, v = (torch.randn(1, 2, 100, 64, generator=g).to(device) * 3 for _ in range(3))
-        out["dropped_v_scale.vs_exact"] = _rel(fp8_triton.fp8_attention_triton(q, k, v).cpu(), _ref_attention(q.cpu(), k.cpu(), v.cpu()))
+        out["dropped_v_scale.vs_exact"] = _rel(fp8_attention_triton(q, k, v).cpu(), _ref_attention(q.cpu(), k.cpu(), v.cpu()))
     finally:
-        fp8_triton.quantize_kv = quantize_kv
+        fp8_attention.quantize_kv = quantize_kv
     return out
 
 

@@ -126,6 +126,8 @@ def _triton_kernel(
                        param="kernel")
     from fv_kernel.compute.fp8_triton import fp8_linear_triton
 
+    if mode not in ("fp8_weights", "fp8_dynamic"):
+        raise Fp8Error(f"mode must be 'fp8_weights' or 'fp8_dynamic', got {mode!r}", param="mode")
     return fp8_linear_triton(x, weight, scale, bias, mode, out_dtype)
 
 

@@ -9,7 +9,7 @@ The quantization (FlashAttention-3 FP8 / SageAttention2 style, without the Hadam
 - V: one scale per channel of a head (absmax over tokens).
 
 Two implementations of that one computation: the Triton kernel
-(:func:`fv_kernel.compute.fp8_triton.fp8_attention_triton`, online softmax, CUDA) and
+(:func:`fp8_attention_triton`, online softmax, CUDA) and
 :func:`fp8_attention_torch` (quantize, dequantize, then attention in fp32: any device, the
 reference). ``implementation="auto"`` takes Triton on CUDA when it is importable, else torch.
 
@@ -38,6 +38,7 @@ __all__ = [
     "Q_BLOCK",
     "Fp8Attention",
     "fp8_attention_torch",
+    "fp8_attention_triton",
     "quantize_blocks",
     "quantize_kv",
 ]
@@ -99,6 +100,23 @@ def fp8_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     return out.reshape(batch, heads, lq, dim).to(q.dtype)
 
 
+def fp8_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """The driver's computation as the Triton kernel (CUDA, or CPU under Triton's interpreter):
+    K and V quantized here by :func:`quantize_kv`, Q in the kernel. ``(B, H, L, D)``, no mask."""
+    from fv_kernel.compute.fp8_triton import fp8_attention_kernel
+
+    batch, heads, lq, dim = q.shape
+    lk = k.shape[2]
+    if lk == 0 and lq > 0:
+        raise Fp8Error("fp8 attention needs at least one key (softmax over zero keys is undefined)")
+    kq, k_scale, vq, v_scale = quantize_kv(k.reshape(batch * heads, lk, dim), v.reshape(batch * heads, lk, dim))
+    # V transposed: the e4m3 dot's B operand must be contiguous along its reduction (token) axis.
+    return fp8_attention_kernel(
+        q, kq, k_scale, vq.transpose(1, 2).contiguous(), v_scale, scale=dim**-0.5 if scale is None else float(scale),
+        q_block=Q_BLOCK, k_block=K_BLOCK,
+    )
+
+
 class Fp8Attention(AttentionBackend):
     """The ``fp8`` driver (see the module docstring). ``implementation``: ``"auto"`` (Triton on
     CUDA when importable, else torch), ``"triton"`` (CUDA, or CPU under Triton's interpreter) or
@@ -152,7 +170,5 @@ class Fp8Attention(AttentionBackend):
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         if self._uses_triton(q.device):
-            from fv_kernel.compute.fp8_triton import fp8_attention_triton
-
             return fp8_attention_triton(q, k, v, scale=scale)
         return fp8_attention_torch(q, k, v, scale=scale)

@@ -14,10 +14,11 @@ kernel because it needs no change to any producer (it works after any op, for an
 result is the same per-token quantization ``torch`` computes.
 
 **Attention** (:func:`fp8_attention_triton`): FlashAttention-style online softmax with Q in e4m3
-per query block (quantized in the kernel, one scale per ``Q_BLOCK`` rows), K smoothed (its mean
-over tokens subtracted: softmax is invariant to it) and quantized per ``K_BLOCK`` keys, P quantized
+per query block (quantized in the kernel, one scale per block of query rows), K smoothed (its mean
+over tokens subtracted: softmax is invariant to it) and quantized per block of keys, P quantized
 to e4m3 with the fixed scale 1/448 (P is in [0, 1]), V in e4m3 with a scale per channel; both
-products accumulate in fp32. K and V are quantized by :func:`fv_kernel.compute.fp8_attention.quantize_kv`, in torch, once per call.
+products accumulate in fp32. K and V are quantized by :func:`fv_kernel.compute.fp8_attention.quantize_kv`
+(in torch, once per call) before :func:`fp8_attention_kernel` runs.
 
 Both run on CUDA (sm_89+ for the e4m3 tensor-core dot), or on CPU in Triton's interpreter
 (``TRITON_INTERPRET=1`` set before triton is imported), which is how they are tested. The
@@ -32,22 +33,28 @@ import torch
 import triton
 import triton.language as tl
 
-from fv_kernel.compute.fp8 import Fp8Error
-from fv_kernel.compute.fp8_attention import K_BLOCK, Q_BLOCK, quantize_kv
+from fv_kernel.errors import FvError
 
 __all__ = [
+    "Fp8KernelError",
     "Fp8KernelUnavailable",
-    "fp8_attention_triton",
+    "fp8_attention_kernel",
     "fp8_linear_triton",
     "triton_interpreted",
 ]
 
 
 
-class Fp8KernelUnavailable(Fp8Error):
+class Fp8KernelUnavailable(FvError, RuntimeError):
     """An FP8 Triton kernel was asked to run where it cannot (a CPU tensor outside the interpreter)."""
 
     error_type = "fp8_kernel_unavailable"
+
+
+class Fp8KernelError(FvError, ValueError):
+    """Tensors an FP8 Triton kernel cannot take (shape, dtype or mode)."""
+
+    error_type = "invalid_precision"
 
 
 def triton_interpreted() -> bool:
@@ -132,13 +139,13 @@ def fp8_linear_triton(
     computes it (``mode``: ``"fp8_weights"`` or ``"fp8_dynamic"``), in one Triton launch. ``scale``
     is fp32 ``[N]`` (per output channel) or 0-dim (per tensor); the output is ``out_dtype``."""
     if mode not in ("fp8_weights", "fp8_dynamic"):
-        raise Fp8Error(f"mode must be 'fp8_weights' or 'fp8_dynamic', got {mode!r}", param="mode")
+        raise Fp8KernelError(f"mode must be 'fp8_weights' or 'fp8_dynamic', got {mode!r}", param="mode")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.dtype != torch.float8_e4m3fn:
-        raise Fp8Error(f"fp8 linear: x {tuple(x.shape)} and e4m3 weight [N, K] {tuple(weight.shape)} ({weight.dtype}) do not fit")
+        raise Fp8KernelError(f"fp8 linear: x {tuple(x.shape)} and e4m3 weight [N, K] {tuple(weight.shape)} ({weight.dtype}) do not fit")
     m, k = x.shape
     n = weight.shape[0]
     if scale.numel() not in (1, n):
-        raise Fp8Error(f"weight_scale must hold 1 or {n} (one per output channel) values, got shape {tuple(scale.shape)}")
+        raise Fp8KernelError(f"weight_scale must hold 1 or {n} (one per output channel) values, got shape {tuple(scale.shape)}")
     emulate = _require_runnable(x, "fp8 linear")
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
@@ -205,24 +212,33 @@ def _fp8_attention_kernel(
     tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def fp8_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """FP8 softmax attention of ``(B, H, L, D)`` tensors (``k``/``v`` with as many heads as ``q``), no mask.
-
-    The output has ``q``'s dtype. See the module docstring for the quantization."""
-    emulate = _require_runnable(q, "fp8 attention")
+def fp8_attention_kernel(
+    q: torch.Tensor, k_e4m3: torch.Tensor, k_scale: torch.Tensor, v_e4m3_t: torch.Tensor, v_scale: torch.Tensor, *,
+    scale: float, q_block: int, k_block: int,
+) -> torch.Tensor:
+    """Launch the attention kernel. ``q`` ``(B, H, Lq, D)`` (quantized here, one scale per ``q_block``
+    rows); ``k_e4m3`` ``[BH, Lk, D]`` with ``k_scale`` fp32 ``[BH, ceil(Lk / k_block)]``; ``v_e4m3_t``
+    ``[BH, D, Lk]`` (transposed) with ``v_scale`` fp32 ``[BH, D]``. Returns ``(B, H, Lq, D)`` in q's dtype.
+    :func:`fv_kernel.compute.fp8_attention.fp8_attention_triton` quantizes K and V and calls this."""
     batch, heads, lq, dim = q.shape
-    lk = k.shape[2]
+    lk = k_e4m3.shape[1]
+    if (
+        tuple(k_e4m3.shape) != (batch * heads, lk, dim) or tuple(v_e4m3_t.shape) != (batch * heads, dim, lk)
+        or tuple(k_scale.shape) != (batch * heads, -(-lk // k_block)) or tuple(v_scale.shape) != (batch * heads, dim)
+        or k_e4m3.dtype != torch.float8_e4m3fn or v_e4m3_t.dtype != torch.float8_e4m3fn
+    ):
+        raise Fp8KernelError(
+            f"fp8 attention: q {tuple(q.shape)}, k {tuple(k_e4m3.shape)} ({k_e4m3.dtype}), k_scale {tuple(k_scale.shape)}, "
+            f"v_t {tuple(v_e4m3_t.shape)} ({v_e4m3_t.dtype}), v_scale {tuple(v_scale.shape)} do not fit"
+        )
+    emulate = _require_runnable(q, "fp8 attention")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lq == 0 or batch * heads == 0:
         return out
-    if lk == 0:
-        raise Fp8Error("fp8 attention needs at least one key (softmax over zero keys is undefined)")
-    kq, k_scale, vq, v_scale = quantize_kv(k.reshape(batch * heads, lk, dim), v.reshape(batch * heads, lk, dim))
-    vt = vq.transpose(1, 2).contiguous()
-    grid = (triton.cdiv(lq, Q_BLOCK), batch * heads)
+    grid = (triton.cdiv(lq, q_block), batch * heads)
     _fp8_attention_kernel[grid](
-        q.contiguous(), kq.contiguous(), k_scale.contiguous(), vt, v_scale.contiguous(), out, lq, lk, dim,
-        k_scale.shape[1], dim**-0.5 if scale is None else float(scale),
-        EMULATE_ROUNDING=emulate, BLOCK_M=Q_BLOCK, BLOCK_N=K_BLOCK, BLOCK_D=max(32, 1 << (dim - 1).bit_length()),
+        q.contiguous(), k_e4m3.contiguous(), k_scale.float().contiguous(), v_e4m3_t.contiguous(),
+        v_scale.float().contiguous(), out, lq, lk, dim, k_scale.shape[1], float(scale),
+        EMULATE_ROUNDING=emulate, BLOCK_M=q_block, BLOCK_N=k_block, BLOCK_D=max(32, 1 << (dim - 1).bit_length()),
     )  # fmt: skip
     return out
