@@ -197,3 +197,29 @@ def test_fp8_errors_name_the_field_and_allowed_values(tmp_path, wan_card) -> Non
     root, _ = _write(tmp_path / "e5m2", card, "scaled_fp8", marker_dtype=torch.float8_e5m2)
     with pytest.raises(Fp8Error, match="float8_e5m2 cannot be loaded; allowed: float8_e4m3fn"):
         _load(card, root, "fp8_weights")
+
+
+def test_fv_quantize_of_wan_toy_loads_back_as_the_same_fp8_layers(tmp_path) -> None:
+    """``fv quantize`` writes per-channel ``weight_scale`` keys; fv-wan's loader takes them as they
+    are: the same e4m3 bytes and scales as quantizing wan-toy at load, and nothing quantized again."""
+    from fv_wan.toy_card import wan_toy_card
+    from typer.testing import CliRunner
+
+    from fv_kernel.api import build_instance, read_card_file_beside
+    from fv_kernel.cli.app import app
+
+    toy = wan_toy_card()
+    if toy is None:
+        pytest.skip("wan-toy's weights are not installed")
+    out = tmp_path / "wan-toy-fp8"
+    result = CliRunner().invoke(app, ["quantize", "--model", "wan-toy", "--precision-path", "fp8_weights", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    loaded = build_instance(read_card_file_beside(out), InstanceOptions()).component("transformer")
+    at_load = build_instance(toy, InstanceOptions(precision_path="fp8_weights")).component("transformer")
+    want = {n: m for n, m in at_load.named_modules() if isinstance(m, Fp8Linear)}
+    got = {n: m for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)}
+    assert sorted(got) == sorted(want) and len(got) == 10 * len(at_load.blocks)
+    for name, module in got.items():
+        assert module.mode == "fp8_weights" and module.weight_scale.shape == (module.out_features,)
+        assert torch.equal(module.weight.view(torch.uint8), want[name].weight.view(torch.uint8))
+        assert torch.equal(module.weight_scale, want[name].weight_scale)
