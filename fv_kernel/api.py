@@ -26,6 +26,8 @@ from fv_kernel.model.precision import (
     fp8_target_paths,
     select_precision_path,
     uses_fp8_attention,
+    stores_fp8,
+    prepare_fp8_storage,
 )
 from fv_kernel.card.spec import (
     AttentionAssumption,
@@ -54,6 +56,7 @@ from fv_kernel.card.spec import (
     PrecisionPathContract,
     PrecisionPathMeasurement,
     PrecisionPathVerdict,
+    QuantizedFrom,
     ProgramSpec,
     RecipeSpec,
     SamplerBinding,

@@ -189,6 +189,7 @@ def load(
     precision: str | None = None,
     override_recipe: bool = False,
     host: PluginHost | None = None,
+    precision_path: str | None = None,
 ) -> "VideoGenerator":
     """A generator for ``model``, its weights loaded: what ``fv generate --model`` takes.
 
@@ -197,7 +198,10 @@ def load(
     ``fv_default_model`` hook, which ``fv serve`` uses too). ``config``: a deploy config (path or
     :class:`~fv_kernel.config.DeployConfig`), as ``--config``: its plugins, scheduler, limits
     and extensions apply, and its ``cards`` entry for the model gives the instance options;
-    ``device``, ``precision`` and ``override_recipe`` win over it. ``host``: a plugin host to
+    ``device``, ``precision``, ``precision_path`` and ``override_recipe`` win over it.
+    ``precision_path``: what runs in fp8 (docs/precision.md): ``native``, a path the card lists
+    (``fp8_weights``, ``fp8_dynamic``, ``fp8_attention``, ``fp8_all``), or ``auto``; None: the
+    card's own. The generator's instance reports the resolved path. ``host``: a plugin host to
     use instead of the one the config selects. Every problem is a typed error naming its
     field, raised before weights load where it can be.
     """
@@ -205,7 +209,8 @@ def load(
     if host is None:
         host = PluginHost(deploy.plugins)
     host.start()
-    choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe)
+    choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe,
+                           precision_path=precision_path)
     if deploy.adapters is None:  # generate(loras=...) works without a config: adapters on, default settings
         deploy = deploy.model_copy(update={"adapters": AdapterSettings()})
     engine = engine_for(deploy, host, adapters=adapter_registry(deploy, [choice.card]))

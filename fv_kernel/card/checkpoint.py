@@ -27,6 +27,7 @@ __all__ = [
     "dtype_for_key",
 ]
 
+_FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 _INDEX_NAMES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
 
 
@@ -125,7 +126,8 @@ def load_into(
     """Strictly load ``state_dict`` into ``module``, casting each tensor as it is assigned.
 
     Works on modules built on the ``meta`` device (``assign=True``), so the weights
-    exist once, in their final dtype.
+    exist once, in their final dtype. fp8 tensors (an fp8 card's e4m3 weights) and their fp32
+    ``weight_scale`` s keep their dtype: casting either would change the weights.
     """
     expected = set(module.state_dict().keys())
     given = set(state_dict.keys())
@@ -136,7 +138,9 @@ def load_into(
     keep = tuple(keep_fp32)
     converted = {}
     for key, tensor in state_dict.items():
-        target = dtype_for_key(key, dtype, keep) if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        stored_fp8 = tensor.dtype in _FP8_DTYPES or key.endswith("weight_scale")
+        target = (dtype_for_key(key, dtype, keep) if dtype is not None and tensor.is_floating_point() and not stored_fp8
+                  else tensor.dtype)
         converted[key] = tensor.to(device=device, dtype=target)
     module.load_state_dict(converted, strict=True, assign=True)
     return module

@@ -39,6 +39,7 @@ __all__ = [
     "TextVocabulary",
     "TrainedEnvelope",
     "RecipeSpec",
+    "QuantizedFrom",
     "ParityTolerance",
     "ParitySpec",
     "ComputeTierName",
@@ -434,6 +435,22 @@ class TrainedEnvelope(_Spec):
         return ", ".join(f"{f:g}" for f in self.fps or ())
 
 
+class QuantizedFrom(_Spec):
+    """Provenance of a card whose weights ``fv quantize`` wrote in fp8 (docs/precision.md): its
+    ``components`` store their ``fp8_targets`` linears as e4m3 ``weight`` + fp32 ``weight_scale``."""
+
+    #: The card that was quantized, and the weights version its instance loaded.
+    model_id: str
+    weights_version: str
+    #: The precision path the weights were quantized for (the card's ``assumes_precision``).
+    path: Literal["fp8_weights", "fp8_dynamic"]
+    components: tuple[str, ...] = Field(min_length=1)
+    #: Weight scales per output channel (True) or one per tensor.
+    per_channel: bool = True
+    #: What wrote it (``fv quantize``, fv's version).
+    tool: str
+
+
 class RecipeSpec(_Spec):
     """What produced these weights, and what they assume at serve time (design §4.2)."""
 
@@ -470,6 +487,8 @@ class RecipeSpec(_Spec):
     #: The default adapter stack (registered names and strengths), applied before a request's
     #: own adapters; a request naming one of them sets its strength (0 turns it off).
     adapters: tuple[AdapterRef, ...] = ()
+    #: Set on a card ``fv quantize`` wrote: which card, weights and path its fp8 weights come from.
+    quantized_from: QuantizedFrom | None = None
 
     @field_validator("adapters")
     @classmethod
@@ -1032,6 +1051,14 @@ class ModelCard(_Spec):
         if unknown_targets:
             raise ValueError(f"precision.fp8_targets names unknown components {unknown_targets}; known: "
                              f"{sorted(self.components)}")
+        quantized = self.recipe.quantized_from
+        if quantized is not None:
+            unquantized = sorted(set(quantized.components) - set(self.precision.fp8_targets))
+            if unquantized:
+                raise ValueError(f"recipe.quantized_from.components {unquantized} have no precision.fp8_targets")
+            if self.recipe.assumes_precision != quantized.path:
+                raise ValueError(f"recipe.assumes_precision must be {quantized.path!r}, the path recipe.quantized_from "
+                                 f"quantized the weights for; got {self.recipe.assumes_precision!r}")
         assumed_path = self.recipe.assumed_path
         if assumed_path is not None and assumed_path not in self.precision.paths:
             raise ValueError(

@@ -76,9 +76,14 @@ def generate(
     ),
     seed: int = typer.Option(0, "--seed"),
     precision: Optional[str] = typer.Option(None, "--precision", help=f"One of {', '.join(PRECISIONS)} (the card's default if omitted)."),
+    precision_path: Optional[str] = typer.Option(
+        None, "--precision-path",
+        help="What runs in fp8: native, a path the card lists (fp8_weights, fp8_dynamic, fp8_attention, fp8_all), or "
+             "auto (the fastest listed path whose recorded measurement passes its contract); the card's own if omitted.",
+    ),
     override_recipe: bool = typer.Option(
         False, "--override-recipe",
-        help="Run in a --precision the card's recipe excludes (assumes_precision) instead of refusing.",
+        help="Run in a --precision or --precision-path the card's recipe excludes (assumes_precision) instead of refusing.",
     ),
     allow_outside_envelope: bool = typer.Option(
         False, "--allow-outside-envelope",
@@ -153,7 +158,8 @@ def generate(
                       "served by fv serve --config (docs/parallelism.md)")
             host = start_host(deploy)
             # The config's entry for this card (if any) gives the instance options; flags win.
-            choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe)
+            choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe,
+                                   precision_path=precision_path)
             card, options = choice.card, choice.options
             request = request.with_updates(model=card.model_id)
             registry = None
@@ -191,7 +197,8 @@ def generate(
         if instance.recipe_overrides:
             typer.echo(
                 f"warning: running {card.model_id!r} outside its recipe {card.recipe.method!r} "
-                f"(overridden: {', '.join(instance.recipe_overrides)}; precision {instance.precision!r}, attention "
+                f"(overridden: {', '.join(instance.recipe_overrides)}; precision {instance.precision!r}, precision path "
+                f"{instance.precision_path!r}, attention "
                 f"{instance.options.attention_backend!r}) because of --override-recipe",
                 err=True,
             )

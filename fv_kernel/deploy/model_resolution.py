@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from fv_kernel.model.catalog import CardCatalog
 from fv_kernel.model.options import InstanceOptions
-from fv_kernel.card.spec import ModelCard
+from fv_kernel.card.spec import PRECISION_PATHS, ModelCard
 from fv_kernel.config import CardDeployment, DeployConfig
 from fv_kernel.errors import InvalidRequest
 from fv_kernel.plugins.host import PluginHost
@@ -68,22 +68,27 @@ def resolve_model(
     device: str | None = None,
     precision: str | None = None,
     override_recipe: bool = False,
+    precision_path: str | None = None,
 ) -> ModelChoice:
     """Resolve ``model`` (a card id, a card file, a checkpoint directory or hub id; None: the default card).
 
     The config's ``cards`` entry for the model (matched by what was given or by the card's
-    id) gives the instance options; ``device``, ``precision`` and ``override_recipe`` win
+    id) gives the instance options; ``device``, ``precision``, ``precision_path`` and ``override_recipe`` win
     over it. Every error is typed and names its field; nothing is built or loaded here.
     """
     if precision is not None and precision not in PRECISIONS:
         raise InvalidRequest("precision", f"{precision!r} is not a precision", allowed=PRECISIONS)
+    if precision_path is not None and precision_path not in (*PRECISION_PATHS, "auto"):
+        raise InvalidRequest("precision_path", f"{precision_path!r} is not a precision path",
+                             allowed=[*PRECISION_PATHS, "auto"])
     if device is not None:
         check_device(device)
     named = model if model is not None else default_model(host)
     resolved = CardCatalog(host).resolve(named)
     card = resolved.card
     deployment = next((c for c in config.cards if c.model in (named, card.model_id)), None) or CardDeployment(model=named)
-    overrides = {"device": device, "precision": precision, "override_recipe": True if override_recipe else None}
+    overrides = {"device": device, "precision": precision, "precision_path": precision_path,
+                 "override_recipe": True if override_recipe else None}
     deployment = deployment.model_copy(update={k: v for k, v in overrides.items() if v is not None})
     if device is None:
         check_device(deployment.device)  # the config entry's

@@ -39,6 +39,8 @@ __all__ = [
     "apply_precision_path",
     "FP8_ATTENTION_BACKEND",
     "uses_fp8_attention",
+    "stores_fp8",
+    "prepare_fp8_storage",
 ]
 
 log = logging.getLogger("fv.card")
@@ -178,6 +180,39 @@ def apply_precision_path(card: ModelCard, component: str, module: nn.Module, pat
             existing.kernel = kernel
     fresh = [name for name in targets if not isinstance(module.get_submodule(name), Fp8Linear)]
     quantize_linears(module, fresh, mode=mode, kernel=kernel)  # type: ignore[arg-type]
+    return targets
+
+
+def stores_fp8(card: ModelCard, component: str) -> bool:
+    """Whether ``component``'s checkpoint holds its fp8 targets already quantized (a card
+    ``fv quantize`` wrote: ``recipe.quantized_from``)."""
+    quantized = card.recipe.quantized_from
+    return quantized is not None and component in quantized.components
+
+
+def prepare_fp8_storage(card: ModelCard, component: str, module: nn.Module, path: str, *,
+                        kernel: str | Fp8Kernel = "torch") -> list[str]:
+    """Before loading a checkpoint that :func:`stores_fp8`: replace ``component``'s fp8 targets by
+    empty ``Fp8Linear`` s (e4m3 ``weight``, fp32 ``weight_scale``) so the stored tensors load
+    into them as they are, nothing quantized again. A path without fp8 linears (``native`` under a
+    recipe override) runs them as ``fp8_weights``: the weights are what the file holds. Returns
+    the paths replaced (none when the checkpoint stores no fp8)."""
+    quantized = card.recipe.quantized_from
+    if quantized is None or component not in quantized.components:
+        return []
+    mode = FP8_LINEAR_PATHS.get(path, "fp8_weights")
+    targets = fp8_target_paths(card, component, module)
+    for name in targets:
+        linear = module.get_submodule(name)
+        if isinstance(linear, Fp8Linear):
+            continue
+        assert isinstance(linear, nn.Linear)
+        parent_path, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(parent_path) if parent_path else module
+        setattr(parent, leaf, Fp8Linear(
+            linear.in_features, linear.out_features, bias=linear.bias is not None, mode=mode,  # type: ignore[arg-type]
+            per_channel=quantized.per_channel, kernel=kernel, device=linear.weight.device,
+            bias_dtype=linear.bias.dtype if linear.bias is not None else torch.float32))
     return targets
 
 
