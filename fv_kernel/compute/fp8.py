@@ -11,8 +11,11 @@ A precision path decides what of a linear runs in fp8:
 
 :class:`Fp8Linear` holds the quantized weight and computes either path. Its ``kernel`` decides
 how: ``"torch"`` is the portable reference (dequantize, then matmul in fp32: what every kernel is
-checked against), ``"scaled_mm"`` calls ``torch._scaled_mm`` (CUDA, sm_89+), and a callable
-replaces both (the Triton kernels). Quantization is done once, at load (:func:`quantize_linears`).
+checked against), ``"scaled_mm"`` calls ``torch._scaled_mm`` (CUDA, sm_89+; the activation is
+quantized by a separate eager pass), ``"triton"`` is :func:`fv_kernel.compute.fp8_triton.fp8_linear_triton`
+(the per-token quantization fused into the GEMM's prologue), ``"auto"`` (the default) takes Triton
+on CUDA when it is importable and torch elsewhere, and a callable replaces them all.
+Quantization is done once, at load (:func:`quantize_linears`).
 """
 
 from __future__ import annotations
@@ -112,7 +115,33 @@ def _scaled_mm_kernel(
     return y.to(out_dtype)
 
 
-_KERNELS: dict[str, Fp8Kernel] = {"torch": _torch_kernel, "scaled_mm": _scaled_mm_kernel}
+def _triton_kernel(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, mode: str, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The Triton kernel, imported on first use (triton is optional)."""
+    from fv_kernel.compute.fused import triton_available
+
+    if not triton_available():
+        raise Fp8Error("kernel 'triton' needs the triton package, which is not installed; use kernel='torch'",
+                       param="kernel")
+    from fv_kernel.compute.fp8_triton import fp8_linear_triton
+
+    return fp8_linear_triton(x, weight, scale, bias, mode, out_dtype)
+
+
+def _auto_kernel(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, mode: str, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Triton on CUDA when importable (the fused prologue beats an eager quantization pass), else the torch reference."""
+    from fv_kernel.compute.fused import triton_available
+
+    kernel = _triton_kernel if x.device.type == "cuda" and triton_available() else _torch_kernel
+    return kernel(x, weight, scale, bias, mode, out_dtype)
+
+
+_KERNELS: dict[str, Fp8Kernel] = {
+    "auto": _auto_kernel, "torch": _torch_kernel, "scaled_mm": _scaled_mm_kernel, "triton": _triton_kernel,
+}
 
 
 class Fp8Linear(nn.Module):
@@ -124,7 +153,7 @@ class Fp8Linear(nn.Module):
 
     def __init__(
         self, in_features: int, out_features: int, *, bias: bool = True, mode: Fp8Mode = "fp8_weights",
-        per_channel: bool = True, kernel: str | Fp8Kernel = "torch", device: torch.device | str | None = None,
+        per_channel: bool = True, kernel: str | Fp8Kernel = "auto", device: torch.device | str | None = None,
         bias_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
@@ -151,7 +180,7 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, mode: Fp8Mode = "fp8_weights", per_channel: bool = True,
-                    kernel: str | Fp8Kernel = "torch") -> "Fp8Linear":
+                    kernel: str | Fp8Kernel = "auto") -> "Fp8Linear":
         """``linear``'s weight quantized (scale per output channel, or one per tensor); its bias kept as is."""
         module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, mode=mode,
                      per_channel=per_channel, kernel=kernel, device=linear.weight.device,
@@ -181,7 +210,7 @@ class Fp8Linear(nn.Module):
 
 
 def quantize_linears(
-    root: nn.Module, targets: Iterable[str], *, mode: Fp8Mode, per_channel: bool = True, kernel: str | Fp8Kernel = "torch",
+    root: nn.Module, targets: Iterable[str], *, mode: Fp8Mode, per_channel: bool = True, kernel: str | Fp8Kernel = "auto",
 ) -> list[str]:
     """Replace each ``nn.Linear`` of ``root`` named in ``targets`` by an :class:`Fp8Linear` of its
     weights (quantized once, here). Returns the paths replaced; a path that is not a linear of

@@ -34,6 +34,7 @@ from fv_kernel.api import (
     TaskType,
     TokenGridRule,
 )
+from fv_wan.fp8 import wan_precision_contract
 from fv_wan.models.transformer import WanTransformerConfig
 from fv_wan.models.vae import WanVAEConfig
 
@@ -240,9 +241,10 @@ def _card(
             for t, p in programs.items()
         }
     spatial = vae.spatial_compression * transformer.patch_size[1]
-    precision = (
+    precision = wan_precision_contract(
         PrecisionContract(default="fp32", supported=frozenset({"fp32", "bf16"})) if tiny
-        else PrecisionContract(default="bf16", supported=frozenset({"bf16", "fp32"}))
+        else PrecisionContract(default="bf16", supported=frozenset({"bf16", "fp32"})),
+        tuple(c for c in components if components[c].kind == "dit"),
     )
     parity = ParitySpec(
         level=ParityLevel.C1, reference="diffusers==0.42.1:WanPipeline",

@@ -19,6 +19,10 @@ from typing import Any, Mapping
 import torch
 
 from fv_kernel.api import (
+    FP8_LINEAR_PATHS,
+    PRECISION_PATHS,
+    apply_precision_path,
+    select_precision_path,
     torch_dtype,
     CompileCache,
     CompileKey,
@@ -31,6 +35,7 @@ from fv_kernel.api import (
     ComponentSpec,
     InstanceOptions,
     InvalidCard,
+    InvalidRequest,
     ModelCard,
     ModelInstance,
     RowAdapters,
@@ -51,9 +56,10 @@ from fv_wan.models.transformer import (
     WanTransformer,
     WanTransformerConfig,
     cast_for_inference,
-    convert_original_state_dict,
     load_wan_state_dict,
+    original_rename_map,
 )
+from fv_wan.fp8 import install_fp8_checkpoint, read_safetensors_metadata, split_fp8_checkpoint
 from fv_wan.models.vae import CausalCache, WanVAE, WanVAEConfig
 
 __all__ = ["build_wan_instance", "configure_transformer", "load_transformer", "load_vae", "load_text_encoder", "load_image_encoder", "wan_ops", "dit_inputs", "adapter_routing"]
@@ -129,13 +135,23 @@ def configure_transformer(
 
 
 def load_transformer(
-    card: ModelCard, component_id: str, options: InstanceOptions, compute: ComputeOptions | None = None
+    card: ModelCard, component_id: str, options: InstanceOptions, compute: ComputeOptions | None = None,
+    *, precision_path: str = "native",
 ) -> WanTransformer:
-    model = _load_transformer_weights(card, component_id, options)
+    """The transformer on ``precision_path`` (``ModelInstance.precision_path``): on the fp8 linear
+    paths its linears are an fp8 file's own layers as stored, else the card's ``fp8_targets``
+    quantized here, once; an fp8 file on the other paths is dequantized to the card's precision."""
+    if precision_path not in PRECISION_PATHS:
+        raise InvalidRequest("precision_path", f"{precision_path!r} is not a precision path", allowed=PRECISION_PATHS)
+    model = _load_transformer_weights(card, component_id, options, FP8_LINEAR_PATHS.get(precision_path))
+    apply_precision_path(card, component_id, model, precision_path, kernel="auto")
     return configure_transformer(model, options, compute, assumption=card.recipe.assumes_attention)
 
 
-def _load_transformer_weights(card: ModelCard, component_id: str, options: InstanceOptions) -> WanTransformer:
+def _load_transformer_weights(
+    card: ModelCard, component_id: str, options: InstanceOptions, fp8_mode: str | None = None,
+) -> WanTransformer:
+    """The transformer's weights; with ``fp8_mode``, an fp8 file's e4m3 linears load as Fp8Linear."""
     spec = card.components[component_id]
     expected = _component_config(spec, WanTransformerConfig, WanTransformerConfig.from_diffusers_config)
     dtype = _component_dtype(card, component_id, options)
@@ -155,14 +171,21 @@ def _load_transformer_weights(card: ModelCard, component_id: str, options: Insta
         )
     config = expected  # the card's (same architecture; its RoPE table bound)
     state_dict = read_safetensors(folder, device=str(device))
+    fp8 = split_fp8_checkpoint(state_dict, read_safetensors_metadata(folder))
+    if fp8 is not None:
+        state_dict = fp8.tensors
     if is_original_layout(state_dict):
         # The original release's names: renamed (not copied) through the declared key map.
         try:
-            state_dict = convert_original_state_dict(state_dict)
+            renames = original_rename_map(state_dict)
         except WanStateDictError as exc:
             raise CheckpointNotFound(f"checkpoint {folder} (original Wan layout): {exc}", param="model") from None
+        state_dict = {renames[k]: v for k, v in state_dict.items()}
+        fp8 = fp8.renamed(renames) if fp8 is not None else None
     with torch.device("meta"):
         model = WanTransformer(config)
+    if fp8 is not None:
+        state_dict = install_fp8_checkpoint(model, fp8, mode=fp8_mode, dtype=dtype)  # type: ignore[arg-type]
     expected = set(model.state_dict())
     given = {k for k in state_dict if not IGNORED_CHECKPOINT_KEY_PATTERN.search(k)}
     if expected != given:
@@ -461,10 +484,13 @@ def build_wan_instance(
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise CheckpointNotFound(f"device {options.device!r} was asked for but CUDA is not available", param="device")
 
+    # build_instance resolved it already; a direct call resolves it here (auto, the recipe's path).
+    precision_path = options.precision_path if options.precision_path in PRECISION_PATHS else select_precision_path(card, options).path
+
     def load(component_id: str) -> Any:
         kind = card.components[component_id].kind
         if kind == "dit":
-            return load_transformer(card, component_id, options, compute)
+            return load_transformer(card, component_id, options, compute, precision_path=precision_path)
         component = _LOADERS[kind](card, component_id, options)
         if kind == "vae" and component_id == "vae_decoder" and compute is not None:
             # The DiT's switch: the decoder's norm + SiLU passes fuse exactly when the blocks' glue does.

@@ -41,6 +41,7 @@ from fv_kernel.api import (
     read_card_file_beside,
 )
 from fv_wan.cards import VAE_SCHEMA, WAN_ADAPTER_FORMAT, _card
+from fv_wan.fp8 import wan_precision_contract
 from fv_wan.models.transformer import WanTransformerConfig
 from fv_wan.models.vae import WanVAEConfig
 
@@ -255,8 +256,9 @@ def toy_envelope() -> TrainedEnvelope:
 def wan_toy_card() -> ModelCard | None:
     """The trained card, from the shipped directory's ``fv-card.json``; None when the weights are not installed.
 
-    The shipped file predates ``RecipeSpec.envelope``: its recipe gets :func:`toy_envelope` (an
-    export that declares one keeps its own)."""
+    The shipped file predates ``RecipeSpec.envelope`` and ``PrecisionContract.paths``: its recipe
+    gets :func:`toy_envelope` and its precision Wan's fp8 paths under the judged contract (an export
+    that declares them keeps its own)."""
     root = weights_dir()
     if not (root / "fv-card.json").is_file():
         return None
@@ -265,6 +267,8 @@ def wan_toy_card() -> ModelCard | None:
         card = card.model_copy(update={"adapter_format": WAN_ADAPTER_FORMAT})
     if card.recipe.envelope is None:
         card = card.model_copy(update={"recipe": card.recipe.model_copy(update={"envelope": toy_envelope()})})
+    if not card.precision.paths:  # the shipped file predates precision.paths: Wan's fp8 paths, judged
+        card = card.model_copy(update={"precision": wan_precision_contract(card.precision, ("transformer",), judged=True)})
     if TaskType.TEXT_TO_IMAGE in card.capabilities.tasks and 1 not in (card.recipe.envelope.frames or (1,)):
         # Trained on 17-frame clips only: one frame is outside the envelope (it made a blob), so the
         # card does not offer images rather than refusing each one on ``frames``.

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -795,8 +795,12 @@ def cast_for_inference(
     A tensor is kept when any dot-separated component of its name is in ``keep_in_fp32``
     (diffusers' matching rule), e.g. ``blocks.3.norm2.weight`` or ``condition_embedder.time_embedder.*``.
     """
+    # An fp8 linear's (a ``weight_scale`` buffer beside its weight) e4m3 weight and fp32 scale are
+    # its precision path's data, not the card's dtype.
+    fp8_data = {f"{path}.{leaf}".lstrip(".") for path, sub in module.named_modules()
+                if isinstance(getattr(sub, "weight_scale", None), torch.Tensor) for leaf in ("weight", "weight_scale")}
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if not tensor.is_floating_point():
+        if not tensor.is_floating_point() or name in fp8_data:
             continue
         target = torch.float32 if set(name.split(".")) & set(keep_in_fp32) else dtype
         if tensor.dtype != target:
@@ -866,22 +870,30 @@ def original_key_to_diffusers(key: str, *, underscores: bool = False) -> str | N
     return None
 
 
-def convert_original_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename an original-Wan-layout state dict to the diffusers layout; raise listing any unmapped keys."""
-    converted: dict[str, torch.Tensor] = {}
+def original_rename_map(keys: Iterable[str]) -> dict[str, str]:
+    """Each original-Wan-layout key (wrapper prefix allowed) mapped to its diffusers name; raise
+    listing any unmapped keys, or naming two keys that map to one name."""
+    renames: dict[str, str] = {}
+    taken: dict[str, str] = {}
     unmapped: list[str] = []
-    for key, value in state_dict.items():
+    for key in keys:
         stripped = next((key[len(p) :] for p in ORIGINAL_KEY_PREFIXES if key.startswith(p)), key)
         new_key = original_key_to_diffusers(stripped)
         if new_key is None:
             unmapped.append(key)
             continue
-        if new_key in converted:
+        if new_key in taken:
             raise WanStateDictError(f"two original keys map to {new_key!r} (second: {key!r})")
-        converted[new_key] = value
+        renames[key] = taken[new_key] = new_key
     if unmapped:
         raise WanStateDictError(f"{len(unmapped)} original Wan keys match no rename rule: {sorted(unmapped)}")
-    return converted
+    return renames
+
+
+def convert_original_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename an original-Wan-layout state dict to the diffusers layout; raise listing any unmapped keys."""
+    renames = original_rename_map(state_dict)
+    return {renames[key]: value for key, value in state_dict.items()}
 
 
 # --------------------------------------------------------------------------- cost model
