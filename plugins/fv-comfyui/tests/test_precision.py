@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import load_api, load_pair, retarget
-from fv_kernel.api import ModelCard, PrecisionPathContract
+from fv_kernel.api import ModelCard, PrecisionPathContract, load
 from fv_comfyui import run as run_module
 from fv_comfyui.run import JobRunner
+from test_equivalence import one_thread  # noqa: F401 - both sides on one thread
 
 T2V = "text_to_video_wan"  # one UNETLoader (#37) on wan-tiny
 A14B = "wan22_14B_t2v_fp8"  # two UNETLoaders (#37 high noise, #56 low noise) on wan-tiny-a14b
@@ -169,3 +171,21 @@ def test_fv_serve_refuses_a_path_its_instance_does_not_run(service: Any, host: A
     reply = TestClient(app).post("/prompt", json={"prompt": _prompt(T2V, "fp8_e4m3fn_fast")})
     assert reply.status_code == 400
     assert "this server serves card 'wan-tiny' at 'fp8_weights'" in reply.json()["node_errors"]["37"]["errors"][0]["details"]
+
+
+@pytest.mark.parametrize(("name", "dtype", "path"), [(T2V, "fp8_e4m3fn", "fp8_weights"),
+                                                     (A14B, "fp8_e4m3fn_fast", "fp8_dynamic")])
+def test_an_fp8_workflow_equals_the_request_at_its_path(name: str, dtype: str, path: str, service: Any) -> None:
+    """End to end on the installed tiny cards (their contracts list the fp8 paths): the workflow's
+    frames are bit for bit ``fv.load(card, precision_path=path)``'s for the same request."""
+    loaders = 2 if name == A14B else 1
+    (job,) = service.check(_prompt(name, *[dtype] * loaders)).jobs
+    assert job.precision_path == path
+    runner = JobRunner()
+    video = runner.run(job)
+    reference = load(job.card.model_id, precision_path=path).generate(job.prompt, **job.options)
+    assert torch.equal(video.frames, reference.frames), (video.frames - reference.frames).abs().max()
+    # Negative control: the same workflow at 'default' runs the native path, and differs.
+    (native,) = service.check(_prompt(name, *["default"] * loaders)).jobs
+    assert native.precision_path is None
+    assert not torch.equal(runner.run(native).frames, video.frames)
