@@ -189,3 +189,15 @@ def test_an_fp8_workflow_equals_the_request_at_its_path(name: str, dtype: str, p
     (native,) = service.check(_prompt(name, *["default"] * loaders)).jobs
     assert native.precision_path is None
     assert not torch.equal(runner.run(native).frames, video.frames)
+
+
+def test_default_runs_the_deploy_configs_path(service: Any) -> None:
+    from fv_kernel.api import DeployConfig
+
+    (job,) = service.check(_prompt(T2V, "default")).jobs
+    config = DeployConfig.model_validate({"cards": [{"model": "wan-tiny", "precision_path": "fp8_weights"}]})
+    video = JobRunner(config=config).run(job)
+    reference = load("wan-tiny", precision_path="fp8_weights").generate(job.prompt, **job.options)
+    assert torch.equal(video.frames, reference.frames)
+    # Negative control: without the config's entry, default is native, and differs.
+    assert not torch.equal(JobRunner().run(job).frames, video.frames)
