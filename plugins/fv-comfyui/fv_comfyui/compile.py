@@ -35,8 +35,12 @@ encode, image encode, denoise and decode loops):
 - ``VAEDecode``: the card's decode loop; ``SaveAnimatedWEBP`` / ``SaveWEBM`` / ``CreateVideo`` +
   ``SaveVideo``: the files written.
 
-``UNETLoader``'s fp8 ``weight_dtype`` values are a precision request fv cannot honour yet: the
-card runs in its own precision and one warning line per prompt says so.
+``UNETLoader.weight_dtype`` picks the instance's precision path (:data:`WEIGHT_DTYPE_PATHS`):
+``default`` runs the file's own precision (the deployment's path for a name mapped to a card),
+``fp8_e4m3fn`` the ``fp8_weights`` path, ``fp8_e4m3fn_fast`` the ``fp8_dynamic`` path (fp8 weights
+and activations: ComfyUI's fast fp8 matmul); ``fp8_e5m2`` is refused (fv's fp8 paths store e4m3),
+as is a path the card's precision contract does not list. The job carries the path
+(``ComfyJob.precision_path``); both loaders of a two-stage chain must ask the same one.
 
 What does not map is refused before any compute, as a ``custom_validation_failed`` node
 error whose details start with ``fv:`` and say why (a LoRA file that is missing, or whose keys
@@ -46,7 +50,6 @@ batch > 1; a sampler chain fv cannot express; loaders resolving to several cards
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping
 
@@ -57,11 +60,22 @@ from fv_comfyui.loras import LoraFileError, LoraLibrary, LoraUse, adapter_name
 from fv_comfyui.models import ModelMap, ModelTarget
 from fv_comfyui.samplers import comfy_sigmas, fv_sampler_name
 
-__all__ = ["CompileError", "SaveTarget", "ComfyJob", "CompileResult", "compile_prompt", "DEFAULT_SHIFT"]
+__all__ = ["CompileError", "SaveTarget", "ComfyJob", "CompileResult", "compile_prompt", "DEFAULT_SHIFT",
+           "WEIGHT_DTYPE_PATHS", "NATIVE"]
 
-_log = logging.getLogger("fv_comfyui")
-#: ``UNETLoader.weight_dtype`` values that ask for fp8 weights (ComfyUI's ``nodes.py``).
-FP8_WEIGHT_DTYPES = ("fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
+#: fv's precision path of a card's own weights (the kernel's ``PrecisionPath`` "native").
+NATIVE = "native"
+#: ``UNETLoader.weight_dtype`` (ComfyUI's ``nodes.py``) -> the fv precision path it runs; ``default``:
+#: None, the file's own (a name mapped to a card: the deployment's path). ``fp8_e5m2`` is not here:
+#: fv has no e5m2 weights.
+WEIGHT_DTYPE_PATHS: dict[str, str | None] = {
+    "default": None,
+    # ComfyUI: e4m3 storage, each layer upcast for its matmul = fv's fp8 weights, native activations.
+    "fp8_e4m3fn": "fp8_weights",
+    # ComfyUI: + fp8_optimizations, a real fp8 matmul with the activations cast to e4m3 = fv's fp8_dynamic.
+    "fp8_e4m3fn_fast": "fp8_dynamic",
+}
+_WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
 #: The latent nodes a sampler reads: class -> the slot of its LATENT output.
 _LATENT_SOURCES = {"EmptyHunyuanLatentVideo": (0,), "WanImageToVideo": (2,), "Wan22ImageToVideoLatent": (0,)}
 #: ComfyUI's Wan models sample with shift 8.0 when no ModelSamplingSD3 says otherwise.
@@ -111,6 +125,9 @@ class ComfyJob:
     sampler_node: str
     #: The LoRA nodes as adapters, in chain order (first stage's, second stage's, then CLIP-only ones).
     loras: tuple[LoraUse, ...] = ()
+    #: The instance's precision path its UNETLoader's ``weight_dtype`` asks for (``fv.load(...,
+    #: precision_path=)``); None: ``default`` on a name mapped to a card, the deployment's own path.
+    precision_path: str | None = None
 
     def request(self, image: torch.Tensor | None = None, adapters: tuple[AdapterRef, ...] = ()) -> Request:
         """The fv request this job runs (``image``: the start image, (3, H, W) in [0, 1]; ``adapters``:
@@ -144,6 +161,8 @@ class ComfyJob:
                 args += [flag, str(self.options[key])]
         if image_path is not None:
             args += ["--image", image_path]
+        if self.precision_path is not None:
+            args += ["--precision-path", self.precision_path]
         return args
 
 
@@ -167,8 +186,11 @@ def _node_error(prompt: Mapping[str, Any], error: CompileError, output: str) -> 
 
 class _Compiler:
     def __init__(self, prompt: Mapping[str, Any], models: ModelMap, cards: Mapping[str, ModelCard],
-                 loras: LoraLibrary | None = None, adapters_off: Collection[str] = ()) -> None:
+                 loras: LoraLibrary | None = None, adapters_off: Collection[str] = (),
+                 served_paths: Mapping[str, str] | None = None) -> None:
         self.prompt = prompt
+        #: Card -> the precision path its served instance runs (``fv serve``); None: loaded per job.
+        self.served_paths = served_paths
         self.models = models
         self.cards = cards
         self.loras = loras or LoraLibrary(None)
@@ -177,8 +199,8 @@ class _Compiler:
         self.visited: list[str] = []
         #: The CLIPVisionEncode of an image-to-video chain and its crop, when there is one.
         self.crop: tuple[str, str] | None = None
-        #: UNETLoader id -> the fp8 weight_dtype it asks for (run in the card's precision instead).
-        self.fp8: dict[str, str] = {}
+        #: UNETLoader id -> its weight_dtype.
+        self.weight_dtypes: dict[str, str] = {}
 
     # -- graph helpers ----------------------------------------------------------------------
     def inputs(self, node_id: str) -> dict[str, Any]:
@@ -235,11 +257,10 @@ class _Compiler:
                 continue
             if kind == "UNETLoader":
                 dtype = self.inputs(src)["weight_dtype"]
-                if dtype in FP8_WEIGHT_DTYPES:
-                    self.fp8[src] = str(dtype)
-                elif dtype != "default":  # validation lists only these; a direct caller may pass another
-                    raise CompileError(src, f"weight_dtype {dtype!r} is not one of default, {', '.join(FP8_WEIGHT_DTYPES)}",
+                if dtype not in _WEIGHT_DTYPES:  # validation lists only these; a direct caller may pass another
+                    raise CompileError(src, f"weight_dtype {dtype!r} is not one of {', '.join(_WEIGHT_DTYPES)}",
                                        "weight_dtype")
+                self.weight_dtypes[src] = str(dtype)
                 file_name, targets = self.loader_targets(src, "unet_name", "unet")
             else:
                 file_name, targets = self.loader_targets(src, "ckpt_name", "unet")
@@ -531,9 +552,56 @@ def _job(compiler: _Compiler, decode: str, image_size: Callable[[str], tuple[int
     if two_stage:
         options["guidance_2"] = plan["guidance_2"]
         options["switch_step"] = plan["switch_step"]
+    loaders = [plan["unet"], *([plan["low_unet"]] if two_stage else [])]
+    precision_path = _precision_path(compiler, card, loaders)
     nodes = execution_order(compiler.prompt, [decode])
     return ComfyJob(card=card, prompt=plan["positive"], options=options, image_name=image_name,
-                    outputs=[], nodes=nodes, sampler_node=node, loras=tuple(uses))
+                    outputs=[], nodes=nodes, sampler_node=node, loras=tuple(uses), precision_path=precision_path)
+
+
+def _allowed_paths(card: ModelCard) -> tuple[str, ...]:
+    """The precision paths ``card`` can be served at: native, and those its contract lists."""
+    return (NATIVE, *(str(path) for path in card.precision.paths if path != NATIVE))
+
+
+def _precision_path(compiler: _Compiler, card: ModelCard, loaders: list[str]) -> str | None:
+    """The one precision path the diffusion-model loaders ask for; refused where the card's contract
+    does not allow it, for ``fp8_e5m2``, or when two loaders ask different paths (one instance, one path)."""
+    allowed = _allowed_paths(card)
+    dtypes = [d for d, path in WEIGHT_DTYPE_PATHS.items() if path is None or path in allowed]
+    asked: dict[str, str | None] = {}
+    for loader in loaders:
+        dtype = compiler.weight_dtypes.get(loader, "default")  # CheckpointLoaderSimple: the file's own
+        if dtype not in WEIGHT_DTYPE_PATHS:
+            raise CompileError(loader, f"weight_dtype {dtype!r}: fv has no e5m2 weights (its fp8 precision paths store "
+                                       f"e4m3); on card {card.model_id!r} weight_dtype may be {', '.join(dtypes)}",
+                               "weight_dtype")
+        path = WEIGHT_DTYPE_PATHS[dtype]
+        if path is not None and path not in allowed:
+            raise CompileError(loader, f"weight_dtype {dtype!r} runs precision path {path!r}, which card "
+                                       f"{card.model_id!r} does not allow (its precision paths: {', '.join(allowed)}); "
+                                       f"weight_dtype may be {', '.join(dtypes)}", "weight_dtype")
+        assumed = card.recipe.assumed_path  # a quantization-aware recipe runs only the path it was trained for
+        if path is not None and assumed is not None and path != assumed:
+            fits = [d for d, p in WEIGHT_DTYPE_PATHS.items() if p is None or p == assumed]
+            raise CompileError(loader, f"weight_dtype {dtype!r} runs precision path {path!r}, but card {card.model_id!r}'s "
+                                       f"recipe assumes {assumed!r} (recipe.assumes_precision); weight_dtype may be "
+                                       f"{', '.join(fits)}", "weight_dtype")
+        served = None if compiler.served_paths is None else compiler.served_paths.get(card.model_id)
+        if path is not None and served is not None and path != served:
+            fits = [d for d, p in WEIGHT_DTYPE_PATHS.items() if p is None or p == served]
+            raise CompileError(loader, f"weight_dtype {dtype!r} runs precision path {path!r}, but this server serves card "
+                                       f"{card.model_id!r} at {served!r} (the deploy config's cards[].precision_path); "
+                                       f"weight_dtype may be {', '.join(fits)}", "weight_dtype")
+        asked[loader] = path
+    if len(set(asked.values())) > 1:
+        own = "the file's own"
+        listed = ", ".join(f"UNETLoader #{loader} {compiler.weight_dtypes.get(loader, 'default')!r} ({path or own})"
+                           for loader, path in asked.items())
+        raise CompileError(loaders[-1], f"fv runs both experts of card {card.model_id!r} at one precision path, and the "
+                                        f"loaders ask for different ones ({listed}); give them one weight_dtype",
+                           "weight_dtype")
+    return next(iter(asked.values()))
 
 
 def execution_order(prompt: Mapping[str, Any], roots: list[str]) -> list[str]:
@@ -562,25 +630,25 @@ def compile_prompt(
     image_size: Callable[[str], tuple[int, int] | None] = lambda name: None,
     loras: LoraLibrary | None = None,
     adapters_off: Collection[str] = (),
+    served_paths: Mapping[str, str] | None = None,
 ) -> CompileResult:
     """Compile the validated ``outputs`` of ``prompt``; an output that fv cannot run gets a node error instead.
 
     Outputs that read one ``VAEDecode`` share one job. ``image_size`` gives a ``LoadImage`` file's
     (width, height) when known; ``loras`` the LoRA folder (none: a LoRA node is refused);
-    ``adapters_off`` the cards whose deployment has adapters disabled (a LoRA node on them is refused).
+    ``adapters_off`` the cards whose deployment has adapters disabled (a LoRA node on them is refused);
+    ``served_paths`` the precision path each served card's instance runs (``fv serve``: a ``weight_dtype``
+    asking another is refused; None: each job loads its card at the path it asks).
     """
     jobs: dict[str, ComfyJob] = {}
     node_errors: dict[str, Any] = {}
-    fp8: dict[str, tuple[str, ComfyJob]] = {}
     for output in sorted(outputs, key=lambda o: (len(o), o)):
-        compiler = _Compiler(prompt, models, cards, loras, adapters_off)
+        compiler = _Compiler(prompt, models, cards, loras, adapters_off, served_paths)
         try:
             target, decode = _save_target(prompt, compiler, output)
             if decode not in jobs:
                 jobs[decode] = _job(compiler, decode, image_size)
             jobs[decode].outputs.append(target)
-            for loader, dtype in compiler.fp8.items():
-                fp8.setdefault(loader, (dtype, jobs[decode]))
             if output not in jobs[decode].nodes:
                 jobs[decode].nodes.append(output)
         except CompileError as error:
@@ -588,9 +656,4 @@ def compile_prompt(
                 node_errors[error.node_id]["dependent_outputs"].append(output)
             else:
                 node_errors[error.node_id] = _node_error(prompt, error, output)
-    if fp8:
-        # fv has no fp8 weights yet: the request runs, in the card's own precision, and says so once.
-        asked = ", ".join(f"UNETLoader #{node} {dtype!r}" for node, (dtype, _) in fp8.items())
-        cards = ", ".join(sorted({f"{job.card.model_id!r} ({job.card.precision.default})" for _, job in fp8.values()}))
-        _log.warning("fv-comfyui: weight_dtype fp8 asked (%s); fv runs the card's own precision: %s", asked, cards)
     return CompileResult(jobs=list(jobs.values()), node_errors=node_errors)

@@ -1,7 +1,8 @@
 """Run compiled jobs on fv and write the files their save nodes name, as ComfyUI names them.
 
-A job runs exactly as ``fv generate`` would: ``fv.load(card)`` then ``generate(prompt, **options)``
-(the image by its path, read as ``--image`` reads it). A job's LoRA nodes are registered with the
+A job runs exactly as ``fv generate`` would: ``fv.load(card, precision_path=...)`` (the path its
+``UNETLoader.weight_dtype`` asks for, when it asks one) then ``generate(prompt, **options)`` (the
+image by its path, read as ``--image`` reads it). A job's LoRA nodes are registered with the
 generator's adapter registry under fv-comfyui's names (:mod:`fv_comfyui.loras`: one per file and
 expert) and passed by name as ``loras``.
 
@@ -121,21 +122,25 @@ def save_outputs(video: Video, targets: Iterable[SaveTarget], output_dir: Path) 
 
 
 class JobRunner:
-    """Runs jobs, keeping one loaded generator per card (file) across them."""
+    """Runs jobs, keeping one loaded generator per card and precision path across them."""
 
     def __init__(self, *, config: DeployConfig | None = None, loras: LoraLibrary | None = None) -> None:
         self.config = config
         self.loras = loras or LoraLibrary(None)
-        self._generators: dict[str, VideoGenerator] = {}
+        self._generators: dict[tuple[str, str | None], VideoGenerator] = {}
 
-    def generator(self, model_id: str) -> VideoGenerator:
-        """The loaded generator of card ``model_id`` (``fv.load``, once per runner)."""
-        if model_id not in self._generators:
-            self._generators[model_id] = load(model_id, config=self.config)
-        return self._generators[model_id]
+    def generator(self, model_id: str, precision_path: str | None = None) -> VideoGenerator:
+        """The loaded generator of card ``model_id`` (``fv.load``, once per runner and path); ``precision_path``
+        None: the deploy config's (its ``cards`` entry), else that path."""
+        key = (model_id, precision_path)
+        if key not in self._generators:
+            extra = {} if precision_path is None else {"precision_path": precision_path}
+            self._generators[key] = load(model_id, config=self.config, **extra)
+        return self._generators[key]
 
     def run(self, job: ComfyJob, image_path: Path | None = None, *, on_event: Callable[[Any], None] | None = None) -> Video:
-        generator = self.generator(job.card.model_id)  # the card as installed (a chain's switch is a request option)
+        # The card as installed (a chain's switch is a request option), at the path weight_dtype asks.
+        generator = self.generator(job.card.model_id, job.precision_path)
         options: dict[str, Any] = dict(job.options)
         if job.loras:  # registered under fv-comfyui's names (one per file and expert), then given by name
             refs = self.loras.register(adapter_registry(generator.instance), job.loras)

@@ -57,6 +57,9 @@ class ComfyService:
     #: Cards run with adapters disabled (the deploy config has no ``adapters:`` section); a LoRA node on
     #: them is refused at compile.
     adapters_off: frozenset[str] = frozenset()
+    #: Card -> the precision path its served instance runs (``fv serve``); None: each job loads its card at the
+    #: path its ``weight_dtype`` asks (``fv comfy run``).
+    served_paths: Mapping[str, str] | None = None
 
     def image_path(self, name: str) -> Path | None:
         """``LoadImage``'s file, ``name`` or ``subfolder/name`` inside the input folder (never outside it)."""
@@ -117,7 +120,7 @@ class ComfyService:
             return PromptAnswer(False, 400, result.error, result.node_errors, prompt if isinstance(prompt, dict) else {})
         compiled = compile_prompt(
             prompt, result.good_outputs, models=self.models, cards=self.cards, image_size=self.image_size,
-            loras=self.loras, adapters_off=self.adapters_off,
+            loras=self.loras, adapters_off=self.adapters_off, served_paths=self.served_paths,
         )
         node_errors = dict(result.node_errors)
         for node_id, entry in compiled.node_errors.items():

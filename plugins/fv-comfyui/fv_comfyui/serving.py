@@ -120,6 +120,7 @@ class ComfyServer:
             input_dir=self.input_dir, sampler_names=tuple(registry.sampler_names()) if registry else (),
             limits=config.limits, loras=LoraLibrary(LoraFolder(loras) if loras is not None else None),
             adapters_off=frozenset(m for m, instance in instances.items() if not instance.adapters_enabled),
+            served_paths={m: str(instance.precision_path) for m, instance in instances.items()},
         )
         self.folders = {**models.folders()}
         self.number = 0

@@ -161,7 +161,6 @@ def test_progress_lines_per_step_and_the_same_frames(service: Any) -> None:
     from fv_comfyui.run import JobRunner
 
     prompt = retarget(load_pair("text_to_video_wan22_14B")[1])  # two stages: the second sampler node is named
-    prompt["37"]["inputs"]["weight_dtype"] = "fp8_e4m3fn_fast"
     answer = service.check(prompt)
     (job,) = answer.jobs
     runner = JobRunner()

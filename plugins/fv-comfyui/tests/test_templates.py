@@ -1,75 +1,36 @@
-"""ComfyUI's official Wan 2.2 templates' node types: ``UNETLoader`` with an fp8 ``weight_dtype`` (a
-precision request: run in the card's precision, said once), ``Wan22ImageToVideoLatent`` (TI2V-5B:
-image-to-video with a start image, text-to-video without), ``CreateVideo`` / ``SaveVideo``.
+"""ComfyUI's official Wan 2.2 templates' node types: ``UNETLoader`` with an fp8 ``weight_dtype`` (its
+precision path: test_precision.py), ``Wan22ImageToVideoLatent`` (TI2V-5B: image-to-video with a start
+image, text-to-video without), ``CreateVideo`` / ``SaveVideo``.
 
 The prompts are ``fixtures/wan22_*.api.json``, written from ComfyUI's node definitions (SOURCES.md)."""
 
 from __future__ import annotations
 
-import copy
-import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import TEMPLATES, load_api, load_pair, retarget
+from conftest import TEMPLATES, load_api, retarget
 from fv_comfyui.nodes import NODE_SPECS, object_info
 from fv_comfyui.run import JobRunner
 from test_equivalence import _fv_generate, one_thread  # noqa: F401 - the fixture keeps both sides on one thread
-
-
-def _fp8_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "fv_comfyui" and "weight_dtype" in r.getMessage()]
+from test_precision import service_with_paths as with_paths
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_each_template_compiles(name: str, service: Any) -> None:
-    answer = service.check(retarget(load_api(name)))
+    # On cards whose contracts list the fp8 paths (test_precision.py): the fp8 template's
+    # fp8_e4m3fn_fast loaders run fp8_dynamic.
+    answer = with_paths(service, "fp8_weights", "fp8_dynamic").check(retarget(load_api(name)))
     assert answer.ok, answer.body()
     (job,) = answer.jobs
-    expected = {"wan22_ti2v_5B_i2v": ("wan-tiny-ti2v", "image_to_video", "example.png"),
-                "wan22_ti2v_5B_t2v": ("wan-tiny-ti2v", "text_to_video", None),
-                "wan22_14B_t2v_fp8": ("wan-tiny-a14b", "text_to_video", None)}[name]
-    assert (job.card.model_id, job.task.value, job.image_name) == expected
+    expected = {"wan22_ti2v_5B_i2v": ("wan-tiny-ti2v", "image_to_video", "example.png", None),
+                "wan22_ti2v_5B_t2v": ("wan-tiny-ti2v", "text_to_video", None, None),
+                "wan22_14B_t2v_fp8": ("wan-tiny-a14b", "text_to_video", None, "fp8_dynamic")}[name]
+    assert (job.card.model_id, job.task.value, job.image_name, job.precision_path) == expected
     assert [(t.class_type, t.format) for t in job.outputs] == [("SaveVideo", "mp4")]
-
-
-@pytest.mark.parametrize("dtype", ["fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"])
-def test_fp8_weight_dtype_runs_the_cards_precision_and_says_so_once(dtype: str, service: Any,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    prompt = retarget(load_api("wan22_14B_t2v_fp8"))
-    prompt["37"]["inputs"]["weight_dtype"] = prompt["56"]["inputs"]["weight_dtype"] = dtype
-    with caplog.at_level(logging.INFO, logger="fv_comfyui"):
-        answer = service.check(prompt)
-    assert answer.ok, answer.body()
-    (record,) = _fp8_records(caplog)  # two fp8 loaders, one line
-    message = record.getMessage()
-    assert record.levelno == logging.WARNING
-    assert f"UNETLoader #37 {dtype!r}" in message and f"UNETLoader #56 {dtype!r}" in message
-    assert "'wan-tiny-a14b' (fp32)" in message  # the tiny card's own precision
-    assert "\n" not in message
-    # The request is the one the same prompt with 'default' makes: nothing else changes.
-    default = copy.deepcopy(prompt)
-    default["37"]["inputs"]["weight_dtype"] = default["56"]["inputs"]["weight_dtype"] = "default"
-    assert service.check(default).jobs[0].options == answer.jobs[0].options
-
-
-def test_default_weight_dtype_logs_nothing(service: Any, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="fv_comfyui"):
-        assert service.check(retarget(load_pair("text_to_video_wan22_14B")[1])).ok
-        assert service.check(retarget(load_api("wan22_ti2v_5B_t2v"))).ok
-    assert _fp8_records(caplog) == []
-
-
-def test_one_fp8_loader_on_a_one_model_workflow(service: Any, caplog: pytest.LogCaptureFixture) -> None:
-    prompt = retarget(load_pair("text_to_video_wan")[1])
-    prompt["37"]["inputs"]["weight_dtype"] = "fp8_e4m3fn"
-    with caplog.at_level(logging.INFO, logger="fv_comfyui"):
-        assert service.check(prompt).ok
-    (record,) = _fp8_records(caplog)
-    assert "UNETLoader #37 'fp8_e4m3fn'" in record.getMessage() and "'wan-tiny' (fp32)" in record.getMessage()
 
 
 def test_an_unknown_weight_dtype_is_still_value_not_in_list(service: Any) -> None:

@@ -80,7 +80,7 @@ CASES: list[tuple[str, Mutation, str, dict[str, list[str]]]] = [
      {"3": ["custom_validation_failed"]}),
     ("batch of two", lambda p: p["40"]["inputs"].update(batch_size=2), "prompt_outputs_failed_validation",
      {"40": ["custom_validation_failed"]}),
-    # (fp8 weight_dtype values are accepted: run in the card's precision, test_templates.py)
+    # (fp8 weight_dtype values: their precision paths and refusals, test_precision.py)
     ("weight dtype ComfyUI does not list", lambda p: p["37"]["inputs"].update(weight_dtype="fp4"),
      "prompt_outputs_failed_validation", {"37": ["value_not_in_list"]}),
     ("loaders of two cards", lambda p: p["37"]["inputs"].update(unet_name="wan2.1_i2v_480p_14B_fp16.safetensors"),
