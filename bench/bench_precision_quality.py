@@ -30,7 +30,6 @@ import platform
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 from bench_toy_quality import generate_all, load_card  # bench/, beside this script
@@ -53,21 +52,6 @@ from fv_kernel.compute.compile import load_parity_record
 
 JUDGED = ("colour", "direction")
 TINY_PROMPT = "a red fox runs through fresh snow"
-
-
-def ensure_fp8_driver(registry: Any) -> None:
-    """Make the kernel's ``fp8`` attention driver resolvable in ``registry`` (a ``DeployRegistry``)
-    in a checkout whose installed package metadata predates it (entry points are read from the
-    install; after a reinstall this changes nothing)."""
-    from importlib.metadata import EntryPoint
-
-    from fv_kernel.plugins.drivers import DriverRegistry
-
-    drivers = registry.attention_backends
-    if "fp8" in drivers.names():
-        return
-    ep = EntryPoint(name="fp8", value="fv_kernel.compute.fp8_attention:Fp8Attention", group="fv.attention_backends")
-    registry.attention_backends = DriverRegistry("attention_backends", [*drivers._entry_points, ep])
 
 
 def psnr(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
@@ -137,8 +121,6 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for model in args.cards:
         card, options = load_card(model, "cpu")
-        if options.registry is not None:
-            ensure_fp8_driver(options.registry)
         listed = list(card.precision.paths)
         paths = args.paths or listed
         unknown = [p for p in paths if p not in listed]

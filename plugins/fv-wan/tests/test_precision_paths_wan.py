@@ -38,24 +38,8 @@ def test_wan_toy_contract_bounds_the_judge(wan_card) -> None:
     assert all(c.max_judge_delta == WAN_FP8_MAX_JUDGE_DELTA == 2.0 for c in card.precision.paths.values())
 
 
-def _registry():
-    """The kernel's drivers, with ``fp8`` added when this checkout's installed metadata predates it
-    (entry points come from the install; a fresh ``pip install -e .`` lists it itself)."""
-    from importlib.metadata import EntryPoint
-
-    from fv_kernel.plugins.drivers import DriverRegistry
-    from fv_kernel.plugins.registry import DeployRegistry, kernel_registry
-
-    base = kernel_registry()
-    if "fp8" in base.attention_backends.names():
-        return None
-    ep = EntryPoint(name="fp8", value="fv_kernel.compute.fp8_attention:Fp8Attention", group="fv.attention_backends")
-    return DeployRegistry(samplers=base._samplers.values(),
-                          attention_backends=DriverRegistry("attention_backends", [*base.attention_backends._entry_points, ep]))
-
-
 def _dit(card, path: str):
-    instance = build_instance(card, InstanceOptions(precision_path=path, registry=_registry()))
+    instance = build_instance(card, InstanceOptions(precision_path=path))
     return instance, instance.component("transformer")
 
 
