@@ -624,19 +624,27 @@ class TierParityContract(_Spec):
             f"{where}: {measurement.psnr_db:.2f} dB against eager >= floor {floor:.2f} dB; {measurement.source}"))
 
 
-class TierParityMeasurement(_Spec):
-    """One full-trajectory measurement of a tier against eager (``bench/bench_tier_parity.py``)."""
+class _TrajectoryMeasurement(_Spec):
+    """What every full-trajectory measurement names: the card, and the trajectory it ran (its
+    steps and shape, which a contract checks against the card's defaults), and where it was made."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
 
-    tier: ComputeTierName
     model_id: str
-    #: The precision the tier and its eager reference ran in (the card's).
-    precision: Precision
     steps: int = Field(gt=0)
     frames: int = Field(gt=0)
     height: int = Field(gt=0)
     width: int = Field(gt=0)
+    #: Where it was measured: date, machine, weights, seed and command (quoted in verdicts).
+    source: str
+
+
+class TierParityMeasurement(_TrajectoryMeasurement):
+    """One full-trajectory measurement of a tier against eager (``bench/bench_tier_parity.py``)."""
+
+    tier: ComputeTierName
+    #: The precision the tier and its eager reference ran in (the card's).
+    precision: Precision
     #: PSNR (dB, inf: identical) of the tier's final decoded video against eager's, both at ``precision``.
     psnr_db: float
     #: PSNR of eager at ``precision`` against eager fp32, same seed: the cost of the precision itself.
@@ -645,8 +653,6 @@ class TierParityMeasurement(_Spec):
     step_rel_error: float | None = Field(default=None, ge=0)
     #: The same for eager at ``precision`` against eager fp32.
     reference_step_rel_error: float | None = Field(default=None, ge=0)
-    #: Where it was measured: date, machine, weights, seed and command (quoted in verdicts).
-    source: str
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -654,20 +660,13 @@ class TierParityMeasurement(_Spec):
         return (self.tier, self.model_id, self.precision)
 
 
-class PrecisionPathMeasurement(_Spec):
+class PrecisionPathMeasurement(_TrajectoryMeasurement):
     """One full-trajectory measurement of a precision path against the native path
-    (``bench/bench_precision.py --record``): what a :class:`PrecisionPathContract` is judged on."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+    (``bench/bench_precision_quality.py --record``): what a :class:`PrecisionPathContract` is judged on."""
 
     path: Literal["fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all"]
-    model_id: str
     #: The instance precision both runs used (the card's default unless the deployment chose another).
     precision: Precision
-    steps: int = Field(gt=0)
-    frames: int = Field(gt=0)
-    height: int = Field(gt=0)
-    width: int = Field(gt=0)
     #: PSNR (dB, inf: identical) of the path's final decoded video against the native path's, same seed.
     psnr_db: float
     #: The path's judge scores (points, e.g. the toy judge's ``colour`` and ``direction``); empty: not judged.
@@ -680,8 +679,6 @@ class PrecisionPathMeasurement(_Spec):
     #: picks a path only where it is timed faster than native.
     step_seconds: float | None = Field(default=None, gt=0)
     reference_step_seconds: float | None = Field(default=None, gt=0)
-    #: Where it was measured: date, machine, weights, seed and command (quoted in verdicts).
-    source: str
 
     @field_validator("device")
     @classmethod
@@ -733,7 +730,7 @@ class PrecisionPathContract(_Spec):
             return PrecisionPathVerdict(path=self.path, passed=False, reason=reason)
 
         if measurement is None:
-            return fail(f"{where}: no trajectory measurement recorded (bench/bench_precision.py --record, named by "
+            return fail(f"{where}: no trajectory measurement recorded (bench/bench_precision_quality.py --record, named by "
                         "compute.parity_record)")
         if measurement.key != (self.path, model_id, precision):
             raise ValueError(f"{where}: measurement is of path {measurement.path!r}, card {measurement.model_id!r} "
@@ -766,7 +763,7 @@ class TierParityRecord(_Spec):
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
 
     measurements: tuple[TierParityMeasurement, ...] = ()
-    #: Precision paths against the native path (``bench/bench_precision.py --record``).
+    #: Precision paths against the native path (``bench/bench_precision_quality.py --record``).
     precision_paths: tuple[PrecisionPathMeasurement, ...] = ()
 
     def find_path(self, path: str, model_id: str, precision: str) -> PrecisionPathMeasurement | None:
