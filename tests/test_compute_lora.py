@@ -561,3 +561,16 @@ def test_sm90_check_catches_rows_not_16_byte_aligned() -> None:
 
 if __name__ == "__main__":  # the fixture's fresh-process run (TRITON_INTERPRET=1 set by the caller)
     print(json.dumps(kernel_checks("cpu")))
+
+
+def test_an_adapter_pickles_after_it_was_checked() -> None:
+    """Ray ships adapters to rollout actors by pickle: the weak check cache must not travel."""
+    import pickle
+
+    torch.manual_seed(0)
+    root = nn.Sequential(nn.Linear(6, 4))
+    adapter = AdapterWeights("a", "c", {"0": LowRankUpdate(torch.randn(2, 6), torch.randn(4, 2), 2.0)})
+    adapter.check(root)  # fills the cache of checked components
+    back = pickle.loads(pickle.dumps(adapter))
+    assert back.version == adapter.version and back.name == "a" and back.component == "c"
+    assert torch.equal(back.low_rank["0"].down, adapter.low_rank["0"].down) and back.low_rank["0"].alpha == 2.0

@@ -27,7 +27,7 @@ import difflib
 import hashlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +158,11 @@ class AdapterWeights:
     _checked: weakref.WeakKeyDictionary[nn.Module, bool] = field(
         default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False
     )
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # What crosses a process (Ray actors, multiprocessing) or a deepcopy is the data; the
+        # check cache (weak references to this process's modules) stays behind.
+        return (type(self), (self.name, self.component, dict(self.low_rank), dict(self.deltas), self.version))
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -39,7 +39,7 @@ def test_the_bench_reports_cpu_skips_and_the_precision_floor(tmp_path: Path) -> 
     assert 0 < report["reference"]["step_rel_error"] < 0.1
     assert {tier: row["status"] for tier, row in report["tiers"].items()} == dict.fromkeys(("fused", "graphs", "vsa"), "skipped")
     assert "CUDA" in report["tiers"]["fused"]["reason"] and "to_gate_compress" in report["tiers"]["vsa"]["reason"]
-    assert report["record"] == {"measurements": []} and load_parity_record(record).measurements == ()
+    assert report["record"] == {"measurements": [], "precision_paths": []} and load_parity_record(record).measurements == ()
 
 
 @pytest.fixture
