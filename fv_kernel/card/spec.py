@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Sequence, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -768,25 +768,31 @@ class TierParityRecord(_Spec):
 
     def find_path(self, path: str, model_id: str, precision: str) -> PrecisionPathMeasurement | None:
         """The last measurement of precision path ``path`` for ``model_id`` at ``precision``, if any."""
-        found = [m for m in self.precision_paths if m.key == (path, model_id, precision)]
-        return found[-1] if found else None
+        return _last_with_key(self.precision_paths, (path, model_id, precision))
 
     def merged_paths(self, new: "tuple[PrecisionPathMeasurement, ...] | list[PrecisionPathMeasurement]") -> "TierParityRecord":
         """This record with ``new`` replacing the path measurements of the same (path, card, precision)."""
-        keys = {m.key for m in new}
-        kept = [m for m in self.precision_paths if m.key not in keys]
-        return self.model_copy(update={"precision_paths": (*kept, *new)})
+        return self.model_copy(update={"precision_paths": _replaced_by_key(self.precision_paths, new)})
 
     def find(self, tier: str, model_id: str, precision: str) -> TierParityMeasurement | None:
         """The last measurement of ``tier`` for ``model_id`` at ``precision``, if any."""
-        found = [m for m in self.measurements if m.key == (tier, model_id, precision)]
-        return found[-1] if found else None
+        return _last_with_key(self.measurements, (tier, model_id, precision))
 
     def merged(self, new: "tuple[TierParityMeasurement, ...] | list[TierParityMeasurement]") -> "TierParityRecord":
         """This record with ``new`` replacing the measurements of the same (tier, card, precision)."""
-        keys = {m.key for m in new}
-        kept = [m for m in self.measurements if m.key not in keys]
-        return TierParityRecord(measurements=(*kept, *new), precision_paths=self.precision_paths)
+        return self.model_copy(update={"measurements": _replaced_by_key(self.measurements, new)})
+
+
+def _last_with_key(measurements: Sequence[Any], key: tuple[str, str, str]) -> Any:
+    """The last of ``measurements`` whose ``key`` is ``key`` (a record keeps the newest last), or None."""
+    found = [m for m in measurements if m.key == key]
+    return found[-1] if found else None
+
+
+def _replaced_by_key(measurements: Sequence[Any], new: Sequence[Any]) -> tuple[Any, ...]:
+    """``measurements`` without those ``new`` measures again, then ``new``."""
+    keys = {m.key for m in new}
+    return (*[m for m in measurements if m.key not in keys], *new)
 
 
 class TierVerdict(_Spec):

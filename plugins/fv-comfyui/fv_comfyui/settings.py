@@ -70,19 +70,19 @@ def comfy_settings(config: DeployConfig) -> ComfySettings:
         ) from None
 
 
-def models_file(config: DeployConfig, environ: Mapping[str, str] | None = None) -> Path | None:
-    """The mapping file to use: ``FV_COMFY_MODELS`` when set (non-empty), else the deploy config's ``models``."""
-    env = os.environ if environ is None else environ
-    value = env.get(MODELS_ENV)
+def _path_setting(config: DeployConfig, environ: Mapping[str, str] | None, variable: str, field: str) -> Path | None:
+    """``variable`` from the environment when set (non-empty), else the deploy config's ``field``."""
+    value = (os.environ if environ is None else environ).get(variable)
     if value:
         return Path(value)
-    return comfy_settings(config).models
+    return getattr(comfy_settings(config), field)
+
+
+def models_file(config: DeployConfig, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The mapping file to use: ``FV_COMFY_MODELS`` when set (non-empty), else the deploy config's ``models``."""
+    return _path_setting(config, environ, MODELS_ENV, "models")
 
 
 def loras_folder(config: DeployConfig, environ: Mapping[str, str] | None = None) -> Path | None:
     """The LoRA folder to use: ``FV_COMFY_LORAS`` when set (non-empty), else the deploy config's ``loras``."""
-    env = os.environ if environ is None else environ
-    value = env.get(LORAS_ENV)
-    if value:
-        return Path(value)
-    return comfy_settings(config).loras
+    return _path_setting(config, environ, LORAS_ENV, "loras")
