@@ -201,7 +201,8 @@ class Executor:
             device_s = start_evt.elapsed_time(end_evt) / 1000.0
         if flags is not None:
             done = flags.verdicts(batch)
-        return BatchOutcome(done, device_s, tuple(index in set(together) for index in range(len(batch))))
+        fused_set = set(together)  # once, not per row
+        return BatchOutcome(done, device_s, tuple(index in fused_set for index in range(len(batch))))
 
     def _run_units(
         self, op: StepOp, params: Mapping[str, Any], batch: list[WorkUnit], together: list[int],
