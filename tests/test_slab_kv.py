@@ -252,3 +252,22 @@ def test_training_mode_is_per_owner() -> None:
     with p.training_rollout("r"):
         _, handed, _ = _rollout(p, "other", 4)
     assert len(set(handed)) < len(handed), "another owner's evictions recycle as usual"
+
+
+def test_windows_round_trip_through_plan_tensors_and_storage_made_in_a_step_stays_writable() -> None:
+    p = pool()
+    spec = SlabWindowSpec(sink_slabs=1, local_slabs=2)
+    w = p.open("s", spec)
+    with torch.inference_mode():  # as the executor runs steps
+        w = run_chunks(p, w, range(4))
+    slabs, positions = p.window_tensors(w)
+    assert slabs.tolist() == list(w.slabs) and positions.tolist() == [0, 2, 3]
+    short, _ = p.append(p.open("u", spec), 7)
+    assert p.window_tensors(short)[1].tolist() == [7, -1, -1], "padded to the window's width"
+    assert p.window_from_tensors(*p.window_tensors(short), spec) == short
+    assert p.window_from_tensors(slabs, positions, spec) == w
+    back = p.restore("t", spec, p.snapshot(w), w.positions)  # in-place copies outside inference mode
+    assert torch.equal(p.read(back, 0)[0], expected([0, 2, 3], 0))
+    p.close(w)
+    with pytest.raises(ValueError, match="not allocated"):
+        p.window_from_tensors(slabs, positions, spec)
