@@ -4,6 +4,7 @@ snapshot/restore; its admission through the real engine and its /metrics series.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -271,3 +272,170 @@ def test_windows_round_trip_through_plan_tensors_and_storage_made_in_a_step_stay
     p.close(w)
     with pytest.raises(ValueError, match="not allocated"):
         p.window_from_tensors(slabs, positions, spec)
+
+
+# -- admission through the real engine: thirteen sessions over a pool sized for two -------
+
+from fv_kernel.extend.observers import Observer, StepRecord  # noqa: E402
+from fv_kernel.loop.plan import ResourceRequest  # noqa: E402
+from fv_kernel.model.instance import build_instance  # noqa: E402
+from fv_kernel.request.request import DiffusionParams, Request, TextPart  # noqa: E402
+from fv_kernel.request.types import TaskType  # noqa: E402
+from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially  # noqa: E402
+from fv_kernel.runtime.pricing import pool_key  # noqa: E402
+from fv_kernel.runtime.scheduler import SchedulerConfig  # noqa: E402
+from fv_kernel.testing.chunk_kit import ChunkToyInstance, ToyChunkLoop, ToyChunkState, chunk_card  # noqa: E402
+from fv_kernel.loop.contract import Done, LoopContext  # noqa: E402
+from fv_kernel.loop.plan import StepResult  # noqa: E402
+
+WINDOW = 3  # the toy card's window: one sink + two local chunks
+
+
+def session(i: int, *, frames: int = 8) -> Request:
+    """One toy-chunk session: four chunks of two frames (the window evicts once)."""
+    return Request(request_id=f"s{i}", model="toy-chunk", task=TaskType.TEXT_TO_VIDEO,
+                   inputs=(TextPart(text=f"prompt {i}"),), diffusion=DiffusionParams(seed=i, frames=frames))
+
+
+class Live(Observer):
+    """Samples, after every executed step, how many sessions run and how many slabs are held."""
+
+    name = "live-sessions"
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.running: list[int] = []
+        self.slabs: list[int] = []
+
+    def on_step(self, record: StepRecord) -> None:
+        assert self.engine is not None
+        self.running.append(self.engine.running_count())
+        self.slabs.append(pool_of(self.engine).used_slabs)
+
+
+def pool_of(engine: Engine) -> SlabKVPool:
+    instance = engine.instances["toy-chunk"]
+    assert isinstance(instance, ChunkToyInstance) and instance.pool is not None
+    return instance.pool
+
+
+def chunk_engine(num_slabs: int = 2 * WINDOW) -> tuple[Engine, Live]:
+    watch = Live()
+    engine = watch.engine = Engine(SchedulerConfig(device_thread=False), observers=[watch])
+    engine.add_instance(build_instance(chunk_card(num_slabs=num_slabs)))
+    return engine, watch
+
+
+def test_thirteen_sessions_over_a_pool_for_two_all_complete_two_at_a_time() -> None:
+    engine, watch = chunk_engine()
+    results = run_concurrently(engine, [session(i) for i in range(13)])
+    assert [r.status for r in results] == ["completed"] * 13
+    peak = max(watch.running)
+    assert peak == 2 and max(watch.slabs) == 2 * WINDOW, f"at most two live at once (peak {peak}), exactly what the pool holds"
+    assert engine.metrics.rejections.get("admission_pool_blocks", 0) >= 1, "the third session waited for slabs"
+    pool = pool_of(engine)
+    assert pool.used_slabs == 0 and pool.evictions == 13, "every window evicted its oldest local chunk once, then closed"
+    assert [engine.admission.pool_blocks_in_use(key) for key in engine.admission.pools] == [0], "reservations returned"
+    # Sessions never read each other's slabs: session 5 among twelve others equals session 5 alone.
+    alone, _ = chunk_engine()
+    solo = run_serially(alone, [session(5)])[0]
+    assert torch.equal(results[5].artifacts[0].frames, solo.artifacts[0].frames)
+    assert results[5].artifacts[0].frames.shape == (8, 3, 2, 2)
+
+
+def test_negative_control_without_the_slab_reservation_a_third_session_gets_in_and_the_pool_is_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = ToyChunkLoop.estimate
+
+    def no_slabs(self: ToyChunkLoop, request: Request, model: object) -> ResourceRequest:
+        return real(self, request, model).model_copy(update={"pool_blocks": {}})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ToyChunkLoop, "estimate", no_slabs)
+    engine, watch = chunk_engine()
+    results = run_concurrently(engine, [session(i) for i in range(13)])
+    failed = [r for r in results if r.status == "failed"]
+    assert max(watch.running) > 2, "without the reservation more sessions are admitted than the pool holds"
+    assert failed and all(r.error is not None and r.error.type == "capacity" for r in failed)
+    assert any("slab chunk-KV pool 'chunk_kv'" in (r.error.message if r.error else "") for r in failed)
+
+
+def test_a_window_larger_than_the_pool_is_refused_at_admission_not_queued_forever() -> None:
+    engine, _ = chunk_engine(num_slabs=WINDOW - 1)
+    result = run_serially(engine, [session(0)])[0]
+    assert result.status == "failed" and result.error is not None and result.error.type == "capacity"
+    key = pool_key(engine.instances["toy-chunk"], "chunk_kv")
+    assert f"needs 3 blocks of block pool {key!r}; the pool has 2" in result.error.message
+
+
+def _run(instance: ChunkToyInstance, state: ToyChunkState, *, steps: int | None = None) -> ToyChunkState:
+    """Drive the toy loop's plans through the instance's ops directly (as the executor would), ``steps`` of them."""
+    loop = instance.loop("rollout")
+    while (steps is None or steps > 0) and not isinstance(plan := loop.next(state), Done):
+        with torch.inference_mode():
+            outputs = instance.op(plan.op).fn(plan.inputs, plan.params)
+        state = loop.advance(state, StepResult(outputs=outputs))
+        steps = None if steps is None else steps - 1
+    return state
+
+
+def _fresh(request: Request) -> tuple[ChunkToyInstance, ToyChunkLoop, ToyChunkState, LoopContext]:
+    instance = build_instance(chunk_card())
+    assert isinstance(instance, ChunkToyInstance)
+    instance.load_for_task(request.task)
+    loop = instance.loop("rollout")
+    assert isinstance(loop, ToyChunkLoop)
+    ctx = LoopContext(request=request, executor=None)  # type: ignore[arg-type]
+    return instance, loop, loop.init(request, instance, ctx), ctx
+
+
+def test_suspend_and_restore_in_another_pool_continue_bit_identically() -> None:
+    """The loop's suspend copies the window's K/V into the state and frees its slabs; the state's bytes,
+    restored on a fresh instance (other slab ids), finish the rollout exactly as an uninterrupted one."""
+    request = session(3)
+    instance, _, state, _ = _fresh(request)
+    whole = _run(instance, state)
+    instance, loop, state, ctx = _fresh(request)
+    state = loop.suspend(_run(instance, state, steps=7), ctx)  # part-way through the third chunk
+    assert state.kv is not None and instance.pool is not None and instance.pool.used_slabs == 0
+    blob = state.to_bytes()
+    other, other_loop, _, _ = _fresh(session(99))  # holds a slab of its own: restore lands on other ids
+    back = other_loop.restore(ToyChunkState.from_bytes(blob), other, ctx)
+    assert back.kv is None and back.window.positions == state.window.positions and back.window.slabs != state.window.slabs
+    done = _run(other, back)
+    assert torch.equal(torch.cat([c.frames for c in done.ready]), torch.cat([c.frames for c in whole.ready]))
+    # Negative control: resuming on slabs whose contents were not restored gives other frames.
+    instance, loop, state, ctx = _fresh(request)
+    state = loop.suspend(_run(instance, state, steps=7), ctx)
+    blank, blank_loop, _, _ = _fresh(session(98))
+    assert blank.pool is not None
+    empty = {k: torch.zeros_like(v) for k, v in (state.kv or {}).items() if k != "lengths"} | {"lengths": (state.kv or {})["lengths"]}
+    wrong = _run(blank, blank_loop.restore(state.model_copy(update={"kv": empty}), blank, ctx))
+    assert not torch.equal(torch.cat([c.frames for c in wrong.ready]), torch.cat([c.frames for c in whole.ready]))
+
+
+# -- /metrics --------------------------------------------------------------------------------
+
+def test_chunk_kv_series_are_in_the_prometheus_text(tmp_path: Path) -> None:
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from fv_kernel.config import DeployConfig
+    from fv_kernel.serving import create_app
+
+    engine, _ = chunk_engine()
+    assert [r.status for r in run_concurrently(engine, [session(i) for i in range(3)])] == ["completed"] * 3
+    pool = pool_of(engine)
+    window, _ = pool.append(pool.open("held", SlabWindowSpec(local_slabs=2)), 0)  # one slab in use at scrape time
+    with TestClient(create_app(engine, DeployConfig(output_dir=tmp_path / "out"))) as client:
+        text = client.get("/metrics").text
+        open_metrics = client.get("/metrics", headers={"Accept": "application/openmetrics-text"}).text
+    labels = f'{{model="toy-chunk",pool="{pool_key(engine.instances["toy-chunk"], "chunk_kv")}"}}'
+    slab_bytes = pool.config.slab_bytes
+    for needle in (
+        f"fv_chunk_kv_slabs_total{labels} 6.0", f"fv_chunk_kv_slabs_used{labels} 1.0",
+        f"fv_chunk_kv_slabs_reserved{labels} 0.0", f"fv_chunk_kv_evictions_total{labels} 3.0",
+        f"fv_chunk_kv_capacity_bytes{labels} {float(6 * slab_bytes)}", f"fv_chunk_kv_used_bytes{labels} {float(slab_bytes)}",
+    ):
+        assert needle in text, needle
+    assert f"fv_chunk_kv_evictions_total{labels} 3" in open_metrics

@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 from torch import nn
 
+from fv_kernel.cache.block_pool import BlockPool
 from fv_kernel.cache.adapters import AdapterRegistry
 from fv_kernel.cache.feature import FeatureCache
 from fv_kernel.errors import FvError, QueueFull, RequestCancelled, StepFailed, UnknownModel
@@ -127,6 +128,10 @@ class Engine:
         if instance.adapters is not None:
             self.admission.set_adapter_capacity(device, instance.adapters.settings.device_budget_bytes)
         for name, pool in instance.block_pools().items():
+            if not isinstance(pool, BlockPool):
+                raise TypeError(f"{instance.model_id!r}'s block pool {name!r} is a {type(pool).__name__}, not a BlockPool "
+                                "(capacity_blocks, used_blocks, free_blocks, capacity_bytes)")
+            # Paged text-KV pools count blocks, slab chunk-KV pools slabs: admission reserves either by name.
             self.admission.register_pool(pool_key(instance, name), pool.capacity_blocks)
         self._instances[instance.model_id] = instance
         self._by_instance_id[instance.instance_id] = instance
