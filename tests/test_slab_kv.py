@@ -13,6 +13,9 @@ import torch
 from fv_kernel.api import CacheFull, SlabKVConfig, SlabKVPool, SlabWindow, SlabWindowSpec, TrainingRollout
 from fv_kernel.errors import CapacityError
 
+# Tiny tensors: intra-op threads only spin on a shared machine.
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 GEOMETRY = dict(num_layers=2, num_heads=2, head_dim=3, tokens_per_slab=4)
 
 
@@ -366,6 +369,36 @@ def test_a_window_larger_than_the_pool_is_refused_at_admission_not_queued_foreve
     assert result.status == "failed" and result.error is not None and result.error.type == "capacity"
     key = pool_key(engine.instances["toy-chunk"], "chunk_kv")
     assert f"needs 3 blocks of block pool {key!r}; the pool has 2" in result.error.message
+
+
+def failing(i: int, at_chunk: int) -> Request:
+    return session(i).model_copy(update={"inputs": (TextPart(text=f"prompt {i} fail@{at_chunk}"),)})
+
+
+def test_a_failed_session_frees_its_slabs_so_the_pool_matches_admission() -> None:
+    engine, _ = chunk_engine()
+    requests = [failing(i, 2) if i % 3 == 0 else session(i) for i in range(13)]
+    results = run_concurrently(engine, requests)
+    assert [r.status for r in results] == ["failed" if i % 3 == 0 else "completed" for i in range(13)]
+    assert pool_of(engine).used_slabs == 0, "the failed sessions' windows were freed when their requests ended"
+
+
+def test_negative_control_without_the_engine_freeing_them_failed_sessions_leak_and_later_ones_fail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(Engine, "_free_slabs", staticmethod(lambda record: None))
+    engine, _ = chunk_engine()
+    results = run_concurrently(engine, [failing(0, 2), failing(1, 2)] + [session(i) for i in range(2, 6)])
+    assert pool_of(engine).used_slabs == 2 * WINDOW
+    assert any(r.status == "failed" and r.error is not None and "slab chunk-KV pool" in r.error.message for r in results[2:])
+
+
+def test_a_pool_that_is_not_a_block_pool_is_refused_by_name() -> None:
+    instance = build_instance(chunk_card())
+    assert isinstance(instance, ChunkToyInstance)
+    instance.block_pools = lambda: {"chunk_kv": object()}  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match="'toy-chunk''s block pool 'chunk_kv' is a object, not a BlockPool"):
+        Engine(SchedulerConfig(device_thread=False)).add_instance(instance)
 
 
 def _run(instance: ChunkToyInstance, state: ToyChunkState, *, steps: int | None = None) -> ToyChunkState:

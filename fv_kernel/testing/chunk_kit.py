@@ -13,11 +13,13 @@ Everything per session is in :class:`ToyChunkState` (the window value, the chunk
 the prompt); the pool's tensors are the instance's. The "model" is a few fixed random
 projections: its numbers mean nothing, but each chunk's output depends on every chunk in
 its window, so a wrong window, a stale slab or a foreign session's K/V changes the frames.
+A prompt containing ``fail@K`` makes chunk K's commit step raise (failure injection).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -76,12 +78,19 @@ class ToyChunkState(ChunkRolloutState):
     steps: int
     sub: int = 0
     seed: int = 0
+    #: Failure injection (a prompt containing ``fail@K``): chunk K's commit step raises.
+    fail_at: int | None = None
     #: The window's K/V while suspended (``SlabKVPool.snapshot``); None while it is in the pool.
     kv: dict[str, torch.Tensor] | None = None
 
 
 def _geometry(config: Mapping[str, Any]) -> dict[str, int]:
     return {key: int(config[key]) for key in ("layers", "heads", "head_dim", "frames_per_chunk", "height", "width")}
+
+
+def _fail_at(prompt: str) -> int | None:
+    match = re.search(r"fail@(\d+)", prompt)
+    return int(match.group(1)) if match else None
 
 
 def _prompt_vector(prompt: str, dim: int) -> torch.Tensor:
@@ -134,7 +143,7 @@ class ToyChunkLoop(ChunkRolloutLoop[ToyChunkState]):
         return ToyChunkState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
             prompt=request.text("prompt") or "", max_chunks=chunks, fps=request.diffusion.fps or 8.0,
-            window=window, slab=slab, steps=steps, seed=seed,
+            window=window, slab=slab, steps=steps, seed=seed, fail_at=_fail_at(request.text("prompt") or ""),
             x=self._fresh_latent(seed, 0, tokens, geo["heads"] * geo["head_dim"]),
         )
 
@@ -151,6 +160,7 @@ class ToyChunkLoop(ChunkRolloutLoop[ToyChunkState]):
                 "slabs": slabs[None], "positions": positions[None],
                 "chunk": torch.tensor([state.chunk_index]), "slab": torch.tensor([state.slab]),
                 "remaining": torch.tensor([float(state.steps - state.sub)]),
+                "fail": torch.tensor([commit and state.chunk_index == state.fail_at]),
             },
             params={"sink_slabs": state.window.spec.sink_slabs, "local_slabs": state.window.spec.local_slabs},
             shape_sig=ShapeSignature.of(tokens=int(state.x.shape[1]), window=state.window.spec.max_slabs),
@@ -263,6 +273,8 @@ def build_chunk_instance(card: ModelCard, options: InstanceOptions) -> ChunkToyI
         return {"x": (x + (x0 - x) / inputs["remaining"][0])[None]}
 
     def commit(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        if bool(inputs["fail"].any()):
+            raise RuntimeError("injected failure")
         clean = _forward(pool, inputs, params, weights, commit=True)
         # "Decode": one grey level per token, the chunk's tokens laid out as its frames.
         pixels = torch.sigmoid(clean.mean(-1)).view(geo["frames_per_chunk"], 1, geo["height"], geo["width"])
