@@ -3,14 +3,16 @@ snapshot/restore; its admission through the real engine and its /metrics series.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import re
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
 
-from fv_kernel.api import CacheFull, SlabKVConfig, SlabKVPool, SlabWindow, SlabWindowSpec, TrainingRollout
+from fv_kernel.api import BlockPool, CacheFull, PagedKVConfig, PagedKVPool, SlabKVConfig, SlabKVPool, SlabWindow, SlabWindowSpec, TrainingRollout
 from fv_kernel.errors import CapacityError
 
 # Tiny tensors: intra-op threads only spin on a shared machine.
@@ -80,6 +82,8 @@ def test_a_short_chunk_reads_back_only_its_tokens() -> None:
     p.write(second, 0, *chunk_kv(1, 0))
     k, _ = p.read(w, 0)
     assert torch.equal(k, torch.cat([chunk_kv(0, 0, tokens=2)[0], chunk_kv(1, 0)[0]]))
+    p.write(first, 0, *chunk_kv(5, 0))  # a KV refresh re-commits the chunk: the slab holds the new K/V
+    assert torch.equal(p.read(w, 0)[0], torch.cat([chunk_kv(5, 0)[0], chunk_kv(1, 0)[0]]))
 
 
 def test_in_place_views_write_into_the_pool() -> None:
@@ -285,6 +289,7 @@ from fv_kernel.model.instance import build_instance  # noqa: E402
 from fv_kernel.request.request import DiffusionParams, Request, TextPart  # noqa: E402
 from fv_kernel.request.types import TaskType  # noqa: E402
 from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially  # noqa: E402
+from fv_kernel.runtime import capacity  # noqa: E402
 from fv_kernel.runtime.pricing import pool_key  # noqa: E402
 from fv_kernel.runtime.scheduler import SchedulerConfig  # noqa: E402
 from fv_kernel.testing.chunk_kit import ChunkToyInstance, ToyChunkLoop, ToyChunkState, chunk_card  # noqa: E402
@@ -360,7 +365,8 @@ def test_negative_control_without_the_slab_reservation_a_third_session_gets_in_a
     failed = [r for r in results if r.status == "failed"]
     assert max(watch.running) > 2, "without the reservation more sessions are admitted than the pool holds"
     assert failed and all(r.error is not None and r.error.type == "capacity" for r in failed)
-    assert any("slab chunk-KV pool 'chunk_kv'" in (r.error.message if r.error else "") for r in failed)
+    assert any(re.search(r"slab chunk-KV pool 'chunk_kv': 1 slab\(s\) wanted by 's\d+', 0 free of 6", r.error.message)
+               for r in failed if r.error is not None)
 
 
 def test_a_window_larger_than_the_pool_is_refused_at_admission_not_queued_forever() -> None:
@@ -399,6 +405,42 @@ def test_a_pool_that_is_not_a_block_pool_is_refused_by_name() -> None:
     instance.block_pools = lambda: {"chunk_kv": object()}  # type: ignore[method-assign]
     with pytest.raises(TypeError, match="'toy-chunk''s block pool 'chunk_kv' is a object, not a BlockPool"):
         Engine(SchedulerConfig(device_thread=False)).add_instance(instance)
+
+
+def test_a_cancelled_session_frees_its_slabs() -> None:
+    engine, watch = chunk_engine()
+
+    async def go() -> list[str]:
+        async with engine.running():
+            handles = [engine.submit(session(i, frames=40)) for i in range(3)]
+
+            async def cancel_when_running() -> None:
+                while pool_of(engine).used_slabs < 2 * WINDOW:
+                    await asyncio.sleep(0.001)
+                for handle in handles:
+                    engine.cancel(handle.request_id)
+
+            await cancel_when_running()
+            return [(await handle.result()).status for handle in handles]
+
+    assert asyncio.run(go()) == ["cancelled"] * 3
+    assert pool_of(engine).used_slabs == 0 and max(watch.slabs) == 2 * WINDOW
+
+
+def test_the_pool_counts_as_the_instances_resident_memory_and_both_pools_are_block_pools() -> None:
+    instance = build_instance(chunk_card(num_slabs=5))
+    assert isinstance(instance, ChunkToyInstance) and instance.pool is not None
+    assert capacity.instance_resident_bytes(instance) == instance.pool.capacity_bytes == 5 * instance.pool.config.slab_bytes
+    paged = PagedKVPool(PagedKVConfig(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=2, max_blocks_per_sequence=2))
+    assert isinstance(instance.pool, BlockPool) and isinstance(paged, BlockPool) and not isinstance(object(), BlockPool)
+
+
+def test_the_docs_example_runs() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "realtime.md").read_text()
+    section = text[text.index("## The slab chunk-KV pool"):]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks, "the pool's section has a Python example"
+    exec(compile(blocks[0], "docs/realtime.md", "exec"), {})  # noqa: S102 - our own doc's example
 
 
 def _run(instance: ChunkToyInstance, state: ToyChunkState, *, steps: int | None = None) -> ToyChunkState:
