@@ -11,6 +11,10 @@ from fv_kernel import API_VERSION, __version__
 from fv_kernel.cache.feature import FeatureCache
 from fv_kernel.cache.keys import CacheKey, content_hash
 from fv_kernel.cache.paged_kv import CacheFull, KVBlockTable, PagedKVConfig, PagedKVPool
+from fv_kernel.cache.block_pool import BlockPool
+from fv_kernel.cache.slab_kv import (
+    AttendedChunk, SlabKVConfig, SlabKVPool, SlabWindow, SlabWindowSpec, TrainingRollout,
+)
 from fv_kernel.model.buildcheck import BuildProblem, InvalidCard, check_card_builds, parse_component_config
 from fv_kernel.model.catalog import CardCatalog, ResolvedModel
 from fv_kernel.card.checkpoint import apply_key_map, dtype_for_key, load_into, read_safetensors, resolve_source
