@@ -40,7 +40,7 @@ from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.admission import Reservation
 from fv_kernel.runtime.pricing import pool_key
 from fv_kernel.runtime.records import EVENT_CLASSES, GenerationResult, RequestRecord
-from fv_kernel.state import StateFormatError, TensorState
+from fv_kernel.state import StateFormatError
 
 __all__ = ["SessionHandle", "SessionManager", "SessionRecord", "SESSION_FORMAT", "VIDEO_STREAM"]
 
@@ -293,7 +293,7 @@ class SessionManager:
             raise StateFormatError(f"not a suspended fv session (expected format {SESSION_FORMAT!r})", param="state")
         session = SessionRequest.of(**payload["session"])
         request, instance = self._request_for(session)
-        state = TensorState.from_bytes(payload["state"])
+        state = self._chunk_loop(instance).state_type.from_bytes(payload["state"])
         if not isinstance(state, ChunkRolloutState) or state.request_id != session.session_id:
             raise StateFormatError("a suspended session's state is not its chunk rollout's", param="state")
         record = SessionRecord(request, instance, self.engine._loop, session, resume_state=state,
