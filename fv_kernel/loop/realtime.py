@@ -11,15 +11,20 @@ step boundaries, through :meth:`ChunkRolloutLoop.update_prompt`,
 
 from __future__ import annotations
 
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fv_kernel.errors import InvalidRequest
-from fv_kernel.loop.contract import Loop, LoopContext, LoopState
+from fv_kernel.loop.contract import Loop, LoopContext, LoopState, ResidentModel
+from fv_kernel.request.request import Request
 
-__all__ = ["ChunkRolloutLoop", "ChunkRolloutState", "ReadyChunk"]
+__all__ = ["ChunkRolloutLoop", "ChunkRolloutState", "ReadyChunk", "SESSION_UPSTREAM"]
+
+#: The ``ctx.upstream`` key under which the session runtime hands a rollout its session
+#: settings (``{"max_chunks": int | None}``); :meth:`ChunkRolloutLoop.session_fields` reads it.
+SESSION_UPSTREAM = "session"
 
 
 class ReadyChunk(BaseModel):
@@ -86,6 +91,18 @@ class ChunkRolloutLoop(Loop[S]):
 
     kind: ClassVar[str] = "chunk_rollout"
 
+    def session_fields(self, request: Request, ctx: LoopContext) -> dict[str, Any]:
+        """The kernel fields of a fresh state (prompt, max_chunks, fps) for ``init`` to splat in.
+
+        ``prompt`` is the request's prompt, ``fps`` its (resolved) fps, ``max_chunks`` the
+        session's (``ctx.upstream[SESSION_UPSTREAM]``; None outside a session).
+        """
+        session = ctx.upstream.get(SESSION_UPSTREAM) or {}
+        fps = request.diffusion.fps
+        if fps is None:
+            raise InvalidRequest("fps", "a chunk rollout needs the request's fps (resolve the request against its card)")
+        return {"prompt": request.text() or "", "max_chunks": session.get("max_chunks"), "fps": float(fps)}
+
     def update_prompt(self, state: S, prompt: str, version: int) -> S:
         """Queue ``prompt`` (as ``version``) for the next chunk boundary; a newer update replaces a queued one."""
         if version <= state.prompt_version or (state.pending_version is not None and version <= state.pending_version):
@@ -128,8 +145,12 @@ class ChunkRolloutLoop(Loop[S]):
         """
         return state
 
-    def release(self, state: S, ctx: LoopContext) -> None:
-        """Free what the state holds outside itself (pool slabs) when the session ends. Default: nothing."""
+    def release(self, owner: str, model: ResidentModel) -> None:
+        """Free what ``owner`` (the session's request id) holds outside its state, e.g. its pool slabs.
+
+        The session runtime calls it once when the session ends for any reason (completed,
+        stopped, failed, suspended: a suspended state carries its own copy). Default: nothing.
+        """
 
     def progress(self, state: S) -> tuple[int, int | None]:
         return state.chunk_index, state.max_chunks
