@@ -1,6 +1,6 @@
 """A toy causal chunk card whose sessions exercise the slab chunk-KV pool through the real engine.
 
-``toy-chunk`` generates video chunk by chunk, as a self-forcing causal model does, with a
+``toy-chunk-kv`` generates video chunk by chunk, as a self-forcing causal model does, with a
 model small enough for a kernel test: per chunk, ``steps`` denoise steps (``chunk_denoise``)
 attend to the K/V of the window's earlier chunks, read from the instance's
 :class:`~fv_kernel.cache.slab_kv.SlabKVPool` (``block_pools()["chunk_kv"]``); then a clean
@@ -44,7 +44,7 @@ from fv_kernel.card.spec import (
 from fv_kernel.errors import InvalidRequest
 from fv_kernel.loop.contract import Done, LoopContext, LoopResult, ResidentModel
 from fv_kernel.loop.plan import ResourceRequest, ShapeSignature, StepEstimate, StepOp, StepResult, WorkKind, WorkPlan
-from fv_kernel.loop.realtime import ChunkRolloutLoop, ChunkRolloutState, ReadyChunk
+from fv_kernel.loop.realtime import SESSION_UPSTREAM, ChunkRolloutLoop, ChunkRolloutState, ReadyChunk
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.model.options import InstanceOptions
 from fv_kernel.request.artifacts import Provenance, VideoArtifact
@@ -60,7 +60,7 @@ POOL = "chunk_kv"
 
 @dataclass
 class ChunkToyInstance(ModelInstance):
-    """A toy-chunk instance: its weights are fixed projections; its chunk K/V lives in ``pool``."""
+    """A toy-chunk-kv instance: its weights are fixed projections; its chunk K/V lives in ``pool``."""
 
     pool: SlabKVPool | None = None
 
@@ -124,7 +124,7 @@ class ToyChunkLoop(ChunkRolloutLoop[ToyChunkState]):
         for name, want in (("height", int(config["height"])), ("width", int(config["width"]))):
             got = getattr(d, name)
             if got is not None and got != want:
-                raise InvalidRequest(name, f"toy-chunk generates {want} pixels, got {got}", allowed=[want])
+                raise InvalidRequest(name, f"toy-chunk-kv generates {want} pixels, got {got}", allowed=[want])
         frames = d.frames or defaults.frames
         return math.ceil(frames / int(config["frames_per_chunk"])), d.steps or defaults.steps
 
@@ -140,9 +140,12 @@ class ToyChunkLoop(ChunkRolloutLoop[ToyChunkState]):
         window, slab = pool.append(pool.open(request.request_id, self._window_spec(model)), 0)
         tokens = geo["frames_per_chunk"] * geo["height"] * geo["width"]
         seed = request.diffusion.seed
+        # In a session the session says how many chunks (None: until stopped); a plain request, its frames.
+        session = ctx.upstream.get(SESSION_UPSTREAM)
         return ToyChunkState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
-            prompt=request.text("prompt") or "", max_chunks=chunks, fps=request.diffusion.fps or 8.0,
+            prompt=request.text("prompt") or "", max_chunks=session.get("max_chunks") if session is not None else chunks,
+            fps=request.diffusion.fps or 8.0,
             window=window, slab=slab, steps=steps, seed=seed, fail_at=_fail_at(request.text("prompt") or ""),
             x=self._fresh_latent(seed, 0, tokens, geo["heads"] * geo["head_dim"]),
         )
@@ -189,8 +192,8 @@ class ToyChunkLoop(ChunkRolloutLoop[ToyChunkState]):
             model_id="", loop_id=self.loop_id, request_id=state.request_id, seed=state.seed))
         return LoopResult(loop_id=self.loop_id, artifacts=[video])
 
-    def release(self, state: ToyChunkState, ctx: LoopContext) -> None:
-        self._bound_pool.close(state.window)
+    def release(self, owner: str, model: ResidentModel) -> None:
+        self._pool(model).close_owner(owner)
 
     def suspend(self, state: ToyChunkState, ctx: LoopContext) -> ToyChunkState:
         """The window's K/V copied into the state, the slabs freed: the state is self-contained."""
@@ -283,12 +286,12 @@ def build_chunk_instance(card: ModelCard, options: InstanceOptions) -> ChunkToyI
     ops = {"chunk_denoise": StepOp("chunk_denoise", denoise), "chunk_commit": StepOp("chunk_commit", commit)}
     return ChunkToyInstance(
         card=card, options=options, component_loader=lambda cid: object(), ops_builder=lambda inst: dict(ops),
-        weights_version="toy-chunk", pool=pool,
+        weights_version="toy-chunk-kv", pool=pool,
     )
 
 
 def chunk_card(
-    model_id: str = "toy-chunk",
+    model_id: str = "toy-chunk-kv",
     *,
     num_slabs: int = 6,
     sink_slabs: int = 1,
@@ -313,7 +316,7 @@ def chunk_card(
               "heads": heads, "head_dim": head_dim, "frames_per_chunk": frames_per_chunk, "height": height,
               "width": width}
     return ModelCard(
-        model_id=model_id, family="toy-chunk",
+        model_id=model_id, family="toy-chunk-kv",
         components={"core": ComponentSpec(component_id="core", kind="dit", builder=f"{_MODULE}:build_chunk_instance",
                                           config=config)},
         loops={"rollout": loop},
