@@ -26,7 +26,6 @@ Without CUDA (and without ``--smoke``) it writes ``{"skipped": ...}`` and exits 
 from __future__ import annotations
 
 import argparse
-import copy
 import fnmatch
 import functools
 import gc
@@ -178,7 +177,13 @@ def model_case(run: Run, label: str, config: Any, latent: tuple[int, int, int], 
         mode = {"fp8_weights": "fp8_weights", "fp8_dynamic": "fp8_dynamic", "fp8_all": "fp8_dynamic"}.get(path)
         subject = model
         if mode is not None:
-            subject = copy.deepcopy(model)
+            # A fresh module with the same weights: the native path's attention driver and fused ops
+            # (set on ``model`` by the first row) hold locks that deepcopy cannot copy.
+            with torch.device(device):
+                subject = WanTransformer(config)
+            subject.load_state_dict(model.state_dict(), strict=True)
+            subject.rope.build_tables(device)
+            subject = cast_for_inference(subject, dtype).eval().requires_grad_(False)
             quantize_linears(subject, fp8_targets(subject), mode=mode)  # kernel="auto": Triton on CUDA
         subject.set_attention_fn(fp8_fn if path in ("fp8_attention", "fp8_all") else native_fn)
         subject.set_fused_ops(fused)
