@@ -273,6 +273,33 @@ class Run:
         self.record("c.merged", **common, **merged, vs_base=round(merged["ms"] / base["ms"], 4), target_within=0.02,
                     max_abs_vs_per_row=max_abs(merged_out, per_row_out), merge_and_restore_ms=switch["ms"])
 
+    def case_profile(self) -> None:
+        """Where a.per_row's extra time goes: device time per kernel, base forward vs per-row forward (one each)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.device.type != "cuda":
+            self.record("a.profile", skipped="the kernel breakdown needs CUDA")
+            return
+        x, _ = self.cache_a or (inputs(self.s, self.s.requests_a, 1, self.device, self.dtype, 1), None)
+        loras = self.loras[: self.s.requests_a]
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        summary: dict[str, Any] = {}
+        for name, fn in (("base", lambda: self.forward(x)), ("per_row", lambda: self.per_row(x, loras))):
+            fn()
+            self.timer.sync()
+            with profile(activities=activities) as prof:
+                fn()
+                self.timer.sync()
+            rows = []
+            for event in prof.key_averages():
+                device_us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0) or 0
+                if device_us > 0 and not event.key.startswith(("aten::", "cuda", "ProfilerStep")):
+                    rows.append((event.key[:90], round(device_us / 1000, 3), event.count))
+            rows.sort(key=lambda r: -r[1])
+            summary[name] = {"device_ms_total": round(sum(r[1] for r in rows), 3), "kernels": len(rows),
+                             "launches": sum(r[2] for r in rows), "top": rows[:12]}
+        self.record("a.profile", **summary)
+
     def case_diffusers(self) -> None:
         try:
             from diffusers import WanTransformer3DModel
@@ -334,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--kernel", choices=("auto", "torch", "triton"), default="auto",
                         help="the per-row kernel (auto: Triton on CUDA when importable)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=("a", "b", "c", "diffusers"))
+    parser.add_argument("--skip", nargs="*", default=[], choices=("a", "b", "c", "diffusers", "profile"))
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         args.output.mkdir(parents=True, exist_ok=True)
@@ -344,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run = Run(args)
     log(f"bench_lora: {run.device}, {run.dtype}, rank {run.s.rank}, kernel {run.kernel}")
-    for name, fn in (("a", run.case_a), ("b", run.case_b), ("c", run.case_c), ("diffusers", run.case_diffusers)):
+    for name, fn in (("a", run.case_a), ("b", run.case_b), ("c", run.case_c), ("diffusers", run.case_diffusers),
+                     ("profile", run.case_profile)):
         if name not in args.skip:
             run.section(name, fn)
     print(run.results["table"])
