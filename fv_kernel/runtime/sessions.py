@@ -446,6 +446,7 @@ class SessionManager:
             for unit in engine.scheduler.pending.drop_request(record.session_id):
                 if not unit.future.done():
                     unit.future.cancel()
+            engine._free_slabs(record)  # whatever a loop's release left: admission gets the slabs back with the reservation
             engine.admission.release(record.session_id)
             engine._kick()
 
