@@ -177,3 +177,31 @@ def test_a_line_typed_on_stdin_while_it_runs_updates_the_prompt(card: str, tmp_p
     assert applied >= 2 and all(v == (1 if i >= applied else 0) for i, v in versions.items()), versions
     frames = torch.load(out, weights_only=True)
     assert frames.shape[0] == 2 * len(versions)
+
+
+def test_reading_chunks_keeps_a_facade_session_alive_past_its_idle_timeout(card: str, fv_host: PluginHost) -> None:
+    import time
+
+    started = time.monotonic()
+    with fv.load(card, host=fv_host).session("a red fox", idle_timeout_s=1.0) as s:  # unbounded: paced by the reads
+        for chunk in s:
+            time.sleep(0.4)  # 6 chunks at 0.4 s: well past 1 s, but every read is activity
+            if chunk.index == 5:
+                s.stop()
+    assert s.close_reason == "stopped" and time.monotonic() - started > 2.0
+
+
+def test_negative_control_without_the_touch_on_read_the_idle_timeout_ends_it(
+    card: str, fv_host: PluginHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from fv_kernel.runtime.sessions import SessionHandle
+
+    monkeypatch.setattr(SessionHandle, "touch", lambda self: None)
+    with fv.load(card, host=fv_host).session("a red fox", idle_timeout_s=1.0) as s:
+        for chunk in s:
+            time.sleep(0.4)
+            if chunk.index == 5:
+                s.stop()
+    assert s.close_reason == "idle_timeout"

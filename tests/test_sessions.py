@@ -523,3 +523,36 @@ def test_resume_refuses_bytes_that_are_not_a_suspended_session() -> None:
             assert err.value.param == "state"
 
     asyncio.run(go())
+
+
+# -- backpressure ------------------------------------------------------------------------------------
+
+
+def run_with_a_slow_listener(max_ahead: int) -> int:
+    """Chunks a session emitted while its only listener held its first chunk for 0.3 s."""
+
+    async def go() -> int:
+        engine, _ = make_engine()
+        async with engine.running():
+            handle = engine.open_session(session("slow", max_chunks=None, max_ahead_chunks=max_ahead))
+            events = handle.events()
+            async for event in events:
+                if event.type == "media.chunk":
+                    break
+            await asyncio.sleep(0.3)
+            emitted = handle._record.chunks_emitted
+            handle.stop()
+            async for _ in events:
+                pass
+            return emitted
+
+    return asyncio.run(go())
+
+
+def test_a_session_pauses_when_it_is_max_ahead_chunks_ahead_of_its_listener() -> None:
+    # One chunk taken, max_ahead emitted beyond it, and the one that was being made when it paused.
+    assert run_with_a_slow_listener(2) <= 1 + 2 + 1
+
+
+def test_negative_control_without_backpressure_the_session_runs_away() -> None:
+    assert run_with_a_slow_listener(64) > 1 + 2 + 1
