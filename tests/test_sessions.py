@@ -468,6 +468,10 @@ def resume_in_this_process(data: bytes) -> list[tuple[int, int, int, torch.Tenso
             handle = engine.resume_session(data)
             events = await collect(handle)
             assert events[-1].reason == "completed"
+            types = [e.type for e in events]
+            resumed = events[types.index("session.resumed")]
+            assert types.index("session.started") < types.index("session.resumed") < types.index("media.chunk")
+            assert resumed.prompt_version == 0 and resumed.chunk_index >= 2
             return [(c.index, c.frame_start, c.prompt_version, c.frames) for c in chunks(events)]
 
     return asyncio.run(go())
@@ -556,3 +560,44 @@ def test_a_session_pauses_when_it_is_max_ahead_chunks_ahead_of_its_listener() ->
 
 def test_negative_control_without_backpressure_the_session_runs_away() -> None:
     assert run_with_a_slow_listener(64) > 1 + 2 + 1
+
+
+def test_cancel_scopes_request_and_loop_end_the_session_like_session() -> None:
+    for scope in ("request", "loop"):
+        def setup(engine: Engine, handle: Any, scope: str = scope) -> None:
+            engine.observers.append(Trigger(f"x{scope}", "chunk_decode", 1, lambda: handle.cancel(scope)))
+
+        events = run_one(session(f"x{scope}", max_chunks=None), setup)
+        assert events[-1].reason == "cancelled", scope
+
+
+def test_a_queued_session_also_times_out_and_a_late_subscriber_sees_session_events_then_live() -> None:
+    async def go() -> None:
+        engine, _ = make_engine(chunk_toy_card(pool_slabs=3))  # room for one window
+        async with engine.running():
+            running = engine.open_session(session("run", max_chunks=None))
+            queued = engine.open_session(session("wait", max_chunks=None, idle_timeout_s=0.3))
+            first = running.events()
+            seen = 0
+            async for event in first:
+                seen += event.type == "media.chunk"
+                if seen == 3:
+                    break
+            late = [e async for e in _take(running.events(), 4)]
+            assert late[0].type == "request.queued" and "session.started" in [e.type for e in late]
+            assert [e.type for e in late].count("media.chunk") <= 1, "past chunks are not replayed to a late subscriber"
+            closed = await asyncio.wait_for(queued.wait_closed(), TIMEOUT)
+            assert closed == "idle_timeout" and not running.closed
+            running.stop()
+            assert await asyncio.wait_for(running.wait_closed(), TIMEOUT) == "stopped"
+
+    asyncio.run(go())
+
+
+async def _take(events: Any, n: int) -> Any:
+    count = 0
+    async for event in events:
+        yield event
+        count += 1
+        if count == n:
+            return
