@@ -601,3 +601,20 @@ async def _take(events: Any, n: int) -> Any:
         count += 1
         if count == n:
             return
+
+
+def test_a_suspend_is_taken_while_the_session_waits_for_a_slow_listener() -> None:
+    async def go() -> None:
+        engine, _ = make_engine()
+        async with engine.running():
+            handle = engine.open_session(session("p", max_chunks=None, max_ahead_chunks=1))
+            events = handle.events()
+            async for event in events:
+                if event.type == "media.chunk":
+                    break
+            await asyncio.sleep(0.1)  # the session is paused: its listener holds chunks it has not taken
+            data = await asyncio.wait_for(handle.suspend(), TIMEOUT)
+            assert data and await asyncio.wait_for(handle.wait_closed(), TIMEOUT) == "suspended"
+            await events.aclose()
+
+    asyncio.run(go())
