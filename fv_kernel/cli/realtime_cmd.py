@@ -21,10 +21,16 @@ import typer
 
 from fv_kernel.cli.deploy_options import ConfigOption
 from fv_kernel.errors import FvError
-from fv_kernel.io.media import MediaError, check_output_path, frames_to_uint8, write_gif, write_tensor
+from fv_kernel.io.media import (
+    MediaError,
+    check_output_path,
+    frames_to_uint8,
+    write_gif,
+    write_tensor,
+)
 from fv_kernel.plugins import PluginError
 
-__all__ = ["realtime", "REALTIME_OUTPUT_SUFFIXES", "STOP_LINE"]
+__all__ = ["REALTIME_OUTPUT_SUFFIXES", "STOP_LINE", "realtime"]
 
 #: What ``fv realtime --output`` writes, by suffix.
 REALTIME_OUTPUT_SUFFIXES = (".mp4", ".gif", ".pt")

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fv_kernel.errors import FvError, InvalidRequest
 
-__all__ = ["MAX_PROMPT_CHARS", "CancelScope", "CANCEL_SCOPES", "SessionClosed", "SessionRequest", "check_cancel_scope"]
+__all__ = ["CANCEL_SCOPES", "MAX_PROMPT_CHARS", "CancelScope", "SessionClosed", "SessionRequest", "check_cancel_scope"]
 
 #: What a cancel ends. ``stream``: the not-yet-emitted chunk is abandoned and the session
 #: continues with fresh chunks; ``session`` (also ``request``/``loop``: a session is one

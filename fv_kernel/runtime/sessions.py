@@ -28,21 +28,37 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from fv_kernel.errors import CapacityError, FvError, InvalidRequest, RequestCancelled, UnknownModel
+from fv_kernel.errors import (
+    CapacityError,
+    FvError,
+    InvalidRequest,
+    RequestCancelled,
+    UnknownModel,
+)
 from fv_kernel.loop.contract import LoopContext
 from fv_kernel.loop.driver import LoopCancelled, drive
-from fv_kernel.loop.realtime import SESSION_UPSTREAM, ChunkRolloutLoop, ChunkRolloutState, ReadyChunk
+from fv_kernel.loop.realtime import (
+    SESSION_UPSTREAM,
+    ChunkRolloutLoop,
+    ChunkRolloutState,
+    ReadyChunk,
+)
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.request.events import ErrorInfo, Event
 from fv_kernel.request.request import DiffusionParams, OutputSpec, Request, TextPart
-from fv_kernel.request.session import MAX_PROMPT_CHARS, SessionClosed, SessionRequest, check_cancel_scope
+from fv_kernel.request.session import (
+    MAX_PROMPT_CHARS,
+    SessionClosed,
+    SessionRequest,
+    check_cancel_scope,
+)
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.admission import Reservation
 from fv_kernel.runtime.pricing import pool_key
 from fv_kernel.runtime.records import EVENT_CLASSES, GenerationResult, RequestRecord
 from fv_kernel.state import StateFormatError
 
-__all__ = ["SessionHandle", "SessionManager", "SessionRecord", "SESSION_FORMAT", "VIDEO_STREAM"]
+__all__ = ["SESSION_FORMAT", "VIDEO_STREAM", "SessionHandle", "SessionManager", "SessionRecord"]
 
 log = logging.getLogger("fv.sessions")
 
@@ -311,7 +327,7 @@ class SessionManager:
         """Continue a session from :meth:`SessionHandle.suspend`'s bytes (maybe in another process)."""
         try:
             payload = torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable input is the caller's bad bytes
+        except Exception as exc:
             raise StateFormatError(f"not a suspended fv session: {exc}", param="state") from None
         if not isinstance(payload, dict) or payload.get("format") != SESSION_FORMAT:
             raise StateFormatError(f"not a suspended fv session (expected format {SESSION_FORMAT!r})", param="state")
@@ -423,7 +439,7 @@ class SessionManager:
         except (LoopCancelled, RequestCancelled):
             reason = record.close_reason or "cancelled"
             self._close(record, reason, None)
-        except Exception as exc:  # noqa: BLE001 - isolate: one session's failure ends only it
+        except Exception as exc:  # isolate: one session's failure ends only it
             if isinstance(exc, FvError):
                 info = ErrorInfo(**exc.info())
             else:
@@ -435,8 +451,13 @@ class SessionManager:
         finally:
             try:
                 loop.release(record.session_id, instance)
-            except Exception:  # noqa: BLE001 - a release failure must not take the engine down
+            except Exception:  # a release failure must not take the engine down
                 log.exception("releasing session %s's resources failed", record.session_id)
+            if engine.hooks is not None:
+                try:
+                    engine.hooks.request_finished(record.session_id, record.status)
+                except Exception:  # a plugin's listener must not fail the session
+                    log.exception("fv_request_finished hook failed")
             if record.suspend_waiter is not None and not record.suspend_waiter.done():
                 record.suspend_waiter.set_exception(
                     SessionClosed(record.session_id, self.close_reason(record), "suspend"))
@@ -466,6 +487,13 @@ class SessionManager:
         if record.stream_open and reason != "suspended":
             record.emit("media.complete", stream=VIDEO_STREAM)
         record.status = {"completed": "completed", "failed": "failed"}.get(reason, "cancelled")
+        metrics = self.engine.metrics
+        if record.status == "completed":
+            metrics.completed += 1
+        elif record.status == "failed":
+            metrics.failed += 1
+        else:
+            metrics.cancelled += 1
         record.emit("session.closed", reason=reason, chunks=record.chunks_emitted, error=error)
         if not record.done.done():
             status = record.status if record.status in ("completed", "failed") else "cancelled"
