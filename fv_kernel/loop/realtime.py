@@ -20,7 +20,7 @@ from fv_kernel.errors import InvalidRequest
 from fv_kernel.loop.contract import Loop, LoopContext, LoopState, ResidentModel
 from fv_kernel.request.request import Request
 
-__all__ = ["ChunkRolloutLoop", "ChunkRolloutState", "ReadyChunk", "SESSION_UPSTREAM"]
+__all__ = ["SESSION_UPSTREAM", "ChunkRolloutLoop", "ChunkRolloutState", "ReadyChunk"]
 
 #: The ``ctx.upstream`` key under which the session runtime hands a rollout its session
 #: settings (``{"max_chunks": int | None}``); :meth:`ChunkRolloutLoop.session_fields` reads it.

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fv_kernel.errors import FvError, InvalidRequest
 
-__all__ = ["MAX_PROMPT_CHARS", "CancelScope", "CANCEL_SCOPES", "SessionClosed", "SessionRequest", "check_cancel_scope"]
+__all__ = ["CANCEL_SCOPES", "MAX_PROMPT_CHARS", "CancelScope", "SessionClosed", "SessionRequest", "check_cancel_scope"]
 
 #: What a cancel ends. ``stream``: the not-yet-emitted chunk is abandoned and the session
 #: continues with fresh chunks; ``session`` (also ``request``/``loop``: a session is one
@@ -56,6 +56,9 @@ class SessionRequest(BaseModel):
     max_chunks: int | None = Field(default=None, ge=1)
     #: End the session after this many seconds without a client message (push_text, touch).
     idle_timeout_s: float = Field(default=60.0, gt=0)
+    #: How many chunks the session may run ahead of its slowest listener (chunks emitted but not
+    #: yet taken from ``events()``); beyond it the session pauses between steps (backpressure).
+    max_ahead_chunks: int = Field(default=2, ge=1, le=64)
     #: Emit media.chunk events (off: only session events, e.g. a client that polls state).
     stream: bool = True
     #: Also emit preview chunks when the card makes them.

@@ -28,21 +28,37 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from fv_kernel.errors import CapacityError, FvError, InvalidRequest, RequestCancelled, UnknownModel
+from fv_kernel.errors import (
+    CapacityError,
+    FvError,
+    InvalidRequest,
+    RequestCancelled,
+    UnknownModel,
+)
 from fv_kernel.loop.contract import LoopContext
 from fv_kernel.loop.driver import LoopCancelled, drive
-from fv_kernel.loop.realtime import SESSION_UPSTREAM, ChunkRolloutLoop, ChunkRolloutState, ReadyChunk
+from fv_kernel.loop.realtime import (
+    SESSION_UPSTREAM,
+    ChunkRolloutLoop,
+    ChunkRolloutState,
+    ReadyChunk,
+)
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.request.events import ErrorInfo, Event
 from fv_kernel.request.request import DiffusionParams, OutputSpec, Request, TextPart
-from fv_kernel.request.session import MAX_PROMPT_CHARS, SessionClosed, SessionRequest, check_cancel_scope
+from fv_kernel.request.session import (
+    MAX_PROMPT_CHARS,
+    SessionClosed,
+    SessionRequest,
+    check_cancel_scope,
+)
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.admission import Reservation
 from fv_kernel.runtime.pricing import pool_key
 from fv_kernel.runtime.records import EVENT_CLASSES, GenerationResult, RequestRecord
 from fv_kernel.state import StateFormatError
 
-__all__ = ["SessionHandle", "SessionManager", "SessionRecord", "SESSION_FORMAT", "VIDEO_STREAM"]
+__all__ = ["SESSION_FORMAT", "VIDEO_STREAM", "SessionHandle", "SessionManager", "SessionRecord"]
 
 log = logging.getLogger("fv.sessions")
 
@@ -55,7 +71,17 @@ VIDEO_STREAM = "video"
 _LIVE_ONLY = frozenset({"media.chunk"})
 #: Request events a session's stream carries under its own names (the rest are dropped:
 #: a session reports its own start, progress and end).
+#: How often a paused (backpressured) session looks whether its listeners caught up.
+_PACE_POLL_S = 0.005
 _DROPPED = frozenset({"request.started", "request.completed", "progress", "behavior.slice"})
+
+
+class _Listener:
+    """One ``events()`` subscriber: its queue, and the chunks put in it that it has not taken yet."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.pending_chunks = 0
 
 
 class SessionRecord(RequestRecord):
@@ -84,6 +110,7 @@ class SessionRecord(RequestRecord):
         self._seq = 0
         #: Every event until the first subscriber attaches (it sees the whole stream).
         self._early: list[Event] | None = []
+        self.listeners: list[_Listener] = []
         self.watchdog: asyncio.Task[None] | None = None
 
     @property
@@ -107,8 +134,16 @@ class SessionRecord(RequestRecord):
             self.events.append(event)
         if self._early is not None:
             self._early.append(event)
-        for queue in self.subscribers:
-            queue.put_nowait(event)
+        for listener in self.listeners:
+            listener.queue.put_nowait(event)
+            if event_type == "media.chunk":
+                listener.pending_chunks += 1
+
+    def chunks_ahead(self) -> int:
+        """Chunks emitted that the slowest listener (or, before the first, nobody) has not taken."""
+        if self._early is not None:
+            return sum(1 for e in self._early if e.type == "media.chunk")
+        return max((listener.pending_chunks for listener in self.listeners), default=0)
 
     @property
     def ended(self) -> bool:
@@ -150,28 +185,33 @@ class SessionHandle:
         session events so far (not past media chunks), then everything live.
         """
         record = self._record
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+        listener = _Listener()
         if record._early is not None:
             history, record._early = record._early, None
         else:
             history = list(record.events)
-        record.subscribers.append(queue)
+        listener.pending_chunks = sum(1 for e in history if e.type == "media.chunk")
+        record.listeners.append(listener)
         try:
             last = -1
             for event in history:
                 last = event.seq
                 yield event
+                if event.type == "media.chunk":
+                    listener.pending_chunks -= 1  # taken: the caller asked for the next event
                 if event.type == "session.closed":
                     return
             while True:
-                event = await queue.get()
+                event = await listener.queue.get()
                 if event.seq <= last:
                     continue
                 yield event
+                if event.type == "media.chunk":
+                    listener.pending_chunks -= 1
                 if event.type == "session.closed":
                     return
         finally:
-            record.subscribers.remove(queue)
+            record.listeners.remove(listener)
 
     def push_text(self, prompt: str, event_id: str | None = None) -> int:
         """Queue a prompt update; returns its version. It applies at the next chunk boundary
@@ -287,7 +327,7 @@ class SessionManager:
         """Continue a session from :meth:`SessionHandle.suspend`'s bytes (maybe in another process)."""
         try:
             payload = torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable input is the caller's bad bytes
+        except Exception as exc:
             raise StateFormatError(f"not a suspended fv session: {exc}", param="state") from None
         if not isinstance(payload, dict) or payload.get("format") != SESSION_FORMAT:
             raise StateFormatError(f"not a suspended fv session (expected format {SESSION_FORMAT!r})", param="state")
@@ -377,7 +417,7 @@ class SessionManager:
         loop = self._chunk_loop(instance)
         ctx = LoopContext(
             request=request,
-            executor=lambda plan: engine._enqueue(record, plan),
+            executor=lambda plan: self._paced(record, plan),
             emit_event=record.emit,
             cancel=record.cancel,
             services=engine.services,
@@ -399,7 +439,7 @@ class SessionManager:
         except (LoopCancelled, RequestCancelled):
             reason = record.close_reason or "cancelled"
             self._close(record, reason, None)
-        except Exception as exc:  # noqa: BLE001 - isolate: one session's failure ends only it
+        except Exception as exc:  # isolate: one session's failure ends only it
             if isinstance(exc, FvError):
                 info = ErrorInfo(**exc.info())
             else:
@@ -411,8 +451,13 @@ class SessionManager:
         finally:
             try:
                 loop.release(record.session_id, instance)
-            except Exception:  # noqa: BLE001 - a release failure must not take the engine down
+            except Exception:  # a release failure must not take the engine down
                 log.exception("releasing session %s's resources failed", record.session_id)
+            if engine.hooks is not None:
+                try:
+                    engine.hooks.request_finished(record.session_id, record.status)
+                except Exception:  # a plugin's listener must not fail the session
+                    log.exception("fv_request_finished hook failed")
             if record.suspend_waiter is not None and not record.suspend_waiter.done():
                 record.suspend_waiter.set_exception(
                     SessionClosed(record.session_id, self.close_reason(record), "suspend"))
@@ -422,8 +467,17 @@ class SessionManager:
             for unit in engine.scheduler.pending.drop_request(record.session_id):
                 if not unit.future.done():
                     unit.future.cancel()
+            engine._free_slabs(record)  # whatever a loop's release left: admission gets the slabs back with the reservation
             engine.admission.release(record.session_id)
             engine._kick()
+
+    async def _paced(self, record: SessionRecord, plan: Any) -> Any:
+        """The engine's executor, after waiting while the session is ``max_ahead_chunks`` ahead of its listeners."""
+        while record.chunks_ahead() > record.session.max_ahead_chunks and not record.cancel.cancelled:
+            if record.suspend_waiter is not None and not record.suspend_waiter.done():
+                break  # a suspend is taken at the next step boundary: let one step run
+            await asyncio.sleep(_PACE_POLL_S)
+        return await self.engine._enqueue(record, plan)
 
     @staticmethod
     def close_reason(record: SessionRecord) -> str:
@@ -433,6 +487,13 @@ class SessionManager:
         if record.stream_open and reason != "suspended":
             record.emit("media.complete", stream=VIDEO_STREAM)
         record.status = {"completed": "completed", "failed": "failed"}.get(reason, "cancelled")
+        metrics = self.engine.metrics
+        if record.status == "completed":
+            metrics.completed += 1
+        elif record.status == "failed":
+            metrics.failed += 1
+        else:
+            metrics.cancelled += 1
         record.emit("session.closed", reason=reason, chunks=record.chunks_emitted, error=error)
         if not record.done.done():
             status = record.status if record.status in ("completed", "failed") else "cancelled"

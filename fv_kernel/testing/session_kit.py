@@ -36,8 +36,21 @@ from fv_kernel.card.spec import (
 )
 from fv_kernel.errors import InvalidRequest
 from fv_kernel.loop.contract import Done, LoopContext, LoopResult, ResidentModel
-from fv_kernel.loop.plan import ResourceRequest, ShapeSignature, StepEstimate, StepOp, StepResult, WorkKind, WorkPlan
-from fv_kernel.loop.realtime import SESSION_UPSTREAM, ChunkRolloutLoop, ChunkRolloutState, ReadyChunk
+from fv_kernel.loop.plan import (
+    ResourceRequest,
+    ShapeSignature,
+    StepEstimate,
+    StepOp,
+    StepResult,
+    WorkKind,
+    WorkPlan,
+)
+from fv_kernel.loop.realtime import (
+    SESSION_UPSTREAM,
+    ChunkRolloutLoop,
+    ChunkRolloutState,
+    ReadyChunk,
+)
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.model.options import InstanceOptions
 from fv_kernel.request.artifacts import Provenance, VideoArtifact
