@@ -157,6 +157,7 @@ from fv_kernel.loop.plan import (
 )
 from fv_kernel.loop.contract import Done, Loop, LoopResult, LoopState
 from fv_kernel.loop.driver import LoopCancelled, drive, resume
+from fv_kernel.loop.realtime import ChunkRolloutLoop, ChunkRolloutState, ReadyChunk
 from fv_kernel.loop.guidance import (
     CFGZeroStar,
     ConditionalOnly,
@@ -225,7 +226,20 @@ from fv_kernel.request.artifacts import (
     TextArtifact,
     VideoArtifact,
 )
-from fv_kernel.request.events import ErrorInfo, Event
+from fv_kernel.request.events import (
+    ErrorInfo,
+    Event,
+    MediaChunk,
+    SessionClosedEvent,
+    SessionError,
+    SessionPromptApplied,
+    SessionPromptQueued,
+    SessionResumed,
+    SessionStarted,
+    SessionSuspended,
+)
+from fv_kernel.request.session import CANCEL_SCOPES, SessionClosed, SessionRequest, check_cancel_scope
+from fv_kernel.request.session import CancelScope as SessionCancelScope
 from fv_kernel.request.request import (
     ActionPart,
     AdapterRef,
