@@ -11,15 +11,20 @@ step boundaries, through :meth:`ChunkRolloutLoop.update_prompt`,
 
 from __future__ import annotations
 
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fv_kernel.errors import InvalidRequest
 from fv_kernel.loop.contract import Loop, LoopContext, LoopState
+from fv_kernel.request.request import Request
 
-__all__ = ["ChunkRolloutLoop", "ChunkRolloutState", "ReadyChunk"]
+__all__ = ["ChunkRolloutLoop", "ChunkRolloutState", "ReadyChunk", "SESSION_UPSTREAM"]
+
+#: The ``ctx.upstream`` key under which the session runtime hands a rollout its session
+#: settings (``{"max_chunks": int | None}``); :meth:`ChunkRolloutLoop.session_fields` reads it.
+SESSION_UPSTREAM = "session"
 
 
 class ReadyChunk(BaseModel):
@@ -85,6 +90,18 @@ class ChunkRolloutLoop(Loop[S]):
     """
 
     kind: ClassVar[str] = "chunk_rollout"
+
+    def session_fields(self, request: Request, ctx: LoopContext) -> dict[str, Any]:
+        """The kernel fields of a fresh state (prompt, max_chunks, fps) for ``init`` to splat in.
+
+        ``prompt`` is the request's prompt, ``fps`` its (resolved) fps, ``max_chunks`` the
+        session's (``ctx.upstream[SESSION_UPSTREAM]``; None outside a session).
+        """
+        session = ctx.upstream.get(SESSION_UPSTREAM) or {}
+        fps = request.diffusion.fps
+        if fps is None:
+            raise InvalidRequest("fps", "a chunk rollout needs the request's fps (resolve the request against its card)")
+        return {"prompt": request.text() or "", "max_chunks": session.get("max_chunks"), "fps": float(fps)}
 
     def update_prompt(self, state: S, prompt: str, version: int) -> S:
         """Queue ``prompt`` (as ``version``) for the next chunk boundary; a newer update replaces a queued one."""
