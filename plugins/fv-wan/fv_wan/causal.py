@@ -542,6 +542,16 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
                                              "phase": "denoise"})
         return state
 
+    def update_prompt(self, state: CausalWanState, prompt: str, version: int) -> CausalWanState:
+        """Queue the prompt; when no step of the current chunk has run yet (the runtime calls this between a
+        chunk's decode and its first forward), that is the boundary: the chunk is generated under it."""
+        state = super().update_prompt(state, prompt, version)
+        if state.phase in ("text", "denoise") and state.chunk_step == 0:
+            state = self.apply_pending_prompt(state)
+            ids, mask = self._tokenize(state.prompt)
+            state = state.model_copy(update={"phase": "text", "text_ids": ids, "text_mask": mask})
+        return state
+
     def suspend(self, state: CausalWanState, ctx: LoopContext) -> CausalWanState:
         """The state with its window's K/V copied in (``SlabKVPool.snapshot``): self-contained bytes."""
         if state.kv_snapshot is not None:
