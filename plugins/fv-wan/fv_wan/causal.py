@@ -22,15 +22,18 @@ window's K/V into the state; ``restore`` re-acquires slabs and copies them back.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fv_kernel.api import (
+    BuildProblem,
     ChunkRolloutLoop,
     ChunkRolloutState,
     Done,
@@ -74,6 +77,7 @@ __all__ = [
     "build_causal_wan_instance",
     "build_causal_toy_instance",
     "causal_card",
+    "check_scheduler_config",
     "causal_ops",
     "chunk_kv_config",
     "warp_timesteps",
@@ -181,7 +185,8 @@ def chunk_kv_config(card: ModelCard, options: InstanceOptions, loop_id: str = "r
     )
     contract = card.caches.get(CHUNK_KV)
     if contract is None:
-        raise InvalidCard(f"causal card {card.model_id!r} declares no caches[{CHUNK_KV!r}] (the slab pool's budget)")
+        raise InvalidCard([BuildProblem(f"caches.{CHUNK_KV}", "a causal card declares the slab pool's budget")],
+                          card_id=card.model_id)
     return SlabKVConfig.from_budget(contract.budget_bytes, **geometry)
 
 
@@ -273,7 +278,26 @@ def build_causal_toy_instance(card: ModelCard, options: InstanceOptions, compute
     return _causal_instance(build_toy_instance(card, options, compute), card, options)
 
 
+def check_scheduler_config(card: ModelCard, directory: Path) -> None:
+    """A Self-Forcing checkpoint's ``scheduler/scheduler_config.json`` must agree with the card's recipe (its
+    ``shift``); the sampler itself is the recipe's, so a checkpoint distilled at another shift is refused."""
+    path = directory / "scheduler" / "scheduler_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    recipe = _recipe(card, "realtime")
+    shift = config.get("shift")
+    if shift is not None and abs(float(shift) - recipe.shift) > 1e-9:
+        raise InvalidCard([BuildProblem(
+            "checkpoint.source", f"{path}: shift {shift} differs from the recipe's shift {recipe.shift} "
+            f"(class {config.get('_class_name')!r}); the causal recipe would run the wrong timesteps",
+        )], card_id=card.model_id)
+
+
 def _causal_instance(base: ModelInstance, card: ModelCard, options: InstanceOptions) -> CausalWanInstance:
+    source = options.source or card.checkpoint.source
+    if source is not None and Path(source).is_dir():
+        check_scheduler_config(card, Path(source))
     base_ops = base.ops_builder
 
     def ops_builder(instance: ModelInstance) -> dict[str, StepOp]:
@@ -339,10 +363,10 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
     def bind(self, instance: Any) -> None:
         pools = instance.block_pools()
         if CHUNK_KV not in pools or not isinstance(pools[CHUNK_KV], SlabKVPool):
-            raise InvalidCard(
-                f"loop {self.loop_id!r} needs a slab chunk-KV pool as block_pools()[{CHUNK_KV!r}] "
-                f"(build the card with fv_wan.causal:build_causal_wan_instance)"
-            )
+            raise InvalidCard([BuildProblem(
+                "factory", f"loop {self.loop_id!r} needs a slab chunk-KV pool as block_pools()[{CHUNK_KV!r}] "
+                "(build the card with fv_wan.causal:build_causal_wan_instance)",
+            )], card_id=instance.card.model_id)
         self._pool: SlabKVPool = pools[CHUNK_KV]
         self._instance = instance
         self._recipe = CausalRecipe(**self.spec.config)
