@@ -438,7 +438,7 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
         shape = (config.in_channels, recipe.frames_per_chunk, d.height // vae.spatial_compression, d.width // vae.spatial_compression)
         generator = torch.Generator(device="cpu").manual_seed(d.seed)
         latents = torch.randn((1, *shape), generator=generator, dtype=torch.float32)
-        window, _ = self._pool.append(self._pool.open(f"{request.request_id}/{self.loop_id}", recipe.window), 0)
+        window, _ = self._pool.append(self._pool.open(request.request_id, recipe.window), 0)
         ids, mask = self._tokenize(fields["prompt"])
         return CausalWanState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id, **fields,
@@ -596,8 +596,9 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
         restored = self._pool.restore(window.owner, window.spec, state.kv_snapshot, window.positions)
         return state.model_copy(update={"window": restored, "kv_snapshot": None})
 
-    def release(self, state: CausalWanState, ctx: LoopContext) -> None:
-        self._pool.close_owner(state.window.owner)
+    def release(self, owner: str, model: Any) -> None:
+        """Free the session's slabs (its window's owner is the session's request id)."""
+        self._pool.close_owner(owner)
 
     def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
         """The session's window of slabs (reserved at admission) and, per chunk, its steps."""

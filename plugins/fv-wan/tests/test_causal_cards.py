@@ -80,3 +80,19 @@ def test_wan_toy_causal_generates_through_the_facade_and_refuses_other_steps() -
     # request failing on a typed recipe_mismatch naming the field.
     with pytest.raises(StepFailed, match=r"steps: card 'wan-toy-causal' .* assumes loop 'realtime' .*asked for 8 steps"):
         model.generate("a red square moves left", frames=9, steps=8)
+
+
+def test_a_wan_toy_causal_session_streams_chunks_and_takes_a_prompt_update() -> None:
+    """The card under the kernel's session runtime (fv.load(...).session): typed chunks with continuous frame
+    ranges; an update sent after the first chunk reaches a later chunk (its prompt_version), never an earlier one."""
+    model = facade.load("wan-toy-causal")
+    chunks = []
+    with model.session("a red square moves left", max_chunks=3, seed=2) as session:
+        for chunk in session:
+            chunks.append(chunk)
+            if chunk.index == 0:
+                assert session.update("a red square moves right") == 1
+    assert [c.index for c in chunks] == [0, 1, 2]
+    assert [tuple(c.frames.shape) for c in chunks] == [(9, 3, 64, 64), (12, 3, 64, 64), (12, 3, 64, 64)]
+    assert chunks[0].prompt_version == 0 and chunks[-1].prompt_version == 1
+    assert [c.prompt_version for c in chunks] == sorted(c.prompt_version for c in chunks)

@@ -51,7 +51,7 @@ def test_the_recipe_s_own_steps_and_sampler_are_accepted() -> None:
     request = make_request(CARD, steps=4, sampler="fv-wan/self_forcing_dmd", guidance=1.0)
     state = instance.loop("realtime").init(request, instance, _ctx(request))
     assert state.phase == "text" and state.window.positions == (0,)
-    instance.loop("realtime").release(state, _ctx(request))
+    instance.loop("realtime").release(state.request_id, instance)
 
 
 @pytest.mark.parametrize(("field", "diffusion"), [("height", {"height": 64}), ("width", {"width": 24})])
@@ -132,7 +132,7 @@ def test_prompt_update_changes_the_chunks_after_it() -> None:
     instance = tiny_instance()
     request = make_request(CARD)
     plain, plain_plans = run_loop(instance, request)
-    instance.loop("realtime").release(plain, _ctx(request))
+    instance.loop("realtime").release(plain.request_id, instance)
     state, first = run_loop(instance, request, until_chunk=1)
     state = instance.loop("realtime").update_prompt(state, "a blue cube", 1)
     state, rest = run_loop(instance, request, state=state)
@@ -145,14 +145,14 @@ def test_suspend_and_resume_in_a_fresh_instance_is_bit_identical() -> None:
     request = make_request(CARD, frames=1 + 4 * (3 * 4 - 1))
     instance = tiny_instance(sink=1, local=2)
     straight, straight_plans = run_loop(instance, request)
-    instance.loop("realtime").release(straight, _ctx(request))
+    instance.loop("realtime").release(straight.request_id, instance)
 
     half, _ = run_loop(instance, request, until_chunk=2)
     loop = instance.loop("realtime")
     frozen = loop.suspend(half, _ctx(request))
     assert frozen.kv_snapshot is not None
     data = frozen.to_bytes()
-    loop.release(half, _ctx(request))
+    loop.release(half.request_id, instance)
     assert instance.block_pools()["chunk_kv"].used_slabs == 0
 
     fresh = tiny_instance(sink=1, local=2)  # another pool: another process's instance
@@ -189,5 +189,5 @@ def test_release_frees_the_session_s_slabs_and_cancel_stream_restarts_the_chunk(
     assert restarted.chunk_step == 0 and restarted.ready == [] and restarted.chunk_index == 1
     assert not torch.equal(restarted.latents, state.latents)
     assert pool.used_slabs == 2
-    loop.release(restarted, _ctx(request))
+    loop.release(restarted.request_id, instance)
     assert pool.used_slabs == 0
