@@ -96,3 +96,27 @@ def test_a_wan_toy_causal_session_streams_chunks_and_takes_a_prompt_update() -> 
     assert [tuple(c.frames.shape) for c in chunks] == [(9, 3, 64, 64), (12, 3, 64, 64), (12, 3, 64, 64)]
     assert chunks[0].prompt_version == 0 and chunks[-1].prompt_version == 1
     assert [c.prompt_version for c in chunks] == sorted(c.prompt_version for c in chunks)
+
+
+def test_the_factory_checks_a_local_checkpoint_s_scheduler_shift(tmp_path: Path) -> None:
+    from fv_kernel.api import InstanceOptions
+    from fv_wan.causal import build_causal_wan_instance
+
+    (card,) = causal_wan_cards()
+    (tmp_path / "scheduler").mkdir()
+    config = {"_class_name": "SelfForcingFlowMatchScheduler", "shift": 5.0}
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    instance = build_causal_wan_instance(card, InstanceOptions(source=str(tmp_path), device="cpu"))  # loads nothing yet
+    pool = instance.block_pools()["chunk_kv"]
+    assert pool.config.tokens_per_slab == 3 * 1560 and pool.capacity_slabs == 28 and pool.nbytes() == 0
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps({**config, "shift": 3.0}))
+    with pytest.raises(InvalidCard, match="shift 3.0 differs"):
+        build_causal_wan_instance(card, InstanceOptions(source=str(tmp_path), device="cpu"))
+
+
+def test_wan_toy_causal_window_and_budget() -> None:
+    card = wan_toy_causal_card()
+    assert card is not None
+    recipe = CausalRecipe(**card.loops["realtime"].config)
+    assert (recipe.frames_per_chunk, recipe.sink_chunks, recipe.local_chunks) == (3, 1, 3)
+    assert card.caches["chunk_kv"].budget_bytes == 8 * 4 * card.caches["chunk_kv"].block_bytes
