@@ -259,6 +259,7 @@ from fv_kernel.runtime.cost import CostKey, CostModel
 from fv_kernel.deploy.engine import build_engine
 from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially
 from fv_kernel.runtime.records import GenerationResult, RequestHandle
+from fv_kernel.runtime.sessions import SessionHandle
 from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.runtime.local import run_local, run_local_async
 from fv_kernel.training import LossLog, NoOptions, ParityResult, Reward, RLMethod, TrainedModel, TrainingRun

@@ -69,6 +69,14 @@ def test_facade_session_stop_and_errors(card: str, fv_host: PluginHost, tmp_path
     assert s.close_reason == "stopped"
     with pytest.raises(SessionClosed):
         s.update("too late")
+    for late in (s.touch, lambda: s.cancel("stream"), s.suspend):
+        with pytest.raises(SessionClosed):
+            late()
+    s.stop()  # nothing to stop: no error
+    with gen.session("a red fox") as s:
+        for chunk in s:
+            break  # leaving the block stops it
+    assert s.close_reason == "stopped"
     with pytest.raises(InvalidRequest) as err:
         gen.session("x", max_chunks=0)
     assert err.value.param == "max_chunks"
@@ -177,3 +185,55 @@ def test_a_line_typed_on_stdin_while_it_runs_updates_the_prompt(card: str, tmp_p
     assert applied >= 2 and all(v == (1 if i >= applied else 0) for i, v in versions.items()), versions
     frames = torch.load(out, weights_only=True)
     assert frames.shape[0] == 2 * len(versions)
+
+
+def test_reading_chunks_keeps_a_facade_session_alive_past_its_idle_timeout(card: str, fv_host: PluginHost) -> None:
+    import time
+
+    started = time.monotonic()
+    with fv.load(card, host=fv_host).session("a red fox", idle_timeout_s=1.0) as s:  # unbounded: paced by the reads
+        for chunk in s:
+            time.sleep(0.4)  # 6 chunks at 0.4 s: well past 1 s, but every read is activity
+            if chunk.index == 5:
+                s.stop()
+    assert s.close_reason == "stopped" and time.monotonic() - started > 2.0
+
+
+def test_negative_control_without_the_touch_on_read_the_idle_timeout_ends_it(
+    card: str, fv_host: PluginHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from fv_kernel.runtime.sessions import SessionHandle
+
+    monkeypatch.setattr(SessionHandle, "touch", lambda self: None)
+    with fv.load(card, host=fv_host).session("a red fox", idle_timeout_s=1.0) as s:
+        for chunk in s:
+            time.sleep(0.4)
+            if chunk.index == 5:
+                s.stop()
+    assert s.close_reason == "idle_timeout"
+
+
+def test_ctrl_c_stops_the_stream_and_keeps_what_was_made(card: str, tmp_path: Path) -> None:
+    import signal
+
+    out = tmp_path / "cc.pt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fv_kernel.cli.app", "realtime", "--model", card, "--prompt", "x", "--output", str(out)],
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("chunk 2 "):
+            proc.send_signal(signal.SIGINT)
+            break
+    _, rest = proc.communicate(timeout=120)
+    stderr = "".join(seen) + rest
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+    assert "session stopped" in stderr
+    made = len(re.findall(r"^chunk \d+ ", stderr, re.M))
+    frames = torch.load(out, weights_only=True).shape[0]  # plus any chunk finished while stopping
+    assert frames % 2 == 0 and frames >= 2 * made >= 6

@@ -468,6 +468,10 @@ def resume_in_this_process(data: bytes) -> list[tuple[int, int, int, torch.Tenso
             handle = engine.resume_session(data)
             events = await collect(handle)
             assert events[-1].reason == "completed"
+            types = [e.type for e in events]
+            resumed = events[types.index("session.resumed")]
+            assert types.index("session.started") < types.index("session.resumed") < types.index("media.chunk")
+            assert resumed.prompt_version == 0 and resumed.chunk_index >= 2
             return [(c.index, c.frame_start, c.prompt_version, c.frames) for c in chunks(events)]
 
     return asyncio.run(go())
@@ -521,5 +525,96 @@ def test_resume_refuses_bytes_that_are_not_a_suspended_session() -> None:
             with pytest.raises(StateFormatError) as err:
                 engine.resume_session(b"not a session")
             assert err.value.param == "state"
+
+    asyncio.run(go())
+
+
+# -- backpressure ------------------------------------------------------------------------------------
+
+
+def run_with_a_slow_listener(max_ahead: int) -> int:
+    """Chunks a session emitted while its only listener held its first chunk for 0.3 s."""
+
+    async def go() -> int:
+        engine, _ = make_engine()
+        async with engine.running():
+            handle = engine.open_session(session("slow", max_chunks=None, max_ahead_chunks=max_ahead))
+            events = handle.events()
+            async for event in events:
+                if event.type == "media.chunk":
+                    break
+            await asyncio.sleep(0.3)
+            emitted = handle._record.chunks_emitted
+            handle.stop()
+            async for _ in events:
+                pass
+            return emitted
+
+    return asyncio.run(go())
+
+
+def test_a_session_pauses_when_it_is_max_ahead_chunks_ahead_of_its_listener() -> None:
+    # One chunk taken, max_ahead emitted beyond it, and the one that was being made when it paused.
+    assert run_with_a_slow_listener(2) <= 1 + 2 + 1
+
+
+def test_negative_control_without_backpressure_the_session_runs_away() -> None:
+    assert run_with_a_slow_listener(64) > 1 + 2 + 1
+
+
+def test_cancel_scopes_request_and_loop_end_the_session_like_session() -> None:
+    for scope in ("request", "loop"):
+        def setup(engine: Engine, handle: Any, scope: str = scope) -> None:
+            engine.observers.append(Trigger(f"x{scope}", "chunk_decode", 1, lambda: handle.cancel(scope)))
+
+        events = run_one(session(f"x{scope}", max_chunks=None), setup)
+        assert events[-1].reason == "cancelled", scope
+
+
+def test_a_queued_session_also_times_out_and_a_late_subscriber_sees_session_events_then_live() -> None:
+    async def go() -> None:
+        engine, _ = make_engine(chunk_toy_card(pool_slabs=3))  # room for one window
+        async with engine.running():
+            running = engine.open_session(session("run", max_chunks=None))
+            queued = engine.open_session(session("wait", max_chunks=None, idle_timeout_s=0.3))
+            first = running.events()
+            seen = 0
+            async for event in first:
+                seen += event.type == "media.chunk"
+                if seen == 3:
+                    break
+            late = [e async for e in _take(running.events(), 4)]
+            assert late[0].type == "request.queued" and "session.started" in [e.type for e in late]
+            assert [e.type for e in late].count("media.chunk") <= 1, "past chunks are not replayed to a late subscriber"
+            closed = await asyncio.wait_for(queued.wait_closed(), TIMEOUT)
+            assert closed == "idle_timeout" and not running.closed
+            running.stop()
+            assert await asyncio.wait_for(running.wait_closed(), TIMEOUT) == "stopped"
+
+    asyncio.run(go())
+
+
+async def _take(events: Any, n: int) -> Any:
+    count = 0
+    async for event in events:
+        yield event
+        count += 1
+        if count == n:
+            return
+
+
+def test_a_suspend_is_taken_while_the_session_waits_for_a_slow_listener() -> None:
+    async def go() -> None:
+        engine, _ = make_engine()
+        async with engine.running():
+            handle = engine.open_session(session("p", max_chunks=None, max_ahead_chunks=1))
+            events = handle.events()
+            async for event in events:
+                if event.type == "media.chunk":
+                    break
+            await asyncio.sleep(0.1)  # the session is paused: its listener holds chunks it has not taken
+            data = await asyncio.wait_for(handle.suspend(), TIMEOUT)
+            assert data and await asyncio.wait_for(handle.wait_closed(), TIMEOUT) == "suspended"
+            await events.aclose()
 
     asyncio.run(go())

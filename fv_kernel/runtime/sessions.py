@@ -453,6 +453,8 @@ class SessionManager:
     async def _paced(self, record: SessionRecord, plan: Any) -> Any:
         """The engine's executor, after waiting while the session is ``max_ahead_chunks`` ahead of its listeners."""
         while record.chunks_ahead() > record.session.max_ahead_chunks and not record.cancel.cancelled:
+            if record.suspend_waiter is not None and not record.suspend_waiter.done():
+                break  # a suspend is taken at the next step boundary: let one step run
             await asyncio.sleep(_PACE_POLL_S)
         return await self.engine._enqueue(record, plan)
 
