@@ -257,7 +257,8 @@ def causal_ops(instance: CausalWanInstance) -> dict[str, StepOp]:
                 z = vae.denormalize_latents(inputs["z"].to(device=ref.device, dtype=torch.float32)).to(ref.dtype)
                 frames, cache = vae.decode_chunk(z, cache)
             out = {"frames": (frames.float() / 2 + 0.5).clamp(0, 1).cpu()}
-            out.update({f"cache.{k}": v for k, v in cache.to_tensors().items()})
+            # In the activations' own layout (as fv-wan's vae_decode_frame): repacking costs more than it saves.
+            out.update({f"cache.{k}": v for k, v in cache.to_tensors(contiguous=False).items()})
             return out
 
         ops["vae_decode_chunk"] = StepOp("vae_decode_chunk", vae_decode_chunk)
