@@ -191,3 +191,13 @@ def test_release_frees_the_session_s_slabs_and_cancel_stream_restarts_the_chunk(
     assert pool.used_slabs == 2
     loop.release(restarted.request_id, instance)
     assert pool.used_slabs == 0
+
+
+def test_an_unbounded_rollout_ends_where_the_rope_positions_run_out() -> None:
+    instance = tiny_instance()  # RoPE: 32 latent frames -> 10 chunks of 3
+    request = make_request(CARD).with_updates(diffusion=make_request(CARD).diffusion.model_copy(update={"frames": None}))
+    loop = instance.loop("realtime")
+    state, _ = run_loop(instance, request)
+    assert state.max_chunks is None and state.chunk_index == 10
+    done = loop.next(state)
+    assert getattr(done, "reason", None) == "rope_positions_exhausted"
