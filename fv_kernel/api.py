@@ -157,7 +157,7 @@ from fv_kernel.loop.plan import (
 )
 from fv_kernel.loop.contract import Done, Loop, LoopResult, LoopState
 from fv_kernel.loop.driver import LoopCancelled, drive, resume
-from fv_kernel.loop.realtime import ChunkRolloutLoop, ChunkRolloutState, ReadyChunk
+from fv_kernel.loop.realtime import SESSION_UPSTREAM, ChunkRolloutLoop, ChunkRolloutState, ReadyChunk
 from fv_kernel.loop.guidance import (
     CFGZeroStar,
     ConditionalOnly,
