@@ -103,7 +103,7 @@ def tier_setup(tier: str, card: ModelCard, device: torch.device,
         if not triton_available():
             return None, "triton is not importable"
         other = "vae" if component == "dit" else "dit"
-        return {"compute": ComputeOptions(fused_ops="triton", component_fused_ops={other: "off"})}, None
+        return {"compute": ComputeOptions(fused_ops="triton", **{f"{other}_fused_ops": "off"})}, None
     if tier == "graphs":
         if device.type != "cuda":
             return None, "CUDA graphs need a CUDA device; off CUDA the step runs eagerly"

@@ -276,7 +276,8 @@ def test_auto_selects_the_fused_tier_per_component(tmp_path: Path, card: ModelCa
     assert selection.declined == ("fused/vae",) and "on the vae" in selection.verdicts["fused/vae"].reason
     assert selection.compute is not None
     assert selection.compute.fused_ops_for("dit") == "auto" and selection.compute.fused_ops_for("vae") == "off"
-    assert selection.compute.component_fused_ops == {"vae": "off"} and selection.compute.tier == "fused+graphs"
+    assert (selection.compute.dit_fused_ops, selection.compute.vae_fused_ops) == (None, "off")
+    assert selection.compute.tier == "fused+graphs"
     assert dict(selection.tiers) == {"dit": "fused+graphs", "vae": "eager"}
     # Visible in the load log: each component's tier, and why the VAE's was declined.
     assert any("compute tiers: dit fused+graphs, vae eager; declined: tier 'fused' on the vae" in r.getMessage()
@@ -285,7 +286,7 @@ def test_auto_selects_the_fused_tier_per_component(tmp_path: Path, card: ModelCa
     swapped = (measured(card, psnr=42.0, component="dit"), measured(card, psnr=48.0, component="vae"))
     other = select(card, compute.model_copy(update={"parity_record": record_file(tmp_path, *swapped)}))
     assert dict(other.tiers) == {"dit": "graphs", "vae": "fused"} and other.declined == ("fused/dit",)
-    assert other.compute is not None and other.compute.component_fused_ops == {"dit": "off"}
+    assert other.compute is not None and (other.compute.dit_fused_ops, other.compute.vae_fused_ops) == ("off", None)
 
 
 def test_a_components_own_measurement_overrides_one_of_all_components(tmp_path: Path, card: ModelCard,
@@ -303,24 +304,26 @@ def test_a_tier_forced_per_component_or_globally(tmp_path: Path, card: ModelCard
     vae = measured(card, psnr=42.0, component="vae")
     record = record_file(tmp_path, dit, vae)
     # Forced on the VAE by name: it runs (warned, overridden), the DiT is still left to auto.
-    forced = select(card, ComputeOptions(fused_ops="auto", component_fused_ops={"vae": "triton"}, parity_record=record))
+    forced = select(card, ComputeOptions(fused_ops="auto", vae_fused_ops="triton", parity_record=record))
     assert forced.overridden == ("fused/vae",) and forced.declined == () and dict(forced.tiers) == {"dit": "fused", "vae": "fused"}
     # Off on the DiT by name, globally forced elsewhere.
-    mixed = select(card, ComputeOptions(fused_ops="triton", component_fused_ops={"dit": "off"}, parity_record=record))
+    mixed = select(card, ComputeOptions(fused_ops="triton", dit_fused_ops="off", parity_record=record))
     assert dict(mixed.tiers) == {"dit": "eager", "vae": "fused"} and mixed.overridden == ("fused/vae",)
     assert dict(select(card, ComputeOptions(fused_ops="triton", parity_record=record)).tiers) == {"dit": "fused", "vae": "fused"}
 
 
 def test_bad_per_component_settings_name_the_field_and_the_allowed_values() -> None:
-    with pytest.raises(ValueError, match=r"component_fused_ops\.text_encoder\.\[key\][\s\S]*'dit' or 'vae'"):
-        ComputeOptions(component_fused_ops={"text_encoder": "off"})
-    with pytest.raises(ValueError, match=r"component_fused_ops\.vae[\s\S]*'off', 'auto', 'torch' or 'triton'"):
-        ComputeOptions(component_fused_ops={"vae": "fast"})
+    with pytest.raises(ValueError, match=r"vae_fused_ops\n  Input should be 'off', 'auto', 'torch' or 'triton'"):
+        ComputeOptions(vae_fused_ops="fast")
+    with pytest.raises(ValueError, match=r"text_encoder_fused_ops\n  Extra inputs are not permitted"):
+        ComputeOptions(text_encoder_fused_ops="off")
     with pytest.raises(ValueError, match=r"component must be one of \['dit', 'vae'\]"):
         ComputeOptions().fused_ops_for("reasoner")
     deployment = CardDeployment.model_validate({"model": "toy-dit", "compute": {"fused_ops": "auto",
-                                                                                "component_fused_ops": {"vae": "off"}}})
+                                                                                "vae_fused_ops": "off"}})
     assert deployment.compute is not None and deployment.compute.fused_ops_for("vae") == "off"
+    assert deployment.compute.fused_ops_for("dit") == "auto"
+    hash(deployment.compute)  # options stay hashable (frozen, no dict field)
 
 
 def test_auto_off_cuda_or_without_triton_is_no_tier(card: ModelCard, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -73,11 +73,12 @@ class ComputeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    #: Every component's fused ops (``FusedOpsMode``), unless ``component_fused_ops`` names the component.
+    #: Every component's fused ops (``FusedOpsMode``), unless ``dit_fused_ops`` / ``vae_fused_ops`` set its own.
     fused_ops: FusedOpsMode = "off"
-    #: Per component (``dit``: the denoiser, ``vae``: the VAE decoder), a mode that replaces
-    #: ``fused_ops`` there, e.g. ``{vae: off}`` keeps the VAE eager while the DiT runs Triton.
-    component_fused_ops: dict[Literal["dit", "vae"], FusedOpsMode] = Field(default_factory=dict)
+    #: The denoiser's fused ops in place of ``fused_ops`` (None: ``fused_ops``).
+    dit_fused_ops: FusedOpsMode | None = None
+    #: The VAE decoder's, likewise: ``vae_fused_ops="off"`` keeps the VAE eager while the DiT runs Triton.
+    vae_fused_ops: FusedOpsMode | None = None
     #: "blocks": ``torch.compile`` each transformer block in place.
     compile: Literal["eager", "blocks"] = "eager"
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
@@ -100,7 +101,8 @@ class ComputeOptions(BaseModel):
         """The fused-ops mode of ``component`` (``dit`` or ``vae``)."""
         if component not in _FUSED_COMPONENTS:
             raise ValueError(f"component must be one of {list(_FUSED_COMPONENTS)}; got {component!r}")
-        return self.component_fused_ops.get(component, self.fused_ops)  # type: ignore[call-overload]
+        own = self.dit_fused_ops if component == "dit" else self.vae_fused_ops
+        return self.fused_ops if own is None else own
 
     @property
     def tier(self) -> CompileTier:
@@ -382,7 +384,7 @@ class TierSelection:
     (``"fused/dit"``, ``"fused/vae"``, ``"graphs/dit"``...)."""
 
     #: The options to build with: ``fused_ops="auto"`` resolved to ``"off"`` for each component whose
-    #: fused tier fails its contract (``component_fused_ops`` where the components differ).
+    #: fused tier fails its contract (``dit_fused_ops`` / ``vae_fused_ops`` where the components differ).
     compute: ComputeOptions | None
     verdicts: Mapping[str, TierVerdict]
     #: Tiers asked for by name although their contract is not met (run anyway, warned).
@@ -432,7 +434,7 @@ def select_compute_tiers(
     component it resolves to ``"off"`` unless the fused tier's recorded measurement on that
     component passes its contract, so a card takes the Triton kernels wherever they pass (the faster
     of the two) and eager elsewhere. A tier named explicitly (``fused_ops="triton"`` globally or in
-    ``component_fused_ops``, ``compile="blocks"``, ``cuda_graphs`` on CUDA, attention ``vsa`` on a
+    ``dit_fused_ops`` / ``vae_fused_ops``, ``compile="blocks"``, ``cuda_graphs`` on CUDA, attention ``vsa`` on a
     card whose recipe does not assume it) is the user's override: it is kept, and a failing or
     missing measurement is logged as a warning. ``fused_ops="torch"`` is eager's own formulas, not a tier.
     """
@@ -489,5 +491,5 @@ def _with_fused_off(compute: ComputeOptions, components: list[str]) -> ComputeOp
     global mode when every component now agrees, per-component modes where they differ."""
     modes = {c: ("off" if c in components else compute.fused_ops_for(c)) for c in _FUSED_COMPONENTS}
     if len(set(modes.values())) == 1:
-        return compute.model_copy(update={"fused_ops": modes["dit"], "component_fused_ops": {}})
-    return compute.model_copy(update={"component_fused_ops": {c: m for c, m in modes.items() if m != compute.fused_ops}})
+        return compute.model_copy(update={"fused_ops": modes["dit"], "dit_fused_ops": None, "vae_fused_ops": None})
+    return compute.model_copy(update={f"{c}_fused_ops": None if m == compute.fused_ops else m for c, m in modes.items()})

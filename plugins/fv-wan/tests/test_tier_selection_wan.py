@@ -69,7 +69,7 @@ def test_the_dit_is_configured_with_the_selected_options(card, monkeypatch: pyte
 
 def test_each_component_is_configured_with_its_own_fused_ops(card, monkeypatch: pytest.MonkeyPatch) -> None:
     # What a selection that keeps fused ops on the VAE only resolves to (on CPU: the torch reference stands in).
-    resolved = ComputeOptions(fused_ops="off", component_fused_ops={"vae": "torch"})
+    resolved = ComputeOptions(fused_ops="off", vae_fused_ops="torch")
     monkeypatch.setattr(wan_instance, "select_compute_tiers", lambda compute, card_, **kwargs: TierSelection(
         compute=resolved, verdicts={}, tiers={"dit": "eager", "vae": "fused"}))
     instance = build_instance(card, InstanceOptions(compute=ComputeOptions(fused_ops="auto")))
@@ -77,7 +77,7 @@ def test_each_component_is_configured_with_its_own_fused_ops(card, monkeypatch: 
     assert isinstance(instance.component_loader("vae_decoder").decoder.fused_ops, TorchFusedOps)
     assert instance.compute_selection is not None and dict(instance.compute_selection.tiers) == {"dit": "eager", "vae": "fused"}
     # And the other way round.
-    resolved = ComputeOptions(fused_ops="torch", component_fused_ops={"vae": "off"})
+    resolved = ComputeOptions(fused_ops="torch", vae_fused_ops="off")
     instance = build_instance(card, InstanceOptions(compute=ComputeOptions(fused_ops="auto")))
     assert isinstance(instance.component_loader("transformer").fused_ops, TorchFusedOps)
     assert instance.component_loader("vae_decoder").decoder.fused_ops is None
