@@ -5,15 +5,18 @@
     python bench/bench_tier_parity.py --card wan2.1-t2v-1.3b --device cuda \\
         --json out/tier_parity.json --record out/tier_parity_record.json   # 480x832x81, 50 steps
 
-One text-to-video request (fixed seed and prompt, the card's default steps and shape unless
-given) runs end to end through the card's loops, on a fresh instance per configuration:
-eager fp32, eager at ``--precision`` (bf16) and each tier at ``--precision``. Reported per
-tier: PSNR of its final decoded video against eager's, the relative L2 error of its first
-denoise forward against eager's (same inputs), and the verdict of the tier's parity contract
-(``fv_kernel.card.spec.TIER_PARITY_CONTRACTS``), whose floors are eager-at-precision's own
-PSNR and first-forward error against eager fp32. ``--record`` merges the measurements into a
-``TierParityRecord`` file, which a deployment names as ``compute.parity_record``: only then can
-``fused_ops: auto`` select the Triton kernels.
+``--samples N`` text-to-video requests (seeds ``--seed`` .. ``--seed``+N-1, each with its own
+prompt; the card's default steps and shape unless given) run end to end through the card's
+loops, on a fresh instance per configuration: eager fp32, eager at ``--precision`` (bf16) and
+each tier at ``--precision``, the tier on one component at a time (the DiT, or the VAE decoder:
+only the fused kernels reach the VAE; the other component runs eager). Reported per tier and
+component: each sample's PSNR of its final decoded video against eager's and of eager's own
+against eager fp32 (the sample's floor), the relative L2 error of the first sample's first
+denoise forward against eager's, and the verdict of the tier's parity contract
+(``fv_kernel.card.spec.TIER_PARITY_CONTRACTS``: the 95% lower confidence bound of the mean
+per-sample difference from the floor must be within the contract's margin). ``--record`` merges
+the measurements into a ``TierParityRecord`` file, which a deployment names as
+``compute.parity_record``: only then can ``fused_ops: auto`` select the Triton kernels, per component.
 
 Tiers: ``fused`` (Triton kernels; CUDA), ``graphs`` (CUDA graphs; CUDA), ``blocks``
 (``torch.compile`` per block; anywhere with a C++ compiler, slow to build on CPU), ``vsa``
@@ -50,7 +53,14 @@ import torch
 from fv_kernel.model.options import InstanceOptions
 from fv_kernel.model.instance import ModelInstance, build_instance
 from fv_kernel.loop.plan import StepOp
-from fv_kernel.card.spec import TIER_PARITY_CONTRACTS, ModelCard, TierParityMeasurement, TierParityRecord
+from fv_kernel.card.spec import (
+    TIER_COMPONENTS,
+    TIER_PARITY_CONTRACTS,
+    ModelCard,
+    TierParityMeasurement,
+    TierParityRecord,
+    TierParitySample,
+)
 from fv_kernel.compute.compile import ComputeOptions, load_parity_record
 from fv_kernel.compute.fused import triton_available
 from fv_kernel.api import ProgramCheckpoint, ProgramRun
@@ -61,6 +71,14 @@ from random_weights import wan_card_for_device  # bench/, beside this script
 
 TIERS = ("fused", "graphs", "blocks", "vsa")
 PROMPT = "a red fox runs through fresh snow at dawn"
+#: Sample i runs seed ``--seed`` + i with PROMPTS[i % len(PROMPTS)]: several scenes, not one.
+PROMPTS = (
+    PROMPT,
+    "waves break over black rocks under a grey sky",
+    "a busy city street at night, neon signs reflected in puddles",
+    "a close-up of a hummingbird hovering at a red flower",
+    "a slow pan across a desert canyon at sunset",
+)
 
 
 @dataclasses.dataclass
@@ -72,14 +90,20 @@ class Trajectory:
     seconds: float
 
 
-def tier_setup(tier: str, card: ModelCard, device: torch.device) -> tuple[dict[str, Any] | None, str | None]:
-    """The InstanceOptions fields that turn ``tier`` on, or None and why it cannot run here."""
+def tier_setup(tier: str, card: ModelCard, device: torch.device,
+               component: str = "dit") -> tuple[dict[str, Any] | None, str | None]:
+    """The InstanceOptions fields that turn ``tier`` on for ``component`` (the others eager), or None and why it cannot run here."""
+    if component not in TIER_COMPONENTS.get(tier, ()):
+        return None, f"tier {tier!r} does not act on the {component}"
+    if not any(spec.kind == component for spec in card.components.values()):
+        return None, f"card {card.model_id!r} has no {component} component"
     if tier == "fused":
         if device.type != "cuda":
             return None, "the Triton kernels need CUDA; off CUDA only the torch reference runs, which is eager's own formulas"
         if not triton_available():
             return None, "triton is not importable"
-        return {"compute": ComputeOptions(fused_ops="triton")}, None
+        other = "vae" if component == "dit" else "dit"
+        return {"compute": ComputeOptions(fused_ops="triton", **{f"{other}_fused_ops": "off"})}, None
     if tier == "graphs":
         if device.type != "cuda":
             return None, "CUDA graphs need a CUDA device; off CUDA the step runs eagerly"
@@ -209,30 +233,41 @@ def rel_error(test: torch.Tensor, reference: torch.Tensor) -> float:
 def measure_tier_parity(
     card: ModelCard, *, device: torch.device, precision: str, tiers: tuple[str, ...], steps: int, frames: int,
     height: int, width: int, seed: int, source: str, log: Callable[[str], None] = print, cache_dir: Path | None = None,
-    pause: PauseRule | None = None,
+    pause: PauseRule | None = None, samples: int = 3, components: tuple[str, ...] = ("dit", "vae"),
 ) -> dict[str, Any]:
-    """Eager fp32, eager at ``precision`` and each tier over one trajectory; PSNRs, errors, verdicts.
+    """Eager fp32, eager at ``precision`` and each tier on each of ``components`` over ``samples``
+    trajectories (seeds ``seed``.. with PROMPTS in turn); per-sample PSNRs, errors, verdicts.
 
-    Returns ``{"reference": {...}, "tiers": {tier: {...}}, "record": TierParityRecord}``; a tier
-    that cannot run here has ``status: skipped`` and a reason, and no measurement. With ``cache_dir``,
-    ``pause`` (see :func:`run_trajectory`) may stop a run between steps: :class:`Paused` is raised and
-    the next call with the same ``cache_dir`` continues it.
+    Returns ``{"reference": {...}, "tiers": {"tier/component": {...}}, "record": TierParityRecord}``; a
+    tier that cannot run here (or does not act on a component) has ``status: skipped`` and a reason,
+    and no measurement. With ``cache_dir``, ``pause`` (see :func:`run_trajectory`) may stop a run
+    between steps: :class:`Paused` is raised and the next call with the same ``cache_dir`` continues it.
     """
-    request = Request(request_id="tier-parity", model=card.model_id, task=TaskType.TEXT_TO_VIDEO,
-                      inputs=(TextPart(text=PROMPT),),
-                      diffusion=DiffusionParams(seed=seed, steps=steps, height=height, width=width, frames=frames))
-
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
     # Every run uses the attention the card's recipe assumes (FastWan: VSA), so eager is the card as trained
     # and a tier is judged on top of it.
     assumed = card.recipe.assumes_attention
     recipe_fields = {} if assumed is None else {"attention_backend": assumed.kind}
     attention = "" if assumed is None else f"_{assumed.kind}"
+    plan: list[tuple[str, str, dict[str, Any]]] = []  # (tier, component, fields) that run here
+    results: dict[str, Any] = {}
+    for tier in tiers:
+        for component in TIER_COMPONENTS[tier]:
+            if component not in components:
+                continue
+            fields, why_not = tier_setup(tier, card, device, component)
+            if fields is None:
+                log(f"{tier}/{component}: skipped ({why_not})")
+                results[f"{tier}/{component}"] = {"status": "skipped", "reason": why_not}
+            else:
+                plan.append((tier, component, fields))
 
-    def run(label: str, run_precision: str, **fields: Any) -> Trajectory:
+    def run(request: Request, tag: str, label: str, run_precision: str, **fields: Any) -> Trajectory:
         fields = {**recipe_fields, **fields}
         if cache_dir is None:
             return run_trajectory(card, request, device, run_precision, **fields)
-        path = cache_dir / f"{card.model_id}_{label}{attention}_{run_precision}_{steps}x{frames}x{height}x{width}_seed{seed}.pt"
+        path = cache_dir / f"{card.model_id}_{label}{attention}_{run_precision}_{steps}x{frames}x{height}x{width}_{tag}.pt"
         if path.exists():
             log(f"  (reusing {path})")
             return Trajectory(**torch.load(path))
@@ -241,37 +276,61 @@ def measure_tier_parity(
         torch.save(dataclasses.asdict(got), path)
         return got
 
-    log(f"eager fp32: {steps} steps at {frames}x{height}x{width} on {device}")
-    fp32 = run("eager", "fp32")
-    if precision == "fp32":
-        eager = fp32
-    else:
-        log(f"eager {precision}")
-        eager = run("eager", precision)
-    reference = {"psnr_db": psnr(fp32.frames, eager.frames),
-                 "step_rel_error": rel_error(eager.first_forward, fp32.first_forward),
-                 "fp32_seconds": round(fp32.seconds, 3), "eager_seconds": round(eager.seconds, 3)}
-    results: dict[str, Any] = {}
+    reference_rows: list[dict[str, Any]] = []
+    per_tier: dict[str, list[TierParitySample]] = {f"{t}/{c}": [] for t, c, _ in plan}
+    first_forward: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    for index in range(samples):
+        sample_seed, prompt = seed + index, PROMPTS[index % len(PROMPTS)]
+        request = Request(request_id="tier-parity", model=card.model_id, task=TaskType.TEXT_TO_VIDEO,
+                          inputs=(TextPart(text=prompt),),
+                          diffusion=DiffusionParams(seed=sample_seed, steps=steps, height=height, width=width, frames=frames))
+        tag = f"seed{sample_seed}_p{index % len(PROMPTS)}"
+
+        log(f"sample {index + 1}/{samples} (seed {sample_seed}): eager fp32, {steps} steps at {frames}x{height}x{width} on {device}")
+        fp32 = run(request, tag, "eager", "fp32")
+        if precision == "fp32":
+            eager = fp32
+        else:
+            log(f"  eager {precision}")
+            eager = run(request, tag, "eager", precision)
+        floor = psnr(fp32.frames, eager.frames)
+        reference_rows.append({"seed": sample_seed, "prompt": prompt, "psnr_db": floor,
+                               "fp32_seconds": round(fp32.seconds, 3), "eager_seconds": round(eager.seconds, 3)})
+        if index == 0:
+            first_forward["reference"] = rel_error(eager.first_forward, fp32.first_forward)
+        for tier, component, fields in plan:
+            key = f"{tier}/{component}"
+            log(f"  {key} {precision}")
+            label = tier if component == "dit" else f"{tier}-{component}"
+            got = run(request, tag, label, precision, **fields)
+            per_tier[key].append(TierParitySample(seed=sample_seed, prompt=prompt, psnr_db=psnr(eager.frames, got.frames),
+                                                  reference_psnr_db=floor))
+            seconds[key] = seconds.get(key, 0.0) + got.seconds
+            if index == 0:
+                first_forward[key] = rel_error(got.first_forward, eager.first_forward)
+        del fp32, eager
+    reference = {"psnr_db": sum(r["psnr_db"] for r in reference_rows) / samples, "samples": reference_rows,
+                 "step_rel_error": first_forward["reference"],
+                 "fp32_seconds": round(sum(r["fp32_seconds"] for r in reference_rows), 3),
+                 "eager_seconds": round(sum(r["eager_seconds"] for r in reference_rows), 3)}
     measurements: list[TierParityMeasurement] = []
-    for tier in tiers:
-        fields, why_not = tier_setup(tier, card, device)
-        if fields is None:
-            log(f"{tier}: skipped ({why_not})")
-            results[tier] = {"status": "skipped", "reason": why_not}
-            continue
-        log(f"{tier} {precision}")
-        got = run(tier, precision, **fields)
+    for tier, component, _ in plan:
+        key = f"{tier}/{component}"
         measurement = TierParityMeasurement(
-            tier=tier, model_id=card.model_id, precision=precision, steps=steps, frames=frames, height=height, width=width,
-            psnr_db=psnr(eager.frames, got.frames), reference_psnr_db=reference["psnr_db"],
-            step_rel_error=rel_error(got.first_forward, eager.first_forward),
-            reference_step_rel_error=reference["step_rel_error"], source=source,
+            tier=tier, component=component, model_id=card.model_id, precision=precision, steps=steps, frames=frames,
+            height=height, width=width, samples=tuple(per_tier[key]), step_rel_error=first_forward[key],
+            reference_step_rel_error=first_forward["reference"], source=source,
         )
         verdict = TIER_PARITY_CONTRACTS[tier].check(measurement, model_id=card.model_id, precision=precision,
-                                                    defaults=card.capabilities.defaults)
+                                                    defaults=card.capabilities.defaults, component=component)  # type: ignore[arg-type]
+        stats = measurement.statistics()
         measurements.append(measurement)
-        results[tier] = {"status": "measured", "psnr_db": measurement.psnr_db, "step_rel_error": measurement.step_rel_error,
-                         "seconds": round(got.seconds, 3), "passed": verdict.passed, "verdict": verdict.reason}
+        results[key] = {"status": "measured", "psnr_db": measurement.psnr_db,
+                        "samples": [s.model_dump(mode="json") for s in measurement.samples],
+                        "mean_difference_db": stats.mean_db, "lower_bound_db": stats.lower_bound_db,
+                        "step_rel_error": measurement.step_rel_error, "seconds": round(seconds[key], 3),
+                        "passed": verdict.passed, "verdict": verdict.reason}
     return {"reference": reference, "tiers": results, "record": TierParityRecord(measurements=tuple(measurements))}
 
 
@@ -291,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiers to measure (none: only the eager references, e.g. to fill --cache-dir)")
     parser.add_argument("--steps", type=int, help="default: the card's (a shorter run cannot pass a contract)")
     parser.add_argument("--height", type=int), parser.add_argument("--width", type=int), parser.add_argument("--frames", type=int)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the first sample's seed (sample i runs seed + i)")
+    parser.add_argument("--samples", type=int, default=3,
+                        help="trajectories per configuration, each its own seed and prompt (the contract needs >= 3)")
+    parser.add_argument("--components", nargs="+", default=["dit", "vae"], choices=("dit", "vae"),
+                        help="components to measure each tier on, one at a time (the fused kernels act on both)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--record", type=Path, help="merge the measurements into this TierParityRecord file")
@@ -315,7 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     weights = "seeded random weights"  # every card here (wan_card_for_device; the embedded cards have no others)
     command = "python bench/bench_tier_parity.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    source = f"{date}, {machine(device)}, {weights}, seed {args.seed}: {command}"
+    if args.samples < 1:
+        raise SystemExit(f"--samples must be >= 1, got {args.samples}")
+    seeds = f"seeds {args.seed}..{args.seed + args.samples - 1}" if args.samples > 1 else f"seed {args.seed}"
+    source = f"{date}, {machine(device)}, {weights}, {seeds}: {command}"
 
     if args.budget_s is not None and args.cache_dir is None:
         raise SystemExit("--budget-s needs --cache-dir: a paused trajectory is continued from there")
@@ -327,25 +393,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = measure_tier_parity(card, device=device, precision=args.precision, tiers=tuple(args.tiers), steps=steps,
                                      frames=frames, height=height, width=width, seed=args.seed, source=source,
-                                     cache_dir=args.cache_dir, pause=out_of_time)
+                                     cache_dir=args.cache_dir, pause=out_of_time, samples=args.samples,
+                                     components=tuple(args.components))
     except Paused as paused:
         print(f"\n--budget-s reached: {paused}. Run the same command again to continue (nothing is recorded yet).")
         return 0
     ref = report["reference"]
-    print(f"\n{card.model_id}, {steps} steps at {frames}x{height}x{width}, seed {args.seed}, {args.precision}; {source}\n")
-    print(f"eager {args.precision} vs eager fp32: {ref['psnr_db']:.2f} dB, first forward {ref['step_rel_error']:.3g} relative\n")
-    print(f"| tier | PSNR vs eager {args.precision} (dB) | first forward rel. error | contract |")
-    print("|---|---|---|---|")
-    for tier, row in report["tiers"].items():
+    print(f"\n{card.model_id}, {steps} steps at {frames}x{height}x{width}, {seeds}, {args.precision}; {source}\n")
+    floors = ", ".join(f"{r['psnr_db']:.2f}" for r in ref["samples"])
+    print(f"eager {args.precision} vs eager fp32 (each sample's floor): {floors} dB; first forward "
+          f"{ref['step_rel_error']:.3g} relative\n")
+    print(f"| tier/component | PSNR vs eager {args.precision} per sample (dB) | mean vs floor | 95% lower bound | "
+          "first forward rel. error | contract |")
+    print("|---|---|---|---|---|---|")
+    for key, row in report["tiers"].items():
         if row["status"] == "skipped":
-            print(f"| {tier} | skipped | | {row['reason']} |")
+            print(f"| {key} | skipped | | | | {row['reason']} |")
         else:
-            print(f"| {tier} | {row['psnr_db']:.2f} | {row['step_rel_error']:.3g} | {'pass' if row['passed'] else 'FAIL'} |")
+            per_sample = ", ".join(f"{s['psnr_db']:.2f}" for s in row["samples"])
+            print(f"| {key} | {per_sample} | {row['mean_difference_db']:+.2f} | {row['lower_bound_db']:+.2f} | "
+                  f"{row['step_rel_error']:.3g} | {'pass' if row['passed'] else 'FAIL'} |")
     record: TierParityRecord = report["record"]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"card": card.model_id, "device": str(device), "machine": machine(device), "precision": args.precision,
-                "steps": steps, "frames": frames, "height": height, "width": width, "seed": args.seed, "weights": weights,
+                "steps": steps, "frames": frames, "height": height, "width": width, "seed": args.seed,
+                "samples": args.samples, "weights": weights,
                 "date": date, "command": command}
         payload = {"meta": meta, "reference": ref, "tiers": report["tiers"], "record": record.model_dump(mode="json")}
         args.json.write_text(json.dumps(payload, indent=2))  # inf stays Infinity, as TierParityRecord files hold it

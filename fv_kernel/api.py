@@ -70,6 +70,8 @@ from fv_kernel.card.spec import (
     TierParityContract,
     TierParityMeasurement,
     TierParityRecord,
+    TierParitySample,
+    TierComponent,
     TierVerdict,
     TokenGridRule,
     TrainedEnvelope,

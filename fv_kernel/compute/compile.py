@@ -15,9 +15,10 @@ Every tier is optional and eager is always available and correct:
   so the batch scheduler never fuses steps that would need different graphs.
 - :func:`select_compute_tiers` applies each fast tier's parity contract
   (``fv_kernel.card.spec.TIER_PARITY_CONTRACTS``) to the measurements recorded in
-  ``ComputeOptions.parity_record``: a tier the options leave to fv (``fused_ops="auto"``) is
-  selected only when its recorded trajectory measurement passes; a tier asked for by name
-  still runs, with a warning naming why its contract is not met.
+  ``ComputeOptions.parity_record``, per component (the DiT apart from the VAE): a tier the
+  options leave to fv (``fused_ops="auto"``) is selected for a component only when its recorded
+  measurement on that component passes; a tier asked for by name still runs, with a warning
+  naming why its contract is not met.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, TypeVar
@@ -42,6 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "ComputeOptions",
+    "FusedOpsMode",
     "ParityRecordError",
     "TierSelection",
     "load_parity_record",
@@ -58,6 +60,12 @@ __all__ = [
 T = TypeVar("T")
 TensorDict = dict[str, torch.Tensor]
 CompileTier = Literal["eager", "fused", "blocks", "blocks+graphs", "graphs", "fused+graphs"]
+#: "off": the model's eager code; "auto": Triton kernels on CUDA when importable (and, with a parity
+#: record, when the fused tier's contract passes for the component); "torch": the reference
+#: implementation of the fused ops; "triton": Triton kernels or an error.
+FusedOpsMode = Literal["off", "auto", "torch", "triton"]
+#: The components whose fused ops are chosen apart (``fv_kernel.card.spec.TierComponent``).
+_FUSED_COMPONENTS = ("dit", "vae")
 
 
 class ComputeOptions(BaseModel):
@@ -65,9 +73,12 @@ class ComputeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    #: "off": the model's eager code; "auto": Triton kernels on CUDA when importable; "torch": the
-    #: reference implementation of the fused ops; "triton": Triton kernels or an error.
-    fused_ops: Literal["off", "auto", "torch", "triton"] = "off"
+    #: Every component's fused ops (``FusedOpsMode``), unless ``dit_fused_ops`` / ``vae_fused_ops`` set its own.
+    fused_ops: FusedOpsMode = "off"
+    #: The denoiser's fused ops in place of ``fused_ops`` (None: ``fused_ops``).
+    dit_fused_ops: FusedOpsMode | None = None
+    #: The VAE decoder's, likewise: ``vae_fused_ops="off"`` keeps the VAE eager while the DiT runs Triton.
+    vae_fused_ops: FusedOpsMode | None = None
     #: "blocks": ``torch.compile`` each transformer block in place.
     compile: Literal["eager", "blocks"] = "eager"
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
@@ -86,9 +97,18 @@ class ComputeOptions(BaseModel):
             raise ValueError(f"graph_batch_buckets must be non-empty, strictly increasing; got {value}")
         return value
 
+    def fused_ops_for(self, component: str) -> FusedOpsMode:
+        """The fused-ops mode of ``component`` (``dit`` or ``vae``)."""
+        if component not in _FUSED_COMPONENTS:
+            raise ValueError(f"component must be one of {list(_FUSED_COMPONENTS)}; got {component!r}")
+        own = self.dit_fused_ops if component == "dit" else self.vae_fused_ops
+        return self.fused_ops if own is None else own
+
     @property
     def tier(self) -> CompileTier:
-        base = "blocks" if self.compile == "blocks" else "fused" if self.fused_ops != "off" else "eager"
+        """The DiT's tier (the VAE's is its fused ops alone: :meth:`fused_ops_for`)."""
+        fused = self.fused_ops_for("dit") != "off"
+        base = "blocks" if self.compile == "blocks" else "fused" if fused else "eager"
         if not self.cuda_graphs:
             return base  # type: ignore[return-value]
         return "graphs" if base == "eager" else f"{base}+graphs"  # type: ignore[return-value]
@@ -359,62 +379,117 @@ def load_parity_record(path: Path | str) -> TierParityRecord:
 
 @dataclass(frozen=True)
 class TierSelection:
-    """What :func:`select_compute_tiers` decided: the options to run and each active tier's verdict."""
+    """What :func:`select_compute_tiers` decided: the options to run and each active tier's verdict,
+    per component. Keys of ``verdicts``, ``overridden`` and ``declined`` are ``"tier/component"``
+    (``"fused/dit"``, ``"fused/vae"``, ``"graphs/dit"``...)."""
 
-    #: The options to build with: ``fused_ops="auto"`` resolved to ``"off"`` when its contract fails.
+    #: The options to build with: ``fused_ops="auto"`` resolved to ``"off"`` for each component whose
+    #: fused tier fails its contract (``dit_fused_ops`` / ``vae_fused_ops`` where the components differ).
     compute: ComputeOptions | None
     verdicts: Mapping[str, TierVerdict]
     #: Tiers asked for by name although their contract is not met (run anyway, warned).
     overridden: tuple[str, ...] = ()
     #: Tiers left to fv that were not selected because their contract is not met.
     declined: tuple[str, ...] = ()
+    #: The tier each of the card's components runs (``dit``: e.g. ``"fused+graphs"``; ``vae``:
+    #: ``"fused"`` or ``"eager"``).
+    tiers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def describe(self) -> str:
+        """One line: each component's tier, and why a tier left to fv was declined."""
+        parts = [f"{component} {tier}" for component, tier in self.tiers.items()]
+        text = ", ".join(parts) if parts else "eager"
+        if self.declined:
+            text += "; declined: " + "; ".join(self.verdicts[key].reason for key in self.declined)
+        return text
+
+
+def _component_tier(compute: ComputeOptions | None, component: str, on_cuda: bool) -> str:
+    if compute is None:
+        return "eager"
+    fused = compute.fused_ops_for(component)
+    # "torch" is eager's formulas; "auto" off CUDA (or without Triton) picks no kernels.
+    kernels = fused == "triton" or (fused == "auto" and on_cuda and _triton_available())
+    if component != "dit":
+        return "fused" if kernels else "eager"
+    base = "blocks" if compute.compile == "blocks" else "fused" if kernels else "eager"
+    if not (compute.cuda_graphs and on_cuda):
+        return base
+    return "graphs" if base == "eager" else f"{base}+graphs"
+
+
+def _triton_available() -> bool:
+    from fv_kernel.compute import fused  # read at call time: tests stand Triton in on CPU
+
+    return fused.triton_available()
 
 
 def select_compute_tiers(
     compute: ComputeOptions | None, card: "ModelCard", *, device: str, precision: str, attention_backend: str,
 ) -> TierSelection:
-    """Apply each fast tier's parity contract to ``compute`` for ``card`` at ``precision`` on ``device``.
+    """Apply each fast tier's parity contract to ``compute`` for ``card`` at ``precision`` on ``device``,
+    per component: the DiT (every ``dit`` component) apart from the VAE (every ``vae`` component).
 
-    Only ``fused_ops="auto"`` on CUDA with Triton is a default choice (the Triton kernels); it
-    resolves to ``"off"`` unless the fused tier's recorded measurement passes its contract. A
-    tier named explicitly (``fused_ops="triton"``, ``compile="blocks"``, ``cuda_graphs`` on CUDA,
-    attention ``vsa`` on a card whose recipe does not assume it) is the user's override: it is
-    kept, and a failing or missing measurement is logged as a warning. ``fused_ops="torch"`` is
-    eager's own formulas, not a tier.
+    Only ``fused_ops="auto"`` on CUDA with Triton is a default choice (the Triton kernels); for each
+    component it resolves to ``"off"`` unless the fused tier's recorded measurement on that
+    component passes its contract, so a card takes the Triton kernels wherever they pass (the faster
+    of the two) and eager elsewhere. A tier named explicitly (``fused_ops="triton"`` globally or in
+    ``dit_fused_ops`` / ``vae_fused_ops``, ``compile="blocks"``, ``cuda_graphs`` on CUDA, attention ``vsa`` on a
+    card whose recipe does not assume it) is the user's override: it is kept, and a failing or
+    missing measurement is logged as a warning. ``fused_ops="torch"`` is eager's own formulas, not a tier.
     """
     from fv_kernel.card.spec import TIER_PARITY_CONTRACTS, TierParityRecord
-    from fv_kernel.compute.fused import triton_available
 
     on_cuda = torch.device(device).type == "cuda"
-    explicit: dict[str, bool] = {}  # active tier -> asked for by name
+    kinds = {spec.kind for spec in card.components.values()}
+    components = [c for c in _FUSED_COMPONENTS if c in kinds]
+    explicit: dict[tuple[str, str], bool] = {}  # (active tier, component) -> asked for by name
     if compute is not None:
-        if compute.fused_ops == "triton":
-            explicit["fused"] = True
-        elif compute.fused_ops == "auto" and on_cuda and triton_available():
-            explicit["fused"] = False
+        for component in components:
+            mode = compute.fused_ops_for(component)
+            if mode == "triton":
+                explicit[("fused", component)] = True
+            elif mode == "auto" and on_cuda and _triton_available():
+                explicit[("fused", component)] = False
         if compute.compile == "blocks":
-            explicit["blocks"] = True
+            explicit[("blocks", "dit")] = True
         if compute.cuda_graphs and on_cuda:  # off CUDA the step runs eagerly
-            explicit["graphs"] = True
+            explicit[("graphs", "dit")] = True
     assumed = card.recipe.assumes_attention
     if attention_backend == "vsa" and (assumed is None or assumed.kind != "vsa"):
-        explicit["vsa"] = True  # the recipe's own attention is the card's reference, not a fast tier
+        explicit[("vsa", "dit")] = True  # the recipe's own attention is the card's reference, not a fast tier
     # Read even when no tier is active, so a wrong path fails at deploy, not when a tier is first turned on.
     record = load_parity_record(compute.parity_record) if compute is not None and compute.parity_record else TierParityRecord()
-    if not explicit:
-        return TierSelection(compute=compute, verdicts=MappingProxyType({}))
     verdicts = {
-        tier: TIER_PARITY_CONTRACTS[tier].check(record.find(tier, card.model_id, precision), model_id=card.model_id,
-                                                precision=precision, defaults=card.capabilities.defaults)
-        for tier in explicit
+        f"{tier}/{component}": TIER_PARITY_CONTRACTS[tier].check(
+            record.find(tier, card.model_id, precision, component), model_id=card.model_id, precision=precision,
+            defaults=card.capabilities.defaults, component=component)  # type: ignore[arg-type]
+        for tier, component in explicit
     }
-    overridden = tuple(t for t, named in explicit.items() if named and not verdicts[t].passed)
-    declined = tuple(t for t, named in explicit.items() if not named and not verdicts[t].passed)
-    for tier in overridden:
-        log.warning("compute tier %r was asked for by name and runs, outside its parity contract: %s", tier,
-                    verdicts[tier].reason)
-    if "fused" in declined:
+    overridden = tuple(f"{t}/{c}" for (t, c), named in explicit.items() if named and not verdicts[f"{t}/{c}"].passed)
+    declined = tuple(f"{t}/{c}" for (t, c), named in explicit.items() if not named and not verdicts[f"{t}/{c}"].passed)
+    for key in overridden:
+        log.warning("compute tier %r was asked for by name and runs, outside its parity contract: %s", key,
+                    verdicts[key].reason)
+    declined_fused = [key.split("/", 1)[1] for key in declined if key.startswith("fused/")]
+    if declined_fused:
         assert compute is not None
-        log.info("fused_ops 'auto' leaves the Triton kernels off: %s", verdicts["fused"].reason)
-        compute = compute.model_copy(update={"fused_ops": "off"})
-    return TierSelection(compute=compute, verdicts=MappingProxyType(verdicts), overridden=overridden, declined=declined)
+        for component in declined_fused:
+            log.info("fused_ops 'auto' leaves the Triton kernels off on the %s: %s", component,
+                     verdicts[f"fused/{component}"].reason)
+        compute = _with_fused_off(compute, declined_fused)
+    tiers = MappingProxyType({component: _component_tier(compute, component, on_cuda) for component in components})
+    selection = TierSelection(compute=compute, verdicts=MappingProxyType(verdicts), overridden=overridden,
+                              declined=declined, tiers=tiers)
+    if compute is not None and explicit:
+        log.info("card %r compute tiers: %s", card.model_id, selection.describe())
+    return selection
+
+
+def _with_fused_off(compute: ComputeOptions, components: list[str]) -> ComputeOptions:
+    """``compute`` with the fused ops of ``components`` off, written as plainly as possible: one
+    global mode when every component now agrees, per-component modes where they differ."""
+    modes = {c: ("off" if c in components else compute.fused_ops_for(c)) for c in _FUSED_COMPONENTS}
+    if len(set(modes.values())) == 1:
+        return compute.model_copy(update={"fused_ops": modes["dit"], "dit_fused_ops": None, "vae_fused_ops": None})
+    return compute.model_copy(update={f"{c}_fused_ops": None if m == compute.fused_ops else m for c, m in modes.items()})

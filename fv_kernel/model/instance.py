@@ -19,6 +19,7 @@ from torch import nn
 
 from fv_kernel.cache.adapters import AdapterInfo, AdapterRegistry
 from fv_kernel.cache.block_pool import BlockPool
+from fv_kernel.compute.compile import TierSelection
 from fv_kernel.compute.lora import AdapterError, MergedAdapters, RowAdapters, merge_adapters, select_row_kernel
 from fv_kernel.card.refs import import_object
 from fv_kernel.card.spec import FP8_LINEAR_PATHS, LoopSpec, ModelCard, StepCostSpec
@@ -103,6 +104,9 @@ class ModelInstance:
     #: How ``build_instance`` resolved the deployment's ``precision_path`` (None: built otherwise;
     #: :attr:`precision_path` then resolves it from the options).
     precision_selection: PrecisionPathSelection | None = None
+    #: How the family's factory resolved the compute tiers per component (``select_compute_tiers``;
+    #: None: the factory does not select tiers).
+    compute_selection: TierSelection | None = None
 
     @property
     def model_id(self) -> str:

@@ -128,7 +128,7 @@ def configure_transformer(
     if compute is None:
         return model
     device = model.patch_embedding.weight.device
-    model.set_fused_ops(select_fused_ops(device, compute.fused_ops))
+    model.set_fused_ops(select_fused_ops(device, compute.fused_ops_for("dit")))
     if compute.compile == "blocks":
         compile_blocks(model.blocks, mode=compute.compile_mode)
     return model
@@ -473,14 +473,17 @@ def build_wan_instance(
     ``compute`` (fused kernels, per-block compile, CUDA graphs; default ``options.compute``,
     which the deploy config sets per card) is optional; without it the instance runs the
     eager code with ``options.attention_backend``. Each fast tier passes through its parity
-    contract (``select_compute_tiers``): ``fused_ops="auto"`` stays eager unless the tier's
-    recorded trajectory measurement passes; a tier named explicitly runs, warned when it does not.
+    contract (``select_compute_tiers``), per component: ``fused_ops="auto"`` runs the Triton
+    kernels on the DiT and on the VAE decoder each only where the fused tier's recorded
+    measurement on that component passes; a tier named explicitly runs, warned when it does not.
+    The instance's ``compute_selection`` holds what was resolved for each component.
     """
     compute = compute if compute is not None else options.compute
-    compute = select_compute_tiers(
+    selection = select_compute_tiers(
         compute, card, device=options.device, precision=options.precision or card.precision.default,
         attention_backend=options.attention_backend,
-    ).compute
+    )
+    compute = selection.compute
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise CheckpointNotFound(f"device {options.device!r} was asked for but CUDA is not available", param="device")
 
@@ -493,11 +496,12 @@ def build_wan_instance(
             return load_transformer(card, component_id, options, compute, precision_path=precision_path)
         component = _LOADERS[kind](card, component_id, options)
         if kind == "vae" and component_id == "vae_decoder" and compute is not None:
-            # The DiT's switch: the decoder's norm + SiLU passes fuse exactly when the blocks' glue does.
-            component.set_fused_ops(select_fused_ops(options.device, compute.fused_ops))
+            # The VAE's own switch (selected apart from the DiT's): the decoder's norm + SiLU passes.
+            component.set_fused_ops(select_fused_ops(options.device, compute.fused_ops_for("vae")))
         return component
 
     source = options.source or card.checkpoint.source
     version = f"seeded:{card.model_id}" if source is None else f"checkpoint:{Path(source).name if Path(source).exists() else source}"
     ops_builder = wan_ops if compute is None else functools.partial(wan_ops, compute=compute, compile_cache=CompileCache())
-    return ModelInstance(card=card, options=options, component_loader=load, ops_builder=ops_builder, weights_version=version)
+    return ModelInstance(card=card, options=options, component_loader=load, ops_builder=ops_builder, weights_version=version,
+                         compute_selection=selection)

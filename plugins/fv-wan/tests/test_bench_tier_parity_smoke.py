@@ -1,4 +1,5 @@
-"""``bench/bench_tier_parity.py`` on CPU at wan-tiny size: the report, the skips, the record and the verdicts.
+"""``bench/bench_tier_parity.py`` on CPU at wan-tiny size: the report, the skips, the record and the verdicts,
+over several samples (seeds and prompts) and per component.
 
 The GPU-only tiers (Triton fused kernels, CUDA graphs) and VSA (no tiny card has its gates)
 are reported as skipped with a reason, never measured. ``blocks`` does run on CPU, but its
@@ -29,7 +30,7 @@ def test_the_bench_reports_cpu_skips_and_the_precision_floor(tmp_path: Path) -> 
     out, record = tmp_path / "tier_parity.json", tmp_path / "record.json"
     done = subprocess.run(
         [sys.executable, str(BENCH_DIR / "bench_tier_parity.py"), "--tiers", "fused", "graphs", "vsa", "--steps", "2",
-         "--json", str(out), "--record", str(record)],
+         "--samples", "2", "--json", str(out), "--record", str(record)],
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -37,8 +38,14 @@ def test_the_bench_reports_cpu_skips_and_the_precision_floor(tmp_path: Path) -> 
     assert report["meta"]["card"] == "wan-tiny" and report["meta"]["precision"] == "bf16" and report["meta"]["steps"] == 2
     assert 20 < report["reference"]["psnr_db"] < math.inf  # bf16 really differs from fp32
     assert 0 < report["reference"]["step_rel_error"] < 0.1
-    assert {tier: row["status"] for tier, row in report["tiers"].items()} == dict.fromkeys(("fused", "graphs", "vsa"), "skipped")
-    assert "CUDA" in report["tiers"]["fused"]["reason"] and "to_gate_compress" in report["tiers"]["vsa"]["reason"]
+    # One floor per sample: its own seed and prompt.
+    floors = report["reference"]["samples"]
+    assert [r["seed"] for r in floors] == [0, 1] and floors[0]["prompt"] != floors[1]["prompt"]
+    assert floors[0]["psnr_db"] != floors[1]["psnr_db"] and report["meta"]["samples"] == 2
+    # The fused kernels act on the DiT and the VAE, each measured apart; the others on the DiT only.
+    assert {key: row["status"] for key, row in report["tiers"].items()} == dict.fromkeys(
+        ("fused/dit", "fused/vae", "graphs/dit", "vsa/dit"), "skipped")
+    assert "CUDA" in report["tiers"]["fused/vae"]["reason"] and "to_gate_compress" in report["tiers"]["vsa/dit"]["reason"]
     assert report["record"] == {"measurements": [], "precision_paths": []} and load_parity_record(record).measurements == ()
 
 
@@ -47,13 +54,14 @@ def bench(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.syspath_prepend(str(BENCH_DIR))
     module = importlib.import_module("bench_tier_parity")
     # "blocks" stands for a configuration that is bitwise eager (see the module docstring).
-    monkeypatch.setattr(module, "tier_setup", lambda tier, card, device: ({"compute": ComputeOptions(fused_ops="torch")}, None))
+    monkeypatch.setattr(module, "tier_setup", lambda tier, card, device, component="dit": (
+        {"compute": ComputeOptions(fused_ops="torch")}, None))
     return module
 
 
 def run_bench(bench, tmp_path: Path, *extra: str) -> tuple[dict, Path]:
     out, record = tmp_path / "report.json", tmp_path / "record.json"
-    args = ["--tiers", "blocks", "--frames", "5", "--json", str(out), "--record", str(record),
+    args = ["--tiers", "blocks", "--frames", "5", "--samples", "3", "--json", str(out), "--record", str(record),
             "--threads", str(torch.get_num_threads()), *extra]
     assert bench.main(args) == 0
     return json.loads(out.read_text()), record
@@ -61,32 +69,36 @@ def run_bench(bench, tmp_path: Path, *extra: str) -> tuple[dict, Path]:
 
 def test_a_measured_tier_is_recorded_and_its_verdict_drives_selection(bench, tmp_path: Path) -> None:
     report, record = run_bench(bench, tmp_path)
-    row = report["tiers"]["blocks"]
+    row = report["tiers"]["blocks/dit"]
     assert row["status"] == "measured" and row["psnr_db"] == math.inf and row["step_rel_error"] == 0.0
+    assert [s["seed"] for s in row["samples"]] == [0, 1, 2] and all(s["psnr_db"] == math.inf for s in row["samples"])
     # wan-tiny's default trajectory is 9 frames: 5 frames is not the contract's trajectory.
     assert not row["passed"] and "full default trajectory" in row["verdict"]
     measurement = load_parity_record(record).find("blocks", "wan-tiny", "bf16")
     assert measurement is not None and measurement.frames == 5 and "bench_tier_parity.py" in measurement.source
+    assert measurement.component == "dit" and len(measurement.samples) == 3 and "seeds 0..2" in measurement.source
+    # Each sample's floor is that seed's own eager bf16 against eager fp32.
+    assert [s.reference_psnr_db for s in measurement.samples] == [r["psnr_db"] for r in report["reference"]["samples"]]
 
 
 def test_the_full_default_trajectory_passes_and_a_deployment_reads_it(bench, tmp_path: Path) -> None:
     report, record = run_bench(bench, tmp_path, "--frames", "9")
-    assert report["tiers"]["blocks"]["passed"], report["tiers"]["blocks"]["verdict"]
+    assert report["tiers"]["blocks/dit"]["passed"], report["tiers"]["blocks/dit"]["verdict"]
     card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
     selection = select_compute_tiers(ComputeOptions(compile="blocks", parity_record=record), card, device="cpu",
                                      precision="bf16", attention_backend="sdpa")
-    assert selection.verdicts["blocks"].passed and selection.overridden == ()
+    assert selection.verdicts["blocks/dit"].passed and selection.overridden == ()
 
 
 def test_a_split_run_reuses_the_eager_references(bench, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cache = tmp_path / "runs"
-    first, _ = run_bench(bench, tmp_path, "--tiers", "--cache-dir", str(cache))  # the references only
-    assert first["tiers"] == {} and len(list(cache.glob("wan-tiny_eager_*.pt"))) == 2
+    first, _ = run_bench(bench, tmp_path, "--tiers", "--samples", "2", "--cache-dir", str(cache))  # the references only
+    assert first["tiers"] == {} and len(list(cache.glob("wan-tiny_eager_*.pt"))) == 4  # fp32 and bf16 per sample
     capsys.readouterr()
-    second, _ = run_bench(bench, tmp_path, "--tiers", "blocks", "--cache-dir", str(cache))
-    assert capsys.readouterr().out.count("reusing") == 2
+    second, _ = run_bench(bench, tmp_path, "--tiers", "blocks", "--samples", "2", "--cache-dir", str(cache))
+    assert capsys.readouterr().out.count("reusing") == 4
     assert second["reference"]["psnr_db"] == first["reference"]["psnr_db"]
-    assert second["tiers"]["blocks"]["status"] == "measured"
+    assert second["tiers"]["blocks/dit"]["status"] == "measured"
 
 
 def test_a_paused_trajectory_continues_across_invocations_to_the_uninterrupted_video(tmp_path: Path, monkeypatch) -> None:
@@ -122,6 +134,19 @@ def test_a_paused_trajectory_continues_across_invocations_to_the_uninterrupted_v
     assert not partial.exists()  # spent once finished
 
 
+def test_the_fused_kernels_are_set_up_on_one_component_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    bench = importlib.import_module("bench_tier_parity")
+    monkeypatch.setattr(bench, "triton_available", lambda: True)
+    card = next(c for c in wan_cards() if c.model_id == "wan-tiny")
+    cuda = torch.device("cuda")
+    (dit, _), (vae, _) = bench.tier_setup("fused", card, cuda, "dit"), bench.tier_setup("fused", card, cuda, "vae")
+    assert (dit["compute"].fused_ops_for("dit"), dit["compute"].fused_ops_for("vae")) == ("triton", "off")
+    assert (vae["compute"].fused_ops_for("dit"), vae["compute"].fused_ops_for("vae")) == ("off", "triton")
+    fields, why = bench.tier_setup("graphs", card, cuda, "vae")
+    assert fields is None and "does not act on the vae" in why
+
+
 def test_budget_needs_a_cache_dir() -> None:
     done = subprocess.run([sys.executable, str(BENCH_DIR / "bench_tier_parity.py"), "--budget-s", "5"],
                           capture_output=True, text=True, timeout=120)
@@ -143,8 +168,8 @@ def test_a_vsa_trained_card_runs_every_trajectory_under_its_own_attention(tmp_pa
     bench = importlib.import_module("bench_tier_parity")
     real_setup = bench.tier_setup
     # "blocks" stands for a cheap configuration (see the module docstring); "vsa" goes through the real setup.
-    monkeypatch.setattr(bench, "tier_setup", lambda tier, card_, device: (
-        ({"compute": ComputeOptions(fused_ops="torch")}, None) if tier == "blocks" else real_setup(tier, card_, device)))
+    monkeypatch.setattr(bench, "tier_setup", lambda tier, card_, device, component="dit": (
+        ({"compute": ComputeOptions(fused_ops="torch")}, None) if tier == "blocks" else real_setup(tier, card_, device, component)))
     attentions: list[tuple[str, str]] = []
     real_build = bench.build_instance
 
@@ -154,7 +179,8 @@ def test_a_vsa_trained_card_runs_every_trajectory_under_its_own_attention(tmp_pa
 
     monkeypatch.setattr(bench, "build_instance", build)
     report = bench.measure_tier_parity(card, device=torch.device("cpu"), precision="bf16", tiers=("vsa", "blocks"),
-                                       steps=3, frames=5, height=32, width=32, seed=0, source="test", log=lambda _: None)
-    assert report["tiers"]["vsa"]["status"] == "skipped" and "own attention" in report["tiers"]["vsa"]["reason"]
-    assert report["tiers"]["blocks"]["status"] == "measured"
+                                       steps=3, frames=5, height=32, width=32, seed=0, source="test", log=lambda _: None,
+                                       samples=1)
+    assert report["tiers"]["vsa/dit"]["status"] == "skipped" and "own attention" in report["tiers"]["vsa/dit"]["reason"]
+    assert report["tiers"]["blocks/dit"]["status"] == "measured"
     assert attentions == [("fp32", "vsa"), ("bf16", "vsa"), ("bf16", "vsa")]  # eager fp32, eager bf16, the tier
