@@ -15,6 +15,9 @@ next token) once per shape and replays it:
 * Rows past the live batch are padding: they read row 0's first block and their K/V store is
   masked (a padded row stores back the value it read from a slot no live row writes this
   step), so they never change a live sequence's K/V; their outputs are cut off.
+* Fewer kernels inside the graph, where exact: each RMSNorm normalises with one ``F.rms_norm``
+  (a fused kernel on CUDA; bit-identical to the module's formula in fp32 on the CPU), and q
+  and k get their RoPE in one elementwise pass.
 * Captures are keyed by :class:`DecodeGraphKey` (weights version, batch bucket, context
   bucket, dtype, sampling) and all of them are dropped when the instance's
   ``weights_version`` changes (an RL weight sync), when the pool's storage is rebuilt, or when
@@ -151,6 +154,21 @@ def sample_tokens(
 # --------------------------------------------------------------------------- the static step
 
 
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` (an ``RMSNorm`` or ``Identity``) with the normalisation as one ``F.rms_norm`` (one fused kernel
+    on CUDA, where the module's formula is five); bit-identical to the module in fp32 on the CPU, and the weight
+    is applied exactly as the module applies it."""
+    if isinstance(norm, torch.nn.Identity):
+        return x
+    input_dtype = x.dtype
+    x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.eps)
+    if norm.multiply_in_fp32:
+        return (norm.weight.float() * x32).to(input_dtype)
+    if norm.weight.dtype in (torch.float16, torch.bfloat16):
+        return x32.to(norm.weight.dtype) * norm.weight
+    return (x32 * norm.weight).to(input_dtype)
+
+
 def static_decode_step(
     mot: Cosmos3MoT,
     store: tuple[torch.Tensor, torch.Tensor],
@@ -165,7 +183,8 @@ def static_decode_step(
     length), ``table`` (Bk, ceil(context / block_size)) block ids (unused columns any valid id),
     ``slot_block`` / ``slot_offset`` (Bk,) where the new token's K/V goes, ``live`` (Bk,) bool, and with
     ``sampling`` the ``SAMPLING_INPUTS`` rows. Returns ``logits`` (Bk, V) fp32 (and ``token`` (Bk,)).
-    The ops are the eager tower's (``Cosmos3MoT._text_tower``), in its order.
+    The ops are the eager tower's (``Cosmos3MoT._text_tower``), in its order, except two exact fusions: each
+    RMSNorm's normalisation is one ``F.rms_norm``, and q and k are rotated in one pass.
     """
     c = mot.config
     store_k, store_v = store
@@ -182,12 +201,12 @@ def static_decode_step(
     hidden = mot.embed_tokens(token)
     for i, layer in enumerate(mot.layers):
         attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        q = attn.norm_q(mot._split_heads(attn.to_q(x), c.num_attention_heads)).transpose(1, 2)
-        k = attn.norm_k(mot._split_heads(attn.to_k(x), c.num_key_value_heads)).transpose(1, 2)
+        x = _rms_norm(layer.input_layernorm, hidden)
+        q = _rms_norm(attn.norm_q, mot._split_heads(attn.to_q(x), c.num_attention_heads)).transpose(1, 2)
+        k = _rms_norm(attn.norm_k, mot._split_heads(attn.to_k(x), c.num_key_value_heads)).transpose(1, 2)
         v = mot._split_heads(attn.to_v(x), c.num_key_value_heads).transpose(1, 2)
-        q_rot = apply_rope(q, cos, sin)
-        k_rot = apply_rope(k, cos, sin)
+        # RoPE of q and k as one pass over their heads side by side (elementwise: the same values).
+        q_rot, k_rot = apply_rope(torch.cat([q, k], dim=1), cos, sin).split([q.shape[1], k.shape[1]], dim=1)
         layer_k, layer_v = store_k[i], store_v[i]  # (kv_heads, blocks, block_size, head_dim)
         # The new token's K/V into its slot; a padded row stores back what it reads (a no-op).
         for slots, new in ((layer_k, k_rot), (layer_v, v)):
@@ -201,8 +220,8 @@ def static_decode_step(
 
         out = mot.attention(q_rot, gathered(layer_k), gathered(layer_v), is_causal=False, attn_mask=attn_mask)
         hidden = hidden + attn.to_out(out.transpose(1, 2).reshape(bucket, 1, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    logits = mot.lm_head(mot.norm(hidden))[:, -1].float()
+        hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
+    logits = mot.lm_head(_rms_norm(mot.norm, hidden))[:, -1].float()
     result = {"logits": logits}
     if sampling:
         result["token"] = sample_tokens(

@@ -59,7 +59,12 @@ def test_smoke_measures_every_section(tmp_path: Path) -> None:
     assert conc["omni"]["batched"]["largest_batch"]["ar_token"] == 2
 
     dec = r["decode"]
-    assert dec["batched"]["largest_batch"]["ar_token"] == 8 and dec["one_at_a_time"]["largest_batch"]["ar_token"] == 1
+    for tier in ("eager", "graphed"):  # --smoke: the graphed tier's static step, run eagerly on the CPU
+        assert dec[tier]["batch8"]["largest_batch"]["ar_token"] == 8, tier
+        assert dec[tier]["batch1"]["largest_batch"]["ar_token"] == 1, tier
+        assert dec[tier]["upsample"]["tokens"] > 0 and dec[tier]["upsample"]["seconds"] > 0
+    assert dec["graphed"]["replays"] > 0 and dec["graphed"]["eager_steps"] == 0
+    assert "graphed / eager, batch 1 / batch 8" in printed
     assert r["memory"]["nano_bf16"]["one_instance"] < r["memory"]["nano_bf16"]["two_instances"]
     assert "fv / diffusers" in printed and "text K/V once vs every step" in printed
 

@@ -115,6 +115,22 @@ def test_padded_buckets_follow_the_eager_decode(rows):
         torch.testing.assert_close(vg, ve, rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("fp32_multiply", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_rms_norm_is_the_modules_norm_bit_for_bit(fp32_multiply, dtype):
+    """Both weight conventions (Qwen: cast then multiply; Nemotron: multiply in fp32), fp32 and bf16 weights."""
+    from fv_cosmos3.graphed_decode import _rms_norm
+    from fv_cosmos3.models.layers import RMSNorm
+
+    norm = RMSNorm(64, 1e-6, multiply_in_fp32=fp32_multiply)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(0)))
+    norm = norm.to(dtype)
+    x = (3 * torch.randn(5, 1, 64, generator=torch.Generator().manual_seed(1))).to(dtype)
+    assert torch.equal(_rms_norm(norm, x), norm(x))
+    assert torch.equal(_rms_norm(torch.nn.Identity(), x), x)
+
+
 def _static_inputs(bench: DecodeBench, bucket: int, context: int) -> dict[str, torch.Tensor]:
     lengths = torch.tensor(bench.lengths, dtype=torch.long)
     inputs = {"token": bench.token, "table": bench.table_ids, "length": lengths}
@@ -235,6 +251,70 @@ def test_a_rebuilt_pool_or_a_replaced_module_is_recaptured(monkeypatch):
 
     assert new_token_kv_lands(check=True)
     assert not new_token_kv_lands(check=False)
+
+
+def test_a_replaced_reasoner_module_is_recaptured_even_under_the_same_version(monkeypatch):
+    """A capture reads the module it was captured with. Negative control: without the check the step still
+    computes with the old weights."""
+
+    def distance_to_new_weights(check: bool) -> float:
+        graphed = GraphedDecode((2,), capture=False, min_context=32)
+        bench = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=8)
+        reference = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=8)
+        _step_logits(bench, graphed, bench.mot, "v1")
+        reference.step()
+        if not check:
+            monkeypatch.setattr(GraphedDecode, "_check_bound", lambda self, *args: None)
+        new = _reseeded(bench.mot, 42)
+        logits = _step_logits(bench, graphed, new, "v1")
+        reference.ar_token = _eager_op(reference, new)
+        return float((logits - reference.step()).abs().max())
+
+    assert distance_to_new_weights(check=True) <= ATOL
+    assert distance_to_new_weights(check=False) > 1e-2
+
+
+def test_a_failed_capture_falls_back_to_the_eager_step(monkeypatch, caplog):
+    from fv_cosmos3 import graphed_decode
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphed_decode._DecodeGraph, "__init__", refuse)
+    bench = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=9)
+    graphed = GraphedDecode((2,), capture=False, min_context=32)
+    inputs = {"token": bench.token, "table": bench.table_ids, "length": torch.tensor(bench.lengths)}
+    with caplog.at_level("WARNING"):
+        assert graphed.run(bench.mot, bench.pool, "v1", inputs) is None
+        assert graphed.run(bench.mot, bench.pool, "v1", inputs) is None  # not retried for that shape
+    assert graphed.eager_steps == 2 and graphed.captures == 0 and not graphed.keys()
+    assert "runs eagerly" in caplog.text
+    # Through the plugin's op: the eager step's logits.
+    from fv_cosmos3.instance import Cosmos3Instance, cosmos3_ops
+    from fv_kernel.api import InstanceOptions
+
+    instance = Cosmos3Instance(card=cosmos3_card("cosmos3-tiny"), options=InstanceOptions(),
+                               component_loader=lambda component_id: None, ops_builder=cosmos3_ops,
+                               components={"transformer": bench.mot}, text_kv_pool=bench.pool, graphed_decode=graphed)
+    with torch.inference_mode():
+        via_op = cosmos3_ops(instance)["ar_token"].fn(inputs, {})["logits"]
+    assert torch.equal(via_op, bench.step())  # same pool slot rewritten with the same values
+
+
+def test_the_graphed_tier_is_built_only_for_cuda_graphs_on_cuda():
+    from fv_kernel.api import ComputeOptions, InstanceOptions
+
+    card = cosmos3_card("cosmos3-tiny")
+    on_cpu = build_instance(card, InstanceOptions(compute=ComputeOptions(cuda_graphs=True)))
+    assert on_cpu.graphed_decode is None and not on_cpu.samples_on_device
+    from fv_cosmos3.instance import build_cosmos3_instance
+
+    # The factory's decision, without building CUDA tensors: the pool is lazy, nothing touches the device.
+    on_cuda = build_cosmos3_instance(card, InstanceOptions(device="cuda", compute=ComputeOptions(
+        cuda_graphs=True, graph_batch_buckets=(1, 8))))
+    assert on_cuda.graphed_decode is not None and on_cuda.graphed_decode.buckets == (1, 8)
+    assert on_cuda.samples_on_device
+    assert build_cosmos3_instance(card, InstanceOptions(device="cuda")).graphed_decode is None
 
 
 # --------------------------------------------------------------------------- sampling
