@@ -317,11 +317,22 @@ class GraphedDecode:
         self._check_bound(mot, store, weights_version)
         cfg = pool.config
         lengths_host = lengths.reshape(-1).to("cpu", torch.long)
+        if int(lengths_host.min()) < 1 or int(lengths_host.max()) >= cfg.max_tokens_per_sequence:
+            # No history yet (the prefill's business), or no room left (the eager step raises CacheFull).
+            self.eager_steps += 1
+            return None
         context = context_bucket(int(lengths_host.max()) + 1, block_size=cfg.block_size,
                                  max_tokens=cfg.max_tokens_per_sequence, minimum=self.min_context)
         sampling = all(name in inputs for name in SAMPLING_INPUTS)
-        if int(lengths_host.min()) < 1:
-            return None  # no history yet: the prefill's business, not a decode step's
+        table_host = inputs["table"].to("cpu", torch.long)
+        for row in range(rows):
+            # The eager step's checks: a freed or foreign table raises; a table without a block for the new
+            # token grows in the eager step (``PagedKVPool.write_rows``), which a graph cannot do.
+            length = int(lengths_host[row])
+            pool.table_from_tensor(table_host[row], length)
+            if length // cfg.block_size >= table_host.shape[1] or int(table_host[row, length // cfg.block_size]) < 0:
+                self.eager_steps += 1
+                return None
         seen_width = int(inputs["seen"].shape[-1]) if sampling else 0
         key = DecodeGraphKey(weights_version, bucket, context, str(store[0].dtype).removeprefix("torch."), sampling,
                              seen_width)

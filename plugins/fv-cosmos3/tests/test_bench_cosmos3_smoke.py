@@ -101,6 +101,8 @@ def test_profile_sees_the_engines_ops_and_upsample_tokens_caps_the_rewrite(tmp_p
     out, folder = tmp_path / "cosmos3.json", tmp_path / "prof"
     _run(str(out), "--smoke", "--sections", "omni", "decode", "--profile", str(folder), "--upsample-tokens", "3")
     tables = (folder / "decode_profile.txt").read_text()
-    assert "aten::linear" in tables and "aten::multinomial" in tables, tables[:2000]
+    # The matmuls themselves (aten::mm; the aten::linear wrappers' little self time can fall out of the 40 rows
+    # now that the section runs the eager and the graphed tier) and the host sampler.
+    assert ("aten::mm" in tables or "aten::linear" in tables) and "aten::multinomial" in tables, tables[:2000]
     assert (folder / "omni_profile.txt").exists()
     assert json.loads(out.read_text())["omni"]["text_tokens"] == [3]

@@ -301,6 +301,21 @@ def test_a_failed_capture_falls_back_to_the_eager_step(monkeypatch, caplog):
     assert torch.equal(via_op, bench.step())  # same pool slot rewritten with the same values
 
 
+def test_a_table_without_room_for_the_new_token_or_a_freed_table_is_left_to_the_eager_step():
+    """The eager step grows a table that lacks the new token's block, and refuses a freed one; a graph can do
+    neither, so it must not guess (writing into the row's first block would corrupt its history)."""
+    bench = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=10)
+    graphed = GraphedDecode((2,), capture=False, min_context=32)
+    short = bench.table_ids.clone()
+    short[1, 40 // 16 :] = -1  # row 1 holds tokens 0..31 only: its new token (position 37) has no block
+    lengths = torch.tensor(bench.lengths)
+    assert graphed.run(bench.mot, bench.pool, "v1", {"token": bench.token, "table": short, "length": lengths}) is None
+    assert graphed.eager_steps == 1 and graphed.captures == 0
+    bench.pool.free(bench.pool.table_from_tensor(bench.table_ids[0], bench.lengths[0]))
+    with pytest.raises(ValueError, match="not allocated"):
+        graphed.run(bench.mot, bench.pool, "v1", {"token": bench.token, "table": bench.table_ids, "length": lengths})
+
+
 def test_the_graphed_tier_is_built_only_for_cuda_graphs_on_cuda():
     from fv_kernel.api import ComputeOptions, InstanceOptions
 
