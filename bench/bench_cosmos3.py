@@ -20,7 +20,10 @@ weight tensors (``load_state_dict(assign=True)``: no second copy of a real-size 
 3. ``concurrent``: ``--concurrent`` omni requests submitted together with step batching
    (``batching="throughput"``) against the same requests one at a time; and the same for plain
    T2V requests of one prompt length, whose generator steps fuse across requests.
-4. ``decode``: ``ar_token`` throughput of 8 concurrent chat requests, fused vs one at a time.
+4. ``decode``: the reasoner's decode on the eager and the CUDA-graphed tier of the same instance:
+   tok/s of 8 chat requests one at a time (batch 1) and batched (batch 8), one prompt
+   upsampling's decode of ``--upsample-tokens`` (512) tokens with the upsampling sampler, and
+   the physical bound at batch 1 (reasoner weight bytes per token at the measured bandwidth).
 5. ``memory``: weights of one instance serving text and video vs two engines (counted on the
    meta device for Nano and Super); with ``--card cosmos3-tiny`` also the peak RSS of a process doing both.
 
@@ -45,6 +48,7 @@ import torch
 
 from fv_cosmos3.cards import cosmos3_card
 from fv_cosmos3.diffusers_reference import diffusers_forward_kwargs, diffusers_transformer
+from fv_cosmos3.graphed_decode import GraphedDecode
 from fv_cosmos3.instance import Cosmos3Instance, cosmos3_ops, text_pool_config
 from fv_cosmos3.loops import upsample_params
 from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT
@@ -78,7 +82,7 @@ class Bench:
         self.dtype = torch_dtype(self.precision)
         self.repeats: int = 1 if args.smoke else args.repeats
         self.concurrent: int = 2 if args.smoke else args.concurrent
-        self.decode_tokens: int = 4 if args.smoke else 32
+        self.decode_tokens: int = 4 if args.smoke else getattr(args, "decode_tokens", 64)
         self.args = args
 
     def sync(self) -> None:
@@ -303,21 +307,79 @@ def bench_concurrent(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
     return out
 
 
+def _hbm_bytes_per_s(b: Bench) -> float:
+    """Measured device memory bandwidth: a 2 GiB device-to-device copy (read + write), best of three."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=b.device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(3):
+        b.sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        b.sync()
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * 2**30 / best
+
+
 def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
+    """Reasoner decode on the eager tier and the CUDA-graphed tier (``fv_cosmos3.graphed_decode``) of one
+    instance: 8 chat requests one at a time (batch 1) and batched (batch 8), and one prompt upsampling's
+    decode of ``--upsample-tokens`` (512) tokens with the upsampling sampler; beside them the physical bound
+    at batch 1, the reasoner's weight bytes read once per token at the measured memory bandwidth."""
     prompts = ["a fox", "a boat drifting on a calm lake", "snow", "city lights at night in the rain", "a dog",
                "waves", "a bird over a field of wheat", "a slow train"]
 
-    def requests(prefix: str) -> list[Request]:
+    def requests(prefix: str, tokens: int) -> list[Request]:
         return [Request(request_id=f"{prefix}{i}", model=b.card_id, task=TaskType.TEXT_GENERATION,
                         inputs=(TextPart(text=prompts[i]),),
-                        ar=ARParams(max_tokens=b.decode_tokens, temperature=0.8, top_k=20, seed=i, stop_token_ids=()))
+                        ar=ARParams(max_tokens=tokens, temperature=0.8, top_k=20, seed=i, stop_token_ids=()))
                 for i in range(len(prompts))]
 
-    out: dict[str, Any] = {"requests": len(prompts), "max_tokens": b.decode_tokens}
-    for name, batched in (("batched", True), ("one_at_a_time", False)):
-        run = _engine_run(b, instance, requests(f"{name}-"), batched=batched)
-        out[name] = {**run, "tokens_per_s": sum(run["text_tokens"]) / run["seconds"]}
-    out["speedup"] = out["batched"]["tokens_per_s"] / out["one_at_a_time"]["tokens_per_s"]
+    upsample_tokens = b.args.upsample_tokens or (8 if b.smoke else 512)
+
+    def upsampling(prefix: str) -> list[Request]:
+        # The upsampling loop's sampler and budget (T 0.7, top-p 0.8, top-k 20, presence 1.5) on a chat request.
+        return [Request(request_id=f"{prefix}up", model=b.card_id, task=TaskType.TEXT_GENERATION,
+                        inputs=(TextPart(text=PROMPT),),
+                        ar=ARParams(max_tokens=upsample_tokens, temperature=0.7, top_p=0.8, top_k=20,
+                                    presence_penalty=1.5, seed=0, stop_token_ids=()))]
+
+    config = Cosmos3Config(**instance.card.components["transformer"].config)
+    weights = _weight_bytes(config, b.dtype)
+    embed = config.vocab_size * config.hidden_size * torch.empty((), dtype=b.dtype).element_size()
+    per_token = weights["reasoner_only"] - embed  # every reasoner matrix once, and one embedding row (negligible)
+    out: dict[str, Any] = {"requests": len(prompts), "max_tokens": b.decode_tokens,
+                           "reasoner_bytes_per_token": per_token}
+    if b.cuda:
+        bandwidth = _hbm_bytes_per_s(b)
+        out["measured_hbm_bytes_per_s"] = bandwidth
+        out["bound_tokens_per_s_batch1"] = bandwidth / per_token
+    buckets = instance.options.compute.graph_batch_buckets if instance.options.compute else (1, 2, 4, 8, 16, 32)
+    tiers = [("eager", None)] + ([("graphed", GraphedDecode(tuple(buckets)))] if b.cuda or b.smoke else [])
+    for tier, graphed in tiers:
+        if graphed is not None and not b.cuda:
+            graphed.capture = False  # --smoke on the CPU: the static step, run eagerly
+        instance.graphed_decode = graphed
+        # Warm-up (captures every graph the timed runs replay: batch buckets 1 and 8, their context buckets).
+        _engine_run(b, instance, requests(f"warm-{tier}-", min(b.decode_tokens, 4)), batched=True)
+        _engine_run(b, instance, requests(f"warm1-{tier}-", min(b.decode_tokens, 4))[:1], batched=False)
+        if graphed is not None:
+            _engine_run(b, instance, upsampling(f"warm-{tier}-"), batched=False)
+        result: dict[str, Any] = {}
+        for name, batched in (("batch8", True), ("batch1", False)):
+            run = _engine_run(b, instance, requests(f"{tier}-{name}-", b.decode_tokens), batched=batched)
+            result[name] = {**run, "tokens_per_s": sum(run["text_tokens"]) / run["seconds"]}
+        up = _engine_run(b, instance, upsampling(f"{tier}-"), batched=False)
+        result["upsample"] = {"tokens": up["text_tokens"][0], "seconds": up["seconds"]}
+        if graphed is not None:
+            result["captures"], result["replays"], result["eager_steps"] = graphed.captures, graphed.replays, graphed.eager_steps
+        out[tier] = result
+    instance.graphed_decode = None
+    if "graphed" in out:
+        out["graphed_vs_eager_batch1"] = out["graphed"]["batch1"]["tokens_per_s"] / out["eager"]["batch1"]["tokens_per_s"]
+        out["graphed_vs_eager_batch8"] = out["graphed"]["batch8"]["tokens_per_s"] / out["eager"]["batch8"]["tokens_per_s"]
     return out
 
 
@@ -399,8 +461,22 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
                          f"(largest generate batch {c['batched']['largest_batch'].get('generate', 0)})"))
     dec = results.get("decode")
     if dec:
-        rows.append((f"ar_token, {dec['requests']} concurrent chat requests: batched / one at a time (tok/s)",
-                     f"{dec['batched']['tokens_per_s']:.1f} / {dec['one_at_a_time']['tokens_per_s']:.1f} = {dec['speedup']:.2f}x"))
+        for tier in ("eager", "graphed"):
+            if tier not in dec:
+                continue
+            t = dec[tier]
+            rows += [
+                (f"reasoner decode, {tier}: batch 1 / batch 8 ({dec['requests']} chat requests) (tok/s)",
+                 f"{t['batch1']['tokens_per_s']:.1f} / {t['batch8']['tokens_per_s']:.1f}"),
+                (f"prompt upsampling decode, {tier}: {t['upsample']['tokens']} tokens (s)", f"{t['upsample']['seconds']:.2f}"),
+            ]
+        if "graphed_vs_eager_batch1" in dec:
+            rows.append(("  graphed / eager, batch 1 / batch 8",
+                         f"{dec['graphed_vs_eager_batch1']:.2f}x / {dec['graphed_vs_eager_batch8']:.2f}x"))
+        if "bound_tokens_per_s_batch1" in dec:
+            rows.append((f"physical bound at batch 1: {dec['reasoner_bytes_per_token'] / 1e9:.2f} GB of reasoner weights "
+                         f"per token at the measured {dec['measured_hbm_bytes_per_s'] / 1e12:.2f} TB/s (tok/s)",
+                         f"{dec['bound_tokens_per_s_batch1']:.0f}"))
     mem = results["memory"]
     gib = 2**30
     rows += [
@@ -451,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--omni-steps", type=int, default=None, help="default: the card's")
     parser.add_argument("--upsample-tokens", type=int, default=None, help="omni/concurrent: the rewrite's token "
                         "budget (default: the card's, 512; random weights never stop early)")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="decode: tokens per chat request")
     parser.add_argument("--sections", nargs="+", default=["step", "omni", "concurrent", "decode"],
                         choices=["step", "omni", "concurrent", "decode"], help="which of sections 1-4 to run (5 always runs)")
     parser.add_argument("--profile", default=None, metavar="DIR",

@@ -164,6 +164,12 @@ class PagedKVPool:
             self._values = torch.zeros(shape, dtype=c.torch_dtype, device=c.device)
         return self._keys, self._values
 
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V storage itself, (num_layers, num_kv_heads, num_blocks, block_size, head_dim) each
+        (allocated here on first use): for a kernel that reads and writes slots in place, e.g. a captured
+        decode step, which must bind tensors that stay put. Replays are valid until the pool is rebuilt."""
+        return self._storage()
+
     def allocate(self, owner: str, tokens: int = 0) -> KVBlockTable:
         """A new, empty table with room for ``tokens`` tokens."""
         return self.reserve(KVBlockTable(owner=owner), tokens)

@@ -5,7 +5,9 @@ that runs kernels; loops describe steps that name them:
 
 * ``ar_prefill`` / ``ar_token``: the reasoner tower against the instance's paged
   text-KV pool (``ar_token`` takes a group of requests with different context
-  lengths and decodes them as one right-padded batch);
+  lengths and decodes them as one right-padded batch; with ``compute.cuda_graphs`` on
+  CUDA it replays captured steps, ``fv_cosmos3.graphed_decode``, and samples the next
+  token in the step when the plan carries the sampling inputs);
 * ``text_kv``: the prompt's per-layer K/V, computed once per request and guidance branch;
 * ``generate``: the generator tower against that K/V for every row (request) and guidance
   branch of the step, as one batched call per prompt length (``generator_groups``);
@@ -36,6 +38,7 @@ from fv_kernel.api import (
     read_safetensors,
     resolve_source,
 )
+from fv_cosmos3.graphed_decode import SAMPLING_INPUTS, GraphedDecode, sample_tokens
 from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT, TextKV, from_unified_state_dict
 from fv_cosmos3.models.mot import GeneratorOutput
 from fv_cosmos3.models.audio_vae import Cosmos3AudioDecoder, Cosmos3AudioDecoderConfig
@@ -56,6 +59,13 @@ class Cosmos3Instance(ModelInstance):
     """
 
     text_kv_pool: PagedKVPool | None = None
+    #: The reasoner's CUDA-graphed decode steps (``compute.cuda_graphs`` on a CUDA device), else None: eager.
+    graphed_decode: GraphedDecode | None = None
+
+    @property
+    def samples_on_device(self) -> bool:
+        """Decode loops started here sample in the step (graph-safe sampling) instead of on the host."""
+        return self.graphed_decode is not None
 
     def block_pools(self) -> dict[str, PagedKVPool]:
         """The text-KV pool, by the name the decode loop's estimate reserves blocks of (admission)."""
@@ -198,6 +208,19 @@ def cosmos3_ops(instance: ModelInstance) -> dict[str, StepOp]:
             return {"logits": logits[:, -1].float()}
 
         def ar_token(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            graphed = instance.graphed_decode
+            if graphed is not None:
+                replayed = graphed.run(mot, pool, instance.weights_version, inputs)
+                if replayed is not None:
+                    return replayed
+            out = _eager_ar_token(inputs)
+            if all(name in inputs for name in SAMPLING_INPUTS):
+                # The graphed step's sampler, run eagerly: the same token for the same logits.
+                device = out["logits"].device
+                out["token"] = sample_tokens(out["logits"], *(inputs[name].to(device) for name in SAMPLING_INPUTS))
+            return out
+
+        def _eager_ar_token(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             tokens, lengths = inputs["token"], inputs["length"]
             n = tokens.shape[1]
             tables = [pool.table_from_tensor(inputs["table"][row], int(lengths[row])) for row in range(tokens.shape[0])]
@@ -298,7 +321,11 @@ def build_cosmos3_instance(card: ModelCard, options: InstanceOptions) -> Cosmos3
         f"{name}={c.random_init_seed}" for name, c in card.checkpoint.components.items() if c.random_init_seed is not None
     )
     version = ("seeded:" + ",".join(seeds)) if seeds else f"source:{options.source or card.checkpoint.source}"
+    compute = options.compute
+    graphed = None
+    if compute is not None and compute.cuda_graphs and torch.device(options.device).type == "cuda":
+        graphed = GraphedDecode(tuple(compute.graph_batch_buckets))  # off CUDA the decode stays eager
     return Cosmos3Instance(
         card=card, options=options, component_loader=load, ops_builder=cosmos3_ops, weights_version=version,
-        text_kv_pool=PagedKVPool(text_pool_config(card, options)),
+        text_kv_pool=PagedKVPool(text_pool_config(card, options)), graphed_decode=graphed,
     )

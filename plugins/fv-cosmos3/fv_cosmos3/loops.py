@@ -121,6 +121,11 @@ class ARDecodeState(LoopState):
     model_id: str = ""
     weights_version: str = ""
     seed: int = 0
+    #: Sample in the step (graph-safe: ``fv_cosmos3.graphed_decode.sample_tokens``, one uniform per token drawn
+    #: from ``rng_state``) instead of on the host; set at init from the instance, kept for the request's life.
+    device_sampling: bool = False
+    #: Width of the ``seen`` row a device-sampled step carries (the pool's per-sequence token limit).
+    seen_width: int = 0
 
 
 class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
@@ -161,6 +166,8 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
             rng_state=new_generator_state(params.seed), max_tokens=params.max_tokens, temperature=params.temperature,
             top_k=params.top_k, top_p=params.top_p, presence_penalty=params.presence_penalty, stop_ids=sorted(stops),
             model_id=model.model_id, weights_version=model.weights_version, seed=params.seed,
+            device_sampling=bool(getattr(model, "samples_on_device", False)),
+            seen_width=pool.config.max_tokens_per_sequence,
         )
 
     def restore(self, state: ARDecodeState, model: ModelInstance, ctx: LoopContext) -> ARDecodeState:
@@ -208,29 +215,62 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
             emits = [EmitSpec(stream="text", modality="text", text=self._bound_tokenizer().decode([last]))]
         # The context length is an input, not part of the shape signature: requests at any
         # position group into one ar_token batch.
+        inputs = {
+            "token": torch.tensor([[last]], dtype=torch.long), "table": state.table_ids,
+            "length": torch.tensor([state.table.length], dtype=torch.long),
+        }
+        sig = ShapeSignature.of(tokens=1)
+        if state.device_sampling:
+            inputs.update(self._sampling_inputs(state))
+            sig = ShapeSignature.of(tokens=1, sampler="device", seen=state.seen_width)  # never fused with host sampling
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.AR_TOKEN, op="ar_token",
-            inputs={
-                "token": torch.tensor([[last]], dtype=torch.long), "table": state.table_ids,
-                "length": torch.tensor([state.table.length], dtype=torch.long),
-            },
-            shape_sig=ShapeSignature.of(tokens=1), emits=emits, tag="token",
+            inputs=inputs, shape_sig=sig, emits=emits, tag="token",
         )
+
+    @staticmethod
+    def _draw(state: ARDecodeState) -> tuple[float, torch.Tensor]:
+        """The uniform the next sampled token is drawn at, and the generator state after it (greedy: none)."""
+        generator = generator_from_state(state.rng_state)
+        if state.temperature == 0.0:
+            return 0.0, state.rng_state
+        return float(torch.rand(1, generator=generator, dtype=torch.float64)), generator.get_state()
+
+    def _sampling_inputs(self, state: ARDecodeState) -> dict[str, torch.Tensor]:
+        """One row of ``fv_cosmos3.graphed_decode.SAMPLING_INPUTS``: the step samples the next token itself."""
+        seen = torch.full((1, state.seen_width), -1, dtype=torch.long)
+        if state.presence_penalty != 0.0:
+            ids = sorted(set(state.generated))
+            seen[0, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return {
+            "temperature": torch.tensor([state.temperature], dtype=torch.float32),
+            "top_k": torch.tensor([state.top_k], dtype=torch.long),
+            "top_p": torch.tensor([state.top_p], dtype=torch.float32),
+            "uniform": torch.tensor([self._draw(state)[0]], dtype=torch.float32),
+            "penalty": torch.tensor([state.presence_penalty], dtype=torch.float32),
+            "seen": seen,
+        }
 
     def advance(self, state: ARDecodeState, result: StepResult) -> ARDecodeState:
         if self._replaying(state):
             written = len(state.prompt_ids) if not state.prefilled else state.table.length + 1
             return state.model_copy(update={"prefilled": True, "table": state.table.model_copy(update={"length": written})})
-        logits = apply_presence_penalty(result.outputs["logits"][0], state.generated, state.presence_penalty)
-        generator = generator_from_state(state.rng_state)
-        token = sample_next_token(logits, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
-                                  generator=generator)
+        if state.device_sampling and state.prefilled:
+            # The step sampled at the uniform next() drew; advance the generator past that draw.
+            token = int(result.outputs["token"][0])
+            rng_state = self._draw(state)[1]
+        else:
+            logits = apply_presence_penalty(result.outputs["logits"][0], state.generated, state.presence_penalty)
+            generator = generator_from_state(state.rng_state)
+            token = sample_next_token(logits, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
+                                      generator=generator)
+            rng_state = generator.get_state()
         written = len(state.prompt_ids) if not state.prefilled else state.table.length + 1
         generated = [*state.generated, token]
         finished = token in state.stop_ids or len(generated) >= state.max_tokens
         return state.model_copy(update={
             "generated": generated, "prefilled": True, "table": state.table.model_copy(update={"length": written}),
-            "rng_state": generator.get_state(), "finished": finished, "step": state.step + 1,
+            "rng_state": rng_state, "finished": finished, "step": state.step + 1,
         })
 
     def _text(self, state: ARDecodeState) -> str:
@@ -266,7 +306,10 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
         prefill = len(prompt_ids) * (_token_activation_bytes(config, e) + config.vocab_size * 4)
         steps = [StepEstimate(loop_id=self.loop_id, kind=WorkKind.AR_PREFILL, shape_sig=ShapeSignature.of(tokens=len(prompt_ids)))]
         if params.max_tokens > 1:
-            steps.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.AR_TOKEN, shape_sig=ShapeSignature.of(tokens=1),
+            sig = ShapeSignature.of(tokens=1)
+            if getattr(model, "samples_on_device", False):  # as next() signs a device-sampled step
+                sig = ShapeSignature.of(tokens=1, sampler="device", seen=pool.config.max_tokens_per_sequence)
+            steps.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.AR_TOKEN, shape_sig=sig,
                                       count=params.max_tokens - 1))
         return ResourceRequest(
             steps=tuple(steps), pool_blocks={"text_kv": pool.blocks_for(total)},

@@ -59,7 +59,12 @@ def test_smoke_measures_every_section(tmp_path: Path) -> None:
     assert conc["omni"]["batched"]["largest_batch"]["ar_token"] == 2
 
     dec = r["decode"]
-    assert dec["batched"]["largest_batch"]["ar_token"] == 8 and dec["one_at_a_time"]["largest_batch"]["ar_token"] == 1
+    for tier in ("eager", "graphed"):  # --smoke: the graphed tier's static step, run eagerly on the CPU
+        assert dec[tier]["batch8"]["largest_batch"]["ar_token"] == 8, tier
+        assert dec[tier]["batch1"]["largest_batch"]["ar_token"] == 1, tier
+        assert dec[tier]["upsample"]["tokens"] > 0 and dec[tier]["upsample"]["seconds"] > 0
+    assert dec["graphed"]["replays"] > 0 and dec["graphed"]["eager_steps"] == 0
+    assert "graphed / eager, batch 1 / batch 8" in printed
     assert r["memory"]["nano_bf16"]["one_instance"] < r["memory"]["nano_bf16"]["two_instances"]
     assert "fv / diffusers" in printed and "text K/V once vs every step" in printed
 
@@ -96,6 +101,8 @@ def test_profile_sees_the_engines_ops_and_upsample_tokens_caps_the_rewrite(tmp_p
     out, folder = tmp_path / "cosmos3.json", tmp_path / "prof"
     _run(str(out), "--smoke", "--sections", "omni", "decode", "--profile", str(folder), "--upsample-tokens", "3")
     tables = (folder / "decode_profile.txt").read_text()
-    assert "aten::linear" in tables and "aten::multinomial" in tables, tables[:2000]
+    # The matmuls themselves (aten::mm; the aten::linear wrappers' little self time can fall out of the 40 rows
+    # now that the section runs the eager and the graphed tier) and the host sampler.
+    assert ("aten::mm" in tables or "aten::linear" in tables) and "aten::multinomial" in tables, tables[:2000]
     assert (folder / "omni_profile.txt").exists()
     assert json.loads(out.read_text())["omni"]["text_tokens"] == [3]

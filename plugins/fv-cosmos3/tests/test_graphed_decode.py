@@ -1,0 +1,455 @@
+"""The CUDA-graphed reasoner decode step (``fv_cosmos3.graphed_decode``), tested on the CPU.
+
+Off CUDA ``GraphedDecode(capture=False)`` runs the very function a graph would capture, on the same
+static buffers, so bucketing, padding, masking, invalidation and sampling are all exercised here;
+``test_graphed_decode_cuda.py`` captures and replays on a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cosmos3_testutils import ATOL, drive_loop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+from bench_ar_token import CONFIGS, DecodeBench  # noqa: E402
+
+from fv_cosmos3.cards import cosmos3_card
+from fv_cosmos3.graphed_decode import (
+    GraphedDecode,
+    _host_buffers,
+    batch_bucket,
+    context_bucket,
+    sample_tokens,
+    static_decode_step,
+)
+from fv_cosmos3.models import Cosmos3MoT
+from fv_kernel.api import ARParams, Request, TaskType, TextPart, build_instance, sample_next_token
+
+
+def _graphed_step(bench: DecodeBench, graphed: GraphedDecode, version: str = "v1") -> torch.Tensor:
+    """``DecodeBench.step`` through the graphed path (the same inputs the plugin's ``ar_token`` gets)."""
+    inputs = {"token": bench.token, "table": bench.table_ids, "length": torch.tensor(bench.lengths, dtype=torch.long)}
+    with torch.inference_mode():
+        out = graphed.run(bench.mot, bench.pool, version, inputs)
+    assert out is not None
+    bench.token = out["logits"].argmax(-1, keepdim=True)
+    bench.lengths = [length + 1 for length in bench.lengths]
+    return out["logits"]
+
+
+def _kv(bench: DecodeBench) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [bench.pool.gather(bench.pool.table_from_tensor(bench.table_ids[r], bench.lengths[r]))
+            for r in range(len(bench.lengths))]
+
+
+# --------------------------------------------------------------------------- bucketing
+
+
+def test_bucketing_picks_the_smallest_bucket_that_holds_the_batch_and_the_context():
+    buckets = (8, 1, 2, 4)  # any order
+    assert [batch_bucket(b, buckets) for b in (1, 2, 3, 4, 5, 8)] == [1, 2, 4, 4, 8, 8]
+    assert batch_bucket(9, buckets) is None  # larger than every bucket: the eager step
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        batch_bucket(0, buckets)
+    # Powers of two from the minimum, whole blocks, capped at the pool's per-sequence limit.
+    assert context_bucket(1, block_size=16, max_tokens=4096) == 256
+    assert context_bucket(257, block_size=16, max_tokens=4096) == 512
+    assert context_bucket(3000, block_size=16, max_tokens=3000) == 3008
+    assert context_bucket(20, block_size=16, max_tokens=4096, minimum=24) == 32
+    with pytest.raises(ValueError, match=r"context must be in \[1, 4096\]"):
+        context_bucket(4097, block_size=16, max_tokens=4096)
+
+
+def test_a_batch_replays_the_graph_of_its_bucket_and_a_larger_one_runs_eagerly():
+    bench = DecodeBench.build(CONFIGS["tiny"], 3, history=40, steps=4, seed=1)
+    graphed = GraphedDecode((1, 2, 4), capture=False, min_context=32)
+    _graphed_step(bench, graphed)
+    _graphed_step(bench, graphed)
+    # 41 tokens: the 64-token bucket, capped at the pool's 48-token sequences.
+    assert [(k.bucket, k.context) for k in graphed.keys()] == [(4, 48)]
+    assert graphed.captures == 1 and graphed.replays == 2
+    too_many = DecodeBench.build(CONFIGS["tiny"], 5, history=40, steps=2, seed=1)
+    inputs = {"token": too_many.token, "table": too_many.table_ids, "length": torch.tensor(too_many.lengths)}
+    assert graphed.run(too_many.mot, too_many.pool, "v1", inputs) is None
+    assert graphed.eager_steps == 1
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("history", [31, 63])
+def test_static_step_is_bit_identical_to_the_eager_step_at_the_same_shapes(rows, history):
+    """Batch = bucket and context = history + 1 (equal-length rows): logits and written K/V equal bit for bit."""
+    eager = DecodeBench.build(CONFIGS["tiny"], rows, history=history, steps=3, seed=2, stride=0)
+    graph = DecodeBench.build(CONFIGS["tiny"], rows, history=history, steps=3, seed=2, stride=0)
+    graphed = GraphedDecode((rows,), capture=False, min_context=history + 1)
+    expected, actual = eager.step(), _graphed_step(graph, graphed)
+    assert graphed.keys()[0].context == history + 1
+    assert expected.dtype == actual.dtype == torch.float32
+    assert torch.equal(actual, expected)
+    for (ke, ve), (kg, vg) in zip(_kv(eager), _kv(graph)):
+        assert torch.equal(kg, ke) and torch.equal(vg, ve)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_padded_buckets_follow_the_eager_decode(rows):
+    """Ragged rows padded to the next bucket and to a 64-token context, over 10 steps (crossing a block and a
+    context bucket): logits agree with eager within the fp32 parity tolerance (1e-5), the greedy tokens and the K/V are the same."""
+    eager = DecodeBench.build(CONFIGS["tiny"], rows, history=42, steps=10, seed=3)
+    graph = DecodeBench.build(CONFIGS["tiny"], rows, history=42, steps=10, seed=3)
+    graphed = GraphedDecode((1, 2, 4, 8), capture=False, min_context=48)
+    for _ in range(10):
+        expected, actual = eager.step(), _graphed_step(graph, graphed)
+        assert actual.shape == expected.shape
+        torch.testing.assert_close(actual, expected, rtol=0, atol=ATOL)
+        assert torch.equal(graph.token, eager.token)
+    assert {(k.bucket, k.context) for k in graphed.keys()} == {(batch_bucket(rows, (1, 2, 4, 8)), 48),
+                                                               (batch_bucket(rows, (1, 2, 4, 8)), 64)}
+    for (ke, ve), (kg, vg) in zip(_kv(eager), _kv(graph)):
+        torch.testing.assert_close(kg, ke, rtol=0, atol=ATOL)
+        torch.testing.assert_close(vg, ve, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("fp32_multiply", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_rms_norm_is_the_modules_norm_bit_for_bit(fp32_multiply, dtype):
+    """Both weight conventions (Qwen: cast then multiply; Nemotron: multiply in fp32), fp32 and bf16 weights."""
+    from fv_cosmos3.graphed_decode import _rms_norm
+    from fv_cosmos3.models.layers import RMSNorm
+
+    norm = RMSNorm(64, 1e-6, multiply_in_fp32=fp32_multiply)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(0)))
+    norm = norm.to(dtype)
+    x = (3 * torch.randn(5, 1, 64, generator=torch.Generator().manual_seed(1))).to(dtype)
+    assert torch.equal(_rms_norm(norm, x), norm(x))
+    assert torch.equal(_rms_norm(torch.nn.Identity(), x), x)
+
+
+def _static_inputs(bench: DecodeBench, bucket: int, context: int) -> dict[str, torch.Tensor]:
+    lengths = torch.tensor(bench.lengths, dtype=torch.long)
+    inputs = {"token": bench.token, "table": bench.table_ids, "length": lengths}
+    return _host_buffers(inputs, lengths, len(bench.lengths), bucket, -(-context // bench.pool.block_size),
+                         bench.pool.block_size, sampling=False)
+
+
+def _changed_slots(before: torch.Tensor, after: torch.Tensor) -> set[tuple[int, int]]:
+    """(block, offset) of every slot (any layer or head) that differs."""
+    diff = (before != after).any(dim=-1).any(dim=1).any(dim=0)  # (blocks, block_size)
+    return {(int(b), int(o)) for b, o in diff.nonzero().tolist()}
+
+
+def test_padded_rows_do_not_touch_live_kv_or_live_logits():
+    """Three live rows in a bucket of 8. The only slots a step changes are the live rows' new-token slots; the
+    live rows' logits are bit-identical whatever the padded rows hold. Negative control: with the padded rows'
+    store unmasked, the checker sees them write into a live sequence's K/V."""
+    bench = DecodeBench.build(CONFIGS["tiny"], 3, history=37, steps=4, seed=4)
+    store = bench.pool.storage()
+    buffers = _static_inputs(bench, 8, 64)
+    live_slots = {(int(bench.table_ids[r, n // 16]), n % 16) for r, n in enumerate(bench.lengths)}
+
+    def step(buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, set[tuple[int, int]]]:
+        before = tuple(s.clone() for s in store)
+        with torch.inference_mode():
+            logits = static_decode_step(bench.mot, store, buffers, context=64, sampling=False)["logits"]
+        changed = _changed_slots(before[0], store[0]) | _changed_slots(before[1], store[1])
+        for s, b in zip(store, before):
+            s.copy_(b)  # every variant starts from the same pool
+        return logits, changed
+
+    logits, changed = step(buffers)
+    assert changed == live_slots
+    other = dict(buffers)
+    other["token"] = buffers["token"].clone()
+    other["token"][3:] = torch.arange(5).view(5, 1) + 100
+    other["position"] = buffers["position"].clone()
+    other["position"][3:] = 7
+    logits_other, changed_other = step(other)
+    assert changed_other == live_slots
+    assert torch.equal(logits_other[:3], logits[:3])
+    assert not torch.equal(logits_other[3:], logits[3:])  # the padding did change (the test can see it)
+    unmasked = dict(other, live=torch.ones(8, dtype=torch.bool))
+    assert step(unmasked)[1] - live_slots, "the checker must see an unmasked padded row's store"
+
+
+# --------------------------------------------------------------------------- invalidation
+
+
+def _reseeded(mot: Cosmos3MoT, seed: int) -> Cosmos3MoT:
+    new = Cosmos3MoT(mot.config).eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in new.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(noise * p[0].numel() ** -0.5 if p.dim() > 1 else (1 + 0.02 * noise if "norm" in name else 0.02 * noise))
+    return new
+
+
+def _step_logits(bench: DecodeBench, graphed: GraphedDecode, mot: Cosmos3MoT, version: str) -> torch.Tensor:
+    bench.mot = mot
+    return _graphed_step(bench, graphed, version)
+
+
+def test_a_weights_version_change_drops_every_capture(monkeypatch):
+    """After an RL weight sync (new weights, new ``weights_version``) no capture of the old version is left and
+    the step follows the new weights. Negative control: without the invalidation the old captures stay."""
+
+    def run(invalidate: bool) -> tuple[list, torch.Tensor, torch.Tensor]:
+        graphed = GraphedDecode((1, 2), capture=False, min_context=32)
+        bench = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=6)
+        reference = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=6)
+        _step_logits(bench, graphed, bench.mot, "v1")
+        reference.step()
+        new = _reseeded(bench.mot, 99)
+        if not invalidate:
+            monkeypatch.setattr(GraphedDecode, "_check_bound", lambda self, *args: None)
+        logits = _step_logits(bench, graphed, new, "v2")
+        reference.mot = new
+        reference.ar_token = _eager_op(reference, new)
+        expected = reference.step()
+        return graphed.keys(), logits, expected
+
+    keys, logits, expected = run(invalidate=True)
+    assert [k.weights_version for k in keys] == ["v2"]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
+    stale_keys, _, _ = run(invalidate=False)
+    assert [k.weights_version for k in stale_keys] == ["v1", "v2"]  # what the invalidation prevents
+
+
+def _eager_op(bench: DecodeBench, mot: Cosmos3MoT):
+    from fv_cosmos3.instance import Cosmos3Instance, cosmos3_ops
+    from fv_kernel.api import InstanceOptions
+
+    instance = Cosmos3Instance(card=cosmos3_card("cosmos3-tiny"), options=InstanceOptions(),
+                               component_loader=lambda component_id: None, ops_builder=cosmos3_ops,
+                               components={"transformer": mot}, text_kv_pool=bench.pool)
+    return cosmos3_ops(instance)["ar_token"].fn
+
+
+def test_a_rebuilt_pool_or_a_replaced_module_is_recaptured(monkeypatch):
+    """Same version, but the K/V storage (or the reasoner module) is a new tensor: a capture bound to the old
+    one would write the new token's K/V where nobody reads it. Negative control: without the check it does."""
+
+    def new_token_kv_lands(check: bool) -> bool:
+        graphed = GraphedDecode((2,), capture=False, min_context=32)
+        bench = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=7)
+        _step_logits(bench, graphed, bench.mot, "v1")
+        # The pool rebuilt: the same K/V in new storage.
+        old_keys, old_values = bench.pool.storage()
+        bench.pool._keys, bench.pool._values = old_keys.clone(), old_values.clone()
+        if not check:
+            monkeypatch.setattr(GraphedDecode, "_check_bound", lambda self, *args: None)
+        _step_logits(bench, graphed, bench.mot, "v1")
+        row0 = bench.pool.table_from_tensor(bench.table_ids[0], bench.lengths[0])
+        return bool(bench.pool.gather(row0)[0][:, :, -1].abs().sum() > 0) and not torch.equal(
+            bench.pool.storage()[0], old_keys)
+
+    assert new_token_kv_lands(check=True)
+    assert not new_token_kv_lands(check=False)
+
+
+def test_a_replaced_reasoner_module_is_recaptured_even_under_the_same_version(monkeypatch):
+    """A capture reads the module it was captured with. Negative control: without the check the step still
+    computes with the old weights."""
+
+    def distance_to_new_weights(check: bool) -> float:
+        graphed = GraphedDecode((2,), capture=False, min_context=32)
+        bench = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=8)
+        reference = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=8)
+        _step_logits(bench, graphed, bench.mot, "v1")
+        reference.step()
+        if not check:
+            monkeypatch.setattr(GraphedDecode, "_check_bound", lambda self, *args: None)
+        new = _reseeded(bench.mot, 42)
+        logits = _step_logits(bench, graphed, new, "v1")
+        reference.ar_token = _eager_op(reference, new)
+        return float((logits - reference.step()).abs().max())
+
+    assert distance_to_new_weights(check=True) <= ATOL
+    assert distance_to_new_weights(check=False) > 1e-2
+
+
+def test_a_failed_capture_falls_back_to_the_eager_step(monkeypatch, caplog):
+    from fv_cosmos3 import graphed_decode
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphed_decode._DecodeGraph, "__init__", refuse)
+    bench = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=9)
+    graphed = GraphedDecode((2,), capture=False, min_context=32)
+    inputs = {"token": bench.token, "table": bench.table_ids, "length": torch.tensor(bench.lengths)}
+    with caplog.at_level("WARNING"):
+        assert graphed.run(bench.mot, bench.pool, "v1", inputs) is None
+        assert graphed.run(bench.mot, bench.pool, "v1", inputs) is None  # not retried for that shape
+    assert graphed.eager_steps == 2 and graphed.captures == 0 and not graphed.keys()
+    assert "runs eagerly" in caplog.text
+    # Through the plugin's op: the eager step's logits.
+    from fv_cosmos3.instance import Cosmos3Instance, cosmos3_ops
+    from fv_kernel.api import InstanceOptions
+
+    instance = Cosmos3Instance(card=cosmos3_card("cosmos3-tiny"), options=InstanceOptions(),
+                               component_loader=lambda component_id: None, ops_builder=cosmos3_ops,
+                               components={"transformer": bench.mot}, text_kv_pool=bench.pool, graphed_decode=graphed)
+    with torch.inference_mode():
+        via_op = cosmos3_ops(instance)["ar_token"].fn(inputs, {})["logits"]
+    assert torch.equal(via_op, bench.step())  # same pool slot rewritten with the same values
+
+
+def test_a_table_without_room_for_the_new_token_or_a_freed_table_is_left_to_the_eager_step():
+    """The eager step grows a table that lacks the new token's block, and refuses a freed one; a graph can do
+    neither, so it must not guess (writing into the row's first block would corrupt its history)."""
+    bench = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=10)
+    graphed = GraphedDecode((2,), capture=False, min_context=32)
+    short = bench.table_ids.clone()
+    short[1, 40 // 16 :] = -1  # row 1 holds tokens 0..31 only: its new token (position 37) has no block
+    lengths = torch.tensor(bench.lengths)
+    assert graphed.run(bench.mot, bench.pool, "v1", {"token": bench.token, "table": short, "length": lengths}) is None
+    assert graphed.eager_steps == 1 and graphed.captures == 0
+    bench.pool.free(bench.pool.table_from_tensor(bench.table_ids[0], bench.lengths[0]))
+    with pytest.raises(ValueError, match="not allocated"):
+        graphed.run(bench.mot, bench.pool, "v1", {"token": bench.token, "table": bench.table_ids, "length": lengths})
+
+
+def test_the_graphed_tier_is_built_only_for_cuda_graphs_on_cuda():
+    from fv_kernel.api import ComputeOptions, InstanceOptions
+
+    card = cosmos3_card("cosmos3-tiny")
+    on_cpu = build_instance(card, InstanceOptions(compute=ComputeOptions(cuda_graphs=True)))
+    assert on_cpu.graphed_decode is None and not on_cpu.samples_on_device
+    from fv_cosmos3.instance import build_cosmos3_instance
+
+    # The factory's decision, without building CUDA tensors: the pool is lazy, nothing touches the device.
+    on_cuda = build_cosmos3_instance(card, InstanceOptions(device="cuda", compute=ComputeOptions(
+        cuda_graphs=True, graph_batch_buckets=(1, 8))))
+    assert on_cuda.graphed_decode is not None and on_cuda.graphed_decode.buckets == (1, 8)
+    assert on_cuda.samples_on_device
+    assert build_cosmos3_instance(card, InstanceOptions(device="cuda")).graphed_decode is None
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, penalty: float,
+                     seen: list[int]) -> torch.Tensor:
+    """The sampler's distribution written out from its definition, in float64, one token at a time."""
+    x = logits.double().clone()
+    for t in set(seen):
+        x[t] -= penalty
+    x = x / temperature
+    if 0 < top_k < x.numel():
+        kth = sorted(x.tolist(), reverse=True)[top_k - 1]
+        x[x < kth] = float("-inf")
+    order = sorted(range(x.numel()), key=lambda i: -x[i].item())
+    p = torch.softmax(x, 0)
+    kept, mass = [], 0.0
+    for i in order:
+        if mass > top_p:
+            break
+        kept.append(i)
+        mass += p[i].item()
+    out = torch.zeros_like(p)
+    out[kept] = p[kept] / p[kept].sum()
+    return out
+
+
+def _frequencies(logits: torch.Tensor, grid: int, **params: float) -> torch.Tensor:
+    """Token frequencies of ``sample_tokens`` over ``grid`` evenly spaced uniforms (one batch)."""
+    rows = grid
+    u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    seen = params.pop("seen", [])
+    width = max(len(seen), 1)
+    seen_rows = torch.full((rows, width), -1, dtype=torch.long)
+    if seen:
+        seen_rows[:, : len(seen)] = torch.tensor(seen)
+    tokens = sample_tokens(
+        logits.expand(rows, -1), torch.full((rows,), params["temperature"]), torch.full((rows,), int(params["top_k"])),
+        torch.full((rows,), params["top_p"]), u.float(), torch.full((rows,), params.get("penalty", 0.0)), seen_rows,
+    )
+    return torch.bincount(tokens, minlength=logits.numel()).double() / grid
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.7, top_k=20, top_p=0.8, penalty=1.5, seen=[3, 5, 5]),
+    dict(temperature=1.3, top_k=0, top_p=1.0),
+    dict(temperature=0.9, top_k=4, top_p=1.0),
+    dict(temperature=1.0, top_k=0, top_p=0.5),
+])
+def test_graph_safe_sampling_draws_the_eager_samplers_distribution(params):
+    """Inverse-CDF sampling at evenly spaced uniforms reproduces the filtered distribution (penalty, temperature,
+    top-k, top-p) to the grid's resolution, and puts nothing outside the eager sampler's support.
+    Negative control: the same check fails when top-p is not applied."""
+    logits = torch.randn(32, generator=torch.Generator().manual_seed(0)) * 2
+    reference = _reference_probs(logits, params["temperature"], params["top_k"], params["top_p"],
+                                 params.get("penalty", 0.0), params.get("seen", []))
+    grid = 20000
+    freq = _frequencies(logits, grid, **params)
+    assert (freq - reference).abs().max() <= 2.0 / grid
+    assert set(freq.nonzero().flatten().tolist()) == set(reference.nonzero().flatten().tolist())
+    eager_support = set()
+    penalised = logits.clone()
+    for t in set(params.get("seen", [])):
+        penalised[t] -= params.get("penalty", 0.0)
+    for seed in range(200):
+        eager_support.add(sample_next_token(penalised, temperature=params["temperature"], top_k=params["top_k"],
+                                            top_p=params["top_p"], generator=torch.Generator().manual_seed(seed)))
+    assert eager_support <= set(reference.nonzero().flatten().tolist())
+    if params["top_p"] < 1.0:
+        unfiltered = _frequencies(logits, grid, **{**params, "top_p": 1.0})
+        assert (unfiltered - reference).abs().max() > 2.0 / grid
+
+
+def test_graph_safe_sampling_is_greedy_at_temperature_zero_and_rows_are_independent():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 50, generator=gen)
+    temperature = torch.tensor([0.0, 0.8, 0.0, 1.2])
+    top_k, top_p = torch.tensor([0, 5, 3, 0]), torch.tensor([1.0, 0.9, 0.5, 1.0])
+    uniform, penalty = torch.rand(4, generator=gen), torch.tensor([0.0, 1.0, 2.0, 0.0])
+    seen = torch.tensor([[-1, -1], [7, -1], [int(logits[2].argmax()), 1], [-1, -1]])
+    tokens = sample_tokens(logits, temperature, top_k, top_p, uniform, penalty, seen)
+    assert int(tokens[0]) == int(logits[0].argmax())
+    penalised = logits[2].clone()
+    penalised[seen[2]] -= 2.0
+    assert int(tokens[2]) == int(penalised.argmax()) != int(logits[2].argmax())  # the penalty moved the argmax
+    for row in range(4):
+        alone = sample_tokens(logits[row : row + 1], temperature[row : row + 1], top_k[row : row + 1],
+                              top_p[row : row + 1], uniform[row : row + 1], penalty[row : row + 1], seen[row : row + 1])
+        assert int(alone) == int(tokens[row])
+
+
+# --------------------------------------------------------------------------- the loop on the graphed tier
+
+
+def _chat(**ar) -> Request:
+    return Request(model="cosmos3-tiny", task=TaskType.TEXT_GENERATION, inputs=(TextPart(text="a red ball"),),
+                   ar=ARParams(**ar))
+
+
+def test_the_decode_loop_on_the_graphed_tier_samples_in_the_step():
+    """An instance with graphed decode: plans carry the sampling inputs, the op's token is the one kept. Greedy
+    decodes the eager loop's tokens; a seeded sampled decode is reproducible and advances the generator by
+    one draw per token."""
+    eager = build_instance(cosmos3_card("cosmos3-tiny"))
+    graphed = build_instance(cosmos3_card("cosmos3-tiny"))
+    graphed.graphed_decode = GraphedDecode((1, 2, 4), capture=False, min_context=32)
+    state_e, result_e = drive_loop(eager, "ar_decode", _chat(max_tokens=24))
+    record: list = []
+    state_g, result_g = drive_loop(graphed, "ar_decode", _chat(max_tokens=24), record=record)
+    assert state_g.device_sampling and not state_e.device_sampling
+    assert result_g.outputs["token_ids"] == result_e.outputs["token_ids"]
+    assert graphed.graphed_decode.replays == len(result_g.outputs["token_ids"]) - 1
+    token_plans = [plan for plan, _ in record if plan.tag == "token"]
+    assert token_plans and all("uniform" in plan.inputs for plan in token_plans)
+
+    record_sampled: list = []
+    sampled = [drive_loop(graphed, "ar_decode", _chat(max_tokens=16, temperature=0.9, top_k=8, seed=5, stop_token_ids=()),
+                          record=rec) for rec in (record_sampled, None)]
+    assert sampled[0][1].outputs["token_ids"] == sampled[1][1].outputs["token_ids"]
+    uniforms = [float(plan.inputs["uniform"]) for plan, _ in record_sampled if plan.tag == "token"]
+    assert len(set(uniforms)) == len(uniforms) == len(sampled[0][1].outputs["token_ids"]) - 1
+    assert all(0.0 <= u < 1.0 for u in uniforms)

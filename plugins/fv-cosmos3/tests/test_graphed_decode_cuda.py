@@ -1,0 +1,65 @@
+"""The graphed reasoner decode step captured and replayed on a GPU (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+from bench_ar_token import CONFIGS, DecodeBench  # noqa: E402
+
+from fv_cosmos3.graphed_decode import GraphedDecode
+from fv_kernel.api import PagedKVPool
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA device")
+
+
+def _on_cuda(bench: DecodeBench) -> DecodeBench:
+    """The bench's weights and pool moved to the GPU: same geometry, tables and contents."""
+    bench.mot = bench.mot.to("cuda")
+    old = bench.pool
+    pool = PagedKVPool(old.config.model_copy(update={"device": "cuda"}))
+    pool._free, pool._owner_of = list(old._free), dict(old._owner_of)
+    keys, values = old.storage()
+    pool._keys, pool._values = keys.to("cuda"), values.to("cuda")
+    bench.pool = pool
+    return bench
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_captured_steps_replay_and_follow_the_eager_step(rows):
+    eager = _on_cuda(DecodeBench.build(CONFIGS["tiny"], rows, history=42, steps=10, seed=3))
+    graph = _on_cuda(DecodeBench.build(CONFIGS["tiny"], rows, history=42, steps=10, seed=3))
+    eager.ar_token = _cuda_op(eager)
+    graphed = GraphedDecode((1, 2, 4, 8), min_context=48)  # captures: the pool is on CUDA
+    for _ in range(10):
+        with torch.inference_mode():
+            expected = eager.ar_token({"token": eager.token.cuda(), "table": eager.table_ids,
+                                       "length": torch.tensor(eager.lengths)}, {})["logits"]
+            actual = graphed.run(graph.mot, graph.pool, "v1", {"token": graph.token, "table": graph.table_ids,
+                                                                "length": torch.tensor(graph.lengths)})
+        assert actual is not None
+        torch.testing.assert_close(actual["logits"], expected, rtol=0, atol=1e-4)
+        for bench, logits in ((eager, expected), (graph, actual["logits"])):
+            bench.token = logits.argmax(-1, keepdim=True).cpu()
+            bench.lengths = [n + 1 for n in bench.lengths]
+        assert torch.equal(graph.token, eager.token)
+    assert graphed.captures == 2 and graphed.replays == 10  # two context buckets (48, 64), one batch bucket
+    assert all(entry.graph is not None for entry in graphed._entries.values())
+    graphed.run(graph.mot, graph.pool, "v2", {"token": graph.token, "table": graph.table_ids,
+                                              "length": torch.tensor(graph.lengths)})
+    assert [k.weights_version for k in graphed.keys()] == ["v2"]
+
+
+def _cuda_op(bench: DecodeBench):
+    from fv_cosmos3.cards import cosmos3_card
+    from fv_cosmos3.instance import Cosmos3Instance, cosmos3_ops
+    from fv_kernel.api import InstanceOptions
+
+    instance = Cosmos3Instance(card=cosmos3_card("cosmos3-tiny"), options=InstanceOptions(device="cuda"),
+                               component_loader=lambda component_id: None, ops_builder=cosmos3_ops,
+                               components={"transformer": bench.mot}, text_kv_pool=bench.pool)
+    return cosmos3_ops(instance)["ar_token"].fn
