@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fv_kernel.errors import InvalidRequest
-from fv_kernel.loop.contract import Loop, LoopContext, LoopState
+from fv_kernel.loop.contract import Loop, LoopContext, LoopState, ResidentModel
 from fv_kernel.request.request import Request
 
 __all__ = ["ChunkRolloutLoop", "ChunkRolloutState", "ReadyChunk", "SESSION_UPSTREAM"]
@@ -145,8 +145,12 @@ class ChunkRolloutLoop(Loop[S]):
         """
         return state
 
-    def release(self, state: S, ctx: LoopContext) -> None:
-        """Free what the state holds outside itself (pool slabs) when the session ends. Default: nothing."""
+    def release(self, owner: str, model: ResidentModel) -> None:
+        """Free what ``owner`` (the session's request id) holds outside its state, e.g. its pool slabs.
+
+        The session runtime calls it once when the session ends for any reason (completed,
+        stopped, failed, suspended: a suspended state carries its own copy). Default: nothing.
+        """
 
     def progress(self, state: S) -> tuple[int, int | None]:
         return state.chunk_index, state.max_chunks

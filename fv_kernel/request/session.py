@@ -9,13 +9,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fv_kernel.errors import FvError, InvalidRequest
 
-__all__ = ["CancelScope", "CANCEL_SCOPES", "SessionClosed", "SessionRequest", "check_cancel_scope"]
+__all__ = ["MAX_PROMPT_CHARS", "CancelScope", "CANCEL_SCOPES", "SessionClosed", "SessionRequest", "check_cancel_scope"]
 
 #: What a cancel ends. ``stream``: the not-yet-emitted chunk is abandoned and the session
 #: continues with fresh chunks; ``session`` (also ``request``/``loop``: a session is one
 #: request running one loop): the session ends.
 CancelScope = Literal["request", "loop", "stream", "session"]
 CANCEL_SCOPES: tuple[str, ...] = get_args(CancelScope)
+#: The longest prompt (opening or update) a session accepts, in characters.
+MAX_PROMPT_CHARS = 4096
 
 
 class SessionClosed(FvError):
@@ -43,7 +45,7 @@ class SessionRequest(BaseModel):
 
     session_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=128)
     model: str = Field(min_length=1)
-    prompt: str = Field(min_length=1)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     seed: int = Field(default=0, ge=0, lt=2**63)
     #: Frame size in pixels; None: the card's default.
     height: int | None = Field(default=None, gt=0, le=4096)

@@ -54,6 +54,8 @@ from fv_kernel.runtime.metrics import EngineMetrics
 from fv_kernel.runtime.pricing import pool_key
 from fv_kernel.runtime.records import GenerationResult, RecordStore, RequestHandle, RequestRecord
 from fv_kernel.runtime.scheduler import Scheduler, SchedulerConfig
+from fv_kernel.runtime.sessions import SessionHandle, SessionManager, SessionRecord
+from fv_kernel.request.session import SessionRequest
 
 __all__ = ["Engine", "run_serially", "run_concurrently"]
 
@@ -108,6 +110,8 @@ class Engine:
         self._syncs: dict[str, int] = {}
         #: Adapter loads in flight, per (instance id, version): co-arriving requests share one.
         self._adapter_loads: dict[tuple[str, str], asyncio.Future[None]] = {}
+        #: Realtime sessions (docs/realtime.md): admitted and scheduled like requests.
+        self.sessions = SessionManager(self)
 
     def make_executor(self) -> Executor:
         """The executor batches run on (a subclass may announce each batch, as a parallel pool's rank 0 does)."""
@@ -250,6 +254,19 @@ class Engine:
         self._kick()
         return RequestHandle(record, self.cancel)
 
+    def open_session(self, session: SessionRequest) -> SessionHandle:
+        """Open a realtime session on a card with a ``chunk_rollout`` loop (docs/realtime.md).
+
+        Admitted like a request (its reservation, chunk-KV slabs included, must fit: until it
+        does the session waits; one that can never fit raises ``CapacityError``); every step
+        is a WorkUnit of this engine's scheduler. Must be called on the engine's event loop.
+        """
+        return self.sessions.open(session)
+
+    def resume_session(self, data: bytes) -> SessionHandle:
+        """Continue a session from ``await handle.suspend()``'s bytes (this process or another)."""
+        return self.sessions.resume(data)
+
     def handle(self, request_id: str) -> RequestHandle:
         return RequestHandle(self._records[request_id], self.cancel)
 
@@ -360,7 +377,8 @@ class Engine:
     def _admit_queued(self) -> None:
         for record, program in self.scheduler.admit(self._instances.values(), self._reject):
             name = f"fv-req-{record.request.request_id}"
-            record.task = asyncio.create_task(self._run_request(record, program), name=name)
+            run = self.sessions.run if isinstance(record, SessionRecord) else self._run_request
+            record.task = asyncio.create_task(run(record, program), name=name)
 
     def _reject(self, record: RequestRecord, exc: BaseException) -> None:
         """A queued request that can never run (or whose estimate is broken) fails at admission."""
