@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 websockets_sync = pytest.importorskip("websockets.sync.client")
+websockets_exceptions = pytest.importorskip("websockets.exceptions")
 httpx = pytest.importorskip("httpx")
 av = pytest.importorskip("av")
 
@@ -32,6 +33,7 @@ from fv_kernel.testing.session_kit import chunk_toy_card  # noqa: E402
 MODEL = "toy-chunk"
 FPC = 2  # the toy card's frames per chunk
 API_KEY = "rt-key"
+FPS = 100  # chunks are paced to playback (2 s lead): a high rate keeps the tests fast
 
 
 class Served:
@@ -100,14 +102,14 @@ class Client:
 
 def start(client: Client, **fields: Any) -> dict[str, Any]:
     client.send({"type": "session.start", "model": MODEL, "prompt": "a red kite", "format": "m4s", "width": 16,
-                 "height": 16, "fps": 8, "num_inference_steps": 4, "guidance_scale": 1.0, "seed": 3, **fields})
+                 "height": 16, "fps": FPS, "num_inference_steps": 4, "guidance_scale": 1.0, "seed": 3, **fields})
     return client.until("video.start")
 
 
 def test_lifecycle_chunks_are_fmp4_fragments_that_decode_in_order(served: Served) -> None:
     client = Client(served.ws_url)
     started = start(client, extra_params={"max_chunks": 3})
-    assert started["format"] == "m4s" and started["config"]["fps"] == 8
+    assert started["format"] == "m4s" and started["config"]["fps"] == FPS
     assert started["config"]["width"] == 16 and started["config"]["height"] == 16
     assert started["config"]["ignored"] == ["num_inference_steps", "guidance_scale"]
     payloads, metas, messages = [], [], []
@@ -124,6 +126,8 @@ def test_lifecycle_chunks_are_fmp4_fragments_that_decode_in_order(served: Served
     assert done == {"type": "session.done", "request_id": started["request_id"], "chunks": 3, "stopped": False,
                     "reason": "completed"}
     assert any(m["type"] == "video.status" for m in messages if isinstance(m, dict))
+    with pytest.raises(websockets_exceptions.ConnectionClosedOK):  # the server closes after session.done
+        client.recv()
     # The first binary is init segment + fragment; the rest are one fragment each.
     assert boxes(payloads[0]) == [b"ftyp", b"moov", b"moof", b"mdat"]
     ftyp = struct.unpack(">I", payloads[0][:4])[0]
@@ -170,7 +174,7 @@ def test_interaction_is_acknowledged_applied_and_tracked_by_event_ids(served: Se
     assert queued["request_id"] == started["request_id"] and queued["event_id"] == "e1" and queued["version"] == 1
     applied = None
     metas = []
-    while len(metas) < 2 or applied is None:
+    while applied is None or not metas or metas[-1]["active_event_ids"] != ["e1"] or len(metas) < 2:
         message = client.recv()
         if isinstance(message, dict) and message["type"] == "session.prompt_applied":
             applied = message
@@ -280,6 +284,8 @@ def test_websocket_needs_the_api_key_when_one_is_set(tmp_path: Path) -> None:
         client.close()
         page = httpx.get(f"http://{s.server.host}:{s.server.port}/realtime")
         assert page.status_code == 200 and "realtime.js" in page.text  # the page itself is open
+        doc = httpx.get(f"{s.server.url}/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+        assert not [p for p in doc["paths"] if "realtime" in p]  # docs/realtime.md is their reference
     finally:
         s.server.stop()
 
@@ -290,7 +296,7 @@ def test_sse_fallback_streams_the_same_session(served: Served) -> None:
         bad = http.post("/v1/realtime/video/sessions", json={"model": MODEL, "prompt": "p", "width": 99999})
         assert bad.status_code == 413 and bad.json()["error"]["type"] == "frame_too_large"
         created = http.post("/v1/realtime/video/sessions",
-                            json={"model": MODEL, "prompt": "a kite", "width": 16, "height": 16, "fps": 8})
+                            json={"model": MODEL, "prompt": "a kite", "width": 16, "height": 16, "fps": FPS})
         assert created.status_code == 201, created.text
         urls = created.json()
         payloads, kinds = [], []
@@ -324,3 +330,102 @@ def test_sse_fallback_streams_the_same_session(served: Served) -> None:
         gone = http.post(urls["stop_url"])  # an ended session is remembered: a typed 409, not a 404
         assert gone.status_code == 409 and gone.json()["error"]["type"] == "session_closed"
         assert http.post("/v1/realtime/video/sessions/nope/stop").status_code == 404
+
+
+def test_chunks_are_paced_to_playback_with_a_bounded_lead(served: Served) -> None:
+    """At 8 fps a 2-frame chunk is 0.25 s of video: after the 2 s lead, chunks come no faster than that."""
+    import time
+
+    client = Client(served.ws_url)
+    start(client, fps=8, extra_params={"max_chunks": 12})
+    arrivals = []
+    for _ in range(12):
+        meta, _ = client.chunk()
+        arrivals.append((time.monotonic(), meta["transport_chunk_index"]))
+    t0 = arrivals[0][0]
+    for at, index in arrivals:
+        playback = index * FPC / 8
+        assert at - t0 >= playback - 2.0 - 0.05, f"chunk {index} sent {playback - (at - t0):.2f}s ahead of playback"
+    assert arrivals[-1][0] - t0 >= 11 * 0.25 - 2.0 - 0.05
+    status = client.until("video.status")
+    assert status["generation_fps"] is None or status["generation_fps"] > 0
+    client.close()
+
+
+def test_a_client_reading_chunks_keeps_the_session_alive(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle timeout 0.6 s, no client message for ~1.5 s: delivered chunks count as presence."""
+    import time
+
+    from fv_kernel.serving import realtime
+
+    def read_for(seconds: float) -> dict[str, Any] | None:
+        client = Client(served.ws_url)
+        start(client, fps=8, extra_params={"idle_timeout_s": 0.6})
+        deadline = time.monotonic() + seconds
+        ended = None
+        while time.monotonic() < deadline and ended is None:
+            message = client.recv()
+            if isinstance(message, dict) and message["type"] == "session.done":
+                ended = message
+        client.close()
+        return ended
+
+    assert read_for(1.5) is None
+    # Negative control: without the keep-alive on delivery, the session idles out while being watched.
+    monkeypatch.setattr(realtime.RealtimeSession, "ping", lambda self: None)
+    ended = read_for(3.0)
+    assert ended is not None and ended["reason"] == "idle_timeout"
+
+
+def test_a_disconnect_ends_the_session_and_a_failure_is_reported(served: Served) -> None:
+    import time
+
+    client = Client(served.ws_url)
+    start(client)
+    client.chunk()
+    assert served.engine.running_count() + served.engine.queue_depth() == 1
+    client.close()
+    deadline = time.monotonic() + 10
+    while served.engine.running_count() + served.engine.queue_depth() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert served.engine.running_count() + served.engine.queue_depth() == 0, "the session outlived its client"
+
+    client = Client(served.ws_url)  # the toy card's text encoder raises on "boom"
+    client.send({"type": "session.start", "model": MODEL, "prompt": "boom", "width": 16, "height": 16, "fps": FPS})
+    seen: list[Any] = []
+    done = client.until("session.done", seen)
+    errors = [m for m in seen if isinstance(m, dict) and m["type"] == "error"]
+    assert len(errors) == 1 and errors[0]["error"]["message"]
+    assert done["reason"] == "failed" and done["stopped"] is False
+    client.close()
+
+
+def test_sse_heartbeats_reader_leaving_and_forgetting_ended_sessions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from fv_kernel.serving import realtime
+
+    s = Served(tmp_path / "out", server={"sse_heartbeat_s": 0.05})
+    try:
+        with httpx.Client(base_url=s.server.url, timeout=30) as http:
+            urls = http.post("/v1/realtime/video/sessions", json={"model": MODEL, "prompt": "a kite", "width": 16,
+                                                                   "height": 16, "fps": 8}).json()
+            comments = chunks = 0
+            with http.stream("GET", urls["events_url"]) as response:
+                deadline = time.monotonic() + 2.8  # past the 2 s lead, chunks come 0.25 s apart
+                for line in response.iter_lines():
+                    comments += line.startswith(": keep-alive")
+                    chunks += line == "event: video.chunk"
+                    if time.monotonic() > deadline:
+                        break
+            assert chunks >= 3 and comments >= 1
+            deadline = time.monotonic() + 10  # the reader left: the session ends
+            while s.engine.running_count() + s.engine.queue_depth() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert s.engine.running_count() + s.engine.queue_depth() == 0
+            assert http.post(urls["stop_url"]).status_code == 409
+            monkeypatch.setattr(realtime, "_SSE_RETAIN_S", 0.0)
+            http.post("/v1/realtime/video/sessions", json={"model": MODEL, "prompt": "another", "fps": FPS})
+            assert http.post(urls["stop_url"]).status_code == 404  # forgotten once the retention passed
+    finally:
+        s.server.stop()

@@ -61,6 +61,10 @@ class RealtimeLimits(BaseModel):
     max_num_frames: int = Field(default=100_000, gt=0)
     #: A client text message longer than this is refused (a prompt is at most a few KB).
     max_message_bytes: int = Field(default=64 * 2**10, gt=0)
+    #: Pacing: a chunk is sent at most this many seconds of playback ahead of the wall clock (counted
+    #: from the first chunk), so a card faster than real time does not flood the client's buffer.
+    #: None: send each chunk as soon as it is decoded.
+    max_lead_s: float | None = Field(default=2.0, ge=0)
     #: Sessions open over SSE at once (each holds a server-side session until stopped or idle).
     max_sse_sessions: int = Field(default=64, gt=0)
 
@@ -195,8 +199,10 @@ class RealtimeSession:
     after its ``video.chunk_metadata``, else None.
     """
 
-    def __init__(self, handle: SessionHandle, start: SessionStart) -> None:
+    def __init__(self, handle: SessionHandle, start: SessionStart, max_lead_s: float | None = None) -> None:
         self.handle = handle
+        self.max_lead_s = max_lead_s
+        self._first_sent: float | None = None
         self.start = start
         self.request_id = handle.session_id
         self.stopped = False
@@ -206,10 +212,10 @@ class RealtimeSession:
         self._active_version = 0
         self._frames_sent = 0
         self._transport_index = 0
-        self._opened = time.monotonic()
         self._last_chunk: float | None = None
         #: num_frames were sent: later chunks (already in flight when the session was told to stop) are dropped.
         self._complete = False
+        self._gone = False
 
     # client operations
     def interact(self, interaction: Interaction) -> tuple[str, int]:
@@ -224,7 +230,7 @@ class RealtimeSession:
         if event.prompt is None or not event.prompt.strip():
             raise ProtocolError("invalid_request", "interaction.event.prompt: a non-blank prompt is required",
                                 "interaction.event.prompt")
-        if self.stopped or self.done:
+        if self.stopped or self.ended:
             raise ProtocolError("session_closed", "session.interaction: the session has been stopped", "interaction")
         event_id = interaction.event_id or f"evt_{uuid.uuid4().hex[:12]}"
         try:
@@ -236,8 +242,13 @@ class RealtimeSession:
         self._event_ids[version] = event_id
         return event_id, version
 
+    @property
+    def ended(self) -> bool:
+        """The session is over (or ending): done, its client gone, or closed in the engine."""
+        return self.done or self._gone or self.handle.closed
+
     def stop(self) -> None:
-        if self.done:
+        if self.ended:
             raise ProtocolError("session_closed", "session.stop: the session has already ended", "type")
         if not self.stopped:
             self.stopped = True
@@ -251,8 +262,12 @@ class RealtimeSession:
                 pass
 
     def disconnect(self) -> None:
+        self._gone = True
         if not self.done and not self.handle.closed:
-            self.handle.cancel("session")
+            try:
+                self.handle.cancel("session")
+            except SessionClosed:
+                pass  # already ending (stopped, idle)
 
     # server messages
     async def messages(self) -> AsyncIterator[tuple[dict[str, Any], bytes | None]]:
@@ -314,6 +329,9 @@ class RealtimeSession:
             frames = frames[: limit - self._frames_sent]
             last = True
         fragment = await asyncio.to_thread(self._writer.encode, frames)
+        if self.max_lead_s is not None and self._first_sent is not None:
+            due = self._first_sent + float(fragment.frame_start / self._writer.fps) - self.max_lead_s
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
         payload = fragment.payload
         version = event.prompt_version or 0
         active = self._event_ids.get(version)
@@ -328,6 +346,8 @@ class RealtimeSession:
             completed += [self._event_ids[v] for v in sorted(self._event_ids) if self._active_version < v < version]
             self._active_version = version
         now = time.monotonic()
+        if self._first_sent is None:
+            self._first_sent = now
         meta = {
             "type": "video.chunk_metadata", "request_id": self.request_id, "kind": "media",
             "transport_chunk_index": self._transport_index, "generation_chunk_index": event.index,
@@ -341,11 +361,13 @@ class RealtimeSession:
         self._transport_index += 1
         self._frames_sent += fragment.num_frames
         yield meta, payload
-        elapsed = now - (self._last_chunk if self._last_chunk is not None else self._opened)
-        self._last_chunk = now
+        # Generation speed from the engine's own timestamps (pacing and encoding excluded).
+        interval = event.ts - self._last_chunk if self._last_chunk is not None else None
+        self._last_chunk = event.ts
         yield {"type": "video.status", "request_id": self.request_id, "chunks": self._transport_index,
-               "frames": self._frames_sent, "chunk_latency_s": round(elapsed, 4),
-               "generation_fps": round(fragment.num_frames / elapsed, 3) if elapsed > 0 else None}, None
+               "frames": self._frames_sent, "chunk_interval_s": round(interval, 4) if interval is not None else None,
+               "generation_fps": round(event.num_frames / interval, 3) if interval else None,
+               "send_delay_s": round(max(0.0, time.time() - event.ts), 4)}, None
         if last:
             self._complete = True
             if not self.handle.closed:
@@ -432,7 +454,7 @@ class _Connection:
                 handle = self.open_session(request)
             except FvError as exc:
                 raise ProtocolError.of(exc) from None
-            self.session = RealtimeSession(handle, start)
+            self.session = RealtimeSession(handle, start, self.limits.max_lead_s)
             self.pump = asyncio.create_task(self._pump(self.session))
             return
         if session is None:
@@ -498,6 +520,9 @@ def mount_realtime(
 ) -> None:
     """Add the realtime routes to ``app``: the WebSocket, the SSE fallback and the ``/realtime`` page.
 
+    They stay out of ``/openapi.json`` (a WebSocket and a session protocol it cannot describe);
+    docs/realtime.md is their reference.
+
     ``models`` lists the served models (``session.start`` may omit ``model`` when there is one).
     The WebSocket checks ``api_key`` itself (``Authorization: Bearer`` or ``?api_key=``): the
     HTTP auth middleware does not see WebSocket handshakes.
@@ -540,7 +565,7 @@ def mount_realtime(
         status = 409 if exc.error_type in ("session_closed",) else 413 if exc.error_type == "frame_too_large" else 400
         return ApiError(status, exc.error_type, exc.message, param=exc.param)
 
-    @router.post(SSE_PATH, status_code=201)
+    @router.post(SSE_PATH, status_code=201, include_in_schema=False)
     async def sse_start(request: Request) -> JSONResponse:
         now = time.monotonic()
         for sid, entry in list(sse_sessions.items()):
@@ -562,12 +587,12 @@ def mount_realtime(
         except FvError as exc:
             raise _api(ProtocolError.of(exc)) from None
         sid = handle.session_id
-        sse_sessions[sid] = _SseSession(RealtimeSession(handle, start))
+        sse_sessions[sid] = _SseSession(RealtimeSession(handle, start, limits.max_lead_s))
         base = f"{SSE_PATH}/{sid}"
         return JSONResponse({"request_id": sid, "events_url": f"{base}/events", "interaction_url": f"{base}/interaction",
                              "stop_url": f"{base}/stop", "ping_url": f"{base}/ping"}, status_code=201)
 
-    @router.get(SSE_PATH + "/{session_id}/events")
+    @router.get(SSE_PATH + "/{session_id}/events", include_in_schema=False)
     async def sse_events(session_id: str) -> StreamingResponse:
         entry = _sse_session(session_id)
         if entry.attached:
@@ -604,7 +629,7 @@ def mount_realtime(
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @router.post(SSE_PATH + "/{session_id}/interaction", status_code=202)
+    @router.post(SSE_PATH + "/{session_id}/interaction", status_code=202, include_in_schema=False)
     async def sse_interaction(session_id: str, request: Request) -> JSONResponse:
         entry = _sse_session(session_id)
         data = await _json(request)
@@ -618,7 +643,7 @@ def mount_realtime(
         return JSONResponse({"type": "session.interaction.queued", "request_id": session_id, "event_id": event_id,
                              "version": version}, status_code=202)
 
-    @router.post(SSE_PATH + "/{session_id}/stop", status_code=202)
+    @router.post(SSE_PATH + "/{session_id}/stop", status_code=202, include_in_schema=False)
     async def sse_stop(session_id: str) -> JSONResponse:
         entry = _sse_session(session_id)
         try:
@@ -627,10 +652,10 @@ def mount_realtime(
             raise _api(exc) from None
         return JSONResponse({"type": "session.stopping", "request_id": session_id}, status_code=202)
 
-    @router.post(SSE_PATH + "/{session_id}/ping")
+    @router.post(SSE_PATH + "/{session_id}/ping", include_in_schema=False)
     async def sse_ping(session_id: str) -> JSONResponse:
         entry = _sse_session(session_id)
-        if entry.session.done or entry.session.handle.closed:
+        if entry.session.ended:
             raise ApiError(409, "session_closed", "session.ping: the session has ended", param="session_id")
         entry.session.ping()
         return JSONResponse({"type": "session.pong", "request_id": session_id})

@@ -52,7 +52,7 @@
         break;
       case "video.status":
         $("status").textContent = `${message.chunks} chunks, ${message.frames} frames, `
-          + `${message.generation_fps ?? "?"} fps generated, last chunk ${message.chunk_latency_s}s`;
+          + `generating at ${message.generation_fps ?? "?"} fps, sent ${message.send_delay_s}s after decode`;
         break;
       case "session.interaction.queued":
         state.queued.push(message.event_id);
