@@ -37,7 +37,10 @@ from fv_kernel.runtime.sessions import SessionHandle
 from fv_kernel.serving.errors import ApiError
 from fv_kernel.serving.fmp4 import FragmentedMP4Writer
 
-__all__ = ["RealtimeLimits", "ProtocolError", "SessionStart", "mount_realtime"]
+__all__ = [
+    "ProtocolError", "RealtimeLimits", "RealtimeSession", "SessionStart", "chunk_as_json", "mount_realtime",
+    "open_realtime_session", "parse_interaction",
+]
 
 log = logging.getLogger("fv.serving.realtime")
 
@@ -189,6 +192,32 @@ def _session_request(start: SessionStart, default_model: str | None, limits: Rea
         return SessionRequest.of(**fields)
     except FvError as exc:
         raise ProtocolError.of(exc) from None
+
+
+def open_realtime_session(
+    open_session: OpenSession, data: dict[str, Any], *, default_model: str | None, limits: RealtimeLimits,
+) -> "RealtimeSession":
+    """Validate ``session.start``'s fields (``type`` optional), open the engine session, wrap it.
+
+    Raises :class:`ProtocolError` for anything the client got wrong (the engine's typed errors too).
+    """
+    start = _validate(SessionStart, {**data, "type": "session.start"})
+    request = _session_request(start, default_model, limits)
+    try:
+        handle = open_session(request)
+    except FvError as exc:
+        raise ProtocolError.of(exc) from None
+    return RealtimeSession(handle, start, limits.max_lead_s)
+
+
+def parse_interaction(data: dict[str, Any]) -> Interaction:
+    """``session.interaction``'s ``interaction`` (``type`` optional), or a :class:`ProtocolError` naming the field."""
+    return _validate(SessionInteraction, {**data, "type": "session.interaction"}).interaction
+
+
+def chunk_as_json(meta: dict[str, Any], binary: bytes) -> dict[str, Any]:
+    """A chunk for text-only transports (SSE, Dynamo): ``video.chunk`` = the metadata plus ``data`` (base64 fMP4)."""
+    return {**meta, "type": "video.chunk", "data": base64.b64encode(binary).decode()}
 
 
 # -- one session's protocol state --------------------------------------------------------------
@@ -448,21 +477,15 @@ class _Connection:
             if session is not None:
                 raise ProtocolError("session_active", "session.start: this connection already has a session; "
                                     "stop it and open a new connection", "type")
-            start = _validate(SessionStart, data)
-            request = _session_request(start, self.default_model(), self.limits)
-            try:
-                handle = self.open_session(request)
-            except FvError as exc:
-                raise ProtocolError.of(exc) from None
-            self.session = RealtimeSession(handle, start, self.limits.max_lead_s)
+            self.session = open_realtime_session(self.open_session, data, default_model=self.default_model(),
+                                                 limits=self.limits)
             self.pump = asyncio.create_task(self._pump(self.session))
             return
         if session is None:
             raise ProtocolError("no_session", f"{kind}: no session yet; send session.start first", "type")
         session.ping()  # any client message keeps the session from idling out
         if kind == "session.interaction":
-            message = _validate(SessionInteraction, data)
-            event_id, version = session.interact(message.interaction)
+            event_id, version = session.interact(parse_interaction(data))
             await self.send({"type": "session.interaction.queued", "request_id": session.request_id,
                              "event_id": event_id, "version": version})
         elif kind == "session.stop":
@@ -577,17 +600,12 @@ def mount_realtime(
         if live >= limits.max_sse_sessions:
             raise ApiError(429, "too_many_sessions", f"at most {limits.max_sse_sessions} SSE sessions are open")
         data = await _json(request)
-        data.setdefault("type", "session.start")
         try:
-            start = _validate(SessionStart, data)
-            session_request = _session_request(start, default_model(), limits)
-            handle = open_session(session_request)
+            session = open_realtime_session(open_session, data, default_model=default_model(), limits=limits)
         except ProtocolError as exc:
             raise _api(exc) from None
-        except FvError as exc:
-            raise _api(ProtocolError.of(exc)) from None
-        sid = handle.session_id
-        sse_sessions[sid] = _SseSession(RealtimeSession(handle, start, limits.max_lead_s))
+        sid = session.request_id
+        sse_sessions[sid] = _SseSession(session)
         base = f"{SSE_PATH}/{sid}"
         return JSONResponse({"request_id": sid, "events_url": f"{base}/events", "interaction_url": f"{base}/interaction",
                              "stop_url": f"{base}/stop", "ping_url": f"{base}/ping"}, status_code=201)
@@ -616,7 +634,7 @@ def mount_realtime(
                         break
                     pending = None
                     if binary is not None:
-                        message = {**message, "type": "video.chunk", "data": base64.b64encode(binary).decode()}
+                        message = chunk_as_json(message, binary)
                         session.ping()
                     yield _sse(message)
             finally:
@@ -633,11 +651,10 @@ def mount_realtime(
     async def sse_interaction(session_id: str, request: Request) -> JSONResponse:
         entry = _sse_session(session_id)
         data = await _json(request)
-        data.setdefault("type", "session.interaction")
         try:
-            message = _validate(SessionInteraction, data)
+            interaction = parse_interaction(data)
             entry.session.ping()
-            event_id, version = entry.session.interact(message.interaction)
+            event_id, version = entry.session.interact(interaction)
         except ProtocolError as exc:
             raise _api(exc) from None
         return JSONResponse({"type": "session.interaction.queued", "request_id": session_id, "event_id": event_id,
