@@ -151,3 +151,34 @@ def test_start_with_no_worker_and_bad_input_are_typed_errors() -> None:
             assert (await router.send("nope", {"type": "session.ping"}))["error"]["type"] == "not_found"
 
     asyncio.run(scenario())
+
+
+class _Context:
+    """Dynamo's request context: the frontend (or a client going away) stops the stream."""
+
+    def __init__(self) -> None:
+        self.stopped = asyncio.Event()
+
+    async def async_killed_or_stopped(self) -> None:
+        await self.stopped.wait()
+
+
+def test_a_stopped_stream_ends_its_session_on_the_worker() -> None:
+    async def scenario() -> None:
+        engine = _engine()
+        async with engine.running():
+            worker = FvWorker(engine, WorkerOptions())
+            context = _Context()
+            messages: list[dict[str, Any]] = []
+            stream = worker.realtime({"type": "session.start", "prompt": "a kite", "fps": FPS}, context)
+            task = asyncio.ensure_future(_collect(stream, messages))
+            await _wait_for(messages, "video.chunk")
+            assert engine.running_count() == 1 and len(worker.sessions) == 1
+            context.stopped.set()  # Dynamo stops pulling; the generator may never run again
+            deadline = asyncio.get_running_loop().time() + 10
+            while engine.running_count() + engine.queue_depth() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            assert engine.running_count() + engine.queue_depth() == 0, "the session outlived its stream"
+            task.cancel()
+
+    asyncio.run(scenario())
