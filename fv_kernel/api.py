@@ -140,7 +140,7 @@ from fv_kernel.extend.observers import BlockObserver, NaNWatch, Observer, Parity
 from fv_kernel.runtime.cost import Profiler
 from fv_kernel.extend.registry import ExtensionSet, ExtensionSettings, InterceptorRejected
 from fv_kernel.io.media import encode_png, write_mp4
-from fv_kernel.facade import Finished, GenerateOptions, Video, VideoGenerator, load
+from fv_kernel.facade import Chunk, Finished, GenerateOptions, Session, Video, VideoGenerator, load
 from fv_kernel.loop.capture import LogProbSampler, capture_slice, deterministic_flags
 from fv_kernel.loop.contract import CancelToken, LoopContext, ResidentModel, StepHooks
 from fv_kernel.loop.plan import (

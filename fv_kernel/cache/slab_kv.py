@@ -203,8 +203,11 @@ class SlabKVPool:
             # Slab-major, tokens before heads: a window's slabs of one layer index-select into
             # (slabs, tokens, heads, dim), which flattens to the [tokens, heads, dim] read returns.
             shape = (c.num_slabs, c.num_layers, c.tokens_per_slab, c.num_heads, c.head_dim)
-            self._keys = torch.zeros(shape, dtype=c.torch_dtype, device=c.device)
-            self._values = torch.zeros(shape, dtype=c.torch_dtype, device=c.device)
+            # Steps run under inference_mode; storage made there could never be written outside it
+            # (restore, a training rollout), so it is always a normal tensor.
+            with torch.inference_mode(False):
+                self._keys = torch.zeros(shape, dtype=c.torch_dtype, device=c.device)
+                self._values = torch.zeros(shape, dtype=c.torch_dtype, device=c.device)
         return self._keys, self._values
 
     def open(self, owner: str, spec: SlabWindowSpec) -> SlabWindow:
@@ -360,6 +363,30 @@ class SlabKVPool:
             return k.reshape(-1, c.num_heads, c.head_dim), v.reshape(-1, c.num_heads, c.head_dim)
         return (torch.cat([k[i, :n] for i, n in enumerate(lengths)]),
                 torch.cat([v[i, :n] for i, n in enumerate(lengths)]))
+
+    # -- windows as tensors (for WorkPlan inputs) ------------------------------------------
+    def window_tensors(self, window: SlabWindow) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slabs, positions)`` as ``(spec.max_slabs,)`` long tensors padded with -1, so windows of any fill stack."""
+        width = window.spec.max_slabs
+        slabs = torch.full((width,), -1, dtype=torch.long)
+        positions = torch.full((width,), -1, dtype=torch.long)
+        slabs[: len(window.slabs)] = torch.tensor(window.slabs, dtype=torch.long)
+        positions[: len(window.positions)] = torch.tensor(window.positions, dtype=torch.long)
+        return slabs, positions
+
+    def window_from_tensors(self, slabs: torch.Tensor, positions: torch.Tensor, spec: SlabWindowSpec) -> SlabWindow:
+        """The window a :meth:`window_tensors` pair encodes; its owner is read from the pool."""
+        ids = tuple(int(s) for s in slabs.reshape(-1).tolist() if s >= 0)
+        where = tuple(int(p) for p in positions.reshape(-1).tolist() if p >= 0)
+        if not ids:
+            raise ValueError("a window tensor with no slabs has no owner")
+        owner = self._owner_of.get(ids[0])
+        if owner is None:
+            raise ValueError(f"slab {ids[0]} is not allocated in pool {self.name!r} (closed window?)")
+        return SlabWindow(owner=owner, slabs=ids, positions=where, spec=spec)
+
+    def owner_of(self, slab: int) -> str | None:
+        return self._owner_of.get(slab)
 
     # -- suspend / resume ----------------------------------------------------------------
     def snapshot(self, window: SlabWindow) -> dict[str, torch.Tensor]:

@@ -56,6 +56,9 @@ class SessionRequest(BaseModel):
     max_chunks: int | None = Field(default=None, ge=1)
     #: End the session after this many seconds without a client message (push_text, touch).
     idle_timeout_s: float = Field(default=60.0, gt=0)
+    #: How many chunks the session may run ahead of its slowest listener (chunks emitted but not
+    #: yet taken from ``events()``); beyond it the session pauses between steps (backpressure).
+    max_ahead_chunks: int = Field(default=2, ge=1, le=64)
     #: Emit media.chunk events (off: only session events, e.g. a client that polls state).
     stream: bool = True
     #: Also emit preview chunks when the card makes them.

@@ -29,6 +29,8 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 from torch import nn
 
+from fv_kernel.cache.block_pool import BlockPool
+from fv_kernel.cache.slab_kv import SlabKVPool
 from fv_kernel.cache.adapters import AdapterRegistry
 from fv_kernel.cache.feature import FeatureCache
 from fv_kernel.errors import FvError, QueueFull, RequestCancelled, StepFailed, UnknownModel
@@ -131,6 +133,10 @@ class Engine:
         if instance.adapters is not None:
             self.admission.set_adapter_capacity(device, instance.adapters.settings.device_budget_bytes)
         for name, pool in instance.block_pools().items():
+            if not isinstance(pool, BlockPool):
+                raise TypeError(f"{instance.model_id!r}'s block pool {name!r} is a {type(pool).__name__}, not a BlockPool "
+                                "(capacity_blocks, used_blocks, free_blocks, capacity_bytes)")
+            # Paged text-KV pools count blocks, slab chunk-KV pools slabs: admission reserves either by name.
             self.admission.register_pool(pool_key(instance, name), pool.capacity_blocks)
         self._instances[instance.model_id] = instance
         self._by_instance_id[instance.instance_id] = instance
@@ -433,8 +439,20 @@ class Engine:
             for unit in self.scheduler.pending.drop_request(request.request_id):
                 if not unit.future.done():
                     unit.future.cancel()
+            self._free_slabs(record)
             self.admission.release(request.request_id)
             self._kick()
+
+    @staticmethod
+    def _free_slabs(record: RequestRecord) -> None:
+        """Free the chunk-KV slabs the ended request still holds (a failed or cancelled rollout never
+        closed its window): its reservation goes back to admission now, so its slabs must too."""
+        for pool in record.instance.block_pools().values():
+            if isinstance(pool, SlabKVPool):
+                try:
+                    pool.close_owner(record.request.request_id)
+                except RuntimeError:  # inside its own training rollout: freed when the rollout exits
+                    log.warning("request %s ended inside a training rollout of pool %r", record.request.request_id, pool.name)
 
     def _pin_adapters(self, record: RequestRecord) -> list[str]:
         """Pin the admitted request's adapter versions on its device: never evicted while it runs

@@ -40,7 +40,7 @@ from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.admission import Reservation
 from fv_kernel.runtime.pricing import pool_key
 from fv_kernel.runtime.records import EVENT_CLASSES, GenerationResult, RequestRecord
-from fv_kernel.state import StateFormatError, TensorState
+from fv_kernel.state import StateFormatError
 
 __all__ = ["SessionHandle", "SessionManager", "SessionRecord", "SESSION_FORMAT", "VIDEO_STREAM"]
 
@@ -55,7 +55,17 @@ VIDEO_STREAM = "video"
 _LIVE_ONLY = frozenset({"media.chunk"})
 #: Request events a session's stream carries under its own names (the rest are dropped:
 #: a session reports its own start, progress and end).
+#: How often a paused (backpressured) session looks whether its listeners caught up.
+_PACE_POLL_S = 0.005
 _DROPPED = frozenset({"request.started", "request.completed", "progress", "behavior.slice"})
+
+
+class _Listener:
+    """One ``events()`` subscriber: its queue, and the chunks put in it that it has not taken yet."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.pending_chunks = 0
 
 
 class SessionRecord(RequestRecord):
@@ -84,6 +94,7 @@ class SessionRecord(RequestRecord):
         self._seq = 0
         #: Every event until the first subscriber attaches (it sees the whole stream).
         self._early: list[Event] | None = []
+        self.listeners: list[_Listener] = []
         self.watchdog: asyncio.Task[None] | None = None
 
     @property
@@ -107,8 +118,16 @@ class SessionRecord(RequestRecord):
             self.events.append(event)
         if self._early is not None:
             self._early.append(event)
-        for queue in self.subscribers:
-            queue.put_nowait(event)
+        for listener in self.listeners:
+            listener.queue.put_nowait(event)
+            if event_type == "media.chunk":
+                listener.pending_chunks += 1
+
+    def chunks_ahead(self) -> int:
+        """Chunks emitted that the slowest listener (or, before the first, nobody) has not taken."""
+        if self._early is not None:
+            return sum(1 for e in self._early if e.type == "media.chunk")
+        return max((listener.pending_chunks for listener in self.listeners), default=0)
 
     @property
     def ended(self) -> bool:
@@ -150,28 +169,33 @@ class SessionHandle:
         session events so far (not past media chunks), then everything live.
         """
         record = self._record
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+        listener = _Listener()
         if record._early is not None:
             history, record._early = record._early, None
         else:
             history = list(record.events)
-        record.subscribers.append(queue)
+        listener.pending_chunks = sum(1 for e in history if e.type == "media.chunk")
+        record.listeners.append(listener)
         try:
             last = -1
             for event in history:
                 last = event.seq
                 yield event
+                if event.type == "media.chunk":
+                    listener.pending_chunks -= 1  # taken: the caller asked for the next event
                 if event.type == "session.closed":
                     return
             while True:
-                event = await queue.get()
+                event = await listener.queue.get()
                 if event.seq <= last:
                     continue
                 yield event
+                if event.type == "media.chunk":
+                    listener.pending_chunks -= 1
                 if event.type == "session.closed":
                     return
         finally:
-            record.subscribers.remove(queue)
+            record.listeners.remove(listener)
 
     def push_text(self, prompt: str, event_id: str | None = None) -> int:
         """Queue a prompt update; returns its version. It applies at the next chunk boundary
@@ -293,7 +317,7 @@ class SessionManager:
             raise StateFormatError(f"not a suspended fv session (expected format {SESSION_FORMAT!r})", param="state")
         session = SessionRequest.of(**payload["session"])
         request, instance = self._request_for(session)
-        state = TensorState.from_bytes(payload["state"])
+        state = self._chunk_loop(instance).state_type.from_bytes(payload["state"])
         if not isinstance(state, ChunkRolloutState) or state.request_id != session.session_id:
             raise StateFormatError("a suspended session's state is not its chunk rollout's", param="state")
         record = SessionRecord(request, instance, self.engine._loop, session, resume_state=state,
@@ -377,7 +401,7 @@ class SessionManager:
         loop = self._chunk_loop(instance)
         ctx = LoopContext(
             request=request,
-            executor=lambda plan: engine._enqueue(record, plan),
+            executor=lambda plan: self._paced(record, plan),
             emit_event=record.emit,
             cancel=record.cancel,
             services=engine.services,
@@ -422,8 +446,15 @@ class SessionManager:
             for unit in engine.scheduler.pending.drop_request(record.session_id):
                 if not unit.future.done():
                     unit.future.cancel()
+            engine._free_slabs(record)  # whatever a loop's release left: admission gets the slabs back with the reservation
             engine.admission.release(record.session_id)
             engine._kick()
+
+    async def _paced(self, record: SessionRecord, plan: Any) -> Any:
+        """The engine's executor, after waiting while the session is ``max_ahead_chunks`` ahead of its listeners."""
+        while record.chunks_ahead() > record.session.max_ahead_chunks and not record.cancel.cancelled:
+            await asyncio.sleep(_PACE_POLL_S)
+        return await self.engine._enqueue(record, plan)
 
     @staticmethod
     def close_reason(record: SessionRecord) -> str:
