@@ -12,20 +12,21 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("av")
 
-from fv_kernel.config import DeployConfig  # noqa: E402
-from fv_kernel.model.instance import build_instance  # noqa: E402
-from fv_kernel.runtime.engine import Engine  # noqa: E402
-from fv_kernel.runtime.scheduler import SchedulerConfig  # noqa: E402
-from fv_kernel.serving import ServerThread, create_app  # noqa: E402
-from fv_kernel.testing.session_kit import chunk_toy_card  # noqa: E402
+from fv_kernel.config import DeployConfig
+from fv_kernel.model.instance import build_instance
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.scheduler import SchedulerConfig
+from fv_kernel.serving import ServerThread, create_app
+from fv_kernel.testing.session_kit import chunk_toy_card
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"

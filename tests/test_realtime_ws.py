@@ -8,8 +8,9 @@ import base64
 import io
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -19,16 +20,19 @@ websockets_exceptions = pytest.importorskip("websockets.exceptions")
 httpx = pytest.importorskip("httpx")
 av = pytest.importorskip("av")
 
-import torch  # noqa: E402
+import torch
 
-from fv_kernel.config import DeployConfig  # noqa: E402
-from fv_kernel.model.instance import build_instance  # noqa: E402
-from fv_kernel.runtime.engine import Engine  # noqa: E402
-from fv_kernel.runtime.scheduler import SchedulerConfig  # noqa: E402
-from fv_kernel.serving import ServerThread, create_app  # noqa: E402
-from fv_kernel.serving import fmp4  # noqa: E402
-from fv_kernel.testing.serving import read_sse  # noqa: E402
-from fv_kernel.testing.session_kit import chunk_toy_card  # noqa: E402
+from fv_kernel.config import DeployConfig
+from fv_kernel.model.instance import build_instance
+from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.scheduler import SchedulerConfig
+from fv_kernel.serving import (
+    ServerThread,
+    create_app,
+    fmp4,
+)
+from fv_kernel.testing.serving import read_sse
+from fv_kernel.testing.session_kit import chunk_toy_card
 
 MODEL = "toy-chunk"
 FPC = 2  # the toy card's frames per chunk
@@ -108,7 +112,9 @@ def start(client: Client, **fields: Any) -> dict[str, Any]:
 
 def test_lifecycle_chunks_are_fmp4_fragments_that_decode_in_order(served: Served) -> None:
     client = Client(served.ws_url)
-    started = start(client, extra_params={"max_chunks": 3})
+    started = start(client, extra_params={"max_chunks": 3, "max_ahead_chunks": 5, "idle_timeout_s": 30})
+    session = served.engine.sessions.engine._records[started["request_id"]].session  # what the engine was asked
+    assert (session.max_chunks, session.max_ahead_chunks, session.idle_timeout_s, session.seed) == (3, 5, 30, 3)
     assert started["format"] == "m4s" and started["config"]["fps"] == FPS
     assert started["config"]["width"] == 16 and started["config"]["height"] == 16
     assert started["config"]["ignored"] == ["num_inference_steps", "guidance_scale"]
@@ -317,14 +323,15 @@ def test_sse_fallback_streams_the_same_session(served: Served) -> None:
                         assert ack.status_code == 202 and ack.json()["event_id"] == "s1"
                         pong = http.post(urls["ping_url"])
                         assert pong.json()["type"] == "session.pong"
-                    if data["active_event_ids"] == ["s1"]:
+                    if data["active_event_ids"] == ["s1"] and "stop" not in kinds:
+                        kinds.append("stop")
                         assert http.post(urls["stop_url"]).status_code == 202
                         late = http.post(urls["interaction_url"], json={"interaction": {"event": {"prompt": "late"}}})
                         assert late.status_code == 409 and late.json()["error"]["type"] == "session_closed"
                 if event["event"] == "session.done":
                     assert data["stopped"] is True
                     break
-        assert kinds[0] == "video.start" and "session.prompt_applied" in kinds
+        assert kinds[0] == "video.start" and "session.prompt_applied" in kinds and "stop" in kinds
         assert boxes(payloads[0])[:2] == [b"ftyp", b"moov"]
         assert len(decode(b"".join(payloads))) == FPC * len(payloads)
         gone = http.post(urls["stop_url"])  # an ended session is remembered: a typed 409, not a 404

@@ -23,8 +23,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
@@ -80,7 +81,7 @@ class ProtocolError(Exception):
         self.error_type, self.message, self.param = error_type, message, param
 
     @classmethod
-    def of(cls, exc: FvError) -> "ProtocolError":
+    def of(cls, exc: FvError) -> ProtocolError:
         info = exc.info()
         return cls(info["type"], info["message"], info["param"])
 
@@ -99,6 +100,7 @@ class ExtraParams(BaseModel):
 
     max_chunks: int | None = Field(default=None, ge=1)
     idle_timeout_s: float | None = Field(default=None, gt=0)
+    max_ahead_chunks: int | None = Field(default=None, ge=1, le=64)
 
 
 class SessionStart(BaseModel):
@@ -186,8 +188,9 @@ def _session_request(start: SessionStart, default_model: str | None, limits: Rea
                               "fps": start.fps, "max_chunks": start.extra_params.max_chunks}
     if start.seed is not None:
         fields["seed"] = start.seed
-    if start.extra_params.idle_timeout_s is not None:
-        fields["idle_timeout_s"] = start.extra_params.idle_timeout_s
+    for name in ("idle_timeout_s", "max_ahead_chunks"):
+        if getattr(start.extra_params, name) is not None:
+            fields[name] = getattr(start.extra_params, name)
     try:
         return SessionRequest.of(**fields)
     except FvError as exc:
@@ -196,7 +199,7 @@ def _session_request(start: SessionStart, default_model: str | None, limits: Rea
 
 def open_realtime_session(
     open_session: OpenSession, data: dict[str, Any], *, default_model: str | None, limits: RealtimeLimits,
-) -> "RealtimeSession":
+) -> RealtimeSession:
     """Validate ``session.start``'s fields (``type`` optional), open the engine session, wrap it.
 
     Raises :class:`ProtocolError` for anything the client got wrong (the engine's typed errors too).
@@ -512,7 +515,7 @@ class _suppress:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: object) -> bool:
         return True
 
 

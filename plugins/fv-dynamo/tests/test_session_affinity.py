@@ -5,14 +5,14 @@ causal chunk card) behind a stand-in for Dynamo's endpoint client (``instance_id
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
-import pytest
+from fv_dynamo.sessions import SessionRouter
+from fv_dynamo.worker import FvWorker, WorkerOptions
 
 from fv_kernel.api import Engine, SchedulerConfig, build_instance
 from fv_kernel.testing.session_kit import chunk_toy_card
-from fv_dynamo.sessions import SessionRouter
-from fv_dynamo.worker import FvWorker, WorkerOptions
 
 FPS = 100  # chunks are paced to playback: a high rate keeps the test fast
 
