@@ -141,3 +141,30 @@ def test_page_plays_chunks_and_acknowledges_a_prompt_update(browser: Browser, tm
         assert done["chunks"] >= 3
     finally:
         server.stop()
+
+
+def test_negative_control_fragments_without_retiming_do_not_play_on(browser: Browser, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The playback check above can fail: fragments that all start at time 0 stall the video at one chunk."""
+    from fv_kernel.serving import fmp4
+
+    def not_retimed(self: Any, muxed: bytes, frame_start: int) -> bytes:
+        return b"".join(muxed[o:o + n] for kind, o, n in fmp4.iter_boxes(muxed) if kind in (b"moof", b"mdat"))
+
+    monkeypatch.setattr(fmp4.FragmentedMP4Writer, "_retime", not_retimed)
+    deploy = DeployConfig(output_dir=tmp_path / "out")
+    engine = Engine(SchedulerConfig(), limits=deploy.limits)
+    engine.add_instance(build_instance(chunk_toy_card("toy-chunk", frames_per_chunk=2)))
+    server = ServerThread(create_app(engine, deploy)).start()
+    try:
+        browser.get(f"{server.url}/realtime")
+        browser.js("""
+            const set = (id, v) => { document.getElementById(id).value = v; };
+            set('prompt', 'a red kite'); set('width', 32); set('height', 32); set('fps', 8); set('num-frames', 80);
+            document.getElementById('start').click();
+        """)
+        browser.wait("8 chunks", lambda: browser.js("return window.fvRealtime.chunks") >= 8)  # 2 s of video
+        time.sleep(2.0)
+        assert browser.js("return document.getElementById('video').currentTime") <= 2 / 8 + 0.05
+    finally:
+        server.stop()
