@@ -215,6 +215,7 @@ def test_ping_and_bad_input_get_typed_errors_and_the_session_lives_on(served: Se
     def error_for(message: dict[str, Any] | str) -> dict[str, Any]:
         client.ws.send(message if isinstance(message, str) else json.dumps(message))
         reply = client.until("error")
+        assert (reply["message"], reply["code"]) == (reply["error"]["message"], reply["error"]["type"])
         return reply["error"]
 
     assert error_for({"type": "session.bogus"})["type"] == "unknown_message_type"

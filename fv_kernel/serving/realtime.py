@@ -86,8 +86,9 @@ class ProtocolError(Exception):
         return cls(info["type"], info["message"], info["param"])
 
     def event(self, request_id: str | None = None) -> dict[str, Any]:
+        # Both shapes vLLM-Omni's clients read: nested ``error`` and top-level ``message``/``code``.
         return {
-            "type": "error", "request_id": request_id,
+            "type": "error", "request_id": request_id, "message": self.message, "code": self.error_type,
             "error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.error_type},
         }
 
