@@ -17,8 +17,12 @@
   }
 
   function pump() {
-    if (!sourceBuffer || sourceBuffer.updating || appendQueue.length === 0) return;
-    sourceBuffer.appendBuffer(appendQueue.shift());
+    if (!sourceBuffer || sourceBuffer.updating) return;
+    if (appendQueue.length > 0) {
+      sourceBuffer.appendBuffer(appendQueue.shift());
+    } else if (state.done && mediaSource.readyState === "open") {
+      mediaSource.endOfStream();  // everything appended: the video plays to its end and stops
+    }
   }
 
   function openMedia(mime) {
@@ -67,9 +71,7 @@
       case "session.done":
         state.done = message;
         log(`session.done: ${message.chunks} chunks (${message.reason})`);
-        if (mediaSource && mediaSource.readyState === "open" && appendQueue.length === 0 && sourceBuffer && !sourceBuffer.updating) {
-          mediaSource.endOfStream();
-        }
+        pump();
         setRunning(false);
         break;
       case "error":
