@@ -35,6 +35,7 @@ from fv_kernel.serving.metrics import RequestMetricsMiddleware, ServingMetrics
 from fv_kernel.serving.middleware import AuthMiddleware, BodyLimitMiddleware, BodyTooLarge
 from fv_kernel.serving.openapi import error_responses, install_openapi, request_body
 from fv_kernel.serving.plugin_routes import mount_plugin_routes
+from fv_kernel.serving.realtime import PAGE_PATH, mount_realtime
 from fv_kernel.serving.schemas import (
     JOB_ID_PATTERN,
     AdapterList,
@@ -56,8 +57,8 @@ __all__ = ["create_app"]
 
 log = logging.getLogger("fv.serving")
 
-#: Paths that never need the API key (liveness probes).
-OPEN_PATHS = frozenset({"/health"})
+#: Paths that never need the API key (liveness probes; the realtime page, whose WebSocket asks for it).
+OPEN_PATHS = frozenset({"/health", PAGE_PATH, PAGE_PATH + "/realtime.js"})
 _MAX_FORM_FIELDS = 64
 
 
@@ -498,6 +499,10 @@ def create_app(
     async def metrics(request: Request) -> Response:
         body, content_type = metrics_registry.render(request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
+
+    # Realtime sessions (docs/realtime.md): WebSocket, SSE fallback and the /realtime page.
+    mount_realtime(app, engine.open_session, models=lambda: sorted(engine.instances), api_key=config.api_key,
+                   heartbeat_s=heartbeat_s)
 
     # Plugins' routes (fv_serving_routes) go in last, so the kernel's routes win any clash;
     # the middleware below wraps them as it wraps the kernel's.

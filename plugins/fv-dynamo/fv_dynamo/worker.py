@@ -114,6 +114,8 @@ class FvWorker:
         self.options = options
         self.model_id, self.instance = next(iter(engine.instances.items()))
         self._inflight: dict[str, _InFlight] = {}
+        #: Realtime sessions running here (their K/V lives in this engine): session id -> protocol state.
+        self.sessions: dict[str, Any] = {}
         self.ready = False
         # fv serve's schemas import on first use (FastAPI, ~1 s): now, not in the first request's path.
         _ = (api.VideoCreate, api.ImageGenerate, api.from_fv_error)
@@ -125,6 +127,11 @@ class FvWorker:
     @property
     def serves_images(self) -> bool:
         return TaskType.TEXT_TO_IMAGE in self.instance.card.capabilities.tasks
+
+    @property
+    def serves_realtime(self) -> bool:
+        """The card streams sessions (it has a ``chunk_rollout`` loop)."""
+        return any(spec.kind == "chunk_rollout" for spec in self.instance.card.loops.values())
 
     @property
     def serves_videos(self) -> bool:
@@ -210,6 +217,63 @@ class FvWorker:
         finally:
             watcher.cancel()
             self._done(request.request_id)
+
+    async def realtime(self, payload: Mapping[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        """The ``realtime`` endpoint: vLLM-Omni's realtime video messages (docs/realtime.md) as JSON.
+
+        ``session.start`` streams the session's messages (each chunk one ``video.chunk`` with its
+        fMP4 in base64) until ``session.done``; ``session.interaction`` / ``session.stop`` /
+        ``session.ping`` carry ``session_id`` and get one answer. Mistakes are ``error`` messages
+        (the session lives on). Sessions stay on this worker: the router keeps them here.
+        """
+        kind = payload.get("type")
+        if kind == "session.start":
+            fields = {k: v for k, v in payload.items() if k != "type"}
+            try:
+                session = api.open_realtime_session(self.engine.open_session, fields, default_model=self.model_id,
+                                                    limits=api.RealtimeLimits())
+            except api.ProtocolError as exc:
+                yield exc.event()
+                return
+            sid = session.request_id
+            self.sessions[sid] = session
+            watcher = asyncio.ensure_future(_stopped(context))
+            watcher.add_done_callback(lambda task: None if task.cancelled() else session.disconnect())
+            try:
+                async for message, binary in session.messages():
+                    if binary is not None:
+                        message = api.chunk_as_json(message, binary)
+                        session.ping()  # a stream being read keeps the session from idling out
+                    yield message
+            finally:
+                watcher.cancel()
+                if not session.done:
+                    session.disconnect()
+                self.sessions.pop(sid, None)
+            return
+        sid = payload.get("session_id")
+        session = self.sessions.get(sid) if isinstance(sid, str) else None
+        if kind not in ("session.interaction", "session.stop", "session.ping"):
+            yield api.ProtocolError("unknown_message_type", f"type: unknown message type {kind!r}; allowed: "
+                                    "session.start, session.interaction, session.stop, session.ping", "type").event(sid)
+            return
+        if session is None:
+            yield api.ProtocolError("not_found", f"session_id: no realtime session {sid!r} on this worker",
+                                    "session_id").event(sid)
+            return
+        try:
+            session.ping()
+            if kind == "session.interaction":
+                interaction = api.parse_interaction({k: v for k, v in payload.items() if k not in ("type", "session_id")})
+                event_id, version = session.interact(interaction)
+                yield {"type": "session.interaction.queued", "request_id": sid, "event_id": event_id, "version": version}
+            elif kind == "session.stop":
+                session.stop()
+                yield {"type": "session.stopping", "request_id": sid}
+            else:
+                yield {"type": "session.pong", "request_id": sid}
+        except api.ProtocolError as exc:
+            yield exc.event(sid)
 
     async def images(self, payload: Mapping[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         requests = self._accept(lambda: image_requests(self.engine, payload))
@@ -305,6 +369,13 @@ async def _progress(handle: RequestHandle, program_spec: Any) -> AsyncIterator[i
             yield percent
 
 
+async def _stopped(context: Any) -> None:
+    """Returns once Dynamo stops or kills the stream (never without a context)."""
+    if context is None:
+        await asyncio.Event().wait()
+    await context.async_killed_or_stopped()
+
+
 def _watch_cancellation(context: Any, handles: Sequence[RequestHandle]) -> asyncio.Task[None]:
     """Cancel the fv requests at their next step boundary once Dynamo stops or kills the stream.
 
@@ -352,6 +423,8 @@ async def run_worker(runtime: Any, config: DeployConfig, options: WorkerOptions)
     prefix = f"{options.namespace}.{options.component}"
     fleet_ep = runtime.endpoint(f"{prefix}.fleet")
     serving: list[Any] = [fleet_ep.serve_endpoint(worker.fleet)]
+    if worker.serves_realtime:  # not a model type Dynamo's frontend knows: reached through fv_dynamo.sessions
+        serving.append(runtime.endpoint(f"{prefix}.realtime").serve_endpoint(worker.realtime))
     registrations: list[Any] = []
     for kind, model_type, handler, served in (
         ("videos", ModelType.Videos, worker.videos, worker.serves_videos),
