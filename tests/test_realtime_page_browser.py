@@ -3,16 +3,13 @@ the fMP4 chunks through Media Source Extensions, and a prompt update is acknowle
 
 Chromium is driven through ChromeDriver's W3C HTTP API with plain httpx (no browser download, no
 extra Python package). Needs Debian's ``chromium`` and ``chromium-driver`` (/usr/bin/chromium,
-/usr/bin/chromedriver); skipped when they are absent.
+/usr/bin/chromedriver); skipped when they are absent, failed under ``FV_REQUIRE_BROWSER=1`` (CI).
 """
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,84 +23,14 @@ from fv_kernel.model.instance import build_instance
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.serving import ServerThread, create_app
+from fv_kernel.testing.browser import Browser, require_browser
 from fv_kernel.testing.session_kit import chunk_toy_card
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-# Flags for a closed network and a root user (docs: /usr/bin/chromium headless).
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required", "--mute-audio"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Browser:
-    """One ChromeDriver session: load a page, run scripts in it."""
-
-    def __init__(self, profile: Path) -> None:
-        port = _free_port()
-        self.driver = subprocess.Popen([CHROMEDRIVER, f"--port={port}"], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL)
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if self.http.get("/status").json()["value"]["ready"]:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("chromedriver did not start")
-            time.sleep(0.1)
-        caps = {"browserName": "chrome", "goog:chromeOptions": {
-            "binary": CHROMIUM, "args": [*FLAGS, f"--user-data-dir={profile}"]}}
-        reply = self.http.post("/session", json={"capabilities": {"alwaysMatch": caps}}).json()["value"]
-        if "sessionId" not in reply:
-            raise RuntimeError(f"chromedriver could not start chromium: {reply}")
-        self.session = reply["sessionId"]
-
-    def get(self, url: str) -> None:
-        self.http.post(f"/session/{self.session}/url", json={"url": url}).raise_for_status()
-
-    def js(self, script: str, *args: Any) -> Any:
-        reply = self.http.post(f"/session/{self.session}/execute/sync", json={"script": script, "args": list(args)})
-        value = reply.json()["value"]
-        if reply.status_code != 200:
-            raise RuntimeError(f"script failed: {value}")
-        return value
-
-    def wait(self, what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = check()
-            if value:
-                return value
-            time.sleep(0.2)
-        page_log = self.js("return document.getElementById('log').innerText")
-        raise AssertionError(f"timed out waiting for {what}; page state: {self.js('return window.fvRealtime')}, "
-                             f"log: {page_log}")
-
-    def close(self) -> None:
-        try:
-            self.http.delete(f"/session/{self.session}")
-        finally:
-            self.http.close()
-            self.driver.terminate()
-            self.driver.wait(timeout=10)
-
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Browser]:
-    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not Path(p).exists()]
-    if missing:
-        pytest.skip(f"needs Debian chromium and chromium-driver ({', '.join(missing)} not found): "
-                    "apt-get install -y chromium chromium-driver")
+    require_browser()
     b = Browser(tmp_path / "profile")
+    b.describe_page = lambda: (b.js("return window.fvRealtime"), b.js("return document.getElementById('log').innerText"))
     yield b
     b.close()
 
