@@ -17,7 +17,7 @@ import fv_kernel as fv
 from fv_kernel.api import Chunk, InvalidRequest, SessionClosed, StepFailed
 from fv_kernel.cli.app import LAZY_COMMANDS, app
 from fv_kernel.plugins import PluginHost
-from fv_kernel.testing.session_kit import chunk_toy_card
+from fv_kernel.testing.chunk_kit import chunk_toy_card
 from fv_kernel.testing.toy import toy_card
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")

@@ -24,7 +24,7 @@ from fv_kernel.runtime.engine import Engine
 from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.serving import ServerThread, create_app
 from fv_kernel.testing.browser import Browser, require_browser
-from fv_kernel.testing.session_kit import chunk_toy_card
+from fv_kernel.testing.chunk_kit import chunk_toy_card
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Browser]:

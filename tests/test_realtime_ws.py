@@ -32,7 +32,7 @@ from fv_kernel.serving import (
     fmp4,
 )
 from fv_kernel.testing.serving import read_sse
-from fv_kernel.testing.session_kit import chunk_toy_card
+from fv_kernel.testing.chunk_kit import chunk_toy_card
 
 MODEL = "toy-chunk"
 FPC = 2  # the toy card's frames per chunk

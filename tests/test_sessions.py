@@ -1,6 +1,6 @@
 """Realtime sessions on the Engine (docs/realtime.md, "Sessions"): lifecycle, prompt updates at chunk
 boundaries, cancel scopes, idle timeout, admission, interleaving with batch jobs, failure isolation,
-suspend/resume in a fresh process. All on the toy-chunk card (fv_kernel/testing/session_kit.py), CPU fp32."""
+suspend/resume in a fresh process. All on the toy-chunk card (fv_kernel/testing/chunk_kit.py), CPU fp32."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from fv_kernel.extend.observers import Observer, StepRecord
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.testing.batching import StepRecorder
-from fv_kernel.testing.session_kit import ToyChunkLoop, chunk_toy_card
+from fv_kernel.testing.chunk_kit import ToyChunkLoop, chunk_toy_card
 from fv_kernel.testing.toy import toy_card
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -406,7 +406,7 @@ RESUME_SCRIPT = textwrap.dedent("""
     from fv_kernel.api import build_instance
     from fv_kernel.runtime.engine import Engine
     from fv_kernel.runtime.scheduler import SchedulerConfig
-    from fv_kernel.testing.session_kit import chunk_toy_card
+    from fv_kernel.testing.chunk_kit import chunk_toy_card
 
     async def main():
         engine = Engine(SchedulerConfig(device_thread=False))
@@ -509,7 +509,7 @@ def test_negative_control_a_resume_that_drops_the_kv_is_not_bit_identical(monkey
     def drop_kv(self: ToyChunkLoop, state: Any, model: Any, ctx: Any) -> Any:
         assert state.window is not None
         empty = self._pool.open(state.request_id, state.window.spec)
-        return state.model_copy(update={"window": empty, "kv_snapshot": None})
+        return state.model_copy(update={"window": empty, "kv": None})
 
     monkeypatch.setattr(ToyChunkLoop, "restore", drop_kv)
     with pytest.raises(AssertionError, match="differs after resume"):

@@ -292,11 +292,17 @@ from fv_kernel.runtime.engine import Engine, run_concurrently, run_serially  # n
 from fv_kernel.runtime import capacity  # noqa: E402
 from fv_kernel.runtime.pricing import pool_key  # noqa: E402
 from fv_kernel.runtime.scheduler import SchedulerConfig  # noqa: E402
-from fv_kernel.testing.chunk_kit import ChunkToyInstance, ToyChunkLoop, ToyChunkState, chunk_card  # noqa: E402
+from fv_kernel.card.spec import ModelCard  # noqa: E402
+from fv_kernel.testing.chunk_kit import ChunkToyInstance, ToyChunkLoop, ToyChunkState, chunk_toy_card  # noqa: E402
 from fv_kernel.loop.contract import Done, LoopContext  # noqa: E402
 from fv_kernel.loop.plan import StepResult  # noqa: E402
 
 WINDOW = 3  # the toy card's window: one sink + two local chunks
+
+
+def chunk_card(num_slabs: int = 6) -> ModelCard:
+    """The toy chunk card as ``toy-chunk-kv``: 2x2 pixels only, eight frames (four chunks) by default."""
+    return chunk_toy_card("toy-chunk-kv", pool_slabs=num_slabs, height=2, width=2, frames=8, fixed_size=True)
 
 
 def session(i: int, *, frames: int = 8) -> Request:
@@ -512,7 +518,7 @@ def test_suspend_and_restore_in_another_pool_continue_bit_identically() -> None:
     instance, _, state, _ = _fresh(request)
     whole = _run(instance, state)
     instance, loop, state, ctx = _fresh(request)
-    state = loop.suspend(_run(instance, state, steps=7), ctx)  # part-way through the third chunk
+    state = loop.suspend(_run(instance, state, steps=7), ctx)  # part-way through the second chunk
     assert state.kv is not None and instance.pool is not None and instance.pool.used_slabs == 0
     blob = state.to_bytes()
     other, other_loop, _, _ = _fresh(session(99))  # holds a slab of its own: restore lands on other ids

@@ -1,30 +1,30 @@
-"""A toy causal chunk card whose sessions exercise the slab chunk-KV pool through the real engine.
+"""``toy-chunk``: a tiny model-agnostic causal chunk card (CPU, fp32, seeded weights) for the realtime tests.
 
-``toy-chunk-kv`` generates video chunk by chunk, as a self-forcing causal model does, with a
-model small enough for a kernel test: per chunk, ``steps`` denoise steps (``chunk_denoise``)
-attend to the K/V of the window's earlier chunks, read from the instance's
-:class:`~fv_kernel.cache.slab_kv.SlabKVPool` (``block_pools()["chunk_kv"]``); then a clean
-forward (``chunk_commit``) writes the chunk's own K/V into its slab and decodes its frames.
-The window (``sink_slabs`` + ``local_slabs`` chunks) evicts as the rollout goes on. The loop's
-estimate reserves the window's slabs at admission, so any number of sessions over a pool
-sized for N windows complete, at most N at a time.
+It generates video chunk by chunk, as a self-forcing causal model does. Each chunk is a few
+steps, each its own WorkPlan: a text encode when the prompt version changed, ``steps``
+denoise steps (x0 prediction, re-noised with fresh noise from the state's generator), a KV
+commit (the clean chunk's keys/values into its slab of the instance's
+:class:`~fv_kernel.cache.slab_kv.SlabKVPool`, ``block_pools()["chunk_kv"]``) and a decode.
+The window (``sink`` + ``local`` chunks) evicts as the rollout goes on; a chunk attends to the
+window's earlier chunks, so a wrong window, a stale slab, a foreign session's K/V or K/V lost
+over a suspend changes every later chunk. The loop's estimate reserves the window's slabs at
+admission, so any number of sessions over a pool sized for N windows complete, at most N at a time.
 
-Everything per session is in :class:`ToyChunkState` (the window value, the chunk latent,
-the prompt); the pool's tensors are the instance's. The "model" is a few fixed random
-projections: its numbers mean nothing, but each chunk's output depends on every chunk in
-its window, so a wrong window, a stale slab or a foreign session's K/V changes the frames.
-A prompt containing ``fail@K`` makes chunk K's commit step raise (failure injection).
+Per-session data is only in :class:`ToyChunkState`; the pool and the weights are the instance's.
+
+Failure injection through the prompt: one containing ``boom`` makes the text encode raise (a
+prompt update containing it fails the session at the next chunk boundary); one containing
+``fail@K`` makes chunk K's commit raise.
 """
 
 from __future__ import annotations
 
 import math
-import re
-import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+from torch import nn
 
 from fv_kernel.cache.slab_kv import SlabKVConfig, SlabKVPool, SlabWindow, SlabWindowSpec
 from fv_kernel.card.spec import (
@@ -50,283 +50,336 @@ from fv_kernel.model.options import InstanceOptions
 from fv_kernel.request.artifacts import Provenance, VideoArtifact
 from fv_kernel.request.request import Request
 from fv_kernel.request.types import TaskType
+from fv_kernel.state import generator_from_state, new_generator_state
+from fv_kernel.testing.fake_pool import injected_at
 
-__all__ = ["POOL", "ChunkToyInstance", "ToyChunkLoop", "ToyChunkState", "build_chunk_instance", "chunk_card"]
+__all__ = ["FAULT_WORD", "POOL", "ChunkToyInstance", "ToyChunkLoop", "ToyChunkState", "build_chunk_toy_instance",
+           "chunk_toy_card"]
 
 _MODULE = "fv_kernel.testing.chunk_kit"
 #: The name the loop reserves and reads its slabs under.
 POOL = "chunk_kv"
+DIM = 8
+TEXT_BYTES = 32
+#: A prompt containing it makes the text encode raise.
+FAULT_WORD = "boom"
 
 
-@dataclass
-class ChunkToyInstance(ModelInstance):
-    """A toy-chunk-kv instance: its weights are fixed projections; its chunk K/V lives in ``pool``."""
+class ToyChunkNet(nn.Module):
+    """Text embedding, a chunk denoiser that attends to earlier chunks' K/V, and the K/V projection."""
 
-    pool: SlabKVPool | None = None
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = nn.Linear(256, DIM)
+        self.q = nn.Linear(3 + DIM + 1, DIM)
+        self.out = nn.Linear(DIM, 3)
+        self.k = nn.Linear(3 + DIM, DIM)
+        self.v = nn.Linear(3 + DIM, DIM)
 
-    def block_pools(self) -> dict[str, SlabKVPool]:
-        return {} if self.pool is None else {POOL: self.pool}
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        hist = torch.nn.functional.one_hot(ids, 256).float().mean(1)
+        return torch.tanh(self.text(hist * 8))
+
+    def denoise(self, x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor, hk: torch.Tensor, hv: torch.Tensor) -> torch.Tensor:
+        b, f = x.shape[:2]
+        feat = x.mean((3, 4))  # (B, F, 3)
+        q = self.q(torch.cat([feat, ctx[:, None].expand(b, f, DIM), t[:, None, None].expand(b, f, 1)], -1))
+        if hk.shape[1]:
+            att = torch.softmax(q @ hk.transpose(1, 2) / math.sqrt(DIM), -1) @ hv  # (B, F, D)
+        else:
+            att = torch.zeros_like(q)
+        gain = self.out(att * 4 + ctx[:, None])[..., None, None]  # (B, F, 3, 1, 1)
+        return torch.sigmoid(2 * (x - 0.5) * (1 - t)[:, None, None, None, None] + 2 * gain)
+
+    def kv(self, x0: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, f = x0.shape[:2]
+        h = torch.cat([x0.mean((3, 4)), ctx[:, None].expand(b, f, DIM)], -1)
+        return self.k(h), self.v(h)
 
 
 class ToyChunkState(ChunkRolloutState):
-    window: SlabWindow
-    #: The slab the current chunk's K/V is committed to.
-    slab: int
-    #: The current chunk's latent, ``[1, tokens, dim]``.
-    x: torch.Tensor
-    #: Denoise steps per chunk and how many of the current chunk's are done.
+    rng: torch.Tensor
+    height: int
+    width: int
+    #: Denoise steps per chunk.
     steps: int
-    sub: int = 0
-    seed: int = 0
-    #: Failure injection (a prompt containing ``fail@K``): chunk K's commit step raises.
-    fail_at: int | None = None
-    #: The window's K/V while suspended (``SlabKVPool.snapshot``); None while it is in the pool.
+    #: The prompt version the context embedding was encoded for (None: not yet).
+    encoded_version: int | None = None
+    context: torch.Tensor | None = None
+    #: The chunk being generated: its noisy latent, denoise steps done, last x0, whether its K/V is committed.
+    x: torch.Tensor
+    step_in_chunk: int = 0
+    x0: torch.Tensor | None = None
+    committed: bool = False
+    window: SlabWindow
+    #: The window's K/V while suspended (``SlabKVPool.snapshot``); None while the pool holds it.
     kv: dict[str, torch.Tensor] | None = None
 
 
-def _geometry(config: Mapping[str, Any]) -> dict[str, int]:
-    return {key: int(config[key]) for key in ("layers", "heads", "head_dim", "frames_per_chunk", "height", "width")}
-
-
-def _fail_at(prompt: str) -> int | None:
-    match = re.search(r"fail@(\d+)", prompt)
-    return int(match.group(1)) if match else None
-
-
-def _prompt_vector(prompt: str, dim: int) -> torch.Tensor:
-    """A deterministic embedding of the prompt text (crc32-seeded), ``[1, 1, dim]``."""
-    g = torch.Generator().manual_seed(zlib.crc32(prompt.encode("utf-8")))
-    return torch.randn(1, 1, dim, generator=g)
+def _ids(prompt: str) -> torch.Tensor:
+    raw = list(prompt.encode("utf-8")[:TEXT_BYTES])
+    return torch.tensor([raw + [0] * (TEXT_BYTES - len(raw))], dtype=torch.long)
 
 
 class ToyChunkLoop(ChunkRolloutLoop[ToyChunkState]):
-    """``steps`` denoise steps and one commit per chunk, for ``ceil(frames / frames_per_chunk)`` chunks."""
+    """Per chunk: a text encode when the prompt changed, ``steps`` denoise steps, a KV commit and a decode."""
 
     state_type = ToyChunkState
 
-    @staticmethod
-    def _pool(model: ResidentModel) -> SlabKVPool:
-        pools = model.block_pools() if isinstance(model, ModelInstance) else {}
-        pool = pools.get(POOL)
-        if not isinstance(pool, SlabKVPool):
-            raise TypeError(f"{model.model_id!r} has no slab pool {POOL!r} (block_pools(): {sorted(pools)})")
-        return pool
+    def bind(self, instance: Any) -> None:
+        cfg = self.spec.config
+        self.frames_per_chunk = int(cfg["frames_per_chunk"])
+        self.window_spec = SlabWindowSpec(sink_slabs=int(cfg["sink"]), local_slabs=int(cfg["local"]))
+        self.fixed_size = bool(cfg.get("fixed_size", False))
+        # The instance's pool (per instance, like the weights); per-session data lives in the state's window.
+        self._pool: SlabKVPool = instance.block_pools()[POOL]
 
-    def _window_spec(self, model: ResidentModel) -> SlabWindowSpec:
-        config = model.card.components["core"].config
-        return SlabWindowSpec(sink_slabs=int(config["sink_slabs"]), local_slabs=int(config["local_slabs"]))
-
-    def _plan_shape(self, model: ResidentModel, request: Request) -> tuple[int, int]:
-        """(chunks, denoise steps per chunk) the request asks for, checked against the card."""
-        config, defaults = model.card.components["core"].config, model.card.capabilities.defaults
+    def _plan_shape(self, request: Request, model: ResidentModel) -> tuple[int, int, int, int]:
+        """(chunks, denoise steps per chunk, height, width) the request asks for, checked against the card."""
+        defaults = model.card.capabilities.defaults
         assert defaults is not None
         d = request.diffusion
-        for name, want in (("height", int(config["height"])), ("width", int(config["width"]))):
-            got = getattr(d, name)
-            if got is not None and got != want:
-                raise InvalidRequest(name, f"toy-chunk-kv generates {want} pixels, got {got}", allowed=[want])
+        size = {"height": d.height or defaults.height, "width": d.width or defaults.width}
+        if self.fixed_size:  # a card pinned to one size, as a real causal card whose slabs hold its token grid
+            for name, want in (("height", defaults.height), ("width", defaults.width)):
+                if size[name] != want:
+                    raise InvalidRequest(name, f"{model.card.model_id} generates {want} pixels, got {size[name]}",
+                                         allowed=[want])
         frames = d.frames or defaults.frames
-        return math.ceil(frames / int(config["frames_per_chunk"])), d.steps or defaults.steps
+        return (max(1, math.ceil(frames / self.frames_per_chunk)), d.steps or defaults.steps,
+                size["height"], size["width"])
 
-    def _fresh_latent(self, state_seed: int, chunk: int, tokens: int, dim: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(state_seed * 1_000_003 + chunk)
-        return torch.randn(1, tokens, dim, generator=g)
+    def _noise(self, state: ToyChunkState) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = generator_from_state(state.rng)
+        noise = torch.rand((1, self.frames_per_chunk, 3, state.height, state.width), generator=gen)
+        return noise, gen.get_state()
+
+    def _timestep(self, state: ToyChunkState, i: int) -> float:
+        return 1.0 - i / state.steps
 
     def init(self, request: Request, model: ResidentModel, ctx: LoopContext) -> ToyChunkState:
-        config = model.card.components["core"].config
-        geo = _geometry(config)
-        chunks, steps = self._plan_shape(model, request)
-        pool = self._pool(model)
-        window, slab = pool.append(pool.open(request.request_id, self._window_spec(model)), 0)
-        tokens = geo["frames_per_chunk"] * geo["height"] * geo["width"]
-        seed = request.diffusion.seed
+        chunks, steps, height, width = self._plan_shape(request, model)
         # In a session the session says how many chunks (None: until stopped); a plain request, its frames.
         session = ctx.upstream.get(SESSION_UPSTREAM)
-        return ToyChunkState(
+        defaults = model.card.capabilities.defaults
+        assert defaults is not None
+        # The first chunk's slab is taken now: a running rollout always holds its current chunk's slab.
+        window, _ = self._pool.append(self._pool.open(request.request_id, self.window_spec), 0)
+        state = ToyChunkState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
-            prompt=request.text("prompt") or "", max_chunks=session.get("max_chunks") if session is not None else chunks,
-            fps=request.diffusion.fps or 8.0,
-            window=window, slab=slab, steps=steps, seed=seed, fail_at=_fail_at(request.text("prompt") or ""),
-            x=self._fresh_latent(seed, 0, tokens, geo["heads"] * geo["head_dim"]),
+            prompt=request.text() or "", max_chunks=session.get("max_chunks") if session is not None else chunks,
+            fps=float(request.diffusion.fps or defaults.fps), rng=new_generator_state(request.diffusion.seed),
+            height=height, width=width, steps=steps, x=torch.zeros(0), window=window,
         )
-
-    def next(self, state: ToyChunkState) -> WorkPlan | Done:
-        if self.finished(state):
-            return Done()
-        commit = state.sub >= state.steps
-        slabs, positions = self._bound_pool.window_tensors(state.window)
-        return WorkPlan(
-            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.CHUNK_STEP,
-            op="chunk_commit" if commit else "chunk_denoise", batchable=False,
-            inputs={
-                "x": state.x, "cond": _prompt_vector(state.prompt, state.x.shape[-1]),
-                "slabs": slabs[None], "positions": positions[None],
-                "chunk": torch.tensor([state.chunk_index]), "slab": torch.tensor([state.slab]),
-                "remaining": torch.tensor([float(state.steps - state.sub)]),
-                "fail": torch.tensor([commit and state.chunk_index == state.fail_at]),
-            },
-            params={"sink_slabs": state.window.spec.sink_slabs, "local_slabs": state.window.spec.local_slabs},
-            shape_sig=ShapeSignature.of(tokens=int(state.x.shape[1]), window=state.window.spec.max_slabs),
-        )
-
-    def advance(self, state: ToyChunkState, result: StepResult) -> ToyChunkState:
-        if state.sub < state.steps:
-            return state.model_copy(update={"x": result.outputs["x"], "sub": state.sub + 1, "step": state.step + 1})
-        frames = result.outputs["frames"][0]
-        done = ReadyChunk(chunk_index=state.chunk_index, frames=frames, prompt_version=state.prompt_version,
-                          frame_start=state.frames_emitted + sum(c.num_frames for c in state.ready))
-        state = self.apply_pending_prompt(state.model_copy(update={
-            "ready": [*state.ready, done], "chunk_index": state.chunk_index + 1, "step": state.step + 1,
-        }))
-        if self.finished(state):
-            return state
-        # The next chunk's slab is taken here, between steps (host code), never inside a step.
-        window, slab = self._bound_pool.append(state.window, state.chunk_index)
-        x = self._fresh_latent(state.seed, state.chunk_index, int(state.x.shape[1]), int(state.x.shape[2]))
-        return state.model_copy(update={"window": window, "slab": slab, "x": x, "sub": 0})
-
-    def finalize(self, state: ToyChunkState) -> LoopResult:
-        self._bound_pool.close(state.window)
-        frames = torch.cat([c.frames for c in state.ready]) if state.ready else torch.zeros(0, 3, 1, 1)
-        video = VideoArtifact(frames=frames, fps=state.fps, provenance=Provenance(
-            model_id="", loop_id=self.loop_id, request_id=state.request_id, seed=state.seed))
-        return LoopResult(loop_id=self.loop_id, artifacts=[video])
-
-    def release(self, owner: str, model: ResidentModel) -> None:
-        self._pool(model).close_owner(owner)
+        noise, rng = self._noise(state)
+        return state.model_copy(update={"x": noise, "rng": rng})
 
     def suspend(self, state: ToyChunkState, ctx: LoopContext) -> ToyChunkState:
         """The window's K/V copied into the state, the slabs freed: the state is self-contained."""
-        kv = self._bound_pool.snapshot(state.window)
-        self._bound_pool.close(state.window)
+        kv = self._pool.snapshot(state.window)
+        self._pool.close(state.window)
         return state.model_copy(update={"kv": kv})
 
     def restore(self, state: ToyChunkState, model: ResidentModel, ctx: LoopContext) -> ToyChunkState:
         if state.kv is None:
             return state
-        pool = self._pool(model)
-        window = pool.restore(state.request_id, state.window.spec, state.kv, state.window.positions)
-        # The current chunk's slab is the window's last (append puts it there).
-        return state.model_copy(update={"window": window, "slab": window.slabs[-1], "kv": None})
+        window = self._pool.restore(state.request_id, state.window.spec, state.kv, state.window.positions)
+        return state.model_copy(update={"window": window, "kv": None})
 
-    def bind(self, instance: ResidentModel) -> None:
-        self._bound_pool = self._pool(instance)  # the instance's pool, shared by every session, like its weights
+    def release(self, owner: str, model: ResidentModel) -> None:
+        self._pool.close_owner(owner)
+
+    def cancel_stream(self, state: ToyChunkState) -> ToyChunkState:
+        # Abandon the chunk in progress too: start it over from fresh noise.
+        noise, rng = self._noise(state)
+        return state.model_copy(update={
+            "ready": [], "x": noise, "rng": rng, "step_in_chunk": 0, "x0": None, "committed": False,
+        })
+
+    def _plan(self, state: ToyChunkState, op: str, kind: WorkKind, inputs: dict[str, torch.Tensor], tag: str) -> WorkPlan:
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=kind, op=op, inputs=inputs, tag=tag,
+            shape_sig=ShapeSignature.of(frames=self.frames_per_chunk, height=state.height, width=state.width),
+            batchable=False,
+        )
+
+    def next(self, state: ToyChunkState) -> WorkPlan | Done:
+        if self.finished(state):
+            return Done()
+        if state.encoded_version != state.prompt_version:
+            return self._plan(state, "chunk_text", WorkKind.ENCODER_CHUNK, {"ids": _ids(state.prompt)}, "text")
+        assert state.context is not None
+        if state.step_in_chunk < state.steps:
+            # The chunk's history: the window's earlier chunks (this chunk's own slab is written at commit).
+            hk, hv = self._pool.read(state.window, 0, upto=state.chunk_index)
+            t = torch.tensor([self._timestep(state, state.step_in_chunk)])
+            inputs = {"x": state.x, "t": t, "ctx": state.context, "hk": hk[None, :, 0], "hv": hv[None, :, 0]}
+            return self._plan(state, "chunk_denoise", WorkKind.CHUNK_STEP, inputs, "denoise")
+        assert state.x0 is not None
+        if not state.committed:
+            fail = torch.tensor([injected_at(state.prompt, "fail") == state.chunk_index])
+            return self._plan(state, "chunk_commit", WorkKind.CHUNK_STEP,
+                              {"x0": state.x0, "ctx": state.context, "fail": fail}, "commit")
+        return self._plan(state, "chunk_decode", WorkKind.VAE_TILE, {"x0": state.x0}, "decode")
+
+    def advance(self, state: ToyChunkState, result: StepResult) -> ToyChunkState:
+        out = result.outputs
+        step = state.step + 1
+        if "context" in out:
+            return state.model_copy(update={"context": out["context"], "encoded_version": state.prompt_version, "step": step})
+        if "x0" in out:
+            x0 = out["x0"]
+            done = state.step_in_chunk + 1
+            update: dict[str, Any] = {"x0": x0, "step_in_chunk": done, "step": step}
+            if done < state.steps:  # re-noise to the next timestep with fresh noise
+                noise, rng = self._noise(state)
+                sigma = self._timestep(state, done)
+                update.update(x=(1 - sigma) * x0 + sigma * noise, rng=rng)
+            return state.model_copy(update=update)
+        if "k" in out:
+            window = state.window
+            if not window.positions or window.positions[-1] != state.chunk_index:
+                window, _ = self._pool.append(window, state.chunk_index)  # e.g. restored without this chunk's slab
+            self._pool.write(window.slabs[-1], 0, out["k"][0][:, None], out["v"][0][:, None])
+            return state.model_copy(update={"window": window, "committed": True, "step": step})
+        frames = out["frames"][0]
+        chunk = ReadyChunk(chunk_index=state.chunk_index, frames=frames, prompt_version=state.prompt_version,
+                           frame_start=state.chunk_index * self.frames_per_chunk)
+        noise, rng = self._noise(state)
+        state = state.model_copy(update={
+            "ready": [*state.ready, chunk], "chunk_index": state.chunk_index + 1, "step": step,
+            "x": noise, "rng": rng, "step_in_chunk": 0, "x0": None, "committed": False,
+        })
+        state = self.apply_pending_prompt(state)  # the chunk boundary: a queued prompt becomes current here
+        if self.finished(state):
+            return state
+        # The next chunk's slab is taken here, between steps (host code), never inside a step.
+        window, _ = self._pool.append(state.window, state.chunk_index)
+        return state.model_copy(update={"window": window})
+
+    def finalize(self, state: ToyChunkState) -> LoopResult:
+        self._pool.close(state.window)
+        # Offline (no session) nothing takes the decoded chunks: they are the artifact.
+        frames = torch.cat([c.frames for c in state.ready]) if state.ready else torch.zeros(0, 3, state.height, state.width)
+        video = VideoArtifact(frames=frames, fps=state.fps, provenance=Provenance(
+            model_id="", loop_id=self.loop_id, request_id=state.request_id))
+        return LoopResult(loop_id=self.loop_id, artifacts=[video])
 
     def estimate(self, request: Request, model: ResidentModel) -> ResourceRequest:
-        chunks, steps = self._plan_shape(model, request)
-        geo = _geometry(model.card.components["core"].config)
-        sig = ShapeSignature.of(tokens=geo["frames_per_chunk"] * geo["height"] * geo["width"],
-                                window=self._window_spec(model).max_slabs)
+        chunks, steps, height, width = self._plan_shape(request, model)
+        sig = ShapeSignature.of(frames=self.frames_per_chunk, height=height, width=width)
         return ResourceRequest(
-            steps=(StepEstimate(loop_id=self.loop_id, kind=WorkKind.CHUNK_STEP, shape_sig=sig, count=chunks * (steps + 1)),),
-            # The window's slabs, whole-life: a session never holds more (a full window evicts first).
-            pool_blocks={POOL: self._window_spec(model).max_slabs},
+            steps=(
+                StepEstimate(loop_id=self.loop_id, kind=WorkKind.ENCODER_CHUNK, shape_sig=sig),
+                StepEstimate(loop_id=self.loop_id, kind=WorkKind.CHUNK_STEP, shape_sig=sig, count=chunks * (steps + 1)),
+                StepEstimate(loop_id=self.loop_id, kind=WorkKind.VAE_TILE, shape_sig=sig, count=chunks),
+            ),
+            # The window's slabs, whole-life: a rollout never holds more (a full window evicts first).
+            pool_blocks={POOL: self.window_spec.max_slabs},
         )
 
 
-# --------------------------------------------------------------------------- the "model"
+# --------------------------------------------------------------------------- instance + card
 
 
-def _weights(config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    geo = _geometry(config)
-    dim = geo["heads"] * geo["head_dim"]
-    g = torch.Generator().manual_seed(int(config.get("weights_seed", 0)))
-    scale = 1.0 / math.sqrt(dim)
-    return {name: torch.randn(geo["layers"], dim, dim, generator=g) * scale for name in ("q", "k", "v", "o")}
+@dataclass
+class ChunkToyInstance(ModelInstance):
+    """A toy-chunk instance: its slab pool is part of admission (``block_pools``)."""
+
+    pool: SlabKVPool | None = None
+
+    def block_pools(self) -> dict[str, SlabKVPool]:  # type: ignore[override]
+        assert self.pool is not None
+        return {POOL: self.pool}
 
 
-def _forward(pool: SlabKVPool, inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any],
-             w: Mapping[str, torch.Tensor], *, commit: bool) -> torch.Tensor:
-    """One causal pass over the chunk: every layer attends to the window's earlier chunks (from the pool)
-    and to the chunk itself; ``commit`` writes the chunk's K/V into its slab first and reads it back."""
-    c = pool.config
-    spec = SlabWindowSpec(sink_slabs=int(params["sink_slabs"]), local_slabs=int(params["local_slabs"]))
-    window = pool.window_from_tensors(inputs["slabs"][0], inputs["positions"][0], spec)
-    chunk, slab = int(inputs["chunk"][0]), int(inputs["slab"][0])
-    h = inputs["x"][0] + inputs["cond"][0]
-    tokens = h.shape[0]
-    for layer in range(c.num_layers):
-        q = (h @ w["q"][layer]).view(tokens, c.num_heads, c.head_dim)
-        k = (h @ w["k"][layer]).view(tokens, c.num_heads, c.head_dim)
-        v = (h @ w["v"][layer]).view(tokens, c.num_heads, c.head_dim)
-        if commit:
-            pool.write(slab, layer, k, v)
-            keys, values = pool.read(window, layer, upto=chunk + 1)
-        else:
-            past_k, past_v = pool.read(window, layer, upto=chunk)
-            keys, values = torch.cat([past_k, k]), torch.cat([past_v, v])
-        attn = torch.softmax(torch.einsum("thd,shd->hts", q, keys) / math.sqrt(c.head_dim), dim=-1)
-        h = h + torch.einsum("hts,shd->thd", attn, values).reshape(tokens, -1) @ w["o"][layer]
-    return torch.tanh(h)
+def _ops(instance: ModelInstance) -> dict[str, StepOp]:
+    net: ToyChunkNet = instance.components["net"]
 
-
-def build_chunk_instance(card: ModelCard, options: InstanceOptions) -> ChunkToyInstance:
-    config = card.components["core"].config
-    geo = _geometry(config)
-    pool = SlabKVPool(SlabKVConfig(
-        num_layers=geo["layers"], num_heads=geo["heads"], head_dim=geo["head_dim"],
-        tokens_per_slab=geo["frames_per_chunk"] * geo["height"] * geo["width"], num_slabs=int(config["num_slabs"]),
-    ), name=POOL)
-    weights = _weights(config)
+    def text(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        for row in inputs["ids"]:
+            if FAULT_WORD in bytes(int(b) for b in row if int(b)).decode("utf-8", "replace"):
+                raise RuntimeError(f"toy fault injected by a prompt containing {FAULT_WORD!r}")
+        return {"context": net.encode(inputs["ids"])}
 
     def denoise(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        x0 = _forward(pool, inputs, params, weights, commit=False)
-        x = inputs["x"][0]
-        # Straight toward the prediction, arriving at it on the chunk's last step.
-        return {"x": (x + (x0 - x) / inputs["remaining"][0])[None]}
+        return {"x0": net.denoise(inputs["x"], inputs["t"], inputs["ctx"], inputs["hk"], inputs["hv"])}
 
     def commit(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         if bool(inputs["fail"].any()):
-            raise RuntimeError("injected failure")
-        clean = _forward(pool, inputs, params, weights, commit=True)
-        # "Decode": one grey level per token, the chunk's tokens laid out as its frames.
-        pixels = torch.sigmoid(clean.mean(-1)).view(geo["frames_per_chunk"], 1, geo["height"], geo["width"])
-        return {"frames": pixels.expand(-1, 3, -1, -1).contiguous()[None]}
+            raise RuntimeError("toy fault injected by a prompt containing 'fail@K' at this chunk")
+        k, v = net.kv(inputs["x0"], inputs["ctx"])
+        return {"k": k, "v": v}
 
-    ops = {"chunk_denoise": StepOp("chunk_denoise", denoise), "chunk_commit": StepOp("chunk_commit", commit)}
-    return ChunkToyInstance(
-        card=card, options=options, component_loader=lambda cid: object(), ops_builder=lambda inst: dict(ops),
-        weights_version="toy-chunk-kv", pool=pool,
-    )
+    def decode(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return {"frames": inputs["x0"].clamp(0, 1)}
+
+    return {name: StepOp(name, fn) for name, fn in (
+        ("chunk_text", text), ("chunk_denoise", denoise), ("chunk_commit", commit), ("chunk_decode", decode))}
 
 
-def chunk_card(
-    model_id: str = "toy-chunk-kv",
+def build_component(name: str, seed: int) -> nn.Module:
+    if name != "net":
+        raise InvalidRequest("component", f"toy-chunk has no component {name!r}", allowed=["net"])
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return ToyChunkNet().eval().requires_grad_(False)
+
+
+def build_chunk_toy_instance(card: ModelCard, options: InstanceOptions) -> ChunkToyInstance:
+    """A toy-chunk instance with a slab pool of ``loops.rollout.config.pool_slabs`` slabs."""
+    cfg = card.loops["rollout"].config
+    pool = SlabKVPool(SlabKVConfig(num_layers=1, num_heads=1, head_dim=DIM, tokens_per_slab=int(cfg["frames_per_chunk"]),
+                                   num_slabs=int(cfg["pool_slabs"]), dtype="fp32", device=options.device), name=POOL)
+
+    def load(component_id: str) -> nn.Module:
+        seed = card.checkpoint.components[component_id].random_init_seed or 0
+        return build_component(component_id, seed).to(options.device)
+
+    return ChunkToyInstance(card=card, options=options, component_loader=load, ops_builder=_ops,
+                            weights_version="toy-chunk-seeded", pool=pool)
+
+
+def chunk_toy_card(
+    model_id: str = "toy-chunk",
     *,
-    num_slabs: int = 6,
-    sink_slabs: int = 1,
-    local_slabs: int = 2,
-    layers: int = 2,
-    heads: int = 2,
-    head_dim: int = 4,
-    frames_per_chunk: int = 2,
-    height: int = 2,
-    width: int = 2,
-    frames: int = 8,
+    pool_slabs: int = 8,
+    sink: int = 1,
+    local: int = 2,
     steps: int = 2,
-    step_seconds: float = 0.001,
+    frames_per_chunk: int = 2,
+    height: int = 8,
+    width: int = 8,
+    frames: int | None = None,
+    fixed_size: bool = False,
 ) -> ModelCard:
-    """The toy chunk card; ``num_slabs`` sizes the instance's slab pool (a window takes ``sink + local``)."""
-    task = TaskType.TEXT_TO_VIDEO
-    loop = LoopSpec(
-        loop_id="rollout", kind="chunk_rollout", batchable=False, implementation=f"{_MODULE}:ToyChunkLoop",
-        step_cost=StepCostSpec(unit="tokens", fixed_seconds=step_seconds, conservative_factor=1.0),
-    )
-    config = {"num_slabs": num_slabs, "sink_slabs": sink_slabs, "local_slabs": local_slabs, "layers": layers,
-              "heads": heads, "head_dim": head_dim, "frames_per_chunk": frames_per_chunk, "height": height,
-              "width": width}
+    """The toy causal chunk card.
+
+    ``pool_slabs`` sizes its slab pool (a window is ``sink + local`` slabs); ``steps`` denoise
+    steps per chunk; ``height``/``width``/``frames`` (default two chunks) are the defaults a
+    request falls back to; ``fixed_size`` refuses any other size by name (``InvalidRequest``).
+    """
+    t2v = frozenset({TaskType.TEXT_TO_VIDEO})
+    cost = StepCostSpec(unit="steps", fixed_seconds=1e-3, per_unit_seconds=0.0)
+    config = {"pool_slabs": pool_slabs, "sink": sink, "local": local, "frames_per_chunk": frames_per_chunk,
+              "fixed_size": fixed_size}
     return ModelCard(
-        model_id=model_id, family="toy-chunk-kv",
-        components={"core": ComponentSpec(component_id="core", kind="dit", builder=f"{_MODULE}:build_chunk_instance",
-                                          config=config)},
-        loops={"rollout": loop},
-        programs={task: ProgramSpec(loops=("rollout",))},
+        model_id=model_id,
+        family="toy",
+        summary="tiny causal chunk-rollout test card (sessions, slab chunk-KV pool)",
+        components={"net": ComponentSpec(component_id="net", kind="dit", builder=f"{_MODULE}:build_component")},
+        loops={"rollout": LoopSpec(loop_id="rollout", kind="chunk_rollout", implementation=f"{_MODULE}:ToyChunkLoop",
+                                   step_cost=cost, batchable=False, config=config)},
+        programs={TaskType.TEXT_TO_VIDEO: ProgramSpec(loops=("rollout",), returns=frozenset({"video"}))},
         capabilities=CapabilityMatrix(
-            tasks=frozenset({task}),
-            defaults=GenerationDefaults(height=height, width=width, frames=frames, fps=8.0, steps=steps, guidance=1.0),
+            tasks=t2v,
+            defaults=GenerationDefaults(height=height, width=width, frames=frames or frames_per_chunk * 2, fps=8.0,
+                                        steps=steps, guidance=0.0),
+            spatial_multiple=1 if fixed_size else 4,
         ),
-        recipe=RecipeSpec(), parity=ParitySpec(level="C1", reference="none"),
+        recipe=RecipeSpec(method="base"),
+        parity=ParitySpec(level="C1", reference="self (serial run)"),
         precision=PrecisionContract(default="fp32", supported=frozenset({"fp32"})),
-        checkpoint=CheckpointManifest(layout="embedded", components={"core": ComponentCheckpoint(required_for=frozenset({task}))}),
-        factory=f"{_MODULE}:build_chunk_instance",
+        checkpoint=CheckpointManifest(layout="embedded", components={"net": ComponentCheckpoint(required_for=t2v, random_init_seed=5)}),
+        factory=f"{_MODULE}:build_chunk_toy_instance",
     )

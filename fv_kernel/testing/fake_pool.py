@@ -41,7 +41,7 @@ from fv_kernel.request.artifacts import LatentArtifact, Provenance
 from fv_kernel.request.request import Request
 from fv_kernel.request.types import TaskType
 
-__all__ = ["BatchCostProfile", "fake_card", "FakeStepLoop", "FakeARLoop", "build_fake_instance"]
+__all__ = ["BatchCostProfile", "fake_card", "FakeStepLoop", "FakeARLoop", "build_fake_instance", "injected_at"]
 
 _MODULE = "fv_kernel.testing.fake_pool"
 
@@ -75,9 +75,14 @@ class FakeState(LoopState):
     yes: torch.Tensor = torch.tensor([True])
 
 
-def _injected(request: Request, what: str) -> int | None:
-    match = re.search(rf"{what}@(\d+)", request.text("prompt") or "")
+def injected_at(prompt: str, what: str) -> int | None:
+    """K from ``{what}@K`` in ``prompt`` (failure injection for the toy cards), None when absent."""
+    match = re.search(rf"{what}@(\d+)", prompt)
     return int(match.group(1)) if match else None
+
+
+def _injected(request: Request, what: str) -> int | None:
+    return injected_at(request.text("prompt") or "", what)
 
 
 class FakeStepLoop(Loop[FakeState]):

@@ -12,7 +12,7 @@ from fv_dynamo.sessions import SessionRouter
 from fv_dynamo.worker import FvWorker, WorkerOptions
 
 from fv_kernel.api import Engine, SchedulerConfig, build_instance
-from fv_kernel.testing.session_kit import chunk_toy_card
+from fv_kernel.testing.chunk_kit import chunk_toy_card
 
 FPS = 100  # chunks are paced to playback: a high rate keeps the test fast
 
