@@ -88,7 +88,7 @@ def test_chunks_are_ready_in_order_with_frame_ranges_and_a_video_artifact() -> N
     ops = [p.op for p in plans]
     # one text encode, then per chunk: 4 denoise forwards, the commit, the decode
     assert ops == ["encode_text"] + ["causal_forward"] * 5 + ["vae_decode_chunk"] + (["causal_forward"] * 5 + ["vae_decode_chunk"]) * 2
-    assert [p.params["commit"] for p in plans if p.op == "causal_forward"][:5] == [False] * 4 + [True]
+    assert [bool(p.inputs["commit"]) for p in plans if p.op == "causal_forward"][:5] == [False] * 4 + [True]
     assert [p.inputs["timestep"].item() for p in plans if p.op == "causal_forward"][:5] == pytest.approx(
         [1000.0, 937.5, 833.3333, 625.0, 0.0], abs=1e-3)
     video = instance.loop("realtime").finalize(state).artifacts[0]

@@ -294,8 +294,11 @@ def test_teacher_forced_chunks_equal_masked_sequence_and_future_leak_fails(monke
     window = pool.open("teacher", causal_module.CausalRecipe(max_height=SIZE, max_width=SIZE, local_chunks=8).window)
     for n in range(CHUNKS):
         window, _ = pool.append(window, n)
-        forward({"latents": clean[n], "timestep": torch.zeros(1), "context": text},
-                {"window": window, "chunk_index": n, "commit": True, "start_frame": n * fpc})
+        slabs, positions = pool.window_tensors(window)
+        forward({"latents": clean[n], "timestep": torch.zeros(1), "context": text, "window_slabs": slabs[None],
+                 "window_positions": positions[None], "chunk_index": torch.tensor([n]),
+                 "start_frame": torch.tensor([n * fpc]), "commit": torch.tensor([True])},
+                {"sink_slabs": window.spec.sink_slabs, "local_slabs": window.spec.local_slabs})
     t = 700.0
     noisy = [0.3 * c + 0.7 * torch.randn(c.shape, generator=gen) for c in clean]
     tokens_per_chunk = fpc * (h // 2) ** 2

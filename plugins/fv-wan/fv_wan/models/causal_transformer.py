@@ -29,7 +29,7 @@ from fv_wan.models.transformer import (
     apply_rotary,
 )
 
-__all__ = ["LayerKV", "KVSink", "chunk_rotary", "causal_chunk_forward", "tokens_per_frame"]
+__all__ = ["LayerKV", "KVSink", "chunk_rotary", "causal_chunk_forward", "causal_batch_forward", "tokens_per_frame"]
 
 #: One layer's committed K/V: ``k`` after RoPE and ``v`` raw, both (B, tokens, heads, head_dim).
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -130,4 +130,94 @@ def causal_chunk_forward(
         x, key, value = _causal_block(block, x, inputs, history[index] if history is not None else None, attend)
         if kv_sink is not None:
             kv_sink(index, key, value)
+    return model.finish(x, inputs)
+
+
+def _rows_rotary(model: WanTransformer, grid: tuple[int, int, int], start_frames: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables for rows whose chunks start at ``start_frames``: (L, 1, D/2) when all rows agree, else
+    (B, L, 1, D/2) (one table per row; ``apply_rotary`` broadcasts either over (B, L, H, D/2))."""
+    if len(set(start_frames)) == 1:
+        return chunk_rotary(model, grid, start_frames[0])
+    tables = [chunk_rotary(model, grid, start) for start in start_frames]
+    return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
+
+
+def _causal_batch_block(
+    block: WanTransformerBlock, x: torch.Tensor, inputs: WanBlockInputs, histories: Sequence[LayerKV | None],
+    attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_causal_block` over B rows of different sessions: the projections, norms, modulation
+    (per-row timestep), cross-attention (per-row prompt) and FFN run on all rows at once; only the
+    self-attention core runs per row, each row's queries over [its own history, its own K/V].
+
+    Per row rather than one padded call with a key-padding mask: rows keep the unmasked attention
+    backend (flash/cuDNN on CUDA), nothing is padded or copied, and on CPU the loop was as fast or
+    faster (docs/realtime.md, "Batching sessions").
+    """
+    shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
+        block.scale_shift_table + inputs.timestep_proj.float()
+    ).unbind(2)
+    attn = block.attn1
+    normed = (_fp32_layer_norm(block.norm1, x) * (1 + scale_sa) + shift_sa).type_as(x)
+    query = attn._query(normed)
+    key, value = attn._key_value(normed)
+    cos, sin = inputs.rotary
+    query = apply_rotary(query, cos, sin)
+    key = apply_rotary(key, cos, sin)
+    rows = []
+    for row, history in enumerate(histories):
+        keys, values = key[row : row + 1], value[row : row + 1]
+        if history is not None and history[0].shape[1] > 0:
+            keys = torch.cat([history[0].to(key.dtype), keys], dim=1)
+            values = torch.cat([history[1].to(value.dtype), values], dim=1)
+        rows.append(_attend(attention_fn, query[row : row + 1], keys, values))
+    attended = attn._project_out(torch.cat(rows) if len(rows) > 1 else rows[0], query)
+    x = (x.float() + attended * gate_sa).type_as(x)
+
+    normed = _fp32_layer_norm(block.norm2, x).type_as(x) if isinstance(block.norm2, torch.nn.LayerNorm) else x
+    x = x + block.attn2.cross_attention(normed, inputs.context, inputs.context_image, attention_fn)
+
+    normed = (_fp32_layer_norm(block.norm3, x) * (1 + scale_ff) + shift_ff).type_as(x)
+    return (x.float() + block.ffn(normed).float() * gate_ff).type_as(x), key, value
+
+
+def causal_batch_forward(
+    model: WanTransformer,
+    latents: torch.Tensor,
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    *,
+    start_frames: Sequence[int],
+    histories: Sequence[Sequence[LayerKV | None] | None],
+    kv_sinks: Sequence[KVSink | None] | None = None,
+    attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """:func:`causal_chunk_forward` of B chunks of B different streams in one forward.
+
+    Row ``b`` is one stream's chunk: ``latents[b]`` at ``timestep[b]`` with prompt
+    ``encoder_hidden_states[b]``, its first latent frame at ``start_frames[b]`` (RoPE), attending
+    to ``histories[b]`` (per layer, (1, tokens_b, heads, head_dim); tokens_b may differ between
+    rows and be 0) and its own K/V; ``kv_sinks[b]``, when not None, receives row b's K/V per
+    layer as (1, tokens, heads, head_dim). All rows share the chunk shape.
+    """
+    batch = latents.shape[0]
+    if len(start_frames) != batch or len(histories) != batch or (kv_sinks is not None and len(kv_sinks) != batch):
+        raise ValueError(f"start_frames, histories and kv_sinks need one entry per row ({batch} rows), got "
+                         f"{len(start_frames)}, {len(histories)}, {len(kv_sinks) if kv_sinks is not None else None}")
+    for history in histories:
+        if history is not None and len(history) != model.num_layers:
+            raise ValueError(f"history must hold one K/V pair per layer ({model.num_layers}), got {len(history)}")
+    if timestep.ndim != 1 or timestep.shape[0] not in (1, batch):
+        raise ValueError(f"timestep must be (B,) = ({batch},) or (1,), got {tuple(timestep.shape)}")
+    inputs = model.prepare(latents, timestep, encoder_hidden_states)
+    inputs = dataclasses.replace(inputs, rotary=_rows_rotary(model, inputs.grid_sizes, list(start_frames)))
+    attend = attention_fn or model.attention_fn or F.scaled_dot_product_attention
+    x = inputs.x
+    for index, block in enumerate(model.blocks):
+        layer = [h[index] if h is not None else None for h in histories]
+        x, key, value = _causal_batch_block(block, x, inputs, layer, attend)
+        if kv_sinks is not None:
+            for row, sink in enumerate(kv_sinks):
+                if sink is not None:
+                    sink(index, key[row : row + 1], value[row : row + 1])
     return model.finish(x, inputs)
