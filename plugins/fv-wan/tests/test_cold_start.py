@@ -35,7 +35,7 @@ main()
 def _heavy_imports(tmp_path: Path, mode: str) -> list[str]:
     command = [sys.executable, "-c", _DRIVER, json.dumps(HEAVY), mode, "generate", "--model", "wan-toy",
                "--prompt", "a red cube moves", "--steps", "1", "--output", str(tmp_path / f"{mode}.pt")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / f"{mode}.pt").is_file()
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("FV_HEAVY=")]
