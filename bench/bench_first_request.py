@@ -11,7 +11,8 @@ code (``loop_host_seconds``) and execute time, as deltas of the Engine's metrics
 first request pays shows as the difference between request 0 and the rest.
 
 ``--cold-start`` times what a user waits for before the first step, in fresh processes under
-``python -X importtime``: ``fv generate --model CARD`` (total wall; import time, the sum of every
+``python -X importtime``: ``fv generate --model CARD`` (total wall; start to loaded, from the
+spawn until the card's weights are loaded, before the first step; import time, the sum of every
 module's own time; the card's load, ``ModelInstance.load_for_task``, whose own lazy imports count
 in both) and ``fv serve --model CARD`` until ``GET /health`` answers (time to ready). One unmeasured
 run first writes the bytecode caches, as a user's second run finds them; the figures are the
@@ -45,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-card", default="wan-toy", help="the card --cold-start generates and serves")
     parser.add_argument("--runs", type=int, default=3, help="--cold-start: measured runs (after one that warms bytecode)")
     parser.add_argument("--top", type=int, default=12, help="--cold-start: modules listed by cumulative import time")
+    parser.add_argument("--cold-steps", type=int, default=None, help="--cold-start: fv generate --steps (default: the card's)")
     args = parser.parse_args(argv)
     if args.cold_start:
-        return cold_start(args.cold_card, args.device, args.runs, args.top)
+        return cold_start(args.cold_card, args.device, args.runs, args.top, args.cold_steps)
     import torch
 
     from fv_kernel.api import DiffusionParams, Engine, InstanceOptions, Request, TaskType, TextPart, build_instance
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 _DRIVER = """
 import json, sys, time
 from fv_kernel.model.instance import ModelInstance
-loads = []
+loads, loaded_at = [], []
 inner = ModelInstance.load_for_task
 def timed(self, *a, **k):
     t = time.perf_counter()
@@ -97,6 +99,7 @@ def timed(self, *a, **k):
         return inner(self, *a, **k)
     finally:
         loads.append(time.perf_counter() - t)
+        loaded_at.append(time.time())
 ModelInstance.load_for_task = timed
 from fv_kernel.cli.app import main
 sys.argv = ["fv", *sys.argv[1:]]
@@ -106,36 +109,41 @@ except SystemExit as exc:
     code = exc.code
 else:
     code = 0
-print(json.dumps({"fv_cold_start_load_s": sum(loads)}))
+print(json.dumps({"fv_cold_start_load_s": sum(loads), "loaded_at": max(loaded_at, default=None)}))
 sys.exit(code)
 """
 
 _IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
 
 
-def parse_importtime(stderr: str) -> tuple[float, list[tuple[float, int, str]]]:
-    """(sum of self times in s, [(cumulative s, depth, module)]) from ``-X importtime`` output."""
-    total, rows = 0, []
+def parse_importtime(stderr: str) -> tuple[float, list[tuple[float, int, str]], dict[str, float]]:
+    """From ``-X importtime`` output: the sum of self times (s), [(cumulative s, depth, module)],
+    and each top-level package's own time (the self times of all its modules, s)."""
+    total, rows, packages = 0, [], {}
     for line in stderr.splitlines():
         match = _IMPORT_LINE.match(line)
         if match:
             self_us, cumulative_us, indent, name = match.groups()
             total += int(self_us)
             rows.append((int(cumulative_us) / 1e6, (len(indent) - 1) // 2, name))
-    return total / 1e6, rows
+            package = name.split(".")[0]
+            packages[package] = packages.get(package, 0.0) + int(self_us) / 1e6
+    return total / 1e6, rows, packages
 
 
-def _fv_generate(card: str, device: str, out_dir: Path) -> dict:
+def _fv_generate(card: str, device: str, out_dir: Path, steps: int | None) -> dict:
     command = [sys.executable, "-X", "importtime", "-c", _DRIVER, "generate", "--model", card, "--prompt",
                "a red cube moves", "--device", device, "--output", str(out_dir / "cold.pt")]
-    started = time.perf_counter()
+    command += [] if steps is None else ["--steps", str(steps)]
+    started, epoch = time.perf_counter(), time.time()
     done = subprocess.run(command, check=False, capture_output=True, text=True, env=_child_env())
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"fv generate failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    load = json.loads(done.stdout.strip().splitlines()[-1])["fv_cold_start_load_s"]
-    imports, rows = parse_importtime(done.stderr)
-    return {"wall": wall, "imports": imports, "load": load, "rows": rows}
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    imports, rows, packages = parse_importtime(done.stderr)
+    return {"wall": wall, "imports": imports, "load": report["fv_cold_start_load_s"],
+            "to_loaded": report["loaded_at"] - epoch, "rows": rows, "packages": packages}
 
 
 def _free_port() -> int:
@@ -174,8 +182,8 @@ def _fv_serve(card: str, device: str, out_dir: Path, timeout_s: float = 300.0) -
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
-    imports, rows = parse_importtime(log.read_text())
-    return {"wall": ready, "imports": imports, "rows": rows}
+    imports, rows, packages = parse_importtime(log.read_text())
+    return {"wall": ready, "imports": imports, "rows": rows, "packages": packages}
 
 
 def _child_env() -> dict[str, str]:
@@ -188,7 +196,7 @@ def _median(runs: list[dict], key: str) -> float:
     return statistics.median(run[key] for run in runs)
 
 
-def cold_start(card: str, device: str, runs: int, top: int) -> int:
+def cold_start(card: str, device: str, runs: int, top: int, steps: int | None = None) -> int:
     if runs < 1:
         raise SystemExit(f"--runs must be >= 1, got {runs}")
     if device.startswith("cuda"):
@@ -199,19 +207,27 @@ def cold_start(card: str, device: str, runs: int, top: int) -> int:
             return 0
     with tempfile.TemporaryDirectory(prefix="fv-cold-start-") as tmp:
         out_dir = Path(tmp)
-        _fv_generate(card, device, out_dir)  # writes bytecode caches (a user's first run)
-        generate = [_fv_generate(card, device, out_dir) for _ in range(runs)]
+        _fv_generate(card, device, out_dir, steps)  # writes bytecode caches (a user's first run)
+        generate = [_fv_generate(card, device, out_dir, steps) for _ in range(runs)]
         _fv_serve(card, device, out_dir)
         serve = [_fv_serve(card, device, out_dir) for _ in range(runs)]
     print(f"cold start of {card} on {device}, {os.cpu_count()} CPUs, median of {runs} run(s) after one that warms bytecode")
-    print("| command | total wall s | imports s (sum of -X importtime self) | load s (load_for_task) | target |")
-    print("|---|---|---|---|---|")
-    print(f"| fv generate --model {card} | {_median(generate, 'wall'):.2f} | {_median(generate, 'imports'):.2f} | "
-          f"{_median(generate, 'load'):.2f} | <= 2.5 s wall (CPU) |")
-    print(f"| fv serve --model {card}, until /health answers | {_median(serve, 'wall'):.2f} | "
+    print("| command | total wall s | start to loaded s | imports s (sum of -X importtime self) | load s (load_for_task) | target |")
+    print("|---|---|---|---|---|---|")
+    print(f"| fv generate --model {card} | {_median(generate, 'wall'):.2f} | {_median(generate, 'to_loaded'):.2f} | "
+          f"{_median(generate, 'imports'):.2f} | {_median(generate, 'load'):.2f} | <= 2.5 s wall (CPU) |")
+    print(f"| fv serve --model {card}, until /health answers | {_median(serve, 'wall'):.2f} | - | "
           f"{_median(serve, 'imports'):.2f} | - | < 5 s to ready |")
+    print(f"\nimport time by package (the own time of all its modules, s; median over the runs), top {top}")
+    print("| package | fv generate | fv serve |")
+    print("|---|---|---|")
+    names = {name for run in generate + serve for name in run["packages"]}
+    by_package = {name: (statistics.median(run["packages"].get(name, 0.0) for run in generate),
+                         statistics.median(run["packages"].get(name, 0.0) for run in serve)) for name in names}
+    for name, (gen, srv) in sorted(by_package.items(), key=lambda item: -max(item[1]))[:top]:
+        print(f"| {name} | {gen:.3f} | {srv:.3f} |")
     for name, result in (("fv generate", generate[-1]), ("fv serve", serve[-1])):
-        print(f"\n{name}: top {top} modules by cumulative import time (s; depth 0 = imported by fv's own code path)")
+        print(f"\n{name}: top {top} modules by cumulative import time, last run (s; depth 0 = imported by fv's own code)")
         print("| module | cumulative s | depth |")
         print("|---|---|---|")
         for cumulative, depth, module in sorted(result["rows"], key=lambda row: -row[0])[:top]:

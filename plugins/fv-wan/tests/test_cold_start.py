@@ -2,7 +2,7 @@
 
 transformers (its UMT5; it pulls in torch._dynamo and scikit-learn), torch._dynamo, sympy and
 triton (torch imports them on the first Python-decomposed op on the meta device, as a pre-flight
-parameter count or a meta-built model runs), and the server stack cost seconds of a cold start.
+parameter count or a meta-built model runs), the server stack and PyAV cost seconds of a cold start.
 The check runs the real command in a fresh process and lists which of them it imported.
 """
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 HEAVY = ("transformers", "torch._dynamo", "sympy", "triton", "torch._higher_order_ops.triton_kernel_wrap",
-         "sklearn", "fastapi", "uvicorn", "starlette")
+         "sklearn", "fastapi", "uvicorn", "starlette", "av")  # av: only when an .mp4 is written; this writes .pt
 
 _DRIVER = """
 import atexit, json, sys
@@ -50,3 +50,17 @@ def test_the_check_sees_an_eager_import(tmp_path: Path) -> None:
     """Negative control: the meta-device randn and transformers' UMT5 back on the path are reported."""
     imported = _heavy_imports(tmp_path, "regress")
     assert {"transformers", "torch._dynamo", "sympy"} <= set(imported)
+
+
+def _bytecode_switches(root: Path) -> list[str]:
+    """Source files under root that turn Python's bytecode cache off (a cold start then compiles every time)."""
+    needles = ("dont_write_bytecode", "PYTHONDONTWRITEBYTECODE")
+    return sorted(str(p) for p in root.rglob("*.py") if any(n in p.read_text(encoding="utf-8") for n in needles))
+
+
+def test_no_shipped_module_turns_the_bytecode_cache_off(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[3]
+    packages = [repo / "fv_kernel", *sorted(p for p in (repo / "plugins").glob("*/fv_*") if p.is_dir())]
+    assert len(packages) > 1 and all(_bytecode_switches(package) == [] for package in packages)
+    (tmp_path / "bad.py").write_text("import sys\nsys.dont_write_bytecode = True\n")  # negative control
+    assert _bytecode_switches(tmp_path) == [str(tmp_path / "bad.py")]
