@@ -99,6 +99,7 @@ def test_save_pretrained_round_trips_through_transformers(toy: Path, reference, 
         assert torch.equal(back(tokens["input_ids"], tokens["attention_mask"]).last_hidden_state,
                            reference[0](tokens["input_ids"], tokens["attention_mask"]).last_hidden_state)
     assert load_umt5(tmp_path / "text_encoder", tmp_path / "tokenizer") is not None
+    assert tokenizer.transformers_class == "TokenizersBackend" and hasattr(transformers, tokenizer.transformers_class)
 
 
 def _copy(toy: Path, tmp_path: Path) -> Path:

@@ -271,6 +271,11 @@ class BackendTokenizer:
         self.model_max_length = model_max_length
         self.config = config
 
+    @property
+    def transformers_class(self) -> str:
+        """The transformers class that loads this tokenizer (model_index.json names it)."""
+        return str(self.config["tokenizer_class"])
+
     def __len__(self) -> int:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
