@@ -144,7 +144,7 @@ def export_checkpoint(card: ModelCard, modules: Mapping[str, Any], directory: Pa
     index = {
         "_class_name": "WanPipeline", "_diffusers_version": DIFFUSERS_VERSION, "boundary_ratio": None, "expand_timesteps": False,
         "scheduler": ["diffusers", "UniPCMultistepScheduler" if scheduler_config(card)["_class_name"].startswith("UniPC") else "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", type(text.tokenizer).__name__],
+        "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", getattr(text.tokenizer, "transformers_class", type(text.tokenizer).__name__)],
         "transformer": ["diffusers", "WanTransformer3DModel"], "transformer_2": [None, None], "vae": ["diffusers", "AutoencoderKLWan"],
     }  # fmt: skip
     (directory / "model_index.json").write_text(json.dumps(index, indent=2))

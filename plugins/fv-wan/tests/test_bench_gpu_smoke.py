@@ -70,3 +70,15 @@ def test_bench_first_request_reports_the_engines_time_per_request() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split("|")[1].strip() for row in rows] == ["0", "1"] and all(row.endswith("% |") for row in rows)
+
+
+def test_bench_first_request_cold_start_reports_generate_and_serve() -> None:
+    done = subprocess.run([sys.executable, str(BENCH_DIR / "bench_first_request.py"), "--cold-start", "--runs", "1",
+                           "--cold-steps", "1", "--top", "3"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| fv ")}
+    assert set(rows) == {"fv generate --model wan-toy", "fv serve --model wan-toy, until /health answers"}, done.stdout
+    figures = [float(cell) for cell in rows["fv generate --model wan-toy"].split("|")[2:6]]
+    wall, to_loaded, imports, load = figures
+    assert 0 < load < to_loaded < wall and 0 < imports < wall
+    assert "| torch |" in done.stdout  # the import breakdown by package names torch

@@ -20,6 +20,7 @@ from PIL import Image
 from torch import nn
 
 from fv_wan.models.tokenizer import ByteTokenizer
+from fv_wan.models.umt5 import load_umt5
 
 try:  # optional, as in diffusers: fixes mojibake before the html/whitespace cleanup
     import ftfy
@@ -165,10 +166,17 @@ class WanTextEncoder(nn.Module):
         device: torch.device | str = "cpu",
         local_files_only: bool = True,
     ) -> WanTextEncoder:
-        """Load ``UMT5EncoderModel`` and its tokenizer from a diffusers-layout Wan checkpoint (dir or repo id)."""
+        """Load ``UMT5EncoderModel`` and its tokenizer from a diffusers-layout Wan checkpoint (dir or repo id).
+
+        A pair that :func:`fv_wan.models.umt5.load_umt5` reproduces exactly loads without transformers
+        (seconds of import saved on a cold start); any other through transformers' classes.
+        """
+        root = _resolve_dir(path_or_repo, (subfolder, tokenizer_subfolder), local_files_only)
+        own = load_umt5(root / subfolder, root / tokenizer_subfolder)
+        if own is not None:
+            return cls(own[0].to(device=device, dtype=dtype).eval(), own[1])
         from transformers import AutoTokenizer, UMT5EncoderModel
 
-        root = _resolve_dir(path_or_repo, (subfolder, tokenizer_subfolder), local_files_only)
         tokenizer = AutoTokenizer.from_pretrained(root / tokenizer_subfolder, local_files_only=True)
         with quiet_transformers_loading():
             model = UMT5EncoderModel.from_pretrained(root / subfolder, local_files_only=True)

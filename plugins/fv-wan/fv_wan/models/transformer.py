@@ -212,6 +212,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # --------------------------------------------------------------------------- modules
 
 
+def _scaled_randn(*shape: int) -> torch.Tensor:
+    """randn / sqrt(last dim); on the meta device an empty tensor of the shape (randn and arithmetic
+    on meta run torch's Python decompositions, whose first use imports torch._dynamo and sympy:
+    about 2 s of a cold start)."""
+    if torch.get_default_device().type == "meta":
+        return torch.empty(*shape)
+    return torch.randn(*shape) / shape[-1] ** 0.5
+
+
 class WanRotaryEmbedding(nn.Module):
     """3-axis RoPE tables: head dim split t/h/w = d-4(d//6), 2(d//6), 2(d//6); theta 10000, float64 math."""
 
@@ -225,6 +234,14 @@ class WanRotaryEmbedding(nn.Module):
 
     def build_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the cos/sin tables; call after materialising a model built on the meta device."""
+        target = torch.device(device) if device is not None else torch.get_default_device()
+        if target.type == "meta":
+            # Shapes only: arange on meta goes through torch._refs, whose first use imports
+            # torch._dynamo and sympy (about 2 s of a cold start) for tables that hold no values.
+            shape = (self.max_seq_len, sum(self.axis_dims) // 2)
+            self.register_buffer("cos_table", torch.empty(shape, device=target), persistent=False)
+            self.register_buffer("sin_table", torch.empty(shape, device=target), persistent=False)
+            return
         positions = torch.arange(self.max_seq_len, dtype=torch.float64, device=device)
         angles = []
         for dim in self.axis_dims:
@@ -502,7 +519,7 @@ class WanTransformerBlock(nn.Module):
         )
         self.ffn = _FeedForward(dim, config.ffn_dim, dim, approximate="tanh")
         self.norm3 = nn.LayerNorm(dim, eps, elementwise_affine=False)
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        self.scale_shift_table = nn.Parameter(_scaled_randn(1, 6, dim))
 
     def forward(
         self, x: torch.Tensor, inputs: WanBlockInputs, attention_fn: AttentionFn, fused_ops: FusedOps = None,
@@ -569,7 +586,7 @@ class WanTransformer(nn.Module):
         self.blocks = nn.ModuleList([WanTransformerBlock(config) for _ in range(config.num_layers)])
         self.norm_out = nn.LayerNorm(dim, config.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self.scale_shift_table = nn.Parameter(_scaled_randn(1, 2, dim))
         self._attention_fn: AttentionFn = attention_fn or F.scaled_dot_product_attention
         self._video_attention: VideoAttentionFn | None = None
         self._fused_ops: FusedOps = fused_ops
