@@ -158,9 +158,13 @@ class _Batches(Observer):
     def __init__(self) -> None:
         self.records: list[StepRecord] = []
 
+        self.decodes: list[StepRecord] = []
+
     def on_step(self, record: StepRecord) -> None:
         if record.op == "causal_forward":
             self.records.append(record)
+        elif record.op == "vae_decode_chunk":
+            self.decodes.append(record)
 
 
 SESSIONS = [("a", "a red ball rolls", 1, 0.0), ("b", "a blue cube spins", 2, 1.0), ("c", "green rain", 3, 2.0)]
@@ -224,6 +228,8 @@ def test_concurrent_sessions_batch_and_each_stream_equals_its_solo_run() -> None
     assert all(all(r.fused) for r in observer.records if r.batch_size > 1)
     # Rows of sessions at different steps (so chunk indices / window fills) shared a call: the staggered start.
     assert any(len(set(r.steps)) > 1 for r in observer.records if r.batch_size > 1)
+    # The chunk decode (each session's own VAE causal cache) stays batch-of-1.
+    assert observer.decodes and all(r.batch_size == 1 for r in observer.decodes)
 
 
 def test_engine_comparison_catches_a_row_reading_row_0_s_timestep(monkeypatch: pytest.MonkeyPatch) -> None:
