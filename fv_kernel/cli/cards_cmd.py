@@ -95,12 +95,21 @@ def _table(rows: list[dict[str, Any]], width: int) -> list[str]:
               r["parity"], r["plugin"]] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
     indent = sum(widths) + 2 * len(widths)
-    tasks_width = max(width - indent, 20)
-    lines = ["  ".join(h.upper().ljust(w) for h, w in zip(headers, widths)) + "  TASKS"]
+    tasks_width = width - indent
+    # Too narrow for the longest task name (and its comma): the tasks go on their own indented lines.
+    tasks_inline = tasks_width >= max((len(t) + 1 for r in rows for t in r["tasks"]), default=0)
+    header = "  ".join(h.upper().ljust(w) for h, w in zip(headers, widths))
+    lines = [header + "  TASKS" if tasks_inline else header.rstrip()]
     for row, summary in zip(table, rows):
-        wrapped = textwrap.wrap(", ".join(summary["tasks"]), tasks_width, break_on_hyphens=False) or [""]
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + wrapped[0])
-        lines.extend(" " * indent + more for more in wrapped[1:])
+        cells = "  ".join(cell.ljust(w) for cell, w in zip(row, widths))
+        if tasks_inline:
+            wrapped = textwrap.wrap(", ".join(summary["tasks"]), tasks_width, break_on_hyphens=False) or [""]
+            lines.append(cells + "  " + wrapped[0])
+            lines.extend(" " * indent + more for more in wrapped[1:])
+        else:
+            lines.append(cells.rstrip())
+            lines.extend(textwrap.wrap(f"tasks: {', '.join(summary['tasks'])}", width, initial_indent="    ",
+                                       subsequent_indent="      ", break_on_hyphens=False))
         if summary["recipe"] != row[1]:
             lines.extend(textwrap.wrap(f"recipe: {summary['recipe']}", width, initial_indent="    ",
                                        subsequent_indent="      ", break_on_hyphens=False))
