@@ -11,6 +11,10 @@ from fv_kernel import API_VERSION, __version__
 from fv_kernel.cache.feature import FeatureCache
 from fv_kernel.cache.keys import CacheKey, content_hash
 from fv_kernel.cache.paged_kv import CacheFull, KVBlockTable, PagedKVConfig, PagedKVPool
+from fv_kernel.cache.block_pool import BlockPool
+from fv_kernel.cache.slab_kv import (
+    AttendedChunk, SlabKVConfig, SlabKVPool, SlabWindow, SlabWindowSpec, TrainingRollout,
+)
 from fv_kernel.model.buildcheck import BuildProblem, InvalidCard, check_card_builds, parse_component_config
 from fv_kernel.model.catalog import CardCatalog, ResolvedModel
 from fv_kernel.card.checkpoint import apply_key_map, dtype_for_key, load_into, read_safetensors, resolve_source
@@ -136,7 +140,7 @@ from fv_kernel.extend.observers import BlockObserver, NaNWatch, Observer, Parity
 from fv_kernel.runtime.cost import Profiler
 from fv_kernel.extend.registry import ExtensionSet, ExtensionSettings, InterceptorRejected
 from fv_kernel.io.media import encode_png, write_mp4
-from fv_kernel.facade import Finished, GenerateOptions, Video, VideoGenerator, load
+from fv_kernel.facade import Chunk, Finished, GenerateOptions, Session, Video, VideoGenerator, load
 from fv_kernel.loop.capture import LogProbSampler, capture_slice, deterministic_flags
 from fv_kernel.loop.contract import CancelToken, LoopContext, ResidentModel, StepHooks
 from fv_kernel.loop.plan import (
@@ -153,6 +157,7 @@ from fv_kernel.loop.plan import (
 )
 from fv_kernel.loop.contract import Done, Loop, LoopResult, LoopState
 from fv_kernel.loop.driver import LoopCancelled, drive, resume
+from fv_kernel.loop.realtime import SESSION_UPSTREAM, ChunkRolloutLoop, ChunkRolloutState, ReadyChunk
 from fv_kernel.loop.guidance import (
     CFGZeroStar,
     ConditionalOnly,
@@ -221,7 +226,20 @@ from fv_kernel.request.artifacts import (
     TextArtifact,
     VideoArtifact,
 )
-from fv_kernel.request.events import ErrorInfo, Event
+from fv_kernel.request.events import (
+    ErrorInfo,
+    Event,
+    MediaChunk,
+    SessionClosedEvent,
+    SessionError,
+    SessionPromptApplied,
+    SessionPromptQueued,
+    SessionResumed,
+    SessionStarted,
+    SessionSuspended,
+)
+from fv_kernel.request.session import CANCEL_SCOPES, SessionClosed, SessionRequest, check_cancel_scope
+from fv_kernel.request.session import CancelScope as SessionCancelScope
 from fv_kernel.request.request import (
     ActionPart,
     AdapterRef,

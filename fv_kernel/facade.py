@@ -37,11 +37,12 @@ from fv_kernel.model.preflight import preflight
 from fv_kernel.card.recipe import EnvelopeWarning, check_envelope
 from fv_kernel.card.spec import ModelCard
 from fv_kernel.config import DeployConfig, load_deploy_config
-from fv_kernel.errors import InvalidRequest
+from fv_kernel.errors import InvalidRequest, StepFailed
 from fv_kernel.io.media import VIDEO_OUTPUT_SUFFIXES, check_output_path, read_image, write_artifact
 from fv_kernel.plugins.host import PluginHost
 from fv_kernel.request.artifacts import Artifact, AudioArtifact, Provenance, VideoArtifact
 from fv_kernel.request.events import Event
+from fv_kernel.request.session import SessionClosed, SessionRequest
 from fv_kernel.request.request import AdapterRef, ARParams, DiffusionParams, ImagePart, OutputSpec, Request, TextPart
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.blocking import run_blocking
@@ -49,12 +50,13 @@ from fv_kernel.cache.adapters import AdapterRegistry, AdapterSettings
 from fv_kernel.deploy.engine import adapter_registry, engine_for
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.runtime.records import GenerationResult
+from fv_kernel.runtime.sessions import SessionHandle
 from fv_kernel.deploy.model_resolution import resolve_model
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["Finished", "GenerateOptions", "StreamEvent", "Video", "VideoGenerator", "load"]
+__all__ = ["Chunk", "Finished", "GenerateOptions", "Session", "StreamEvent", "Video", "VideoGenerator", "load"]
 
 #: What :meth:`Video.save` writes, by suffix: the same list as ``fv generate --output``.
 SAVE_SUFFIXES = VIDEO_OUTPUT_SUFFIXES
@@ -473,6 +475,30 @@ class VideoGenerator:
         self._requests(prompt, dict(options), previews)  # typed errors here, in the caller's thread
         return self._stream_on_thread(prompt, previews, dict(options))
 
+    def session(self, prompt: str, **options: Any) -> "Session":
+        """A realtime session on this card (one with a ``chunk_rollout`` loop), as a context manager.
+
+        ::
+
+            with fv.load("wan-toy-causal").session("a red fox", max_chunks=8) as s:
+                for chunk in s:            # Chunk: frames, index, pts, prompt_version, ...
+                    if chunk.index == 2:
+                        s.update("a blue bird")   # applies at the next chunk boundary
+                    if chunk.index == 5:
+                        s.stop()
+
+        ``options`` are :class:`~fv_kernel.request.session.SessionRequest` fields: ``seed``,
+        ``height``, ``width``, ``fps``, ``max_chunks`` (None: until ``stop()``),
+        ``idle_timeout_s``, ``previews``. A bad one raises :class:`InvalidRequest` naming it,
+        before anything runs. Reading a chunk counts as activity for the idle timeout.
+        """
+        fields = {"model": self.model_id, "prompt": prompt, **options}
+        if "model" in options or "session_id" in options:
+            name = "model" if "model" in options else "session_id"
+            raise InvalidRequest(name, "is set by the generator, not an option of session",
+                                 allowed=sorted(set(SessionRequest.model_fields) - {"model", "prompt", "session_id"}))
+        return Session(self, SessionRequest.of(**fields))
+
     def _stream_on_thread(self, prompt: str, previews: bool, options: dict[str, Any]) -> Iterator[StreamEvent]:
         events: queue.Queue[tuple[str, Any]] = queue.Queue()
         stop = threading.Event()
@@ -509,6 +535,168 @@ class VideoGenerator:
         finally:
             stop.set()  # the pump cancels the request at its next event, then the engine stops
             worker.join()
+
+
+@dataclass(frozen=True, repr=False)
+class Chunk:
+    """One chunk of a session's stream: ``frames`` (F, 3, H, W) float32 in [0, 1] and where they sit."""
+
+    index: int
+    frames: torch.Tensor
+    #: The chunk's first frame in the stream, and its time range in seconds.
+    frame_start: int
+    pts: tuple[float, float]
+    fps: float
+    #: The prompt version the chunk was generated under (0: the opening prompt; ``update`` returns the others).
+    prompt_version: int
+    preview: bool = False
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.frames.shape[0])
+
+    def __repr__(self) -> str:
+        return (f"Chunk({self.index}, frames {self.frame_start}..{self.frame_start + self.num_frames - 1}, "
+                f"prompt v{self.prompt_version})")
+
+
+class Session:
+    """A running realtime session (:meth:`VideoGenerator.session`): iterate it for :class:`Chunk` s.
+
+    The engine runs on a private thread while the session is open; ``update``, ``stop``,
+    ``cancel``, ``touch`` and ``suspend`` may be called from the iterating thread. Leaving the
+    ``with`` block stops the session. A session that fails raises
+    :class:`~fv_kernel.errors.StepFailed` from the iteration, after its last chunk.
+    """
+
+    def __init__(self, generator: VideoGenerator, request: SessionRequest) -> None:
+        self.generator = generator
+        self.request = request
+        #: Every event but the chunks, in order (session.*, media.init, ...).
+        self.events: list[Event] = []
+        #: Why the session ended (``stopped``, ``completed``, ``idle_timeout``, ...); None while it runs.
+        self.close_reason: str | None = None
+        # One event in hand: the session runs at most max_ahead_chunks ahead of this iteration.
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handle: SessionHandle | None = None
+        self._thread: threading.Thread | None = None
+        self._opened: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._ended = threading.Event()
+
+    @property
+    def session_id(self) -> str:
+        return self.request.session_id
+
+    def __enter__(self) -> "Session":
+        self._thread = threading.Thread(target=self._work, name=f"fv-session-{self.session_id}", daemon=True)
+        self._thread.start()
+        self._opened.result()  # a refused session (unknown model, can never fit) raises here, typed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+        assert self._thread is not None
+        while self._thread.is_alive() or not self._queue.empty():  # unblock the pump: take what it still hands over
+            try:
+                kind, item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if kind == "event" and item.type != "media.chunk":
+                self.events.append(item)
+                if item.type == "session.closed":
+                    self.close_reason = item.reason
+        self._thread.join()
+
+    def _work(self) -> None:
+        async def pump() -> None:
+            async with self.generator._running() as engine:
+                try:
+                    handle = engine.open_session(self.request)
+                except BaseException as exc:
+                    self._opened.set_exception(exc)
+                    return
+                self._loop, self._handle = asyncio.get_running_loop(), handle
+                self._opened.set_result(None)
+                loop = asyncio.get_running_loop()
+                async for event in handle.events():
+                    await loop.run_in_executor(None, self._queue.put, ("event", event))
+
+        try:
+            run_blocking(pump())
+        except BaseException as exc:  # noqa: BLE001 - handed to the iterating thread
+            if not self._opened.done():
+                self._opened.set_exception(exc)
+            self._queue.put(("error", exc))
+        finally:
+            self._ended.set()
+            self._queue.put(("end", None))
+
+    def _call(self, fn: Any) -> Any:
+        """``fn(handle)`` on the engine's loop, its result or typed error here."""
+        loop, handle = self._loop, self._handle
+        if loop is None or handle is None or self._ended.is_set():
+            raise SessionClosed(self.session_id, self.close_reason or "ended", "this operation")
+
+        async def call() -> Any:
+            return fn(handle)
+
+        try:
+            return asyncio.run_coroutine_threadsafe(call(), loop).result()
+        except (RuntimeError, concurrent.futures.CancelledError) as exc:  # the loop ended between the check and the call
+            raise SessionClosed(self.session_id, self.close_reason or "ended", "this operation") from exc
+
+    def __iter__(self) -> Iterator[Chunk]:
+        while True:
+            kind, item = self._queue.get()
+            if kind == "error":
+                raise item
+            if kind == "end":
+                return
+            event = item
+            if event.type == "media.chunk" and event.frames is not None:
+                if not self._ended.is_set():
+                    try:
+                        self._call(lambda handle: None if handle.closed else handle.touch())
+                    except SessionClosed:
+                        pass
+                yield Chunk(index=event.index, frames=event.frames, frame_start=event.frame_start or 0,
+                            pts=event.pts, fps=event.fps or 0.0, prompt_version=event.prompt_version or 0,
+                            preview=event.preview)
+                continue
+            self.events.append(event)
+            if event.type == "session.closed":
+                self.close_reason = event.reason
+                if event.reason == "failed":
+                    assert event.error is not None
+                    raise StepFailed(f"session {self.session_id} failed: {event.error.message}")
+
+    def update(self, prompt: str, event_id: str | None = None) -> int:
+        """Queue a new prompt; returns its version (the chunks generated under it carry it)."""
+        return self._call(lambda handle: handle.push_text(prompt, event_id))
+
+    def stop(self) -> None:
+        """End the session at its next step boundary; iteration ends after the chunks already made."""
+        if not self._ended.is_set():
+            try:
+                self._call(lambda handle: None if handle.closed else handle.stop())
+            except SessionClosed:
+                pass
+
+    def cancel(self, scope: str = "session") -> None:
+        """``"stream"``: drop the chunk in progress and continue; ``"session"``: end it."""
+        self._call(lambda handle: handle.cancel(scope))
+
+    def touch(self) -> None:
+        """Reset the idle timer (reading chunks does this too)."""
+        self._call(lambda handle: handle.touch())
+
+    def suspend(self) -> bytes:
+        """Serialize the session (resume with ``engine.resume_session``) and end it."""
+        loop, handle = self._loop, self._handle
+        if loop is None or handle is None or self._ended.is_set():
+            raise SessionClosed(self.session_id, self.close_reason or "ended", "suspend")
+        return asyncio.run_coroutine_threadsafe(handle.suspend(), loop).result()
 
 
 def _typed(field: str, build: Any) -> Any:

@@ -46,6 +46,10 @@ LAZY_COMMANDS: dict[str, LazyCommand] = {
         "fv_kernel.cli.quantize_cmd", "quantize",
         "Write a card's fp8 weights (e4m3, per-channel scales) and a card that loads them without quantizing again.",
     ),
+    "realtime": LazyCommand(
+        "fv_kernel.cli.realtime_cmd", "realtime",
+        "Stream a realtime session of a causal card to --output, with prompt updates typed on stdin.",
+    ),
     "serve": LazyCommand(
         "fv_kernel.cli.serve_cmd", "serve",
         "Serve the OpenAI-style video API (POST /v1/videos, SSE events, /metrics) over the deployment.",

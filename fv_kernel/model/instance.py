@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fv_kernel.cache.adapters import AdapterInfo, AdapterRegistry
-from fv_kernel.cache.paged_kv import PagedKVPool
+from fv_kernel.cache.block_pool import BlockPool
 from fv_kernel.compute.lora import AdapterError, MergedAdapters, RowAdapters, merge_adapters, select_row_kernel
 from fv_kernel.card.refs import import_object
 from fv_kernel.card.spec import FP8_LINEAR_PATHS, LoopSpec, ModelCard, StepCostSpec
@@ -210,12 +210,13 @@ class ModelInstance:
     def ops(self) -> Mapping[str, StepOp]:
         return dict(self._ops)
 
-    def block_pools(self) -> Mapping[str, PagedKVPool]:
-        """The instance's block pools by name (e.g. ``{"text_kv": pool}``); none by default.
+    def block_pools(self) -> Mapping[str, BlockPool]:
+        """The instance's block pools by name (e.g. ``{"text_kv": paged_pool, "chunk_kv": slab_pool}``); none by default.
 
-        The engine makes each one part of admission: a loop's estimate reserves blocks of
-        it by name (``ResourceRequest.pool_blocks``) against its real capacity, so the
-        loop's allocations cannot fail for lack of blocks.
+        Any :class:`~fv_kernel.cache.block_pool.BlockPool` (a paged text-KV pool counts blocks, a
+        slab chunk-KV pool slabs). The engine makes each one part of admission: a loop's estimate
+        reserves blocks of it by name (``ResourceRequest.pool_blocks``) against its real capacity,
+        so the loop's allocations cannot fail for lack of blocks.
         """
         return {}
 

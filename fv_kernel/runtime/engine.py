@@ -29,6 +29,8 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 from torch import nn
 
+from fv_kernel.cache.block_pool import BlockPool
+from fv_kernel.cache.slab_kv import SlabKVPool
 from fv_kernel.cache.adapters import AdapterRegistry
 from fv_kernel.cache.feature import FeatureCache
 from fv_kernel.errors import FvError, QueueFull, RequestCancelled, StepFailed, UnknownModel
@@ -54,6 +56,8 @@ from fv_kernel.runtime.metrics import EngineMetrics
 from fv_kernel.runtime.pricing import pool_key
 from fv_kernel.runtime.records import GenerationResult, RecordStore, RequestHandle, RequestRecord
 from fv_kernel.runtime.scheduler import Scheduler, SchedulerConfig
+from fv_kernel.runtime.sessions import SessionHandle, SessionManager, SessionRecord
+from fv_kernel.request.session import SessionRequest
 
 __all__ = ["Engine", "run_serially", "run_concurrently"]
 
@@ -108,6 +112,8 @@ class Engine:
         self._syncs: dict[str, int] = {}
         #: Adapter loads in flight, per (instance id, version): co-arriving requests share one.
         self._adapter_loads: dict[tuple[str, str], asyncio.Future[None]] = {}
+        #: Realtime sessions (docs/realtime.md): admitted and scheduled like requests.
+        self.sessions = SessionManager(self)
 
     def make_executor(self) -> Executor:
         """The executor batches run on (a subclass may announce each batch, as a parallel pool's rank 0 does)."""
@@ -127,6 +133,10 @@ class Engine:
         if instance.adapters is not None:
             self.admission.set_adapter_capacity(device, instance.adapters.settings.device_budget_bytes)
         for name, pool in instance.block_pools().items():
+            if not isinstance(pool, BlockPool):
+                raise TypeError(f"{instance.model_id!r}'s block pool {name!r} is a {type(pool).__name__}, not a BlockPool "
+                                "(capacity_blocks, used_blocks, free_blocks, capacity_bytes)")
+            # Paged text-KV pools count blocks, slab chunk-KV pools slabs: admission reserves either by name.
             self.admission.register_pool(pool_key(instance, name), pool.capacity_blocks)
         self._instances[instance.model_id] = instance
         self._by_instance_id[instance.instance_id] = instance
@@ -250,6 +260,19 @@ class Engine:
         self._kick()
         return RequestHandle(record, self.cancel)
 
+    def open_session(self, session: SessionRequest) -> SessionHandle:
+        """Open a realtime session on a card with a ``chunk_rollout`` loop (docs/realtime.md).
+
+        Admitted like a request (its reservation, chunk-KV slabs included, must fit: until it
+        does the session waits; one that can never fit raises ``CapacityError``); every step
+        is a WorkUnit of this engine's scheduler. Must be called on the engine's event loop.
+        """
+        return self.sessions.open(session)
+
+    def resume_session(self, data: bytes) -> SessionHandle:
+        """Continue a session from ``await handle.suspend()``'s bytes (this process or another)."""
+        return self.sessions.resume(data)
+
     def handle(self, request_id: str) -> RequestHandle:
         return RequestHandle(self._records[request_id], self.cancel)
 
@@ -360,7 +383,8 @@ class Engine:
     def _admit_queued(self) -> None:
         for record, program in self.scheduler.admit(self._instances.values(), self._reject):
             name = f"fv-req-{record.request.request_id}"
-            record.task = asyncio.create_task(self._run_request(record, program), name=name)
+            run = self.sessions.run if isinstance(record, SessionRecord) else self._run_request
+            record.task = asyncio.create_task(run(record, program), name=name)
 
     def _reject(self, record: RequestRecord, exc: BaseException) -> None:
         """A queued request that can never run (or whose estimate is broken) fails at admission."""
@@ -415,8 +439,20 @@ class Engine:
             for unit in self.scheduler.pending.drop_request(request.request_id):
                 if not unit.future.done():
                     unit.future.cancel()
+            self._free_slabs(record)
             self.admission.release(request.request_id)
             self._kick()
+
+    @staticmethod
+    def _free_slabs(record: RequestRecord) -> None:
+        """Free the chunk-KV slabs the ended request still holds (a failed or cancelled rollout never
+        closed its window): its reservation goes back to admission now, so its slabs must too."""
+        for pool in record.instance.block_pools().values():
+            if isinstance(pool, SlabKVPool):
+                try:
+                    pool.close_owner(record.request.request_id)
+                except RuntimeError:  # inside its own training rollout: freed when the rollout exits
+                    log.warning("request %s ended inside a training rollout of pool %r", record.request.request_id, pool.name)
 
     def _pin_adapters(self, record: RequestRecord) -> list[str]:
         """Pin the admitted request's adapter versions on its device: never evicted while it runs

@@ -21,7 +21,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 from starlette.routing import Match
 
+from fv_kernel.cache.slab_kv import SlabKVPool
 from fv_kernel.runtime.engine import Engine
+from fv_kernel.runtime.pricing import pool_key
 from fv_kernel.serving.middleware import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["ServingMetrics", "RequestMetricsMiddleware", "EngineCollector"]
@@ -115,6 +117,32 @@ class EngineCollector(Collector):
                                   "(advance, next, finalize) while the scheduler waited for their next plans.",
                                   value=m.loop_host_seconds)
         yield CounterMetricFamily("fv_execute_seconds", "Time spent executing batches.", value=m.execute_seconds)
+        yield from self._chunk_kv()
+
+    def _chunk_kv(self) -> Iterator[Metric]:
+        """Every slab chunk-KV pool of the resident instances, labelled by its engine-wide key and model."""
+        labels = ["pool", "model"]
+        total = GaugeMetricFamily("fv_chunk_kv_slabs_total", "Slabs of a chunk-KV pool (one chunk's K/V each).", labels=labels)
+        used = GaugeMetricFamily("fv_chunk_kv_slabs_used", "Slabs held by sessions' windows (and kept by training rollouts).",
+                                 labels=labels)
+        reserved = GaugeMetricFamily("fv_chunk_kv_slabs_reserved", "Slabs reserved by admitted requests and sessions.",
+                                     labels=labels)
+        evictions = CounterMetricFamily("fv_chunk_kv_evictions", "Slabs evicted from windows (the oldest non-sink chunk).",
+                                        labels=labels)
+        capacity = GaugeMetricFamily("fv_chunk_kv_capacity_bytes", "Bytes of a chunk-KV pool's storage.", labels=labels)
+        in_use = GaugeMetricFamily("fv_chunk_kv_used_bytes", "Bytes of the slabs in use.", labels=labels)
+        for instance in self.engine.instances.values():
+            for name, pool in instance.block_pools().items():
+                if not isinstance(pool, SlabKVPool):
+                    continue
+                key = [pool_key(instance, name), instance.model_id]
+                total.add_metric(key, pool.capacity_slabs)
+                used.add_metric(key, pool.used_slabs)
+                reserved.add_metric(key, self.engine.admission.pool_blocks_in_use(key[0]))
+                evictions.add_metric(key, pool.evictions)
+                capacity.add_metric(key, pool.capacity_bytes)
+                in_use.add_metric(key, pool.used_slabs * pool.config.slab_bytes)
+        yield from (total, used, reserved, evictions, capacity, in_use)
 
 
 class ServingMetrics:

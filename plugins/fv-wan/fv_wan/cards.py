@@ -38,7 +38,7 @@ from fv_wan.fp8 import wan_precision_contract
 from fv_wan.models.transformer import WanTransformerConfig
 from fv_wan.models.vae import WanVAEConfig
 
-__all__ = ["wan_cards", "TINY_CARD_IDS", "WAN_FP32_MODULES"]
+__all__ = ["wan_cards", "causal_wan_cards", "SELF_FORCING_1_3B_SOURCE", "TINY_CARD_IDS", "WAN_FP32_MODULES"]
 
 _PKG = "fv_wan"
 T2V, I2V, T2I = TaskType.TEXT_TO_VIDEO, TaskType.IMAGE_TO_VIDEO, TaskType.TEXT_TO_IMAGE
@@ -368,3 +368,26 @@ def wan_cards() -> list[ModelCard]:
               denoise_loop_id="dmd_3step", guidance="none", rejects=frozenset({"step_skip"}), uses_guidance=False),
     ]
     return cards
+
+
+#: The Self-Forcing causal 1.3B's checkpoint: the diffusers layout (plain Wan transformer weights; its
+#: ``scheduler/`` is SF's ``SelfForcingFlowMatchScheduler``, shift 5.0, which the card's recipe carries).
+SELF_FORCING_1_3B_SOURCE = "wlsaidhi/SFWan2.1-T2V-1.3B-Diffusers"
+
+
+def causal_wan_cards() -> list[ModelCard]:
+    """fv-wan's causal (streaming) cards on real checkpoints: ``wan2.1-t2v-1.3b-causal``."""
+    from fv_wan.causal import CausalRecipe, causal_card
+
+    base = next(card for card in wan_cards() if card.model_id == "wan2.1-t2v-1.3b")
+    # SF's shipped inference config: steps [1000, 750, 500, 250] warped at shift 5, 3 latent frames per
+    # chunk, a 21-frame window (7 chunks, rolling past it), no sink, the KV refresh at context_noise 0.
+    recipe = CausalRecipe(frames_per_chunk=3, sink_chunks=0, local_chunks=7, context_noise=0.0, max_height=480, max_width=832)
+    return [causal_card(
+        base, model_id="wan2.1-t2v-1.3b-causal", source=SELF_FORCING_1_3B_SOURCE, recipe=recipe, sessions=4,
+        summary="Self-Forcing Wan 2.1 T2V 1.3B: block-causal, chunk-wise streaming (4-step DMD, KV cache)",
+        recipe_spec=RecipeSpec(method="self_forcing_dmd", parents=("wan2.1-t2v-1.3b",), assumes_loop="realtime",
+                               data_contract="Self-Forcing DMD distillation (guandao/Self-Forcing, VidProM prompts)",
+                               envelope=TrainedEnvelope(fps=(16.0,))),
+        defaults=GenerationDefaults(height=480, width=832, frames=81, fps=16.0, steps=4, guidance=1.0, shift=5.0),
+    )]

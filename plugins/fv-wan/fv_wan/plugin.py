@@ -13,26 +13,31 @@ from fv_kernel.api import hookimpl
 
 @hookimpl
 def fv_register_model_cards(register: Any) -> None:
-    from fv_wan.cards import wan_cards
+    from fv_wan.cards import causal_wan_cards, wan_cards
 
-    from fv_wan.toy_card import wan_toy_card, wan_toy_init_card
+    from fv_wan.toy_card import wan_toy_card, wan_toy_causal_card, wan_toy_init_card
 
-    for card in wan_cards():
+    for card in (*wan_cards(), *causal_wan_cards()):
         register(card.model_id, card)
     register("wan-toy-init", wan_toy_init_card())
     toy = wan_toy_card()
     if toy is not None:  # the trained weights ship as package data (fv_wan/weights/wan-toy/)
         register(toy.model_id, toy)
+    toy_causal = wan_toy_causal_card()
+    if toy_causal is not None:
+        register(toy_causal.model_id, toy_causal)
 
 
 @hookimpl
 def fv_register_loops(register: Any) -> None:
+    from fv_wan.causal import CausalWanRolloutLoop
     from fv_wan.loops import WanDecodeLoop, WanDenoiseLoop, WanImageEncodeLoop, WanTextEncodeLoop
 
     register("text_encode", WanTextEncodeLoop)
     register("image_encode", WanImageEncodeLoop)
     register("denoise", WanDenoiseLoop)
     register("decode", WanDecodeLoop)
+    register("causal_rollout", CausalWanRolloutLoop)
 
 
 @hookimpl
@@ -48,9 +53,9 @@ def fv_resolve_model_source(source: str) -> Any:
         from fv_wan.derive import resolve_checkpoint_dir
 
         return resolve_checkpoint_dir(root)
-    from fv_wan.cards import wan_cards
+    from fv_wan.cards import causal_wan_cards, wan_cards
 
-    return next((card.model_id for card in wan_cards() if card.checkpoint.source == source), None)
+    return next((card.model_id for card in (*wan_cards(), *causal_wan_cards()) if card.checkpoint.source == source), None)
 
 
 @hookimpl

@@ -48,7 +48,7 @@ from fv_wan.models.vae import WanVAEConfig
 __all__ = [
     "TOY_INIT_ID", "TOY_ID", "TOY_TRANSFORMER", "TOY_VAE", "TOY_TEXT", "TOY_DEFAULTS", "TOY_CONTEXT_LENGTH", "TOY_DATA_SEED", "weights_dir",
     "toy_tokenizer", "toy_text_encoder", "wan_toy_init_card", "wan_toy_card", "build_toy_instance", "load_full_vae",
-    "toy_parameter_count", "toy_envelope",
+    "toy_parameter_count", "toy_envelope", "TOY_CAUSAL_ID", "TOY_CAUSAL_PROVENANCE", "wan_toy_causal_card",
 ]
 
 TOY_INIT_ID = "wan-toy-init"
@@ -277,3 +277,29 @@ def wan_toy_card() -> ModelCard | None:
         card = card.model_copy(update={"capabilities": card.capabilities.model_copy(update={"tasks": tasks}),
                                        "programs": programs})
     return card
+
+
+TOY_CAUSAL_ID = "wan-toy-causal"
+#: What ``wan-toy-causal`` runs until fv-rl's self_forcing ships distilled weights for it.
+TOY_CAUSAL_PROVENANCE = "bidirectional weights run causally (not distilled): wan-toy's trained weights"
+
+
+def wan_toy_causal_card() -> ModelCard | None:
+    """``wan-toy-causal``: wan-toy's architecture streamed chunk by chunk (3 latent frames, 4 DMD steps,
+    a window of one sink chunk and 3 local ones). Its weights are wan-toy's (see ``TOY_CAUSAL_PROVENANCE``);
+    None when they are not installed."""
+    from fv_wan.causal import CausalRecipe, causal_card
+
+    base = wan_toy_card()
+    if base is None:
+        return None
+    recipe = CausalRecipe(frames_per_chunk=3, sink_chunks=1, local_chunks=3, context_noise=0.0,
+                          max_sequence_length=TOY_CONTEXT_LENGTH, max_height=TOY_DEFAULTS.height, max_width=TOY_DEFAULTS.width)
+    envelope = toy_envelope().model_copy(update={"frames": None})  # a stream has no fixed length
+    return causal_card(
+        base, model_id=TOY_CAUSAL_ID, recipe=recipe, sessions=8,
+        summary=f"wan-toy streamed causally, chunk by chunk ({TOY_CAUSAL_PROVENANCE})",
+        recipe_spec=RecipeSpec(method="base", parents=(TOY_ID,), assumes_loop="realtime", data_contract=TOY_CAUSAL_PROVENANCE,
+                               envelope=envelope),
+        defaults=TOY_DEFAULTS.model_copy(update={"steps": 4, "guidance": 1.0, "shift": 5.0}),
+    )

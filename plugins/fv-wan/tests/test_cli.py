@@ -156,11 +156,12 @@ def test_cards_list_shows_the_cards_with_their_recipes() -> None:
     assert set(wan) == {
         "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.1-i2v-14b-480p", "wan2.1-i2v-14b-720p", "wan2.2-ti2v-5b",
         "wan2.2-t2v-a14b", "fastwan2.1-t2v-1.3b", "wan-tiny", "wan-tiny-i2v", "wan-tiny-ti2v", "wan-tiny-a14b",
-        "fastwan-tiny", "wan-toy", "wan-toy-init",
+        "fastwan-tiny", "wan-toy", "wan-toy-init", "wan2.1-t2v-1.3b-causal", "wan-toy-causal",
     }
     assert wan["fastwan2.1-t2v-1.3b"]["recipe"] == "dmd2 (assumes loop dmd_3step) from wan2.1-t2v-1.3b"
     assert wan["wan-toy"]["recipe"] == "flow-matching from wan-toy-init"
     assert wan["wan2.1-t2v-1.3b"]["recipe"] == "base"
+    assert wan["wan2.1-t2v-1.3b-causal"]["recipe"] == "self_forcing_dmd (assumes loop realtime) from wan2.1-t2v-1.3b"
     assert all(row["plugin"] == "fv-wan" and row["parity"] == "C1" for row in wan.values())
     table = _invoke("cards", "list")
     assert table.exit_code == 0

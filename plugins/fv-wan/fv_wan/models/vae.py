@@ -640,6 +640,22 @@ class WanVAE(nn.Module):
             frames.clamp_(-1.0, 1.0)
         return frames, cache
 
+    def decode_chunk(
+        self, z_chunk: Tensor, cache: CausalCache, *, tiling: TilingConfig | None = None
+    ) -> tuple[Tensor, CausalCache]:
+        """Decode a chunk of raw latent frames (B, z, F, h, w) of a stream, continuing ``cache``.
+
+        A causal (chunk-wise) generator's decode: chunk after chunk with one cache equals
+        one :meth:`decode` of the concatenated latents. Returns the chunk's pixel frames
+        (``1 + 4 (F - 1)`` for the stream's first chunk, else ``4 F`` with the Wan 2.1 VAE)
+        and the cache, updated in place.
+        """
+        self._check_latents(z_chunk, "z_chunk")
+        if z_chunk.shape[2] < 1:
+            raise ValueError("z_chunk must hold at least one latent frame")
+        frames = [self.decode_step(z_chunk[:, :, k : k + 1], cache, tiling=tiling)[0] for k in range(z_chunk.shape[2])]
+        return torch.cat(frames, dim=2), cache
+
     def _step(
         self, z_frame: Tensor, cache: CausalCache, tiling: TilingConfig | None, out: Tensor | None = None
     ) -> tuple[Tensor, CausalCache]:

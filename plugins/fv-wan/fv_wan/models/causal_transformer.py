@@ -1,0 +1,133 @@
+"""Block-causal, chunk-wise forward of the Wan DiT (Self-Forcing / CausVid inference).
+
+The weights are plain Wan (:class:`~fv_wan.models.transformer.WanTransformer`); causality
+comes only from what a chunk's queries attend to. One call runs one chunk of
+``frames_per_chunk`` latent frames: its self-attention attends to the committed K/V of
+earlier chunks (the sink and local window the caller hands in, per layer) followed by the
+chunk's own K/V. RoPE uses absolute latent-frame indices (the chunk's first frame is
+``start_frame``), so K is stored after RoPE and V raw, as SF's ``causal_model.py`` does.
+Cross-attention is Wan's, to the prompt embeddings of the call.
+
+The forward is a function over the bidirectional model's modules, so the bidirectional path
+(``WanTransformer.forward``) stays untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fv_wan.models.transformer import (
+    WanBlockInputs,
+    WanTransformer,
+    WanTransformerBlock,
+    _attend,
+    _fp32_layer_norm,
+    apply_rotary,
+)
+
+__all__ = ["LayerKV", "KVSink", "chunk_rotary", "causal_chunk_forward", "tokens_per_frame"]
+
+#: One layer's committed K/V: ``k`` after RoPE and ``v`` raw, both (B, tokens, heads, head_dim).
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+#: Receives each layer's K (after RoPE) and V of the chunk: ``sink(layer, k, v)``, (B, tokens, heads, head_dim).
+KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def tokens_per_frame(model: WanTransformer, height: int, width: int) -> int:
+    """Tokens of one latent frame of ``height`` x ``width`` latents."""
+    _, p_h, p_w = model.config.patch_size
+    return (height // p_h) * (width // p_w)
+
+
+def chunk_rotary(model: WanTransformer, grid: tuple[int, int, int], start_frame: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (cos, sin) of a chunk's token grid whose first latent frame is ``start_frame`` (absolute)."""
+    frames, height, width = grid
+    rope = model.rope
+    if start_frame < 0 or start_frame + frames > rope.max_seq_len or max(height, width) > rope.max_seq_len:
+        raise ValueError(
+            f"chunk frames [{start_frame}, {start_frame + frames}) x {height} x {width} exceed the RoPE table "
+            f"(rope_max_seq_len={rope.max_seq_len} positions per axis)"
+        )
+    halves = [dim // 2 for dim in rope.axis_dims]
+    outputs = []
+    for table in (rope.cos_table.float(), rope.sin_table.float()):
+        t_part, h_part, w_part = table.split(halves, dim=1)
+        t_part = t_part[start_frame : start_frame + frames]
+        grid_table = torch.cat(
+            [
+                t_part[:, None, None, :].expand(frames, height, width, -1),
+                h_part[None, :height, None, :].expand(frames, height, width, -1),
+                w_part[None, None, :width, :].expand(frames, height, width, -1),
+            ],
+            dim=-1,
+        )
+        outputs.append(grid_table.reshape(frames * height * width, 1, -1))
+    return outputs[0], outputs[1]
+
+
+def _causal_block(
+    block: WanTransformerBlock, x: torch.Tensor, inputs: WanBlockInputs, history: LayerKV | None,
+    attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``WanTransformerBlock.forward`` (eager) with the self-attention over [history, own K/V].
+
+    Returns the block output and the chunk's K (after RoPE) and V for the cache.
+    """
+    shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
+        block.scale_shift_table + inputs.timestep_proj.float()
+    ).unbind(2)
+    attn = block.attn1
+    normed = (_fp32_layer_norm(block.norm1, x) * (1 + scale_sa) + shift_sa).type_as(x)
+    query = attn._query(normed)
+    key, value = attn._key_value(normed)
+    cos, sin = inputs.rotary
+    query = apply_rotary(query, cos, sin)
+    key = apply_rotary(key, cos, sin)
+    keys, values = key, value
+    if history is not None and history[0].shape[1] > 0:
+        keys = torch.cat([history[0].to(key.dtype), key], dim=1)
+        values = torch.cat([history[1].to(value.dtype), value], dim=1)
+    attended = attn._project_out(_attend(attention_fn, query, keys, values), query)
+    x = (x.float() + attended * gate_sa).type_as(x)
+
+    normed = _fp32_layer_norm(block.norm2, x).type_as(x) if isinstance(block.norm2, torch.nn.LayerNorm) else x
+    x = x + block.attn2.cross_attention(normed, inputs.context, inputs.context_image, attention_fn)
+
+    normed = (_fp32_layer_norm(block.norm3, x) * (1 + scale_ff) + shift_ff).type_as(x)
+    return (x.float() + block.ffn(normed).float() * gate_ff).type_as(x), key, value
+
+
+def causal_chunk_forward(
+    model: WanTransformer,
+    latents: torch.Tensor,
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    *,
+    start_frame: int,
+    history: Sequence[LayerKV | None] | None = None,
+    kv_sink: KVSink | None = None,
+    attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The flow prediction (B, C_out, F, H, W) of one chunk ``latents`` (B, C, F, H, W).
+
+    ``history[layer]``: the committed K/V the chunk attends to before its own (sink and local
+    window, in attention order), or None/empty for the first chunk. ``kv_sink``, when given,
+    receives the chunk's own K/V per layer (the KV refresh writes them into the chunk's slab).
+    ``start_frame``: the chunk's first latent frame in the stream (RoPE position).
+    """
+    if history is not None and len(history) != model.num_layers:
+        raise ValueError(f"history must hold one K/V pair per layer ({model.num_layers}), got {len(history)}")
+    inputs = model.prepare(latents, timestep, encoder_hidden_states)
+    inputs = dataclasses.replace(inputs, rotary=chunk_rotary(model, inputs.grid_sizes, start_frame))
+    # The eager attention backend of the model (SDPA unless swapped); no mask: block-causal by construction.
+    attend = attention_fn or model.attention_fn or F.scaled_dot_product_attention
+    x = inputs.x
+    for index, block in enumerate(model.blocks):
+        x, key, value = _causal_block(block, x, inputs, history[index] if history is not None else None, attend)
+        if kv_sink is not None:
+            kv_sink(index, key, value)
+    return model.finish(x, inputs)

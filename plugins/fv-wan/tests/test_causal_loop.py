@@ -1,0 +1,193 @@
+"""The causal Wan chunk rollout: recipe, prompt updates at chunk boundaries, suspend/resume, the pool, the cards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from fv_kernel.api import InvalidRequest, LoopContext, RecipeMismatch, StepResult
+from fv_wan.causal import CausalRecipe, CausalWanState, warp_timesteps
+
+from test_causal_parity import SIZE, generated_latents, make_request, run_loop, tiny_instance
+
+CARD = "wan-tiny-causal"
+
+
+def _ctx(request: Any) -> LoopContext:
+    return LoopContext(request=request, executor=None)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- recipe
+
+
+def test_warp_matches_self_forcing_scheduler_numbers() -> None:
+    assert warp_timesteps([1000, 750, 500, 250], 5.0) == pytest.approx([1000.0, 937.5, 833.333333, 625.0], abs=1e-5)
+    # Without warping (CausVid-style configs) the steps are used as given.
+    recipe = CausalRecipe(max_height=SIZE, max_width=SIZE, warp_denoising_step=False, denoising_steps=(1000, 757, 522))
+    assert recipe.timesteps == (1000.0, 757.0, 522.0)
+
+
+def test_recipe_refuses_bad_steps() -> None:
+    with pytest.raises(ValueError, match="denoising_steps must decrease"):
+        CausalRecipe(max_height=SIZE, max_width=SIZE, denoising_steps=(250, 500))
+
+
+@pytest.mark.parametrize(("field", "diffusion"), [
+    ("steps", {"steps": 8}), ("sampler", {"sampler": "euler"}), ("guidance", {"guidance": 5.0}),
+])
+def test_other_steps_sampler_or_cfg_is_a_recipe_mismatch(field: str, diffusion: dict[str, Any]) -> None:
+    instance = tiny_instance()
+    request = make_request(CARD, **diffusion)
+    with pytest.raises(RecipeMismatch) as info:
+        instance.loop("realtime").init(request, instance, _ctx(request))
+    assert info.value.param == field
+    assert "self_forcing_dmd" in str(info.value) and "4 steps" in str(info.value)
+
+
+def test_the_recipe_s_own_steps_and_sampler_are_accepted() -> None:
+    instance = tiny_instance()
+    request = make_request(CARD, steps=4, sampler="fv-wan/self_forcing_dmd", guidance=1.0)
+    state = instance.loop("realtime").init(request, instance, _ctx(request))
+    assert state.phase == "text" and state.window.positions == (0,)
+    instance.loop("realtime").release(state.request_id, instance)
+
+
+@pytest.mark.parametrize(("field", "diffusion"), [("height", {"height": 64}), ("width", {"width": 24})])
+def test_frame_size_outside_the_slabs_is_refused(field: str, diffusion: dict[str, Any]) -> None:
+    instance = tiny_instance()
+    request = make_request(CARD, **diffusion)
+    with pytest.raises(InvalidRequest) as info:
+        instance.loop("realtime").init(request, instance, _ctx(request))
+    assert info.value.param == field
+
+
+def test_more_chunks_than_rope_positions_is_refused() -> None:
+    instance = tiny_instance()  # the tiny transformer's RoPE table holds 32 latent frames: 10 chunks
+    request = make_request(CARD, frames=1 + 4 * (3 * 11 - 1))
+    with pytest.raises(InvalidRequest) as info:
+        instance.loop("realtime").init(request, instance, _ctx(request))
+    assert info.value.param == "max_chunks"
+
+
+def test_estimate_reserves_the_window_in_the_pool() -> None:
+    instance = tiny_instance(sink=1, local=2)
+    estimate = instance.loop("realtime").estimate(make_request(CARD), instance)
+    assert estimate.pool_blocks == {"chunk_kv": 3}
+
+
+# --------------------------------------------------------------------------- the rollout
+
+
+def test_chunks_are_ready_in_order_with_frame_ranges_and_a_video_artifact() -> None:
+    instance = tiny_instance()
+    state, plans = run_loop(instance, make_request(CARD, frames=25))  # 7 latent frames: 3 chunks, trimmed to 25
+    assert [(c.chunk_index, c.frame_start, c.num_frames) for c in state.ready] == [(0, 0, 9), (1, 9, 12), (2, 21, 12)]
+    assert all(0.0 <= float(c.frames.min()) and float(c.frames.max()) <= 1.0 for c in state.ready)
+    ops = [p.op for p in plans]
+    # one text encode, then per chunk: 4 denoise forwards, the commit, the decode
+    assert ops == ["encode_text"] + ["causal_forward"] * 5 + ["vae_decode_chunk"] + (["causal_forward"] * 5 + ["vae_decode_chunk"]) * 2
+    assert [p.params["commit"] for p in plans if p.op == "causal_forward"][:5] == [False] * 4 + [True]
+    assert [p.inputs["timestep"].item() for p in plans if p.op == "causal_forward"][:5] == pytest.approx(
+        [1000.0, 937.5, 833.3333, 625.0, 0.0], abs=1e-3)
+    video = instance.loop("realtime").finalize(state).artifacts[0]
+    assert video.frames.shape == (25, 3, SIZE, SIZE)
+
+
+def test_renoise_draws_fresh_noise_each_step() -> None:
+    """Two steps' inputs of one chunk are not on one ODE path: the re-noise uses new Gaussian noise."""
+    instance = tiny_instance()
+    _, plans = run_loop(instance, make_request(CARD, frames=9))
+    xs = [p.inputs["latents"] for p in plans if p.op == "causal_forward"]
+    ts = [1.0, 0.9375, 0.8333333, 0.625]
+    # x_t = (1 - s) x0 + s eps: the implied eps of consecutive steps are uncorrelated, not equal.
+    eps = [(xs[i] - (1 - ts[i]) * xs[4]) / ts[i] for i in (1, 2)]
+    corr = torch.corrcoef(torch.stack([eps[0].flatten(), eps[1].flatten()]))[0, 1]
+    assert abs(float(corr)) < 0.5
+
+
+def test_prompt_update_applies_at_the_next_chunk_boundary() -> None:
+    instance = tiny_instance()
+    loop = instance.loop("realtime")
+    request = make_request(CARD)
+    state, _ = run_loop(instance, request, until_chunk=1)
+    # queued while chunk 1 is being generated (after its first denoise step)
+    plan = loop.next(state)
+    state = loop.advance(state, StepResult(
+        outputs=instance.op(plan.op).fn(plan.inputs, plan.params)))
+    context_before = state.context
+    state = loop.update_prompt(state, "a blue cube", 1)
+    state, plans = run_loop(instance, request, state=state)
+    assert [c.prompt_version for c in state.ready] == [0, 0, 1]  # chunk 1 was under way: it keeps version 0
+    ops = [p.op for p in plans]
+    assert ops.count("encode_text") == 1 and ops.index("encode_text") == ops.index("vae_decode_chunk") + 1
+    assert state.prompt == "a blue cube" and state.pending_prompt is None
+    assert not torch.equal(state.context, context_before)
+    with pytest.raises(InvalidRequest):
+        loop.update_prompt(state, "stale", 1)
+
+
+def test_prompt_update_changes_the_chunks_after_it() -> None:
+    instance = tiny_instance()
+    request = make_request(CARD)
+    plain, plain_plans = run_loop(instance, request)
+    instance.loop("realtime").release(plain.request_id, instance)
+    state, first = run_loop(instance, request, until_chunk=1)
+    state = instance.loop("realtime").update_prompt(state, "a blue cube", 1)
+    state, rest = run_loop(instance, request, state=state)
+    assert [c.prompt_version for c in state.ready] == [0, 1, 1]  # queued between chunks: the next chunk has it
+    a, b = generated_latents(plain_plans), generated_latents(first + rest)
+    assert torch.equal(a[0], b[0]) and not torch.allclose(a[1], b[1])
+
+
+def test_suspend_and_resume_in_a_fresh_instance_is_bit_identical() -> None:
+    request = make_request(CARD, frames=1 + 4 * (3 * 4 - 1))
+    instance = tiny_instance(sink=1, local=2)
+    straight, straight_plans = run_loop(instance, request)
+    instance.loop("realtime").release(straight.request_id, instance)
+
+    half, _ = run_loop(instance, request, until_chunk=2)
+    loop = instance.loop("realtime")
+    frozen = loop.suspend(half, _ctx(request))
+    assert frozen.kv_snapshot is not None
+    data = frozen.to_bytes()
+    loop.release(half.request_id, instance)
+    assert instance.block_pools()["chunk_kv"].used_slabs == 0
+
+    fresh = tiny_instance(sink=1, local=2)  # another pool: another process's instance
+    pool = fresh.block_pools()["chunk_kv"]
+    pool.append(pool.open("someone-else", frozen.window.spec), 0)  # slab ids differ from the suspended ones
+    resumed = fresh.loop("realtime").restore(CausalWanState.from_bytes(data), fresh, _ctx(request))
+    assert resumed.kv_snapshot is None and resumed.window.positions == half.window.positions
+    done, plans = run_loop(fresh, request, state=resumed)
+    assert [c.chunk_index for c in done.ready] == [0, 1, 2, 3]
+    for a, b in zip(straight.ready, done.ready):
+        assert torch.equal(a.frames, b.frames)
+    assert torch.equal(generated_latents(straight_plans)[3], generated_latents(plans)[-1])
+
+
+def test_restoring_a_state_without_its_kv_is_refused() -> None:
+    request = make_request(CARD)
+    instance = tiny_instance()
+    half, _ = run_loop(instance, request, until_chunk=1)
+    fresh = tiny_instance()
+    with pytest.raises(InvalidRequest, match="suspend"):
+        fresh.loop("realtime").restore(CausalWanState.from_bytes(half.to_bytes()), fresh, _ctx(request))
+
+
+def test_release_frees_the_session_s_slabs_and_cancel_stream_restarts_the_chunk() -> None:
+    instance = tiny_instance()
+    pool = instance.block_pools()["chunk_kv"]
+    request = make_request(CARD)
+    loop = instance.loop("realtime")
+    state, _ = run_loop(instance, request, until_chunk=1)
+    state = loop.advance(state, StepResult(
+        outputs=instance.op("causal_forward").fn(loop.next(state).inputs, loop.next(state).params)))
+    assert state.chunk_step == 1 and state.ready
+    restarted = loop.cancel_stream(state)
+    assert restarted.chunk_step == 0 and restarted.ready == [] and restarted.chunk_index == 1
+    assert not torch.equal(restarted.latents, state.latents)
+    assert pool.used_slabs == 2
+    loop.release(restarted.request_id, instance)
+    assert pool.used_slabs == 0
