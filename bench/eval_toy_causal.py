@@ -59,23 +59,23 @@ def frames_of_chunks(latent_frames: int, chunk_frames: int, frames_per_latent: i
     return counts
 
 
-def judge_segments(video: torch.Tensor, chunk_sizes: list[int], left_chunks: int, left: str, right: str) -> dict[str, Any]:
-    """Judge a stream's frames (F, 3, H, W) in [0, 1]: segment 1 (left chunks) and segment 2 (the rest)."""
+def judge_segments(first: torch.Tensor, second: torch.Tensor, left: str, right: str) -> dict[str, Any]:
+    """Judge one stream: ``first`` (the frames before the update) against ``left``, ``second`` (the
+    frames of the chunks generated under the update) against ``right``; (F, 3, H, W) in [0, 1]."""
     from fv_wan.toy.judge import judge
 
-    cut = sum(chunk_sizes[:left_chunks])
-    first, second = judge(video[:cut], left), judge(video[cut:], right)
+    one, two = judge(first, left), judge(second, right)
     return {
         "left": left, "right": right,
-        "colour": [obj.colour for obj in first.objects],
-        "left_direction": first.objects[0].direction,
-        "turn": second.objects[0].direction,
-        "right_displacement": second.objects[0].displacement,
+        "colour": [obj.colour for obj in one.objects],
+        "left_direction": one.objects[0].direction,
+        "turn": two.objects[0].direction,
+        "right_displacement": two.objects[0].displacement,
     }
 
 
 def _reference_streams(model: str, pairs: list[tuple[str, str]], left_chunks: int, right_chunks: int, seed: int,
-                       chunk_frames: int, batch: int, device: str) -> tuple[list[torch.Tensor], list[int]]:
+                       chunk_frames: int, batch: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from fv_kernel.api import CardCatalog, InstanceOptions, build_instance
     from fv_kernel.plugins import PluginHost
     from fv_rl.flow_matching import context_length_of
@@ -108,29 +108,34 @@ def _reference_streams(model: str, pairs: list[tuple[str, str]], left_chunks: in
             pixels = vae.decode(vae.denormalize_latents(latents))  # (B, 3, F, H, W) in [-1, 1]
             videos.extend(((pixels + 1) / 2).clamp(0, 1).permute(0, 2, 1, 3, 4).cpu().unbind(0))
     sizes = frames_of_chunks((left_chunks + right_chunks) * chunk_frames, chunk_frames, grid.frames_per_latent)
-    return videos, sizes
+    cut = sum(sizes[:left_chunks])
+    return [(video[:cut], video[cut:]) for video in videos]
 
 
 def _card_streams(model: str, pairs: list[tuple[str, str]], left_chunks: int, right_chunks: int,
-                  seed: int) -> tuple[list[torch.Tensor], list[int]]:
+                  seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Stream each pair through the card's session: the first ``left_chunks`` chunks, then (the update
+    sent as the last of them arrives) the first ``right_chunks`` chunks generated under the update
+    (``prompt_version`` 1; the session may have run a chunk ahead under the old prompt)."""
     import fv_kernel as fv
 
     pipe = fv.load(model)
-    videos: list[torch.Tensor] = []
-    sizes: list[int] = []
+    segments = []
     for index, (left, right) in enumerate(pairs):
-        frames: list[torch.Tensor] = []
-        sizes = []
-        with pipe.session(left, seed=seed + index, max_chunks=left_chunks + right_chunks) as session:
-            for count, chunk in enumerate(session, start=1):
-                frames.append(chunk.frames)
-                sizes.append(int(chunk.frames.shape[0]))
-                if count == left_chunks:
-                    session.update(right)
-                if count == left_chunks + right_chunks:
-                    break
-        videos.append(torch.cat(frames))
-    return videos, sizes
+        first: list[torch.Tensor] = []
+        second: list[torch.Tensor] = []
+        with pipe.session(left, seed=seed + index) as session:
+            for chunk in session:
+                if chunk.prompt_version == 0 and len(first) < left_chunks:
+                    first.append(chunk.frames)
+                    if len(first) == left_chunks:
+                        session.update(right)
+                elif chunk.prompt_version == 1:
+                    second.append(chunk.frames)
+                    if len(second) == right_chunks:
+                        break
+        segments.append((torch.cat(first), torch.cat(second)))
+    return segments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,16 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     pairs = prompt_pairs(args.prompts, args.seed)
     started = time.perf_counter()
     if args.backend == "card":
-        videos, sizes = _card_streams(args.model, pairs, args.left_chunks, args.right_chunks, args.seed)
+        segments = _card_streams(args.model, pairs, args.left_chunks, args.right_chunks, args.seed)
     else:
-        videos, sizes = _reference_streams(args.model, pairs, args.left_chunks, args.right_chunks, args.seed,
-                                           args.chunk_frames, args.batch, args.device)
+        segments = _reference_streams(args.model, pairs, args.left_chunks, args.right_chunks, args.seed,
+                                      args.chunk_frames, args.batch, args.device)
     seconds = time.perf_counter() - started
-    results = [judge_segments(v, sizes, args.left_chunks, l, r) for v, (l, r) in zip(videos, pairs)]
+    results = [judge_segments(a, b, left, right) for (a, b), (left, right) in zip(segments, pairs)]
     colours = [c for r in results for c in r["colour"]]
     scores = {
         "model": args.model, "backend": args.backend, "prompts": len(pairs), "left_chunks": args.left_chunks,
-        "right_chunks": args.right_chunks, "frames_per_chunk": sizes,
+        "right_chunks": args.right_chunks,
+        "segment_frames": [int(segments[0][0].shape[0]), int(segments[0][1].shape[0])],
         "turn": sum(r["turn"] for r in results) / len(results),
         "colour": sum(colours) / len(colours),
         "left_direction": sum(r["left_direction"] for r in results) / len(results),

@@ -145,48 +145,40 @@ class SelfForcingOptions(BaseModel):
 
 
 class ChunkKV:
-    """Committed self-attention K/V per layer, (B, heads, tokens, head_dim), detached.
+    """Committed self-attention K/V per layer (K after RoPE, V raw; (B, tokens, heads, head_dim)), detached.
 
     One per rollout (nothing is kept between rollouts): the Self-Forcing KV cache, without a window
-    (training rollouts are shorter than any serving window)."""
+    (training rollouts are shorter than the serving window), handed to the serving forward as its history."""
 
     def __init__(self, layers: int) -> None:
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.frames = 0
 
-    def attention(self, layer: int, commit: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The self-attention of ``layer``: the chunk's queries over committed K/V + its own (RoPE'd K)."""
+    def history(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        return [None if k is None else (k, v) for k, v in zip(self.keys, self.values)]  # type: ignore[misc]
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            past_k, past_v = self.keys[layer], self.values[layer]
-            if commit:
-                self.keys[layer] = k.detach() if past_k is None else torch.cat([past_k, k.detach()], dim=2)
-                self.values[layer] = v.detach() if past_v is None else torch.cat([past_v, v.detach()], dim=2)
-            if past_k is not None:
-                k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)  # type: ignore[list-item]
-            return F.scaled_dot_product_attention(q, k, v)
-
-        return attend
+    def commit(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        past_k, past_v = self.keys[layer], self.values[layer]
+        key, value = key.detach(), value.detach()
+        self.keys[layer] = key if past_k is None else torch.cat([past_k, key], dim=1)
+        self.values[layer] = value if past_v is None else torch.cat([past_v, value], dim=1)  # type: ignore[list-item]
 
 
 def causal_forward(
     model: Any, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, kv: ChunkKV, *, commit: bool = False
 ) -> torch.Tensor:
-    """The flow prediction of one chunk ``x`` (B, C, F, H, W) at absolute latent frames ``kv.frames..``.
+    """The flow prediction of one chunk ``x`` (B, C, F, H, W) at absolute latent frames ``kv.frames..``,
+    through the causal card's own chunk forward (:func:`fv_wan.models.causal_transformer.causal_chunk_forward`,
+    what serving runs); with ``commit`` the chunk's K/V join ``kv`` (the KV refresh)."""
+    from fv_wan.models.causal_transformer import causal_chunk_forward
 
-    RoPE uses absolute frame positions; with ``commit`` the chunk's K/V join ``kv`` (the KV refresh)."""
-    inputs = model.prepare(x, timestep, context)
-    frames, height, width = inputs.grid_sizes
-    cos, sin = model.rope((kv.frames + frames, height, width))
-    n = frames * height * width
-    inputs = dataclasses.replace(inputs, rotary=(cos[-n:], sin[-n:]))
-    h = inputs.x
-    for index, block in enumerate(model.blocks):
-        h = block(h, inputs, model.attention_fn, None, self_attention_fn=kv.attention(index, commit))
-    out = model.finish(h, inputs)
+    out = causal_chunk_forward(
+        model, x, timestep, context, start_frame=kv.frames, history=kv.history(),
+        kv_sink=kv.commit if commit else None, attention_fn=F.scaled_dot_product_attention,
+    )
     if commit:
-        kv.frames += frames
+        kv.frames += x.shape[2] // model.config.patch_size[0]
     return out
 
 

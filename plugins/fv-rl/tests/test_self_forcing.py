@@ -175,10 +175,14 @@ def test_training_on_a_random_card_lowers_the_critic_loss(tmp_path):
     assert sum(critic[-4:]) / 4 < 0.7 * (sum(critic[:4]) / 4), critic
 
 
+CI_RECIPE = Path(sf.__file__).resolve().parents[1] / "recipes" / "self_forcing_wan_toy-ci.yaml"
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
+    """The CI recipe (both stages, a few steps at 32x32) through ``fv train``'s runner."""
     tmp = tmp_path_factory.mktemp("self_forcing")
-    return run_training(_recipe(tmp, "wan-toy", steps=4, critic_updates=2), tmp / "run", PluginHost(), progress=False)
+    return run_training(CI_RECIPE, tmp / "run", PluginHost(), progress=False)
 
 
 def test_export_is_a_card_with_recipe_and_provenance(exported):
@@ -188,7 +192,8 @@ def test_export_is_a_card_with_recipe_and_provenance(exported):
     assert "Self-Forcing (DMD) from teacher 'wan-toy'" in card.recipe.data_contract
     provenance = json.loads((exported.checkpoint.parent / sf.PROVENANCE_FILE).read_text())
     assert provenance["teacher"]["model_id"] == "wan-toy" and len(provenance["teacher"]["transformer_sha256"]) == 64
-    assert provenance["steps"]["self_forcing"] == 4 and provenance["recipe"]["method"] == "self_forcing"
+    assert provenance["steps"]["self_forcing"] == 4 and provenance["steps"]["teacher_forcing"] == 2
+    assert provenance["recipe"]["method"] == "self_forcing" and exported.log.curves["teacher_forcing"]["flow"]
     assert provenance["teacher"]["transformer_sha256"][:16] in card.recipe.data_contract
 
 
@@ -205,3 +210,51 @@ def test_exported_weights_load_as_a_card_and_are_the_student(exported):
         chunks = sf.causal_rollout(loaded, [instance.component("text_encoder").encode(["a red square moves left quickly on a black background"], 24)] * 2,
                                    (1, 16, 1, 8, 8), _schedule(), torch.Generator().manual_seed(0))
     assert torch.isfinite(torch.cat(chunks, dim=2)).all()
+
+
+def _safetensors_digest(path: Path) -> str:
+    from safetensors.torch import load_file
+
+    return sf.weights_digest(_Named(load_file(str(path))))
+
+
+class _Named(torch.nn.Module):
+    """A module whose state dict is exactly the given tensors (names with dots kept)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._tensors = tensors
+
+    def state_dict(self, *args, **kwargs):  # type: ignore[override]
+        return dict(self._tensors)
+
+
+WEIGHTS = Path(__import__("fv_wan").__file__).parent / "weights"
+
+
+def test_shipped_wan_toy_causal_weights_are_small_and_carry_their_provenance():
+    root = WEIGHTS / "wan-toy-causal"
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 25 * 1024 * 1024
+    provenance = json.loads((root / sf.PROVENANCE_FILE).read_text())
+    assert provenance["method"] == "self_forcing" and provenance["teacher"]["model_id"] == "wan-toy"
+    assert provenance["git_commit"] and provenance["steps"]["self_forcing"] > 0
+    card = read_card_file_beside(root)
+    assert card.model_id == "wan-toy-causal" and card.recipe.method == "self_forcing"
+    # the teacher digest is wan-toy's shipped transformer; the student's differs (negative control)
+    teacher = _safetensors_digest(WEIGHTS / "wan-toy" / "transformer" / "diffusion_pytorch_model.safetensors")
+    student = _safetensors_digest(root / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert provenance["teacher"]["transformer_sha256"] == teacher != student
+
+
+def test_the_wan_toy_causal_card_serves_the_shipped_weights_with_their_chunking():
+    from fv_wan.causal import CausalRecipe
+    from fv_wan.toy_card import causal_weights_dir, wan_toy_causal_card
+
+    card = wan_toy_causal_card()
+    provenance = json.loads((causal_weights_dir() / sf.PROVENANCE_FILE).read_text())
+    assert card.checkpoint.source == str(causal_weights_dir()) and card.recipe.method == "self_forcing"
+    recipe = CausalRecipe(**card.loops["realtime"].config)
+    assert recipe.frames_per_chunk == provenance["recipe"]["options"]["chunk_frames"]
+    # the sampler the student was trained with is the one the card serves
+    assert sf.CausalSchedule.of(sf.SelfForcingOptions()).timesteps.tolist() == pytest.approx(list(recipe.timesteps), abs=1e-3)
