@@ -135,6 +135,9 @@ def _card_streams(model: str, pairs: list[tuple[str, str]], left_chunks: int, ri
                     if len(second) == right_chunks:
                         break
         segments.append((torch.cat(first), torch.cat(second)))
+        verdict = judge_segments(segments[-1][0], segments[-1][1], left, right)
+        print(f"[{index + 1}/{len(pairs)}] turn {verdict['turn']}, colour {verdict['colour']}: {left!r}", file=sys.stderr,
+              flush=True)
     return segments
 
 

@@ -415,6 +415,7 @@ class SelfForcing(RLMethod):
                                       f"{card.recipe.assumes_loop!r}); self_forcing needs a multi-step teacher")
         chunk_shape, window = self._geometry(run)
         schedule = CausalSchedule.of(o)
+        commit, began = git_commit(), time.perf_counter()  # the code that runs: read before training
         text_encoder = run.instance.component("text_encoder")
         context_length = context_length_of(card)
         device = run.device
@@ -494,7 +495,7 @@ class SelfForcing(RLMethod):
                 run.report("self_forcing", step, o.steps,
                            {"critic": float(c_loss.detach()), **({"dmd": g_loss} if g_loss == g_loss else {})})
 
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - began
         student.eval().requires_grad_(False)
         provenance = {
             "method": self.name,
@@ -504,7 +505,7 @@ class SelfForcing(RLMethod):
             "steps": {"teacher_forcing": tf_steps, "self_forcing": steps_run, "student_updates": steps_run // o.critic_updates},
             "seconds": round(seconds, 1),
             "seed": run.recipe.seed,
-            "git_commit": git_commit(),
+            "git_commit": commit,
             "torch": torch.__version__,
         }
         run.output.mkdir(parents=True, exist_ok=True)
