@@ -34,7 +34,7 @@ import torch
 def prompt_pairs(count: int, seed: int = 0) -> list[tuple[str, str]]:
     """``count`` (left prompt, right prompt) pairs: held-out prompts whose first object moves left,
     and the same scene with that object moving right."""
-    from fv_wan.toy.grammar import is_held_out, parse_prompt, sample_scene
+    from fv_wan.toy.grammar import is_held_out, sample_scene
 
     generator = torch.Generator().manual_seed(seed)
     pairs: list[tuple[str, str]] = []
@@ -76,10 +76,11 @@ def judge_segments(first: torch.Tensor, second: torch.Tensor, left: str, right: 
 
 def _reference_streams(model: str, pairs: list[tuple[str, str]], left_chunks: int, right_chunks: int, seed: int,
                        chunk_frames: int, batch: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    from fv_kernel.api import CardCatalog, InstanceOptions, build_instance
-    from fv_kernel.plugins import PluginHost
     from fv_rl.flow_matching import context_length_of
     from fv_rl.self_forcing import CausalSchedule, SelfForcingOptions, causal_rollout
+
+    from fv_kernel.api import CardCatalog, InstanceOptions, build_instance
+    from fv_kernel.plugins import PluginHost
 
     host = PluginHost()
     host.start()

@@ -34,10 +34,12 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -57,8 +59,17 @@ from fv_rl.dmd2 import dmd_loss
 from fv_rl.flow_matching import context_length_of
 
 __all__ = [
-    "SelfForcing", "SelfForcingOptions", "ChunkKV", "CausalSchedule", "causal_forward", "causal_rollout",
-    "PROVENANCE_FILE", "switch_prompt",
+    "PROVENANCE_FILE",
+    "CausalSchedule",
+    "ChunkKV",
+    "SelfForcing",
+    "SelfForcingOptions",
+    "causal_forward",
+    "causal_rollout",
+    "scored_frames",
+    "switch_prompt",
+    "teacher_forcing_loss",
+    "world_clips",
 ]
 
 TIMESTEP_SCALE = 1000.0
@@ -127,7 +138,7 @@ class SelfForcingOptions(BaseModel):
     teacher_forcing: TeacherForcingStage | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "SelfForcingOptions":
+    def _check(self) -> SelfForcingOptions:
         if not self.prompts and self.prompt_source == "list":
             raise ValueError("prompts must name at least one prompt (prompt_source 'list')")
         if self.teacher_forcing is not None and self.teacher_forcing.steps and self.prompt_source != "toy-world":
@@ -191,7 +202,7 @@ class CausalSchedule:
     context_noise: float = 0.0
 
     @classmethod
-    def of(cls, options: SelfForcingOptions) -> "CausalSchedule":
+    def of(cls, options: SelfForcingOptions) -> CausalSchedule:
         state = options.sampler().init_state(len(options.denoising_timesteps))
         return cls(state.sigmas.float(), state.timesteps.float(), options.context_noise)
 
@@ -244,6 +255,12 @@ def causal_rollout(
             causal_forward(model, refresh, torch.full((batch,), schedule.context_noise * TIMESTEP_SCALE), context, kv,
                            commit=True)
     return outputs
+
+
+def scored_frames(prefix_chunks: int, chunk_frames: int) -> slice:
+    """The window frames the DMD loss scores: all, or after a switch (a prefix) all but the first chunk's,
+    which the teacher would take for a clip's first latent frame (a single image in Wan's causal VAE)."""
+    return slice(chunk_frames if prefix_chunks else 0, None)
 
 
 # -- prompts
@@ -365,11 +382,11 @@ def git_commit() -> str | None:
     """The source tree's commit (with '+dirty' when it has changes), or None outside a git checkout."""
     here = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=False)
         if head.returncode != 0:
             return None
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True,
-                               text=True, timeout=10)
+                               text=True, timeout=10, check=False)
         return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -479,8 +496,7 @@ class SelfForcing(RLMethod):
                         v_uncond = teacher(x_t, t, uncond.expand(batch, -1, -1)).float()
                         v_real = v_uncond + o.teacher_guidance * (v_real - v_uncond)
                     v_fake = critic(x_t, t, ctx_b).float()
-                # after a switch the window's first frame is context only (see the module docstring)
-                keep = slice(o.chunk_frames if prefix else 0, None)
+                keep = scored_frames(prefix, o.chunk_frames)
                 loss = self.loss({
                     "x0": x0[:, :, keep], "x0_real": (x_t - sb * v_real)[:, :, keep],
                     "x0_fake": (x_t - sb * v_fake)[:, :, keep],
@@ -493,7 +509,7 @@ class SelfForcing(RLMethod):
             steps_run = step
             if step % o.log_every == 0 or step == o.steps:
                 run.report("self_forcing", step, o.steps,
-                           {"critic": float(c_loss.detach()), **({"dmd": g_loss} if g_loss == g_loss else {})})
+                           {"critic": float(c_loss.detach()), **({} if math.isnan(g_loss) else {"dmd": g_loss})})
 
         seconds = time.perf_counter() - began
         student.eval().requires_grad_(False)

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
+import fv_rl.self_forcing as sf
 import pytest
 import torch
 import torch.nn.functional as F
+from fv_wan.models.transformer import WanTransformer, WanTransformerConfig
 
-import fv_rl.self_forcing as sf
-from fv_kernel.api import InstanceOptions, RecipeError, build_instance, read_card_file_beside
+from fv_kernel.api import (
+    InstanceOptions,
+    RecipeError,
+    build_instance,
+    read_card_file_beside,
+)
 from fv_kernel.plugins import PluginHost
 from fv_kernel.training.runner import run_training
-from fv_wan.models.transformer import WanTransformer, WanTransformerConfig
 
 CHUNK = (2, 16, 1, 4, 4)  # (B, C, latent frames, H, W) of one chunk
 
@@ -42,7 +48,7 @@ def _block_causal_reference(model: WanTransformer, clean: list[torch.Tensor], x:
     timestep = torch.where(chunk_of == chunk_of[-1], t, 0.0).expand(x.shape[0], -1)
 
     def runner(m, h, inputs):
-        masked = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
+        masked = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         for block in m.blocks:
             h = block(h, inputs, m.attention_fn, None, self_attention_fn=masked)
         return h
@@ -140,6 +146,34 @@ def test_switch_prompt_changes_only_the_first_objects_direction_and_avoids_held_
         assert not is_held_out(switched.prompt())
 
 
+def test_after_a_switch_the_windows_first_chunk_is_context_only():
+    assert sf.scored_frames(0, 1) == slice(0, None) and sf.scored_frames(2, 1) == slice(1, None)
+    assert sf.scored_frames(1, 3) == slice(3, None)
+
+
+def test_world_clips_hold_plain_clips_and_bounces_with_the_reversed_prompt_first():
+    from fv_wan.models.vae import WanVAE
+    from fv_wan.toy.grammar import parse_prompt
+    from fv_wan.toy_card import TOY_VAE
+
+    torch.manual_seed(0)
+    vae = WanVAE(TOY_VAE).eval()
+    stage = sf.TeacherForcingStage(steps=1, clips=2, prefix_chunks=2)
+    (plain, prompts), (bounce, before, after) = sf.world_clips(
+        vae, stage, frames=5, height=32, width=32, frames_per_latent=4, chunk_frames=1)
+    assert plain.shape[2] == 2 and len(prompts) == plain.shape[0]
+    assert bounce.shape[2] == 2 + 1 and len(before) == len(after) == bounce.shape[0]  # 2 reversed chunks + 4 frames
+    for a, b in zip(before, after):
+        reversed_directions = [o.direction for o in parse_prompt(a).objects]
+        opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}
+        assert reversed_directions == [opposite[o.direction] for o in parse_prompt(b).objects]
+
+
+def test_an_already_distilled_card_is_refused(tmp_path):
+    with pytest.raises(RecipeError, match="already distilled"):
+        run_training(_recipe(tmp_path, "wan-toy-causal", steps=1), tmp_path / "run", PluginHost(), progress=False)
+
+
 def test_options_refuse_bad_values_naming_the_field():
     with pytest.raises(ValueError, match="prompts"):
         sf.SelfForcingOptions(prompts=())
@@ -182,7 +216,7 @@ def test_student_updates_through_the_exit_steps_lower_the_dmd_loss():
         loss.backward()
         optimizer.step()
         losses.append(float((x0.detach() - target).abs().mean()))
-    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.95 * losses[0], losses
+    assert all(b < a for a, b in itertools.pairwise(losses)) and losses[-1] < 0.95 * losses[0], losses
 
 
 def test_teacher_forcing_loss_falls_on_a_fixed_batch():
