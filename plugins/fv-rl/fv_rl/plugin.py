@@ -17,11 +17,13 @@ def fv_register_rl_methods(register: Any) -> None:
     from fv_rl.dmd2 import DMD2
     from fv_rl.grpo import FlowGRPO
     from fv_rl.nft import DiffusionNFT
+    from fv_rl.self_forcing import SelfForcing
 
     register(FlowMatching.name, FlowMatching)
     register(DiffusionNFT.name, DiffusionNFT)
     register(FlowGRPO.name, FlowGRPO)
     register(DMD2.name, DMD2)
+    register(SelfForcing.name, SelfForcing)
 
 
 @hookimpl

@@ -19,6 +19,7 @@ it was trained on (it was never trained with ``<unk>``).
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from fv_wan.models.vae import WanVAEConfig
 __all__ = [
     "TOY_INIT_ID", "TOY_ID", "TOY_TRANSFORMER", "TOY_VAE", "TOY_TEXT", "TOY_DEFAULTS", "TOY_CONTEXT_LENGTH", "TOY_DATA_SEED", "weights_dir",
     "toy_tokenizer", "toy_text_encoder", "wan_toy_init_card", "wan_toy_card", "build_toy_instance", "load_full_vae",
-    "toy_parameter_count", "toy_envelope", "TOY_CAUSAL_ID", "TOY_CAUSAL_PROVENANCE", "wan_toy_causal_card",
+    "toy_parameter_count", "toy_envelope", "TOY_CAUSAL_ID", "TOY_CAUSAL_PROVENANCE", "wan_toy_causal_card", "causal_weights_dir",
 ]
 
 TOY_INIT_ID = "wan-toy-init"
@@ -285,21 +286,38 @@ TOY_CAUSAL_PROVENANCE = "bidirectional weights run causally (not distilled): wan
 
 
 def wan_toy_causal_card() -> ModelCard | None:
-    """``wan-toy-causal``: wan-toy's architecture streamed chunk by chunk (3 latent frames, 4 DMD steps,
-    a window of one sink chunk and 3 local ones). Its weights are wan-toy's (see ``TOY_CAUSAL_PROVENANCE``);
-    None when they are not installed."""
+    """``wan-toy-causal``: wan-toy's architecture streamed chunk by chunk (4 DMD steps). With fv-rl
+    ``self_forcing``'s shipped export (:func:`causal_weights_dir`) it serves those weights with the
+    chunking they were trained with (their ``provenance.json``), 1 sink + 8 local chunks, and their
+    recipe; without it, wan-toy's weights run causally (``TOY_CAUSAL_PROVENANCE``) in 3-frame chunks,
+    1 sink + 3 local. None when wan-toy's weights are not installed."""
     from fv_wan.causal import CausalRecipe, causal_card
 
     base = wan_toy_card()
     if base is None:
         return None
+    envelope = toy_envelope().model_copy(update={"frames": None})  # a stream has no fixed length
+    defaults = TOY_DEFAULTS.model_copy(update={"steps": 4, "guidance": 1.0, "shift": 5.0})
+    distilled = causal_weights_dir()
+    if (distilled / "fv-card.json").is_file():  # fv-rl self_forcing's export: its chunking, recipe and provenance
+        trained = read_card_file_beside(distilled)
+        options = json.loads((distilled / "provenance.json").read_text())["recipe"]["options"]
+        recipe = CausalRecipe(frames_per_chunk=options["chunk_frames"], sink_chunks=1, local_chunks=8, context_noise=0.0,
+                              max_sequence_length=TOY_CONTEXT_LENGTH, max_height=TOY_DEFAULTS.height, max_width=TOY_DEFAULTS.width)
+        return causal_card(base, model_id=TOY_CAUSAL_ID, recipe=recipe, sessions=8, summary=trained.summary, source=str(distilled),
+                           recipe_spec=trained.recipe.model_copy(update={"assumes_loop": "realtime", "envelope": envelope}),
+                           defaults=defaults)
     recipe = CausalRecipe(frames_per_chunk=3, sink_chunks=1, local_chunks=3, context_noise=0.0,
                           max_sequence_length=TOY_CONTEXT_LENGTH, max_height=TOY_DEFAULTS.height, max_width=TOY_DEFAULTS.width)
-    envelope = toy_envelope().model_copy(update={"frames": None})  # a stream has no fixed length
     return causal_card(
         base, model_id=TOY_CAUSAL_ID, recipe=recipe, sessions=8,
         summary=f"wan-toy streamed causally, chunk by chunk ({TOY_CAUSAL_PROVENANCE})",
         recipe_spec=RecipeSpec(method="base", parents=(TOY_ID,), assumes_loop="realtime", data_contract=TOY_CAUSAL_PROVENANCE,
                                envelope=envelope),
-        defaults=TOY_DEFAULTS.model_copy(update={"steps": 4, "guidance": 1.0, "shift": 5.0}),
+        defaults=defaults,
     )
+
+
+def causal_weights_dir() -> Path:
+    """The installed ``wan-toy-causal`` checkpoint directory (fv-rl ``self_forcing``'s export; package data)."""
+    return Path(__file__).resolve().parent / "weights" / TOY_CAUSAL_ID

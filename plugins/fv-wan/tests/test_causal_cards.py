@@ -50,11 +50,13 @@ def test_the_1_3b_causal_card_is_self_forcing_s_recipe_on_its_checkpoint() -> No
     assert plugin.fv_resolve_model_source(SELF_FORCING_1_3B_SOURCE) == "wan2.1-t2v-1.3b-causal"
 
 
-def test_wan_toy_causal_says_its_weights_are_not_distilled() -> None:
+def test_wan_toy_causal_says_where_its_weights_come_from() -> None:
+    """The shipped distilled weights (fv-rl self_forcing's export): their recipe and provenance, not wan-toy's."""
     card = wan_toy_causal_card()
     assert card is not None
-    assert TOY_CAUSAL_PROVENANCE.startswith("bidirectional weights run causally (not distilled)")
-    assert TOY_CAUSAL_PROVENANCE in card.recipe.data_contract and "not distilled" in card.summary
+    assert card.recipe.method == "self_forcing" and card.recipe.assumes_loop == "realtime"
+    assert "Self-Forcing (DMD) from teacher 'wan-toy'" in card.recipe.data_contract
+    assert TOY_CAUSAL_PROVENANCE not in card.summary and "not distilled" not in card.summary
     assert card.recipe.parents == ("wan-toy",)
 
 
@@ -93,7 +95,7 @@ def test_a_wan_toy_causal_session_streams_chunks_and_takes_a_prompt_update() -> 
             if chunk.index == 0:
                 assert session.update("a red square moves right") == 1
     assert [c.index for c in chunks] == [0, 1, 2]
-    assert [tuple(c.frames.shape) for c in chunks] == [(9, 3, 64, 64), (12, 3, 64, 64), (12, 3, 64, 64)]
+    assert [tuple(c.frames.shape) for c in chunks] == [(1, 3, 64, 64), (4, 3, 64, 64), (4, 3, 64, 64)]  # 1-frame chunks
     assert chunks[0].prompt_version == 0 and chunks[-1].prompt_version == 1
     assert [c.prompt_version for c in chunks] == sorted(c.prompt_version for c in chunks)
 
@@ -118,5 +120,5 @@ def test_wan_toy_causal_window_and_budget() -> None:
     card = wan_toy_causal_card()
     assert card is not None
     recipe = CausalRecipe(**card.loops["realtime"].config)
-    assert (recipe.frames_per_chunk, recipe.sink_chunks, recipe.local_chunks) == (3, 1, 3)
-    assert card.caches["chunk_kv"].budget_bytes == 8 * 4 * card.caches["chunk_kv"].block_bytes
+    assert (recipe.frames_per_chunk, recipe.sink_chunks, recipe.local_chunks) == (1, 1, 8)
+    assert card.caches["chunk_kv"].budget_bytes == 8 * 9 * card.caches["chunk_kv"].block_bytes
