@@ -236,6 +236,16 @@ class Loop(abc.ABC, Generic[S]):
     def finalize(self, state: S) -> LoopResult:
         """Turn the final state into outputs and artifacts."""
 
+    def check_request(self, request: Request, model: ResidentModel) -> None:
+        """Refuse, before admission, a request this loop can never run: raise a typed error naming the field.
+
+        Validation (``Engine.validate``, so every request and session) calls it on the loops of the
+        request's program, after the request is resolved against its card: a loop whose recipe fixes
+        what the card's generic checks cannot see (a distilled sampler's steps, a frame size its
+        cache is sized for) says so here rather than failing in ``init`` after admission. Runs no
+        kernels; the default accepts everything.
+        """
+
     def bind(self, instance: ResidentModel) -> None:
         """Attach per-instance resources (a tokenizer, a pool) when ``instance`` builds this loop.
 

@@ -364,6 +364,9 @@ def resolve_for_instance(instance: ModelInstance, request: Request, limits: Requ
             allowed=[instance.precision],
         )
     _check_adapters_on_fp8(instance, resolved)
+    program = instance.card.programs.get(resolved.task)
+    for loop_id in program.loops if program is not None else ():
+        instance.loop(loop_id).check_request(resolved, instance)
     return resolved
 
 

@@ -395,7 +395,8 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
         return CausalRecipe(**self.spec.config)
 
     # -- helpers -----------------------------------------------------------------------
-    def _check_recipe(self, request: Request, model: ModelInstance) -> None:
+    def check_request(self, request: Request, model: ModelInstance) -> None:
+        """The recipe's sampler, steps and no-CFG, and a frame size the chunk-KV slabs hold: refused at validation."""
         d = request.diffusion
         recipe = self._recipe
         assumes = (f"loop {self.loop_id!r} (sampler {SELF_FORCING_SAMPLER!r}, {len(recipe.denoising_steps)} steps "
@@ -410,6 +411,13 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
         if d.guidance is not None and d.guidance > 1.0:
             raise RecipeMismatch("guidance", model_id=model.model_id, method=method, assumes=f"{assumes}, no CFG",
                                  asked=f"guidance {d.guidance}")
+        if not d.height or not d.width:
+            raise InvalidRequest("height", "a causal rollout needs the frame size (resolve the request against its card)")
+        multiple = _vae_config(model.card).spatial_compression * _transformer_config(model.card).patch_size[1]
+        for name, value, limit in (("height", d.height, recipe.max_height), ("width", d.width, recipe.max_width)):
+            if value % multiple or value > limit:
+                raise InvalidRequest(name, f"{name} {value} must be a multiple of {multiple} and at most {limit} "
+                                     f"(the chunk-KV slabs of {model.model_id!r} are sized for {recipe.max_height}x{recipe.max_width})")
 
     def _tokenize(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         tokenizer = self._instance.component("text_encoder").tokenizer
@@ -427,18 +435,11 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
 
     # -- the loop contract ---------------------------------------------------------------
     def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> CausalWanState:
-        self._check_recipe(request, model)
+        self.check_request(request, model)
         d = request.diffusion
         recipe = self._recipe
-        if not d.height or not d.width:
-            raise InvalidRequest("height", "a causal rollout needs the frame size (resolve the request against its card)")
         vae = _vae_config(model.card)
         config = _transformer_config(model.card)
-        multiple = vae.spatial_compression * config.patch_size[1]
-        for name, value, limit in (("height", d.height, recipe.max_height), ("width", d.width, recipe.max_width)):
-            if value % multiple or value > limit:
-                raise InvalidRequest(name, f"{name} {value} must be a multiple of {multiple} and at most {limit} "
-                                     f"(the chunk-KV slabs of {model.model_id!r} are sized for {recipe.max_height}x{recipe.max_width})")
         fields = self.session_fields(request, ctx)
         in_session = ctx.upstream.get(SESSION_UPSTREAM) is not None
         requested = None

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from fv_kernel.api import InvalidCard, StepFailed
+from fv_kernel.api import InvalidCard, RecipeMismatch
 from fv_kernel import facade
 from fv_wan import plugin
 from fv_wan.cards import SELF_FORCING_1_3B_SOURCE, causal_wan_cards
@@ -78,9 +78,8 @@ def test_wan_toy_causal_generates_through_the_facade_and_refuses_other_steps() -
     video = model.generate("a red square moves left", frames=9, seed=1)  # one chunk
     assert video.frames.shape == (9, 3, 64, 64)
     assert 0.0 <= float(video.frames.min()) and float(video.frames.max()) <= 1.0
-    # The kernel's up-front recipe check covers denoise loops; the rollout refuses when it starts, with the
-    # request failing on a typed recipe_mismatch naming the field.
-    with pytest.raises(StepFailed, match=r"steps: card 'wan-toy-causal' .* assumes loop 'realtime' .*asked for 8 steps"):
+    # Refused at validation (the loop's check_request), before any compute: a typed RecipeMismatch naming the field.
+    with pytest.raises(RecipeMismatch, match=r"steps: card 'wan-toy-causal' .* assumes loop 'realtime' .*asked for 8 steps"):
         model.generate("a red square moves left", frames=9, steps=8)
 
 

@@ -46,6 +46,24 @@ def test_other_steps_sampler_or_cfg_is_a_recipe_mismatch(field: str, diffusion: 
     assert "self_forcing_dmd" in str(info.value) and "4 steps" in str(info.value)
 
 
+def test_engine_validation_refuses_other_steps_before_admission(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's ``check_request`` runs at validation (every request and session), not only in ``init``."""
+    from fv_kernel.api import Engine, SchedulerConfig
+    from fv_wan.causal import CausalWanRolloutLoop
+
+    engine = Engine(SchedulerConfig())
+    engine.add_instance(tiny_instance())
+    with pytest.raises(RecipeMismatch) as info:
+        engine.validate(make_request(CARD, steps=8))
+    assert info.value.param == "steps" and engine.queue_depth() == 0
+    with pytest.raises(InvalidRequest) as size:
+        engine.validate(make_request(CARD, steps=4, guidance=1.0, height=SIZE * 2))
+    assert size.value.param == "height"
+    # Negative control: without the hook, validation lets the same request through to admission.
+    monkeypatch.setattr(CausalWanRolloutLoop, "check_request", lambda self, request, model: None)
+    assert engine.validate(make_request(CARD, steps=8)).diffusion.steps == 8
+
+
 def test_the_recipe_s_own_steps_and_sampler_are_accepted() -> None:
     instance = tiny_instance()
     request = make_request(CARD, steps=4, sampler="fv-wan/self_forcing_dmd", guidance=1.0)
