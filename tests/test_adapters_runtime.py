@@ -186,7 +186,9 @@ def test_a_load_runs_between_another_requests_steps(files: Path) -> None:
     registry.scan(files)
     eng = Engine(SchedulerConfig(device_thread=False), adapters=registry, observers=[recorder])
     eng.add_instance(build_instance(toy_card("toy-dit")))
-    first, second = t2v(steps=8, seed=1), t2v(AdapterRef(name="sketch"), steps=8, seed=2)
+    # The first request runs long enough that the second's load (submitted after its 3rd step) lands mid-way
+    # even when a loaded machine delays the submission by several of its steps.
+    first, second = t2v(steps=24, seed=1), t2v(AdapterRef(name="sketch"), steps=8, seed=2)
     results = run_staggered(eng, [first, second], loop_id="denoise_unipc", offset=3)
     assert [r.status for r in results] == ["completed", "completed"]
     kinds = [(r.kind, r.request_ids) for r in recorder.records]
