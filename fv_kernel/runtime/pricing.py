@@ -10,13 +10,13 @@ instance's device.
 from __future__ import annotations
 
 from fv_kernel.loop.samplers import use_samplers
-from fv_kernel.loop.plan import ShapeSignature, WorkKind
+from fv_kernel.loop.plan import ResourceRequest, ShapeSignature, WorkKind
 from fv_kernel.model.instance import ADAPTER_LOAD_COST, ModelInstance
 from fv_kernel.request.request import Request
 from fv_kernel.runtime.admission import Reservation
 from fv_kernel.runtime.cost import CostKey, CostModel
 
-__all__ = ["pool_key", "reservation_for", "adapter_load_key"]
+__all__ = ["pool_key", "price_estimate", "reservation_for", "adapter_load_key"]
 
 
 def adapter_load_key(instance: ModelInstance, size_bytes: int) -> CostKey:
@@ -35,6 +35,13 @@ def reservation_for(instance: ModelInstance, request: Request, cost_model: CostM
     # resolve through the instance's deploy registry, plugins' samplers included, as in the driver.
     with use_samplers(instance.registry.samplers):
         need = instance.program(request.task).estimate(instance, request)
+    return price_estimate(instance, request, need, cost_model, device=device)
+
+
+def price_estimate(
+    instance: ModelInstance, request: Request, need: ResourceRequest, cost_model: CostModel, *, device: str,
+) -> Reservation:
+    """``need`` (a program's or one loop's whole-life estimate for ``request``) as a reservation on ``device``."""
     seconds = need.gpu_seconds or 0.0
     for step in need.steps:
         spec = instance.card.loops.get(step.loop_id)

@@ -54,7 +54,7 @@ from fv_kernel.request.session import (
 )
 from fv_kernel.request.types import TaskType
 from fv_kernel.runtime.admission import Reservation
-from fv_kernel.runtime.pricing import pool_key
+from fv_kernel.runtime.pricing import price_estimate
 from fv_kernel.runtime.records import EVENT_CLASSES, GenerationResult, RequestRecord
 from fv_kernel.state import StateFormatError
 
@@ -283,20 +283,8 @@ class SessionManager:
 
     def _reservation(self, instance: ModelInstance, request: Request, loop: ChunkRolloutLoop[Any]) -> Reservation:
         """The rollout loop's whole-life estimate, priced like a request's (pool slabs included)."""
-        need = loop.estimate(request, instance)
-        seconds = need.gpu_seconds or 0.0
-        for step in need.steps:
-            seconds += self.engine.cost_model.price(instance.instance_id, step, instance.card.loops[step.loop_id].step_cost)
-        pools = instance.block_pools()
-        blocks: dict[str, int] = {}
-        for name, count in need.pool_blocks.items():
-            if name not in pools:
-                raise ValueError(f"{instance.model_id!r}'s rollout reserves blocks of pool {name!r}; "
-                                 f"the instance has {sorted(pools) or 'no pools'}")
-            blocks[pool_key(instance, name)] = count
         device = self.engine.scheduler.memory.device_of[instance.instance_id]
-        return Reservation(request.request_id, need.resident_bytes, need.peak_bytes, need.cache_blocks, seconds,
-                           pool_blocks=blocks, device=device)
+        return price_estimate(instance, request, loop.estimate(request, instance), self.engine.cost_model, device=device)
 
     def _enqueue(self, record: SessionRecord) -> SessionHandle:
         engine = self.engine
