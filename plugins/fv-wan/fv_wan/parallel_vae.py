@@ -23,12 +23,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fv_kernel.api import ParallelRuntime, StepOp, gather_sequence, halo_exchange, shard_sequence
 from fv_wan.models.vae import CausalCache, WanVAE
-from fv_wan.models.vae_blocks import AttentionBlock, CausalConv3d, Resample
+from fv_wan.models.vae_blocks import AttentionBlock, CausalConv3d, Resample, conv3d
 
 __all__ = ["split_decoder", "parallel_decode_op"]
 
@@ -39,7 +38,7 @@ def _halo_conv_padded(conv: CausalConv3d, group: Any) -> Any:
     _, pad_h, pad_w = conv.spatial_padding
 
     def conv_padded(self: CausalConv3d, buffer: torch.Tensor) -> torch.Tensor:
-        return F.conv3d(halo_exchange(buffer, ROWS, pad_h, group), self.weight, self.bias, self.stride, (0, 0, pad_w))
+        return conv3d(halo_exchange(buffer, ROWS, pad_h, group), self.weight, self.bias, self.stride, (0, 0, pad_w))
 
     return types.MethodType(conv_padded, conv)
 
@@ -48,7 +47,7 @@ def _halo_frame_conv(resample: Resample, group: Any) -> Any:
     def frame_conv(self: Resample, x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
         pad_h, pad_w = conv.padding  # type: ignore[misc]
         haloed = halo_exchange(x, ROWS, int(pad_h), group)
-        return F.conv3d(haloed, conv.weight.unsqueeze(2), conv.bias, (1, *conv.stride), (0, 0, int(pad_w)))
+        return conv3d(haloed, conv.weight.unsqueeze(2), conv.bias, (1, *conv.stride), (0, 0, int(pad_w)))
 
     return types.MethodType(frame_conv, resample)
 

@@ -22,6 +22,10 @@ from fv_kernel.parallel.launch import spawn
 
 STEPS = 3
 TOLERANCE = 1e-5
+#: The strip decode's convs run on other shapes than the whole frame's, and on the CPU oneDNN (fv-wan's
+#: VAE conv path there) blocks its sums by shape: fp32 roundoff through ~20 convs reaches ~1.3e-5 on
+#: [-1, 1] pixels. A missing halo row or a wrong strip is off by ~1e-1.
+VAE_TOLERANCE = 5e-5
 PLANS_2 = {"sp2": {"sp": 2}, "cfgp2": {"cfgp": 2}, "ring2": {"ring": 2}, "sp2_vae2": {"sp": 2, "vae": 2}}
 
 
@@ -171,7 +175,7 @@ def test_cfg_parallel_output_is_rank_invariant(pool_2: list[dict[str, Any]]) -> 
 def test_parallel_vae_decode_equals_single_device(pool_2: list[dict[str, Any]]) -> None:
     # Direct: a 64x96, 3-latent-frame stream (frames and the causal cache handed back) on both ranks.
     for rank, report in enumerate(pool_2):
-        assert report["sp2_vae2_direct_decode"] <= TOLERANCE, f"rank {rank}: {report['sp2_vae2_direct_decode']}"
+        assert report["sp2_vae2_direct_decode"] <= VAE_TOLERANCE, f"rank {rank}: {report['sp2_vae2_direct_decode']}"
     # Through the Engine (sp=2 x vae=2): the decode is a collective op every rank ran in order.
     leader, worker = pool_2[0]["sp2_vae2"]["ledger"], pool_2[1]["sp2_vae2"]["ledger"]
     assert leader == worker and {d.op for d in leader} == {"dit_forward:transformer", "vae_decode_frame"}
