@@ -161,10 +161,16 @@ def continued_recipe(start: Any, output_model_id: str, stage: RecipeSpec) -> Rec
 
 
 def context_length_of(card: Any) -> int:
-    """The prompt context the card's serving loop builds (its ``text_encode`` loop's ``max_sequence_length``):
-    training must see the same zero-padded rows, which Wan's cross-attention attends to, unmasked."""
+    """The prompt context the card's serving loop builds (the ``max_sequence_length`` of its ``text_encode``
+    loop, else of the loop that encodes its own prompts, as a causal card's ``realtime`` loop does): training
+    and evaluation must see the same zero-padded rows, which Wan's cross-attention attends to, unmasked."""
     loop = card.loops.get("text_encode")
-    return int(loop.config.get("max_sequence_length", CONTEXT_LENGTH)) if loop is not None else CONTEXT_LENGTH
+    if loop is not None:
+        return int(loop.config.get("max_sequence_length", CONTEXT_LENGTH))
+    lengths = {int(spec.config["max_sequence_length"]) for spec in card.loops.values() if "max_sequence_length" in spec.config}
+    if len(lengths) > 1:
+        raise ValueError(f"card {card.model_id!r}: its loops encode prompts at different lengths {sorted(lengths)}")
+    return lengths.pop() if lengths else CONTEXT_LENGTH
 
 
 def _embed_with_grad(text_encoder: Any) -> Callable[..., torch.Tensor]:

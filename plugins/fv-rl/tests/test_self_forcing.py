@@ -316,3 +316,22 @@ def test_the_wan_toy_causal_card_serves_the_shipped_weights_with_their_chunking(
     assert recipe.frames_per_chunk == provenance["recipe"]["options"]["chunk_frames"]
     # the sampler the student was trained with is the one the card serves
     assert sf.CausalSchedule.of(sf.SelfForcingOptions()).timesteps.tolist() == pytest.approx(list(recipe.timesteps), abs=1e-3)
+
+
+def test_the_causal_cards_prompt_context_is_its_realtime_loops_length():
+    """A causal card has no ``text_encode`` loop: its ``realtime`` loop encodes prompts at its recipe's
+    ``max_sequence_length`` (24 for wan-toy-causal). Reading Wan's default 512 there fed the reference
+    evaluation (bench/eval_toy_causal.py --backend reference) rows that serving never builds."""
+    from fv_rl.flow_matching import context_length_of
+    from fv_wan.toy_card import TOY_CONTEXT_LENGTH, wan_toy_causal_card
+
+    card = wan_toy_causal_card()
+    if card is None:
+        pytest.skip("wan-toy-causal's weights are not installed")
+    assert "text_encode" not in card.loops
+    assert context_length_of(card) == card.loops["realtime"].config["max_sequence_length"] == TOY_CONTEXT_LENGTH
+    clash = card.model_copy(update={"loops": {
+        **card.loops, "other": card.loops["realtime"].model_copy(update={"config": {
+            **card.loops["realtime"].config, "max_sequence_length": 32}})}})
+    with pytest.raises(ValueError, match="different lengths"):
+        context_length_of(clash)
