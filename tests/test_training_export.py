@@ -59,6 +59,41 @@ def test_a_passing_export_is_kept_with_the_trained_card_beside_it(tmp_path: Path
     assert again.checkpoint.source == str(moved) and again.recipe == recipe
 
 
+class _CheckedCard(_Family):
+    """Records the card its parity check was given (serve_as must not change what is checked)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.checked: list[ModelCard] = []
+
+    @hookimpl
+    def fv_check_parity(self, card: ModelCard, directory: Path) -> ParityResult | None:
+        self.checked.append(card)
+        return super().fv_check_parity(card, directory)
+
+
+def test_serve_as_writes_the_serving_card_after_checking_the_export(tmp_path: Path) -> None:
+    card, out, family = toy_card("toy-dit"), tmp_path / "export", _CheckedCard()
+
+    def causal(exported: ModelCard) -> ModelCard:  # stands in for a family's causal card builder
+        return exported.model_copy(update={"summary": "served by its chunk rollout"})
+
+    exported, _ = export_model(card, {"dit": object()}, out, _host(family), model_id="toy-trained", serve_as=causal)
+    assert [c.summary for c in family.checked] == [card.summary]  # checked as exported
+    assert exported.summary == "served by its chunk rollout" and exported.checkpoint.source == str(out.resolve())
+    assert read_card_file_beside(out).summary == "served by its chunk rollout"  # the card written beside the weights
+
+
+def test_an_invalid_serve_as_card_is_an_export_error(tmp_path: Path) -> None:
+    def broken(exported: ModelCard) -> ModelCard:
+        programs = {task: spec.model_copy(update={"loops": ("no-such-loop",)}) for task, spec in exported.programs.items()}
+        return exported.model_copy(update={"programs": programs})
+
+    with pytest.raises(ExportError, match="serve_as card for 'toy-dit' is invalid"):
+        export_model(toy_card("toy-dit"), {}, tmp_path / "export", _host(_Family(0.0)), serve_as=broken)
+    assert not (tmp_path / "export").exists()
+
+
 def test_a_failing_parity_check_refuses_the_export(tmp_path: Path) -> None:
     """The gate's negative control: the same export with a measured difference over the tolerance."""
     out = tmp_path / "export"

@@ -82,6 +82,11 @@ class TrainedModel:
     #: Loops (``LoopSpec`` by id) the exported card gains, e.g. the few-step loop a distilled
     #: recipe's ``assumes_loop`` names.
     loops: Mapping[str, Any] = field(default_factory=dict)
+    #: The card that serves the exported weights, made from the export once its parity check has
+    #: passed (the check runs on the export as the family builds it: the weights are what is checked).
+    #: A causal student distilled from a bidirectional teacher is served by a causal card (its
+    #: chunk-rollout loop and slab pool), not by the teacher's loops. None: the export is the card.
+    serve_as: Callable[["ModelCard"], "ModelCard"] | None = None
 
 
 @dataclass(frozen=True)

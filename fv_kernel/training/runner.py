@@ -20,7 +20,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -162,7 +162,7 @@ def run_training(
     summary = recipe.summary or card.summary
     exported, parity = export_model(
         card, trained.modules, output / "checkpoint", host, model_id=recipe.output_model_id, recipe=trained.recipe,
-        summary=summary, defaults=trained.defaults, loops=trained.loops,
+        summary=summary, defaults=trained.defaults, loops=trained.loops, serve_as=trained.serve_as,
     )
     (output / "training.json").write_text(json.dumps({
         "recipe": recipe.model_dump(mode="json"), "steps": dict(trained.steps), "seconds": round(seconds, 1),
@@ -184,6 +184,7 @@ def export_model(
     summary: str | None = None,
     defaults: Mapping[str, Any] | None = None,
     loops: Mapping[str, Any] | None = None,
+    serve_as: Callable[[ModelCard], ModelCard] | None = None,
 ) -> tuple[ModelCard, ParityResult]:
     """Export ``card`` (with ``modules`` replacing its components) to ``directory`` if its parity check passes.
 
@@ -191,6 +192,9 @@ def export_model(
     loop its recipe's ``assumes_loop`` names). The family's parity check then runs on the
     card's own loops with that assumption lifted: the reference (e.g. diffusers) runs the base
     loop, and the weights are what is checked; the added loop's sampler has its own tests.
+    ``serve_as`` (:attr:`TrainedModel.serve_as`) then makes the card written beside the weights
+    from the checked one (a causal card for a causal student); a card it returns that does not
+    validate is an :class:`ExportError`.
 
     The weights go to ``<directory>.unchecked`` first; the family's parity check runs there;
     on success the folder becomes ``directory`` with ``fv-card.json`` in it. On failure
@@ -235,7 +239,14 @@ def export_model(
             f"{parity.reference}{'; ' + parity.detail if parity.detail else ''}); the unchecked export is at {staging}",
             param="model",
         )
-    final = staged_card.model_copy(update={"checkpoint": staged_card.checkpoint.model_copy(update={"source": str(directory)})})
+    served = staged_card
+    if serve_as is not None:
+        try:
+            served = ModelCard.model_validate(serve_as(staged_card).model_dump())
+        except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            raise ExportError(f"the method's serve_as card for {staged_card.model_id!r} is invalid: {exc}; "
+                              f"the checked export is at {staging}", param="model") from exc
+    final = served.model_copy(update={"checkpoint": served.checkpoint.model_copy(update={"source": str(directory)})})
     final = ModelCard.model_validate(final.model_dump())
     (staging / CARD_FILE).write_text(final.model_dump_json(indent=2))
     if directory.exists():

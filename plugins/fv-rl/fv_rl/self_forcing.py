@@ -66,6 +66,7 @@ __all__ = [
     "SelfForcingOptions",
     "causal_forward",
     "causal_rollout",
+    "causal_serving_card",
     "scored_frames",
     "switch_prompt",
     "teacher_forcing_loss",
@@ -117,6 +118,11 @@ class SelfForcingOptions(BaseModel):
     chunk_frames: PositiveInt = 1
     #: Timestep (fraction of 1000) of the KV refresh forward of a finished chunk (0: the clean x0).
     context_noise: float = Field(default=0.0, ge=0.0, lt=1.0)
+    #: The exported causal card's attention window in chunks: the first ``sink_chunks`` and the latest
+    #: ``local_chunks`` (the chunk itself included). Training rollouts keep every chunk, so they must
+    #: fit it: ``max_prefix_chunks`` plus the scored window's chunks at most ``sink_chunks + local_chunks``.
+    sink_chunks: int = Field(default=1, ge=0)
+    local_chunks: PositiveInt = 8
     steps: PositiveInt = 200
     batch: PositiveInt = 2
     lr: float = Field(default=1e-5, gt=0)
@@ -255,6 +261,34 @@ def causal_rollout(
             causal_forward(model, refresh, torch.full((batch,), schedule.context_noise * TIMESTEP_SCALE), context, kv,
                            commit=True)
     return outputs
+
+
+def causal_serving_card(exported: Any, options: SelfForcingOptions, context_length: int, *, envelope: Any = None) -> Any:
+    """The card that serves a student: the export (the teacher's card with the student's weights) made
+    causal by fv-wan (its ``realtime`` chunk-rollout loop with this recipe's sampler, chunking, KV refresh
+    and window, the slab chunk-KV pool, the recipe assuming that loop), sized for the trained frame. The
+    teacher's trained ``envelope`` carries over at the student's size, its ``frames`` bound lifted (a stream
+    has no fixed length)."""
+    from fv_wan.causal import CausalRecipe, causal_card
+
+    defaults = exported.capabilities.defaults
+    height, width = options.height or defaults.height, options.width or defaults.width
+    recipe = CausalRecipe(
+        denoising_steps=options.denoising_timesteps, shift=options.timestep_shift, frames_per_chunk=options.chunk_frames,
+        sink_chunks=options.sink_chunks, local_chunks=options.local_chunks, context_noise=options.context_noise * TIMESTEP_SCALE,
+        max_sequence_length=context_length, max_height=height, max_width=width,
+    )
+    served_defaults = defaults.model_copy(update={
+        "height": height, "width": width, "steps": len(options.denoising_timesteps), "guidance": 1.0,
+        "shift": options.timestep_shift,
+    })
+    if envelope is not None:  # the student was trained at its window's size, for streams of any length
+        envelope = envelope.model_copy(update={"frames": None, "max_frames": None, "sizes": ((width, height),)})
+    return causal_card(
+        exported, model_id=exported.model_id, summary=exported.summary, recipe=recipe, sessions=8,
+        recipe_spec=exported.recipe.model_copy(update={"assumes_loop": "realtime", "envelope": envelope}),
+        defaults=served_defaults,
+    )
 
 
 def scored_frames(prefix_chunks: int, chunk_frames: int) -> slice:
@@ -422,6 +456,14 @@ class SelfForcing(RLMethod):
         scale = grid.pixels_per_token // config.patch_size[1]
         if height % grid.pixels_per_token or width % grid.pixels_per_token:
             raise RecipeError("options.height", f"height and width must be multiples of {grid.pixels_per_token}")
+        longest = o.max_prefix_chunks + latent_frames // o.chunk_frames
+        if longest > o.sink_chunks + o.local_chunks:
+            raise RecipeError(
+                "options.local_chunks",
+                f"a rollout of up to {longest} chunks ({o.max_prefix_chunks} before a switch and the window's "
+                f"{latent_frames // o.chunk_frames}) does not fit the served window of {o.sink_chunks} sink + "
+                f"{o.local_chunks} local chunks: serving would evict chunks training attended to",
+            )
         return (o.batch, config.in_channels, o.chunk_frames, height // scale, width // scale), latent_frames // o.chunk_frames
 
     def train(self, run: TrainingRun) -> TrainedModel:
@@ -546,6 +588,7 @@ class SelfForcing(RLMethod):
         return TrainedModel(
             modules={"transformer": student.cpu(), "text_encoder": text_encoder.cpu()},
             recipe=recipe, steps={"teacher_forcing": tf_steps, "self_forcing": steps_run} if tf_steps else {"self_forcing": steps_run},
+            serve_as=lambda exported: causal_serving_card(exported, o, context_length, envelope=card.recipe.envelope),
         )
 
     def _teacher_forcing(

@@ -19,6 +19,7 @@ from fv_kernel.api import (
     read_card_file_beside,
 )
 from fv_kernel.plugins import PluginHost
+from fv_kernel.training.recipe import load_recipe
 from fv_kernel.training.runner import run_training
 
 CHUNK = (2, 16, 1, 4, 4)  # (B, C, latent frames, H, W) of one chunk
@@ -253,6 +254,35 @@ def test_export_is_a_card_with_recipe_and_provenance(exported):
     assert provenance["steps"]["self_forcing"] == 4 and provenance["steps"]["teacher_forcing"] == 2
     assert provenance["recipe"]["method"] == "self_forcing" and exported.log.curves["teacher_forcing"]["flow"]
     assert provenance["teacher"]["transformer_sha256"][:16] in card.recipe.data_contract
+
+
+def test_the_export_is_a_causal_card_that_streams_a_session(exported):
+    """The card written beside a student's weights serves them causally (serve_as): its only loop is the
+    chunk rollout with the recipe's sampler and chunking, the recipe assumes it, and ``fv.load`` of the
+    export streams a session. The teacher's loops would run the student bidirectionally."""
+    import fv_kernel as fv
+    from fv_wan.causal import CausalRecipe
+
+    card = read_card_file_beside(exported.checkpoint)
+    options = sf.SelfForcingOptions(**load_recipe(CI_RECIPE).options)
+    assert set(card.loops) == {"realtime"} and card.recipe.assumes_loop == "realtime"
+    assert card.factory == "fv_wan.causal:build_causal_toy_instance" and "chunk_kv" in card.caches
+    recipe = CausalRecipe(**card.loops["realtime"].config)
+    assert (recipe.frames_per_chunk, recipe.sink_chunks, recipe.local_chunks) == (
+        options.chunk_frames, options.sink_chunks, options.local_chunks)
+    assert recipe.denoising_steps == options.denoising_timesteps and recipe.max_sequence_length == 24
+    assert card.capabilities.defaults.steps == len(options.denoising_timesteps) and card.recipe.envelope is not None
+    with fv.load(str(exported.checkpoint / "fv-card.json")).session(
+        "a red square moves left quickly on a black background", max_chunks=2) as session:
+        chunks = list(session)
+    assert [c.frames.shape[0] for c in chunks] == [1, 4] and all(torch.isfinite(c.frames).all() for c in chunks)
+
+
+def test_a_rollout_longer_than_the_served_window_is_refused(tmp_path):
+    recipe = load_recipe(CI_RECIPE)
+    short = recipe.model_copy(update={"options": {**recipe.options, "sink_chunks": 0, "local_chunks": 2}})
+    with pytest.raises(RecipeError, match="options.local_chunks"):
+        run_training(short, tmp_path / "run", PluginHost(), progress=False)
 
 
 def test_exported_weights_load_as_a_card_and_are_the_student(exported):
