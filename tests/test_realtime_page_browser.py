@@ -23,16 +23,13 @@ from fv_kernel.model.instance import build_instance
 from fv_kernel.runtime.engine import Engine
 from fv_kernel.runtime.scheduler import SchedulerConfig
 from fv_kernel.serving import ServerThread, create_app
-from fv_kernel.testing.browser import Browser, require_browser
+from fv_kernel.testing.browser import Browser, drive_realtime_page, realtime_page_browser, start_realtime_page
 from fv_kernel.testing.chunk_kit import chunk_toy_card
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Browser]:
-    require_browser()
-    b = Browser(tmp_path / "profile")
-    b.describe_page = lambda: (b.js("return window.fvRealtime"), b.js("return document.getElementById('log').innerText"))
-    yield b
-    b.close()
+    with realtime_page_browser(tmp_path / "profile") as b:
+        yield b
 
 
 def test_page_plays_chunks_and_acknowledges_a_prompt_update(browser: Browser, tmp_path: Path) -> None:
@@ -41,31 +38,7 @@ def test_page_plays_chunks_and_acknowledges_a_prompt_update(browser: Browser, tm
     engine.add_instance(build_instance(chunk_toy_card("toy-chunk", frames_per_chunk=2)))
     server = ServerThread(create_app(engine, deploy)).start()
     try:
-        browser.get(f"{server.url}/realtime")
-        assert browser.js("return MediaSource.isTypeSupported('video/mp4; codecs=\"avc1.64000A\"')"), \
-            "this chromium cannot play H.264 through MSE"
-        browser.js("""
-            const set = (id, v) => { document.getElementById(id).value = v; };
-            set('prompt', 'a red kite'); set('width', 32); set('height', 32); set('fps', 8); set('num-frames', 80);
-            document.getElementById('start').click();
-        """)
-        browser.wait("3 chunks", lambda: browser.js("return window.fvRealtime.chunks") >= 3)
-        first = browser.wait("playback to start", lambda: browser.js(
-            "const v = document.getElementById('video'); return v.currentTime > 0 && v.currentTime"))
-        browser.wait("currentTime to advance", lambda: browser.js(
-            "return document.getElementById('video').currentTime") > first + 0.2)
-        browser.js("""
-            document.getElementById('update').value = 'a blue kite';
-            document.getElementById('send-update').click();
-        """)
-        queued = browser.wait("the prompt update's ack", lambda: browser.js("return window.fvRealtime.queued"))
-        applied = browser.wait("the prompt update applied", lambda: browser.js("return window.fvRealtime.applied"))
-        assert applied == queued and len(queued) == 1
-        assert browser.js("return window.fvRealtime.errors") == []
-        assert browser.js("return document.getElementById('video').error") is None
-        browser.js("document.getElementById('stop').click()")
-        done = browser.wait("session.done", lambda: browser.js("return window.fvRealtime.done"))
-        assert done["chunks"] >= 3
+        drive_realtime_page(browser, server.url, prompt="a red kite", update="a blue kite", size=(32, 32), frames=80)
     finally:
         server.stop()
 
@@ -84,12 +57,7 @@ def test_negative_control_fragments_without_retiming_do_not_play_on(browser: Bro
     engine.add_instance(build_instance(chunk_toy_card("toy-chunk", frames_per_chunk=2)))
     server = ServerThread(create_app(engine, deploy)).start()
     try:
-        browser.get(f"{server.url}/realtime")
-        browser.js("""
-            const set = (id, v) => { document.getElementById(id).value = v; };
-            set('prompt', 'a red kite'); set('width', 32); set('height', 32); set('fps', 8); set('num-frames', 80);
-            document.getElementById('start').click();
-        """)
+        start_realtime_page(browser, server.url, prompt="a red kite", size=(32, 32), frames=80)
         browser.wait("8 chunks", lambda: browser.js("return window.fvRealtime.chunks") >= 8)  # 2 s of video
         time.sleep(2.0)
         assert browser.js("return document.getElementById('video').currentTime") <= 2 / 8 + 0.05

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fv_kernel.api import CARD_FILE, ExportError, ModelCard, ParityResult, RecipeError, RecipeSpec, hookimpl
+from fv_kernel.api import ExportError, ModelCard, ParityResult, RecipeError, RecipeSpec, hookimpl
 from fv_kernel.plugins import PluginHost
 from fv_kernel.testing.toy import toy_card
 from fv_kernel.training.recipe import load_recipe

@@ -8,16 +8,19 @@ machine that lost its browser cannot pass the page tests by skipping them).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Browser", "CHROMEDRIVER", "CHROMIUM", "require_browser"]
+__all__ = ["Browser", "CHROMEDRIVER", "CHROMIUM", "drive_realtime_page", "realtime_page_browser", "require_browser",
+           "start_realtime_page"]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -112,3 +115,62 @@ class Browser:
             self.http.close()
             self.driver.terminate()
             self.driver.wait(timeout=10)
+
+
+# -- the /realtime page (fv_kernel/serving/static/realtime.html): the kernel's and the families' page tests
+
+
+@contextlib.contextmanager
+def realtime_page_browser(profile: Path) -> Iterator[Browser]:
+    """A :class:`Browser` (after :func:`require_browser`) whose timeouts report the realtime page's state and log."""
+    require_browser()
+    browser = Browser(profile)
+    browser.describe_page = lambda: (browser.js("return window.fvRealtime"),
+                                     browser.js("return document.getElementById('log').innerText"))
+    try:
+        yield browser
+    finally:
+        browser.close()
+
+
+def start_realtime_page(browser: Browser, server_url: str, *, prompt: str, size: tuple[int, int], frames: int,
+                        fps: int = 8, model: str | None = None) -> None:
+    """Open ``/realtime`` and start a session from its form (``size`` is width, height)."""
+    browser.get(f"{server_url}/realtime")
+    fields = {"prompt": prompt, "width": size[0], "height": size[1], "fps": fps, "num-frames": frames,
+              **({"model": model} if model is not None else {})}
+    browser.js("""
+        for (const [id, value] of Object.entries(arguments[0])) { document.getElementById(id).value = value; }
+        document.getElementById('start').click();
+    """, fields)
+
+
+def drive_realtime_page(browser: Browser, server_url: str, *, prompt: str, update: str, size: tuple[int, int],
+                        frames: int, model: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """What the page tests check, in order: a session started from the page; 3 chunks arrive; the video
+    element plays (``currentTime`` advances); a prompt update typed into the page is acknowledged
+    (``session.update_queued``) and applied to a later chunk; no error event and no media error; stop
+    ends the session with ``session.done`` after at least 3 chunks. Returns that ``session.done``."""
+    start_realtime_page(browser, server_url, prompt=prompt, size=size, frames=frames, model=model)
+    assert browser.js("return MediaSource.isTypeSupported('video/mp4; codecs=\"avc1.64000A\"')"), \
+        "this chromium cannot play H.264 through MSE"
+    browser.wait("3 chunks", lambda: browser.js("return window.fvRealtime.chunks") >= 3, timeout=3 * timeout)
+    first = browser.wait("playback to start", lambda: browser.js(
+        "const v = document.getElementById('video'); return v.currentTime > 0 && v.currentTime"), timeout=timeout)
+    browser.wait("currentTime to advance", lambda: browser.js(
+        "return document.getElementById('video').currentTime") > first + 0.2, timeout=timeout)
+    browser.js(f"""
+        document.getElementById('update').value = {json.dumps(update)};
+        document.getElementById('send-update').click();
+    """)
+    queued = browser.wait("the prompt update's ack", lambda: browser.js("return window.fvRealtime.queued"), timeout=timeout)
+    applied = browser.wait("the prompt update applied", lambda: browser.js("return window.fvRealtime.applied"),
+                           timeout=3 * timeout)
+    assert applied == queued and len(queued) == 1, (queued, applied)
+    assert browser.js("return window.fvRealtime.errors") == []
+    assert browser.js("return document.getElementById('video').error") is None
+    browser.js("document.getElementById('stop').click()")
+    done: dict[str, Any] = browser.wait("session.done", lambda: browser.js("return window.fvRealtime.done"),
+                                        timeout=2 * timeout)
+    assert done["chunks"] >= 3, done
+    return done
