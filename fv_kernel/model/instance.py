@@ -90,6 +90,8 @@ class ModelInstance:
     components: dict[str, Any] = field(default_factory=dict)
     _ops: dict[str, StepOp] = field(default_factory=dict)
     _loops: dict[str, Loop] = field(default_factory=dict)
+    #: Per task: its program's loops that override ``Loop.check_request`` (resolved once, on first use).
+    _request_checkers: dict[TaskType, tuple[str, ...]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     #: The deployment's adapter registry (set by the engine); None: adapters are disabled.
     adapters: AdapterRegistry | None = None
@@ -241,6 +243,25 @@ class ModelInstance:
         if spec is None:
             raise InvalidRequest("loop", f"card {self.model_id!r} has no loop {loop_id!r}", allowed=sorted(self.card.loops))
         return loop_class_for(spec, self.registry)
+
+    def request_checking_loops(self, task: TaskType) -> tuple[str, ...]:
+        """The loops of ``task``'s program whose class overrides ``Loop.check_request``, in program order.
+
+        Resolved once per instance and task (validation asks on every request). A loop whose class
+        cannot be resolved is left out: its requests fail, typed, when the loop is built to run.
+        """
+        if task not in self._request_checkers:
+            program = self.card.programs.get(task)
+            checking = []
+            for loop_id in program.loops if program is not None else ():
+                try:
+                    loop_class = self.loop_class(loop_id)
+                except Exception:  # noqa: BLE001 - the engine logged it at load
+                    continue
+                if loop_class.check_request is not Loop.check_request:
+                    checking.append(loop_id)
+            self._request_checkers[task] = tuple(checking)
+        return self._request_checkers[task]
 
     def program(self, task: TaskType) -> Program:
         return program_for(self.card, task)

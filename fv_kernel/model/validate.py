@@ -24,7 +24,6 @@ from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.card.recipe import (
     OVERRIDE_HINT, check_envelope, check_recipe_attention, describe_loop, sampler_short_name, select_denoise_loop,
 )
-from fv_kernel.loop.contract import Loop
 from fv_kernel.loop.samplers import registered_samplers
 from fv_kernel.request.request import _REQUIRED_PARTS, DiffusionParams, Request
 from fv_kernel.request.types import TaskType
@@ -372,17 +371,10 @@ def resolve_for_instance(instance: ModelInstance, request: Request, limits: Requ
 def _check_loops(instance: ModelInstance, request: Request) -> None:
     """Each loop of the request's program that overrides ``Loop.check_request`` refuses what it can never run.
 
-    Only those loops are built here (others keep building lazily, in the scheduler); a loop whose
-    class cannot be resolved is left to fail its requests when they run, as it did before.
+    Only those loops are built here (others keep building lazily, in the scheduler).
     """
-    program = instance.card.programs.get(request.task)
-    for loop_id in program.loops if program is not None else ():
-        try:
-            loop_class = instance.loop_class(loop_id)
-        except Exception:  # noqa: BLE001 - the engine logged it at load; the request fails, typed, when it runs
-            continue
-        if loop_class.check_request is not Loop.check_request:
-            instance.loop(loop_id).check_request(request, instance)
+    for loop_id in instance.request_checking_loops(request.task):
+        instance.loop(loop_id).check_request(request, instance)
 
 
 def _check_adapters_on_fp8(instance: ModelInstance, request: Request) -> None:
