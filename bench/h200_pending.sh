@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The H200 measurements the open issues still wait for, in two parts that each fit one device call
+# (10 minutes): `bash bench/h200_pending.sh 1` and `bash bench/h200_pending.sh 2`. Every bench runs
+# under its own timeout, writes its JSON under $OUT (default out/h200) and its log beside it, so a
+# bench that fails or runs out of time costs only its own slot; the last lines of each log are
+# printed at the end. docs/benchmarks.md says which section records each figure.
+#
+# The device machine has torch and triton but not every package: wheels carried in .whlb/ (pydantic,
+# diffusers, stevedore, ...) are installed into /tmp/site first when that folder is present.
+set -u
+part="${1:?usage: bash bench/h200_pending.sh 1|2}"
+case "$part" in 1|2) ;; *) echo "part must be 1 or 2, got $part" >&2; exit 2 ;; esac
+out="${OUT:-out/h200}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [ -d .whlb ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlb/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/fv-wan -e plugins/fv-rl \
+    -e plugins/fv-cosmos3 > "$out/install.log" 2>&1 || { tail -n 20 "$out/install.log"; exit 1; }
+
+run() {  # run NAME SECONDS COMMAND...: one bench, its log at $out/NAME.log
+    local name="$1" seconds="$2"
+    shift 2
+    echo "== $name (at most ${seconds} s): $*"
+    timeout "$seconds" "$@" > "$out/$name.log" 2>&1
+    echo "== $name: exit $?"
+}
+
+case "$part" in
+1)
+    # issue 32: one session's FPS and first chunk, prompt updates, 2 and 4 sessions (1.3B causal, bf16)
+    run realtime 200 python3 bench/bench_realtime.py "$out/realtime.json" --seconds 20
+    # issue 34: the precision paths' step times and quality on Wan 1.3B
+    run precision 150 python3 bench/bench_precision.py "$out/precision"
+    # issue 36 section 1: Cosmos 3's graphed decode against eager
+    run cosmos3_decode 150 python3 bench/bench_cosmos3.py "$out/cosmos3_decode.json" --card cosmos3-nano --sections decode
+    ;;
+2)
+    # issue 36 section 2: the statistical tier contract on FastWan (3 samples), then the default path end to end
+    # (the e2e section also prints the loops' host share of execute time: section 3)
+    run tier_parity 260 python3 bench/bench_tier_parity.py --card fastwan2.1-t2v-1.3b --device cuda --tiers fused graphs \
+        --samples 3 --budget-s 240 --cache-dir /tmp/tier_cache --record "$out/tier_parity_h200.json" --json "$out/tier_parity.json"
+    run gpu_e2e 150 python3 bench/bench_gpu.py "$out/gpu" --skip matmul dit diffusers graphs step_parts vae step_batching \
+        compiled --concurrency 1 8 --budget-s 140
+    # issue 36 section 4: the main job's cold start on the GPU machine
+    run cold_start 100 python3 bench/bench_first_request.py --cold-start --device cuda --runs 2
+    ;;
+esac
+for log in "$out"/*.log; do
+    echo "---- $log"
+    tail -n 6 "$log"
+done
