@@ -69,11 +69,17 @@ def chunk_rotary(model: WanTransformer, grid: tuple[int, int, int], start_frame:
     return outputs[0], outputs[1]
 
 
+#: ``attention(q, k, v)`` over (B, L, heads, head_dim); also the self-attention core's signature.
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+SelfAttentionCore = AttentionFn
+
+
 def _causal_block(
-    block: WanTransformerBlock, x: torch.Tensor, inputs: WanBlockInputs, history: LayerKV | None,
-    attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    block: WanTransformerBlock, x: torch.Tensor, inputs: WanBlockInputs, self_attention: SelfAttentionCore,
+    attention_fn: AttentionFn,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``WanTransformerBlock.forward`` (eager) with the self-attention over [history, own K/V].
+    """``WanTransformerBlock.forward`` (eager) with its self-attention core replaced by ``self_attention``
+    (the chunk's queries, K after RoPE and V -> attended values; it adds the history in front of K/V).
 
     Returns the block output and the chunk's K (after RoPE) and V for the cache.
     """
@@ -87,11 +93,7 @@ def _causal_block(
     cos, sin = inputs.rotary
     query = apply_rotary(query, cos, sin)
     key = apply_rotary(key, cos, sin)
-    keys, values = key, value
-    if history is not None and history[0].shape[1] > 0:
-        keys = torch.cat([history[0].to(key.dtype), key], dim=1)
-        values = torch.cat([history[1].to(value.dtype), value], dim=1)
-    attended = attn._project_out(_attend(attention_fn, query, keys, values), query)
+    attended = attn._project_out(self_attention(query, key, value), query)
     x = (x.float() + attended * gate_sa).type_as(x)
 
     normed = _fp32_layer_norm(block.norm2, x).type_as(x) if isinstance(block.norm2, torch.nn.LayerNorm) else x
@@ -99,6 +101,34 @@ def _causal_block(
 
     normed = (_fp32_layer_norm(block.norm3, x) * (1 + scale_ff) + shift_ff).type_as(x)
     return (x.float() + block.ffn(normed).float() * gate_ff).type_as(x), key, value
+
+
+def _over_history(history: LayerKV | None, attention_fn: AttentionFn) -> SelfAttentionCore:
+    """Every row's queries over [``history``, its own K/V] (one history for all rows: same length)."""
+
+    def core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if history is not None and history[0].shape[1] > 0:
+            key = torch.cat([history[0].to(key.dtype), key], dim=1)
+            value = torch.cat([history[1].to(value.dtype), value], dim=1)
+        return _attend(attention_fn, query, key, value)
+
+    return core
+
+
+def _per_row(histories: Sequence[LayerKV | None], attention_fn: AttentionFn) -> SelfAttentionCore:
+    """Row ``b``'s queries over [``histories[b]``, row b's own K/V]: B sessions' chunks in one forward.
+
+    Per row rather than one padded call with a key-padding mask: rows keep the unmasked attention
+    backend (flash/cuDNN on CUDA), nothing is padded or copied, and on CPU the loop was as fast or
+    faster (docs/realtime.md, "Batching sessions").
+    """
+
+    def core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        rows = [_over_history(history, attention_fn)(query[r : r + 1], key[r : r + 1], value[r : r + 1])
+                for r, history in enumerate(histories)]
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+    return core
 
 
 def causal_chunk_forward(
@@ -110,7 +140,7 @@ def causal_chunk_forward(
     start_frame: int,
     history: Sequence[LayerKV | None] | None = None,
     kv_sink: KVSink | None = None,
-    attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    attention_fn: AttentionFn | None = None,
 ) -> torch.Tensor:
     """The flow prediction (B, C_out, F, H, W) of one chunk ``latents`` (B, C, F, H, W).
 
@@ -127,7 +157,8 @@ def causal_chunk_forward(
     attend = attention_fn or model.attention_fn or F.scaled_dot_product_attention
     x = inputs.x
     for index, block in enumerate(model.blocks):
-        x, key, value = _causal_block(block, x, inputs, history[index] if history is not None else None, attend)
+        layer = history[index] if history is not None else None
+        x, key, value = _causal_block(block, x, inputs, _over_history(layer, attend), attend)
         if kv_sink is not None:
             kv_sink(index, key, value)
     return model.finish(x, inputs)
@@ -142,45 +173,6 @@ def _rows_rotary(model: WanTransformer, grid: tuple[int, int, int], start_frames
     return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
 
 
-def _causal_batch_block(
-    block: WanTransformerBlock, x: torch.Tensor, inputs: WanBlockInputs, histories: Sequence[LayerKV | None],
-    attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_causal_block` over B rows of different sessions: the projections, norms, modulation
-    (per-row timestep), cross-attention (per-row prompt) and FFN run on all rows at once; only the
-    self-attention core runs per row, each row's queries over [its own history, its own K/V].
-
-    Per row rather than one padded call with a key-padding mask: rows keep the unmasked attention
-    backend (flash/cuDNN on CUDA), nothing is padded or copied, and on CPU the loop was as fast or
-    faster (docs/realtime.md, "Batching sessions").
-    """
-    shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
-        block.scale_shift_table + inputs.timestep_proj.float()
-    ).unbind(2)
-    attn = block.attn1
-    normed = (_fp32_layer_norm(block.norm1, x) * (1 + scale_sa) + shift_sa).type_as(x)
-    query = attn._query(normed)
-    key, value = attn._key_value(normed)
-    cos, sin = inputs.rotary
-    query = apply_rotary(query, cos, sin)
-    key = apply_rotary(key, cos, sin)
-    rows = []
-    for row, history in enumerate(histories):
-        keys, values = key[row : row + 1], value[row : row + 1]
-        if history is not None and history[0].shape[1] > 0:
-            keys = torch.cat([history[0].to(key.dtype), keys], dim=1)
-            values = torch.cat([history[1].to(value.dtype), values], dim=1)
-        rows.append(_attend(attention_fn, query[row : row + 1], keys, values))
-    attended = attn._project_out(torch.cat(rows) if len(rows) > 1 else rows[0], query)
-    x = (x.float() + attended * gate_sa).type_as(x)
-
-    normed = _fp32_layer_norm(block.norm2, x).type_as(x) if isinstance(block.norm2, torch.nn.LayerNorm) else x
-    x = x + block.attn2.cross_attention(normed, inputs.context, inputs.context_image, attention_fn)
-
-    normed = (_fp32_layer_norm(block.norm3, x) * (1 + scale_ff) + shift_ff).type_as(x)
-    return (x.float() + block.ffn(normed).float() * gate_ff).type_as(x), key, value
-
-
 def causal_batch_forward(
     model: WanTransformer,
     latents: torch.Tensor,
@@ -190,7 +182,7 @@ def causal_batch_forward(
     start_frames: Sequence[int],
     histories: Sequence[Sequence[LayerKV | None] | None],
     kv_sinks: Sequence[KVSink | None] | None = None,
-    attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    attention_fn: AttentionFn | None = None,
 ) -> torch.Tensor:
     """:func:`causal_chunk_forward` of B chunks of B different streams in one forward.
 
@@ -215,7 +207,7 @@ def causal_batch_forward(
     x = inputs.x
     for index, block in enumerate(model.blocks):
         layer = [h[index] if h is not None else None for h in histories]
-        x, key, value = _causal_batch_block(block, x, inputs, layer, attend)
+        x, key, value = _causal_block(block, x, inputs, _per_row(layer, attend), attend)
         if kv_sinks is not None:
             for row, sink in enumerate(kv_sinks):
                 if sink is not None:
