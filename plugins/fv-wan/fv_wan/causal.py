@@ -133,6 +133,11 @@ class CausalRecipe(BaseModel):
     #: The largest frame (pixels) a session may ask for: it sizes the pool's slabs.
     max_height: int = Field(gt=0)
     max_width: int = Field(gt=0)
+    #: A prompt update that arrives while a chunk is part-way through its denoise steps: ``restart``
+    #: that chunk under the new prompt from fresh noise (the first chunk that follows the update comes
+    #: about one chunk's time after it), or finish it under the old prompt and apply the update at the
+    #: next ``boundary`` (up to two chunks' time; no forward is thrown away).
+    prompt_update: Literal["restart", "boundary"] = "restart"
 
     @model_validator(mode="after")
     def _check(self) -> "CausalRecipe":
@@ -592,13 +597,23 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
         return state
 
     def update_prompt(self, state: CausalWanState, prompt: str, version: int) -> CausalWanState:
-        """Queue the prompt; when no step of the current chunk has run yet (the runtime calls this between a
-        chunk's decode and its first forward), that is the boundary: the chunk is generated under it."""
+        """Queue the prompt. When no step of the current chunk has run yet (the runtime calls this between a
+        chunk's decode and its first forward), that is the boundary: the chunk is generated under it. A chunk
+        part-way through its denoise steps restarts under it from fresh noise (recipe ``prompt_update:
+        restart``; its slab is written only at the KV refresh, so nothing else changes) or keeps the old
+        prompt (``boundary``); a chunk at its KV refresh or decode is finished, and the update waits for
+        the next chunk."""
         state = super().update_prompt(state, prompt, version)
-        if state.phase in ("text", "denoise") and state.chunk_step == 0:
+        in_progress = state.phase == "denoise" and state.chunk_step > 0
+        if state.phase == "text" or (state.phase == "denoise" and (
+                state.chunk_step == 0 or self._recipe.prompt_update == "restart")):
             state = self.apply_pending_prompt(state)
             ids, mask = self._tokenize(state.prompt)
-            state = state.model_copy(update={"phase": "text", "text_ids": ids, "text_mask": mask})
+            update: dict[str, Any] = {"phase": "text", "text_ids": ids, "text_mask": mask}
+            if in_progress:
+                latents, rng = self._draw(state.rng_state, (1, *state.latent_shape))
+                update.update({"latents": latents, "rng_state": rng, "chunk_step": 0})
+            state = state.model_copy(update=update)
         return state
 
     def suspend(self, state: CausalWanState, ctx: LoopContext) -> CausalWanState:

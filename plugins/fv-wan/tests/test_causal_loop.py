@@ -125,15 +125,21 @@ def test_renoise_draws_fresh_noise_each_step() -> None:
     assert abs(float(corr)) < 0.5
 
 
+def _steps(instance: Any, state: Any, count: int) -> tuple[Any, list[Any]]:
+    loop, plans = instance.loop("realtime"), []
+    for _ in range(count):
+        plan = loop.next(state)
+        plans.append(plan)
+        state = loop.advance(state, StepResult(outputs=instance.op(plan.op).fn(plan.inputs, plan.params)))
+    return state, plans
+
+
 def test_prompt_update_applies_at_the_next_chunk_boundary() -> None:
-    instance = tiny_instance()
+    instance = tiny_instance(prompt_update="boundary")
     loop = instance.loop("realtime")
     request = make_request(CARD)
     state, _ = run_loop(instance, request, until_chunk=1)
-    # queued while chunk 1 is being generated (after its first denoise step)
-    plan = loop.next(state)
-    state = loop.advance(state, StepResult(
-        outputs=instance.op(plan.op).fn(plan.inputs, plan.params)))
+    state, _ = _steps(instance, state, 1)  # queued while chunk 1 is being generated (after its first denoise step)
     context_before = state.context
     state = loop.update_prompt(state, "a blue cube", 1)
     state, plans = run_loop(instance, request, state=state)
@@ -144,6 +150,41 @@ def test_prompt_update_applies_at_the_next_chunk_boundary() -> None:
     assert not torch.equal(state.context, context_before)
     with pytest.raises(InvalidRequest):
         loop.update_prompt(state, "stale", 1)
+
+
+def test_prompt_update_restarts_a_chunk_part_way_through_its_denoise_steps() -> None:
+    """The default (``prompt_update: restart``): chunk 1, one step in when the update arrives, is generated
+    again under the new prompt from fresh noise; chunk 0 is untouched and the slab is written once."""
+    instance = tiny_instance()
+    loop = instance.loop("realtime")
+    request = make_request(CARD)
+    plain, plain_plans = run_loop(instance, request)
+    loop.release(plain.request_id, instance)
+    state, first = run_loop(instance, request, until_chunk=1)
+    state, dropped = _steps(instance, state, 1)
+    state = loop.update_prompt(state, "a blue cube", 1)
+    assert (state.phase, state.chunk_step, state.prompt_version) == ("text", 0, 1)
+    state, rest = run_loop(instance, request, state=state)
+    assert [c.prompt_version for c in state.ready] == [0, 1, 1]  # chunk 1 restarted under version 1
+    ops = [p.op for p in rest]
+    assert ops[0] == "encode_text" and ops[1:7] == ["causal_forward"] * 5 + ["vae_decode_chunk"]
+    assert sum(bool(p.inputs["commit"]) for p in dropped + rest if p.op == "causal_forward") == 2  # chunks 1 and 2
+    a, b = generated_latents(plain_plans), generated_latents(first + dropped + rest)
+    assert torch.equal(a[0], b[0]) and not torch.allclose(a[1], b[1])
+
+
+def test_under_restart_a_finished_chunk_keeps_its_prompt() -> None:
+    """At the chunk's KV refresh its denoise steps are done: the update waits for the next chunk."""
+    instance = tiny_instance()
+    loop = instance.loop("realtime")
+    request = make_request(CARD)
+    state, _ = run_loop(instance, request, until_chunk=1)
+    state, _ = _steps(instance, state, 4)
+    assert state.phase == "commit"
+    state = loop.update_prompt(state, "a blue cube", 1)
+    assert state.prompt_version == 0 and state.pending_version == 1
+    state, _ = run_loop(instance, request, state=state)
+    assert [c.prompt_version for c in state.ready] == [0, 0, 1]
 
 
 def test_prompt_update_changes_the_chunks_after_it() -> None:

@@ -37,9 +37,11 @@ CHUNKS = 3
 # --------------------------------------------------------------------------- the code under test, driven
 
 
-def tiny_causal_card(*, sink: int = 0, local: int = 8, model_id: str = "wan-tiny-causal", sessions: int = 2) -> Any:
+def tiny_causal_card(*, sink: int = 0, local: int = 8, model_id: str = "wan-tiny-causal", sessions: int = 2,
+                     prompt_update: str = "restart") -> Any:
     base = next(c for c in wan_cards() if c.model_id == "wan-tiny")
-    recipe = CausalRecipe(max_height=SIZE, max_width=SIZE, sink_chunks=sink, local_chunks=local, max_sequence_length=16)
+    recipe = CausalRecipe(max_height=SIZE, max_width=SIZE, sink_chunks=sink, local_chunks=local, max_sequence_length=16,
+                          prompt_update=prompt_update)
     return causal_card(base, model_id=model_id, summary="tiny causal (tests)", recipe=recipe, sessions=sessions,
                        recipe_spec=base.recipe.model_copy(update={"assumes_loop": "realtime", "method": "self_forcing_dmd"}))
 
