@@ -10,7 +10,12 @@ fv's peak is made of: the resident part (weights, output video, the causal cache
 largest, each counted from the tensors) and the rest, transient activations and conv
 workspace, by difference.
 
-Without CUDA the script prints that it skipped and exits 0, unless ``--smoke``: then it runs
+``--cpu`` runs the same rows on the CPU with the real Wan 2.1 decoder in fp32 at a small latent
+(default 3x16x16: 9 frames at 128x128): fv's 3D convs go through oneDNN there, diffusers' through
+PyTorch's ``slow_conv3d``, so the ratio is what a CPU user gets (the fused rows run the torch
+reference ops).
+
+Without CUDA the script prints that it skipped and exits 0, unless ``--smoke`` or ``--cpu``: ``--smoke`` runs
 every path at tiny size on CPU (fused = the torch reference ops; times mean nothing) and
 reports the decode's *activation* peak, the most bytes of tensor storage alive at once while
 decoding, counted op by op (weights and the pre-allocated latent excluded; conv workspace
@@ -19,6 +24,7 @@ without a GPU.
 
     python bench/bench_vae_decode.py out/vae             # on a CUDA machine
     python bench/bench_vae_decode.py /tmp/vae --smoke    # CPU, tiny
+    python bench/bench_vae_decode.py /tmp/vae --cpu      # CPU, the real decoder at 3x16x16
 """
 
 from __future__ import annotations
@@ -134,15 +140,16 @@ def _time(device: torch.device, fn: Callable[[], Any], iters: int) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() and not (args.smoke or args.cpu) else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype if device.type == "cuda" else "fp32"]
-    config = WanVAEConfig.wan21() if device.type == "cuda" else SMOKE_CONFIG
-    latent = tuple(args.latent) if device.type == "cuda" else (2, 4, 6)
+    real = not args.smoke  # the Wan 2.1 decoder (CUDA, or --cpu), else the tiny smoke config
+    config = WanVAEConfig.wan21() if real else SMOKE_CONFIG
+    latent = (tuple(args.latent or ((21, 60, 104) if device.type == "cuda" else (3, 16, 16)))) if real else (2, 4, 6)
     vae = random_decoder(config, device, dtype)
     g = torch.Generator(device=device).manual_seed(4)
     z = torch.randn(1, config.z_dim, *latent, generator=g, device=device).to(dtype)
     fused: FusedOps = TritonFusedOps() if device.type == "cuda" else TorchFusedOps()
-    iters = args.iters if device.type == "cuda" else 1
+    iters = args.iters if real else 1
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                            "latent": "x".join(map(str, latent)), "dtype": str(dtype).removeprefix("torch."),
                            "fused_ops": fused.name, "torch": torch.__version__}  # fmt: skip
@@ -221,13 +228,15 @@ def main() -> int:
     parser.add_argument("output", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny config on CPU (times mean nothing)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="CUDA only; CPU runs fp32")
-    parser.add_argument("--latent", type=int, nargs=3, default=(21, 60, 104), metavar=("T", "H", "W"))
+    parser.add_argument("--cpu", action="store_true", help="the real decoder on CPU in fp32 (default latent 3x16x16)")
+    parser.add_argument("--latent", type=int, nargs=3, default=None, metavar=("T", "H", "W"),
+                        help="default 21 60 104 on CUDA, 3 16 16 with --cpu")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--frame-chunk", type=int, default=1,
                         help="frames per chunk for the chunked rows (the decoder's full-resolution stages)")
     args = parser.parse_args()
-    if not torch.cuda.is_available() and not args.smoke:
-        print("bench_vae_decode: no CUDA device; skipped (use --smoke for the CPU dry run)")
+    if not torch.cuda.is_available() and not (args.smoke or args.cpu):
+        print("bench_vae_decode: no CUDA device; skipped (--cpu: the real decoder on CPU; --smoke: the CPU dry run)")
         return 0
     if args.smoke:
         torch.set_num_threads(1)  # tiny convs: more threads only contend on a shared CPU
