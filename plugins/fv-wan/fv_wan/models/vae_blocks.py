@@ -76,10 +76,10 @@ def _history_after(previous: Tensor | None, x: Tensor) -> Tensor:
 def conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, ...], padding: tuple[int, ...]) -> Tensor:
     """``F.conv3d`` (no dilation, one group), through oneDNN for fp32 on the CPU.
 
-    PyTorch's CPU dispatch sends these convs to its im2col ``slow_conv3d``, 3-8x slower than oneDNN
-    at the VAE's shapes (a 24-channel 3x3x3 conv at 4x66x66: 13.6 vs 2.0 ms on 2 cores), and the
-    realtime CPU session spends most of a chunk there. Same math, another summation order: results
-    agree to ~1e-6 relative. Autograd works through it (the op has a derivative).
+    PyTorch's CPU dispatch sends these convs to its im2col ``slow_conv3d``, several times slower than
+    oneDNN at narrow layers: the toy VAE's chunk decode in a realtime CPU session took 0.356 s that
+    way and 0.038 s this way (docs/benchmarks.md). Same math, another summation order: results agree
+    to ~1e-6 relative. Autograd works through it (the op has a derivative).
     """
     if x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.is_available() \
             and torch.backends.mkldnn.enabled:
