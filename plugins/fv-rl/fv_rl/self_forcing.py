@@ -142,6 +142,10 @@ class SelfForcingOptions(BaseModel):
     log_every: PositiveInt = 10
     #: The causal warm start on toy-world clips (None or 0 steps: none).
     teacher_forcing: TeacherForcingStage | None = None
+    #: An earlier ``self_forcing`` export (its output folder or its ``checkpoint`` folder) whose student
+    #: starts this run instead of the teacher's weights, so runs add up (a CPU budget per session). Its
+    #: ``provenance.json`` must name the same teacher weights (sha256); both runs are in the new provenance.
+    init_student: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> SelfForcingOptions:
@@ -481,6 +485,7 @@ class SelfForcing(RLMethod):
         teacher = run.instance.component("transformer").eval().requires_grad_(False)
         teacher_digest = weights_digest(teacher)
         student = copy.deepcopy(teacher).train().requires_grad_(True)
+        continued = self._init_student(run, student, teacher_digest) if o.init_student else None
         critic = copy.deepcopy(teacher).train().requires_grad_(True)
         opt_student = torch.optim.AdamW(student.parameters(), lr=o.lr, betas=(0.0, 0.999), weight_decay=0.0)
         opt_critic = torch.optim.AdamW(critic.parameters(), lr=o.critic_lr, betas=(0.0, 0.999), weight_decay=0.0)
@@ -565,6 +570,7 @@ class SelfForcing(RLMethod):
             "seed": run.recipe.seed,
             "git_commit": commit,
             "torch": torch.__version__,
+            **({"continued_from": continued} if continued is not None else {}),
         }
         run.output.mkdir(parents=True, exist_ok=True)
         (run.output / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
@@ -579,6 +585,8 @@ class SelfForcing(RLMethod):
                 + (f"warm start: teacher forcing on toy-world clips (seed {o.teacher_forcing.data_seed}, {o.teacher_forcing.clips} "
                    f"clips, half bounces switching after {o.teacher_forcing.prefix_chunks} chunks), {tf_steps} steps x batch "
                    f"{o.teacher_forcing.batch}, lr {o.teacher_forcing.lr}; " if tf_steps else "")
+                + (f"continued from an earlier student (transformer sha256 {continued['transformer_sha256'][:16]}, "
+                   f"{continued['steps']}); " if continued is not None else "")
                 + f"prompts {o.prompt_source}" + (f" ({len(o.prompts)})" if o.prompt_source == "list" else "")
                 + f", switches {o.switch_prob:g} after 1..{o.max_prefix_chunks} chunks; {steps_run} steps x batch "
                 f"{o.batch} ({steps_run // o.critic_updates} student updates, critic {o.critic_updates}:1), lr {o.lr} / "
@@ -590,6 +598,31 @@ class SelfForcing(RLMethod):
             recipe=recipe, steps={"teacher_forcing": tf_steps, "self_forcing": steps_run} if tf_steps else {"self_forcing": steps_run},
             serve_as=lambda exported: causal_serving_card(exported, o, context_length, envelope=card.recipe.envelope),
         )
+
+    def _init_student(self, run: TrainingRun, student: Any, teacher_digest: str) -> dict[str, Any]:
+        """Load an earlier export's transformer into ``student`` (through the family's own loader); what
+        the new provenance records of it."""
+        from fv_kernel.api import InstanceOptions, build_instance, read_card_file_beside
+
+        o: SelfForcingOptions = self.options  # type: ignore[assignment]
+        folder = Path(o.init_student).expanduser()  # type: ignore[arg-type]
+        checkpoint = folder / "checkpoint" if (folder / "checkpoint" / "fv-card.json").is_file() else folder
+        provenance_file = next((p for p in (checkpoint / PROVENANCE_FILE, checkpoint.parent / PROVENANCE_FILE)
+                                if p.is_file()), None)
+        if not (checkpoint / "fv-card.json").is_file() or provenance_file is None:
+            raise RecipeError("options.init_student", f"{folder} is not a self_forcing export (no fv-card.json "
+                                                      f"with {PROVENANCE_FILE} beside it)")
+        earlier = json.loads(provenance_file.read_text())
+        if earlier.get("method") != self.name or earlier.get("teacher", {}).get("transformer_sha256") != teacher_digest:
+            raise RecipeError("options.init_student", f"{folder} was not distilled by {self.name} from this teacher "
+                                                      f"(transformer sha256 {teacher_digest[:16]})")
+        card = read_card_file_beside(checkpoint)
+        instance = build_instance(card, InstanceOptions(device="cpu", precision="fp32", source=str(checkpoint)))
+        weights = instance.component("transformer").state_dict()
+        student.load_state_dict(weights, strict=True)
+        return {"path": str(checkpoint), "transformer_sha256": weights_digest(student), "steps": earlier.get("steps"),
+                "git_commit": earlier.get("git_commit"), **({"continued_from": earlier["continued_from"]}
+                                                             if "continued_from" in earlier else {})}
 
     def _teacher_forcing(
         self, run: TrainingRun, student: Any, encode: Callable[[list[str]], torch.Tensor], chunk_shape: tuple[int, ...],

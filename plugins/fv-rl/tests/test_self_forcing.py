@@ -365,3 +365,43 @@ def test_the_causal_cards_prompt_context_is_its_realtime_loops_length():
             **card.loops["realtime"].config, "max_sequence_length": 32}})}})
     with pytest.raises(ValueError, match="different lengths"):
         context_length_of(clash)
+
+
+def _transformer_digest(checkpoint: Path) -> str:
+    return _safetensors_digest(checkpoint / "transformer" / "diffusion_pytorch_model.safetensors")
+
+
+def test_a_run_continues_an_earlier_student(exported, tmp_path):
+    """``init_student``: the student starts from an earlier export, not the teacher. One step with no
+    student update (critic first) exports the earlier student unchanged; the same run without it exports
+    the teacher's weights (negative control)."""
+    recipe = load_recipe(CI_RECIPE)
+    options = {**recipe.options, "teacher_forcing": None, "steps": 1}
+    earlier = _transformer_digest(exported.checkpoint)
+    again = run_training(recipe.model_copy(update={"options": {**options, "init_student": str(exported.checkpoint.parent)}}),
+                         tmp_path / "again", PluginHost(), progress=False)
+    assert _transformer_digest(again.checkpoint) == earlier
+    provenance = json.loads((again.checkpoint.parent / sf.PROVENANCE_FILE).read_text())
+    assert provenance["continued_from"]["transformer_sha256"] == earlier
+    assert provenance["continued_from"]["steps"] == {"teacher_forcing": 2, "self_forcing": 4, "student_updates": 2}
+    assert f"continued from an earlier student (transformer sha256 {earlier[:16]}" in again.card.recipe.data_contract
+    fresh = run_training(recipe.model_copy(update={"options": options}), tmp_path / "fresh", PluginHost(), progress=False)
+    teacher = _transformer_digest(WEIGHTS / "wan-toy")
+    assert _transformer_digest(fresh.checkpoint) == teacher != earlier
+
+
+def test_init_student_must_be_an_export_of_this_teacher(exported, tmp_path):
+    recipe = load_recipe(CI_RECIPE)
+    with pytest.raises(RecipeError, match="options.init_student.*not a self_forcing export"):
+        run_training(recipe.model_copy(update={"options": {**recipe.options, "init_student": str(tmp_path)}}),
+                     tmp_path / "run", PluginHost(), progress=False)
+    forged = tmp_path / "forged"
+    import shutil
+
+    shutil.copytree(exported.checkpoint.parent, forged)
+    provenance = json.loads((forged / sf.PROVENANCE_FILE).read_text())
+    provenance["teacher"]["transformer_sha256"] = "0" * 64
+    (forged / sf.PROVENANCE_FILE).write_text(json.dumps(provenance))
+    with pytest.raises(RecipeError, match="not distilled by self_forcing from this teacher"):
+        run_training(recipe.model_copy(update={"options": {**recipe.options, "init_student": str(forged)}}),
+                     tmp_path / "run2", PluginHost(), progress=False)
