@@ -149,7 +149,7 @@ def drive_realtime_page(browser: Browser, server_url: str, *, prompt: str, updat
                         frames: int, model: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
     """What the page tests check, in order: a session started from the page; 3 chunks arrive; the video
     element plays (``currentTime`` advances); a prompt update typed into the page is acknowledged
-    (``session.update_queued``) and applied to a later chunk; no error event and no media error; stop
+    (the page's ``queued`` event ids) and applied to a later chunk; no error event and no media error; stop
     ends the session with ``session.done`` after at least 3 chunks. Returns that ``session.done``."""
     start_realtime_page(browser, server_url, prompt=prompt, size=size, frames=frames, model=model)
     assert browser.js("return MediaSource.isTypeSupported('video/mp4; codecs=\"avc1.64000A\"')"), \
