@@ -4,7 +4,9 @@ The student generates video **chunk by chunk** exactly as a causal card serves i
 the few-step DMD sampler from fresh noise (predict v, ``x0 = x_t - sigma v``, re-noise with fresh
 noise to the next sigma), attending to the committed K/V of earlier chunks; after the chunk, one
 more forward of its clean x0 at ``t = context_noise`` (0) commits the chunk's K/V (the KV
-refresh). Training runs that same rollout (Self-Forcing, Huang et al. 2025):
+refresh). The committed K/V live in the slab chunk-KV pool serving uses, in its training mode
+(:class:`RolloutKV`): each chunk attends through the served window (sink and local chunks), and
+no slab is recycled mid-rollout. Training runs that same rollout (Self-Forcing, Huang et al. 2025):
 
 - one **exit step** k is drawn per rollout (shared by all chunks); each chunk runs steps
   0..k-1 without grad and its output is the x0 of step k, the only forward with grad (and only
@@ -30,6 +32,7 @@ teacher's id, card version and weights digest, the options, steps run, seed and 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -46,11 +49,15 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from fv_kernel.api import (
+    AttendedChunk,
     DMDSampler,
     ParityLevel,
     RecipeError,
     RecipeSpec,
     RLMethod,
+    SlabKVConfig,
+    SlabKVPool,
+    SlabWindowSpec,
     TrainedModel,
     TrainingRun,
     add_noise,
@@ -61,7 +68,7 @@ from fv_rl.flow_matching import context_length_of
 __all__ = [
     "PROVENANCE_FILE",
     "CausalSchedule",
-    "ChunkKV",
+    "RolloutKV",
     "SelfForcing",
     "SelfForcingOptions",
     "causal_forward",
@@ -119,8 +126,8 @@ class SelfForcingOptions(BaseModel):
     #: Timestep (fraction of 1000) of the KV refresh forward of a finished chunk (0: the clean x0).
     context_noise: float = Field(default=0.0, ge=0.0, lt=1.0)
     #: The exported causal card's attention window in chunks: the first ``sink_chunks`` and the latest
-    #: ``local_chunks`` (the chunk itself included). Training rollouts keep every chunk, so they must
-    #: fit it: ``max_prefix_chunks`` plus the scored window's chunks at most ``sink_chunks + local_chunks``.
+    #: ``local_chunks`` (the chunk itself included). Training rollouts attend through the same window
+    #: (:class:`RolloutKV`), so a rollout longer than it sees what serving would.
     sink_chunks: int = Field(default=1, ge=0)
     local_chunks: PositiveInt = 8
     steps: PositiveInt = 200
@@ -165,33 +172,82 @@ class SelfForcingOptions(BaseModel):
 # -- the causal forward: the card's own transformer, committed chunks' K/V in front of a chunk's own
 
 
-class ChunkKV:
-    """Committed self-attention K/V per layer (K after RoPE, V raw; (B, tokens, heads, head_dim)), detached.
+class RolloutKV:
+    """A rollout's committed self-attention K/V (K after RoPE, V raw), detached, in the slab chunk-KV pool a
+    causal card serves from (:class:`fv_kernel.api.SlabKVPool`), in its training mode.
 
-    One per rollout (nothing is kept between rollouts): the Self-Forcing KV cache, without a window
-    (training rollouts are shorter than the serving window), handed to the serving forward as its history."""
+    One window per batch row, with the served window's ``sink`` and ``local`` sizes: a chunk attends
+    to exactly the chunks serving would give it, past the window too (the oldest non-sink chunk
+    leaves it). Inside :meth:`SlabKVPool.training_rollout` no slab is recycled until the rollout
+    ends: an evicted chunk's K/V stay where they were written, and ``attended`` records what each
+    chunk attended to. The pool is private to the rollout and sized for every chunk it commits.
+    Use it as a context manager; a chunk's slab is taken at its first forward, and the forward with
+    ``commit`` (the KV refresh) writes it and ends the chunk.
+    """
 
-    def __init__(self, layers: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * layers
-        self.values: list[torch.Tensor | None] = [None] * layers
+    def __init__(self, model: Any, chunk_shape: tuple[int, ...], chunks: int, window: SlabWindowSpec) -> None:
+        config = model.config
+        p_t, p_h, p_w = config.patch_size
+        batch, _, frames, height, width = chunk_shape
+        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[next(model.parameters()).dtype]
+        self.pool = SlabKVPool(SlabKVConfig(
+            num_layers=len(model.blocks), num_heads=config.num_attention_heads, head_dim=config.attention_head_dim,
+            tokens_per_slab=(frames // p_t) * (height // p_h) * (width // p_w), num_slabs=max(1, batch * chunks),
+            dtype=dtype, device=str(next(model.parameters()).device),
+        ), name="rollout_kv")
+        self.owners = [f"row{row}" for row in range(batch)]
+        self.windows = [self.pool.open(owner, window) for owner in self.owners]
+        #: Latent frames committed so far: the next chunk's RoPE start.
         self.frames = 0
+        #: The chunk the next forward belongs to.
+        self.chunk = 0
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> RolloutKV:
+        for owner in self.owners:
+            self._stack.enter_context(self.pool.training_rollout(owner))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for window in self.windows:
+            self.pool.close(window)
+        self._stack.close()
+
+    def _take_slab(self) -> None:
+        if not self.windows[0].positions or self.windows[0].positions[-1] != self.chunk:
+            self.windows = [self.pool.append(window, self.chunk)[0] for window in self.windows]
 
     def history(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        return [None if k is None else (k, v) for k, v in zip(self.keys, self.values)]  # type: ignore[misc]
+        """Per layer, the K/V the current chunk attends to before its own, (B, tokens, heads, head_dim), or None."""
+        self._take_slab()
+        if len(self.windows[0].positions) == 1:
+            return [None] * self.pool.config.num_layers
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for layer in range(self.pool.config.num_layers):
+            rows = [self.pool.read(window, layer, upto=self.chunk) for window in self.windows]
+            out.append((torch.stack([k for k, _ in rows]), torch.stack([v for _, v in rows])))
+        return out
 
     def commit(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        past_k, past_v = self.keys[layer], self.values[layer]
-        key, value = key.detach(), value.detach()
-        self.keys[layer] = key if past_k is None else torch.cat([past_k, key], dim=1)
-        self.values[layer] = value if past_v is None else torch.cat([past_v, value], dim=1)  # type: ignore[list-item]
+        """The current chunk's K/V (B, tokens, heads, head_dim) of ``layer`` into each row's slab."""
+        for row, window in enumerate(self.windows):
+            self.pool.write(window.slabs[-1], layer, key[row].detach(), value[row].detach())
+
+    def end_chunk(self, latent_frames: int) -> None:
+        self.frames += latent_frames
+        self.chunk += 1
+
+    def attended(self, row: int = 0) -> tuple[AttendedChunk, ...]:
+        """What each chunk of ``row`` attended to (slab ids and chunk positions, itself included)."""
+        return self.pool.attended_history(self.owners[row])
 
 
 def causal_forward(
-    model: Any, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, kv: ChunkKV, *, commit: bool = False
+    model: Any, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, kv: RolloutKV, *, commit: bool = False
 ) -> torch.Tensor:
     """The flow prediction of one chunk ``x`` (B, C, F, H, W) at absolute latent frames ``kv.frames..``,
     through the causal card's own chunk forward (:func:`fv_wan.models.causal_transformer.causal_chunk_forward`,
-    what serving runs); with ``commit`` the chunk's K/V join ``kv`` (the KV refresh)."""
+    what serving runs); with ``commit`` the chunk's K/V go into its slab (the KV refresh) and the chunk ends."""
     from fv_wan.models.causal_transformer import causal_chunk_forward
 
     out = causal_chunk_forward(
@@ -199,7 +255,7 @@ def causal_forward(
         kv_sink=kv.commit if commit else None, attention_fn=F.scaled_dot_product_attention,
     )
     if commit:
-        kv.frames += x.shape[2] // model.config.patch_size[0]
+        kv.end_chunk(x.shape[2] // model.config.patch_size[0])
     return out
 
 
@@ -235,35 +291,42 @@ def causal_rollout(
     *,
     exit_step: int | None = None,
     grad_chunks: frozenset[int] = frozenset(),
+    window: SlabWindowSpec | None = None,
+    attended: list[tuple[AttendedChunk, ...]] | None = None,
 ) -> list[torch.Tensor]:
     """Generate ``len(contexts)`` chunks (chunk i conditioned on ``contexts[i]``), each (B, C, F, H, W).
 
     ``exit_step`` None: every chunk runs all steps (inference). Otherwise each chunk's output is
-    the x0 of step ``exit_step``; that forward alone has grad, for chunks in ``grad_chunks``."""
-    kv = ChunkKV(len(model.blocks))
+    the x0 of step ``exit_step``; that forward alone has grad, for chunks in ``grad_chunks``.
+    ``window``: the served attention window (sink and local chunks; None: every chunk, nothing
+    evicted). ``attended``, when given, receives what each chunk of row 0 attended to."""
     last = schedule.steps - 1 if exit_step is None else exit_step
     batch, device = chunk_shape[0], contexts[0].device
+    window = window or SlabWindowSpec(sink_slabs=0, local_slabs=max(1, len(contexts)))
 
     def noise() -> torch.Tensor:  # drawn on the CPU generator: the same rollout on every device
         return torch.randn(chunk_shape, generator=generator).to(device)
 
     outputs = []
-    for chunk, context in enumerate(contexts):
-        x = noise()
-        for step in range(last + 1):
-            sigma = schedule.sigmas[step]
-            with torch.set_grad_enabled(_with_grad(step, last, chunk, grad_chunks)):
-                v = causal_forward(model, x, schedule.timesteps[step].expand(batch), context, kv).float()
-                x0 = x - sigma * v
-            if step < last:
-                x = add_noise(x0.detach(), noise(), schedule.sigmas[step + 1])
-        outputs.append(x0)
-        refresh = x0.detach()
-        if schedule.context_noise > 0:
-            refresh = add_noise(refresh, noise(), schedule.context_noise)
-        with torch.no_grad():
-            causal_forward(model, refresh, torch.full((batch,), schedule.context_noise * TIMESTEP_SCALE), context, kv,
-                           commit=True)
+    with RolloutKV(model, chunk_shape, len(contexts), window) as kv:
+        for chunk, context in enumerate(contexts):
+            x = noise()
+            for step in range(last + 1):
+                sigma = schedule.sigmas[step]
+                with torch.set_grad_enabled(_with_grad(step, last, chunk, grad_chunks)):
+                    v = causal_forward(model, x, schedule.timesteps[step].expand(batch), context, kv).float()
+                    x0 = x - sigma * v
+                if step < last:
+                    x = add_noise(x0.detach(), noise(), schedule.sigmas[step + 1])
+            outputs.append(x0)
+            refresh = x0.detach()
+            if schedule.context_noise > 0:
+                refresh = add_noise(refresh, noise(), schedule.context_noise)
+            with torch.no_grad():
+                causal_forward(model, refresh, torch.full((batch,), schedule.context_noise * TIMESTEP_SCALE), context,
+                               kv, commit=True)
+        if attended is not None:
+            attended.append(kv.attended())
     return outputs
 
 
@@ -383,23 +446,26 @@ def world_clips(
 
 def teacher_forcing_loss(
     model: Any, latents: torch.Tensor, contexts: list[torch.Tensor], chunk_frames: int, schedule: CausalSchedule,
-    generator: torch.Generator,
+    generator: torch.Generator, window: SlabWindowSpec | None = None,
 ) -> torch.Tensor:
     """Flow loss of every chunk of ``latents`` (B, C, T, h, w), noised to a random sampler sigma, attending
-    to the clean chunks before it (committed without grad, as the KV refresh does); chunk i reads ``contexts[i]``."""
-    kv = ChunkKV(len(model.blocks))
+    to the clean chunks before it in ``window`` (committed without grad, as the KV refresh does); chunk i
+    reads ``contexts[i]``."""
     batch = latents.shape[0]
     losses = []
-    for chunk, context in enumerate(contexts):
-        x0 = latents[:, :, chunk * chunk_frames:(chunk + 1) * chunk_frames]
-        step = torch.randint(schedule.steps, (batch,), generator=generator)
-        sigma = schedule.sigmas[step].to(x0.device)
-        eps = torch.randn(x0.shape, generator=generator).to(x0.device)
-        v = causal_forward(model, add_noise(x0, eps, sigma), schedule.timesteps[step], context, kv).float()
-        losses.append(F.mse_loss(v, eps - x0))
-        with torch.no_grad():
-            causal_forward(model, x0, torch.full((batch,), schedule.context_noise * TIMESTEP_SCALE), context, kv,
-                           commit=True)
+    shape = (*latents.shape[:2], chunk_frames, *latents.shape[3:])
+    window = window or SlabWindowSpec(sink_slabs=0, local_slabs=max(1, len(contexts)))
+    with RolloutKV(model, shape, len(contexts), window) as kv:
+        for chunk, context in enumerate(contexts):
+            x0 = latents[:, :, chunk * chunk_frames:(chunk + 1) * chunk_frames]
+            step = torch.randint(schedule.steps, (batch,), generator=generator)
+            sigma = schedule.sigmas[step].to(x0.device)
+            eps = torch.randn(x0.shape, generator=generator).to(x0.device)
+            v = causal_forward(model, add_noise(x0, eps, sigma), schedule.timesteps[step], context, kv).float()
+            losses.append(F.mse_loss(v, eps - x0))
+            with torch.no_grad():
+                causal_forward(model, x0, torch.full((batch,), schedule.context_noise * TIMESTEP_SCALE), context, kv,
+                               commit=True)
     return torch.stack(losses).mean()
 
 
@@ -460,14 +526,6 @@ class SelfForcing(RLMethod):
         scale = grid.pixels_per_token // config.patch_size[1]
         if height % grid.pixels_per_token or width % grid.pixels_per_token:
             raise RecipeError("options.height", f"height and width must be multiples of {grid.pixels_per_token}")
-        longest = o.max_prefix_chunks + latent_frames // o.chunk_frames
-        if longest > o.sink_chunks + o.local_chunks:
-            raise RecipeError(
-                "options.local_chunks",
-                f"a rollout of up to {longest} chunks ({o.max_prefix_chunks} before a switch and the window's "
-                f"{latent_frames // o.chunk_frames}) does not fit the served window of {o.sink_chunks} sink + "
-                f"{o.local_chunks} local chunks: serving would evict chunks training attended to",
-            )
         return (o.batch, config.in_channels, o.chunk_frames, height // scale, width // scale), latent_frames // o.chunk_frames
 
     def train(self, run: TrainingRun) -> TrainedModel:
@@ -477,6 +535,7 @@ class SelfForcing(RLMethod):
             raise RecipeError("card", f"card {card.model_id!r} is already distilled (assumes loop "
                                       f"{card.recipe.assumes_loop!r}); self_forcing needs a multi-step teacher")
         chunk_shape, window = self._geometry(run)
+        served_window = SlabWindowSpec(sink_slabs=o.sink_chunks, local_slabs=o.local_chunks)
         schedule = CausalSchedule.of(o)
         commit, began = git_commit(), time.perf_counter()  # the code that runs: read before training
         text_encoder = run.instance.component("text_encoder")
@@ -519,7 +578,7 @@ class SelfForcing(RLMethod):
             update_student = step % o.critic_updates == 0
             grad_chunks = frozenset(range(prefix, prefix + window)) if update_student else frozenset()
             chunks = causal_rollout(student, contexts, chunk_shape, schedule, generator, exit_step=exit_step,
-                                    grad_chunks=grad_chunks)
+                                    grad_chunks=grad_chunks, window=served_window)
             x0 = torch.cat(chunks[prefix:], dim=2)  # the scored window (B, C, window frames, H, W)
 
             # the critic learns the student's windows (flow matching)
@@ -659,7 +718,8 @@ class SelfForcing(RLMethod):
                 ctx_a, ctx_b = encode([before[int(i)] for i in rows]), encode([after[int(i)] for i in rows])
                 chunks = latents.shape[2] // o.chunk_frames
                 contexts = [ctx_a] * stage.prefix_chunks + [ctx_b] * (chunks - stage.prefix_chunks)
-            loss = teacher_forcing_loss(student, latents, contexts, o.chunk_frames, schedule, generator)
+            loss = teacher_forcing_loss(student, latents, contexts, o.chunk_frames, schedule, generator,
+                                        SlabWindowSpec(sink_slabs=o.sink_chunks, local_slabs=o.local_chunks))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)

@@ -15,6 +15,7 @@ from fv_wan.models.transformer import WanTransformer, WanTransformerConfig
 from fv_kernel.api import (
     InstanceOptions,
     RecipeError,
+    SlabWindowSpec,
     build_instance,
     read_card_file_beside,
 )
@@ -57,14 +58,17 @@ def _block_causal_reference(model: WanTransformer, clean: list[torch.Tensor], x:
     return model(sequence, timestep, context, block_runner=runner)[:, :, -x.shape[2]:]
 
 
+def _kv(model: WanTransformer, chunks: int = 3) -> sf.RolloutKV:
+    return sf.RolloutKV(model, CHUNK, chunks, SlabWindowSpec(sink_slabs=0, local_slabs=chunks))
+
+
 def test_chunk_forward_with_committed_kv_equals_one_block_causal_forward():
     model = _tiny()
     context = _context(model)
     g = torch.Generator().manual_seed(2)
     clean = [torch.randn(CHUNK, generator=g) for _ in range(2)]
     x = torch.randn(CHUNK, generator=g)
-    with torch.no_grad():
-        kv = sf.ChunkKV(len(model.blocks))
+    with torch.no_grad(), _kv(model) as kv:
         for chunk in clean:
             sf.causal_forward(model, chunk, torch.zeros(2), context, kv, commit=True)
         assert kv.frames == 2
@@ -74,15 +78,35 @@ def test_chunk_forward_with_committed_kv_equals_one_block_causal_forward():
 
     # negative controls: RoPE restarting at frame 0 for every chunk, and a stale (noisy) committed chunk
     with torch.no_grad():
-        kv = sf.ChunkKV(len(model.blocks))
-        for chunk in clean:
-            sf.causal_forward(model, chunk, torch.zeros(2), context, kv, commit=True)
-        kv.frames = 0
-        assert (sf.causal_forward(model, x, torch.full((2,), 625.0), context, kv) - want).abs().max() > 1e-3
-        kv = sf.ChunkKV(len(model.blocks))
-        sf.causal_forward(model, clean[0], torch.zeros(2), context, kv, commit=True)
-        sf.causal_forward(model, clean[1], torch.full((2,), 900.0), context, kv, commit=True)
-        assert (sf.causal_forward(model, x, torch.full((2,), 625.0), context, kv) - want).abs().max() > 1e-3
+        with _kv(model) as kv:
+            for chunk in clean:
+                sf.causal_forward(model, chunk, torch.zeros(2), context, kv, commit=True)
+            kv.frames = 0
+            assert (sf.causal_forward(model, x, torch.full((2,), 625.0), context, kv) - want).abs().max() > 1e-3
+        with _kv(model) as kv:
+            sf.causal_forward(model, clean[0], torch.zeros(2), context, kv, commit=True)
+            sf.causal_forward(model, clean[1], torch.full((2,), 900.0), context, kv, commit=True)
+            assert (sf.causal_forward(model, x, torch.full((2,), 625.0), context, kv) - want).abs().max() > 1e-3
+
+
+def test_rollout_kv_lives_in_a_slab_pool_in_training_mode():
+    """Each row's chunks attend through the served window (sink + local, oldest non-sink evicted), and no
+    slab is recycled until the rollout ends: every chunk got its own slab; the pool is empty after."""
+    model = _tiny()
+    attended: list = []
+    with torch.no_grad():
+        sf.causal_rollout(model, [_context(model)] * 5, CHUNK, _schedule(), torch.Generator().manual_seed(0),
+                          window=SlabWindowSpec(sink_slabs=1, local_slabs=2), attended=attended)
+    (history,) = attended
+    assert [a.positions for a in history] == [(0,), (0, 1), (0, 1, 2), (0, 2, 3), (0, 3, 4)]
+    assert [a.evicted is not None for a in history] == [False, False, False, True, True]
+    assert len({a.slab for a in history}) == 5  # an evicted chunk's slab is never handed to a later one
+    kv = _kv(model, chunks=2)
+    with kv:
+        with torch.no_grad():
+            sf.causal_forward(model, torch.zeros(CHUNK), torch.zeros(2), _context(model), kv, commit=True)
+        assert kv.pool.used_slabs == CHUNK[0]
+    assert kv.pool.used_slabs == 0
 
 
 def _grad_forwards(model: WanTransformer, grad_chunks: frozenset[int], exit_step: int) -> tuple[list[bool], list]:
@@ -278,11 +302,55 @@ def test_the_export_is_a_causal_card_that_streams_a_session(exported):
     assert [c.frames.shape[0] for c in chunks] == [1, 4] and all(torch.isfinite(c.frames).all() for c in chunks)
 
 
-def test_a_rollout_longer_than_the_served_window_is_refused(tmp_path):
-    recipe = load_recipe(CI_RECIPE)
-    short = recipe.model_copy(update={"options": {**recipe.options, "sink_chunks": 0, "local_chunks": 2}})
-    with pytest.raises(RecipeError, match="options.local_chunks"):
-        run_training(short, tmp_path / "run", PluginHost(), progress=False)
+#: Decoded frames in [0, 1], fp32 CPU: training rollout vs the card's session over 11 chunks, measured <= 9e-6
+#: (batched serving forward vs the rollout's, a whole decode vs the streamed one); attending past the window
+#: (every chunk kept) moves the frames by > 0.1 once a chunk leaves it.
+TRAIN_VS_SERVE = 5e-5
+
+
+def _training_rollout_video(card, prompt: str, seed: int, chunks: int, window: SlabWindowSpec | None) -> torch.Tensor:
+    from fv_rl.flow_matching import context_length_of
+    from fv_wan.causal import CausalRecipe
+
+    host = PluginHost()
+    host.start()
+    instance = build_instance(card, InstanceOptions(device="cpu", precision="fp32", registry=host.registry()))
+    transformer, vae = instance.component("transformer").eval(), instance.component("vae_decoder")
+    recipe = CausalRecipe(**card.loops["realtime"].config)
+    context = instance.component("text_encoder").encode([prompt], context_length_of(card)).float()
+    scale = card.capabilities.token_grid.pixels_per_token // transformer.config.patch_size[1]
+    defaults = card.capabilities.defaults
+    shape = (1, transformer.config.in_channels, recipe.frames_per_chunk, defaults.height // scale, defaults.width // scale)
+    schedule = sf.CausalSchedule.of(sf.SelfForcingOptions(
+        chunk_frames=recipe.frames_per_chunk, denoising_timesteps=recipe.denoising_steps, timestep_shift=recipe.shift))
+    with torch.no_grad():
+        latents = torch.cat(sf.causal_rollout(transformer, [context] * chunks, shape, schedule,
+                                              torch.Generator().manual_seed(seed), window=window), dim=2)
+        pixels = vae.decode(vae.denormalize_latents(latents))
+    return ((pixels + 1) / 2).clamp(0, 1)[0].transpose(0, 1)  # (F, 3, H, W)
+
+
+def test_a_training_rollout_past_the_served_window_is_the_cards_session():
+    """Training attends as serving does, past the window too: wan-toy-causal's session (its realtime loop
+    and slab pool) and a training rollout (RolloutKV) on the same weights, seed and prompt give the same
+    video over sink + local + 2 chunks. The negative control keeps every chunk in the rollout's window."""
+    import fv_kernel as fv
+    from fv_wan.causal import CausalRecipe
+
+    card = read_card_file_beside(Path(__import__("fv_wan").__file__).parent / "weights" / "wan-toy-causal")
+    recipe = CausalRecipe(**card.loops["realtime"].config)
+    chunks = recipe.sink_chunks + recipe.local_chunks + 2
+    prompt = "a red circle moves left quickly on a black background"
+    with fv.load("wan-toy-causal").session(prompt, seed=3, max_chunks=chunks) as session:
+        served = torch.cat([chunk.frames for chunk in session])
+    window = SlabWindowSpec(sink_slabs=recipe.sink_chunks, local_slabs=recipe.local_chunks)
+    trained = _training_rollout_video(card, prompt, 3, chunks, window)
+    assert trained.shape == served.shape
+    assert (trained - served).abs().max() <= TRAIN_VS_SERVE
+    unwindowed = _training_rollout_video(card, prompt, 3, chunks, None)
+    inside = 1 + 4 * (recipe.frames_per_chunk * (recipe.sink_chunks + recipe.local_chunks) - 1)  # chunks that fit the window
+    assert (unwindowed[:inside] - served[:inside]).abs().max() <= TRAIN_VS_SERVE
+    assert (unwindowed - served).abs().max() > 100 * TRAIN_VS_SERVE
 
 
 def test_exported_weights_load_as_a_card_and_are_the_student(exported):
