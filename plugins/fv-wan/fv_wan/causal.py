@@ -534,7 +534,7 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
             })
         if state.phase == "denoise":
             t = self._timesteps[state.chunk_step]
-            x0 = state.latents - (t / 1000.0) * result.outputs["flow"].float()
+            x0 = state.latents - (t / 1000.0) * result.outputs["flow"].float().to(state.latents.device)
             if state.chunk_step + 1 < len(self._timesteps):
                 sigma = self._timesteps[state.chunk_step + 1] / 1000.0
                 noise, rng = self._draw(state.rng_state, x0.shape)  # fresh noise: a re-noise, not an ODE step
