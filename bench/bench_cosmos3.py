@@ -257,6 +257,7 @@ def _engine_run(b: Bench, instance: Cosmos3Instance, requests: list[Request], *,
     return {
         "seconds": seconds, "requests": len(requests), "requests_per_s": len(requests) / seconds,
         "op_seconds": dict(times.seconds), "largest_batch": dict(times.largest),
+        "batch_sizes": {op: dict(sizes) for op, sizes in times.batch_sizes.items()},
         "text_tokens": [len(a.token_ids) for a in texts],  # upsampled prompts, or chat answers
     }
 
