@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from fv_kernel.api import ComputeOptions, load_parity_record, select_compute_tiers
-from fv_wan.cards import wan_cards
+from tier_records import CARDS, RECORDS, select_with_record
 
-RECORD = Path(__file__).resolve().parents[3] / "bench" / "records" / "tier_parity_h100.json"
-CARDS = {c.model_id: c for c in wan_cards()}
+from fv_kernel.api import load_parity_record
+
+RECORD = RECORDS / "tier_parity_h100.json"
 
 
 @pytest.fixture(autouse=True)
@@ -26,11 +26,8 @@ def triton_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("fv_kernel.compute.fused.triton_available", lambda: True)
 
 
-def _select(record: Path, model_id: str = "fastwan2.1-t2v-1.3b", **compute: object):
-    card = CARDS[model_id]
-    assumed = card.recipe.assumes_attention
-    return select_compute_tiers(ComputeOptions(parity_record=record, **compute), card, device="cuda", precision="bf16",
-                                attention_backend="sdpa" if assumed is None else assumed.kind)
+def _select(record: Path, **compute: object):
+    return select_with_record(record, "fastwan2.1-t2v-1.3b", **compute)
 
 
 def test_the_record_holds_three_fastwan_trajectories_per_tier_at_its_defaults() -> None:

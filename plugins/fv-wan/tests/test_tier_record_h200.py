@@ -12,15 +12,14 @@ so, naming the record's ``samples`` field and the command that measures enough o
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from fv_kernel.api import ComputeOptions, load_parity_record, select_compute_tiers
-from fv_wan.cards import wan_cards
+from tier_records import CARDS, RECORDS, select_with_record
 
-RECORD = Path(__file__).resolve().parents[3] / "bench" / "records" / "tier_parity_h200.json"
-CARDS = {c.model_id: c for c in wan_cards()}
+from fv_kernel.api import ComputeOptions, load_parity_record, select_compute_tiers
+
+RECORD = RECORDS / "tier_parity_h200.json"
 
 
 @pytest.fixture(autouse=True)
@@ -30,10 +29,7 @@ def triton_importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def select(model_id: str, **compute: object):
-    card = CARDS[model_id]
-    assumed = card.recipe.assumes_attention
-    return select_compute_tiers(ComputeOptions(parity_record=RECORD, **compute), card, device="cuda", precision="bf16",
-                                attention_backend="sdpa" if assumed is None else assumed.kind)
+    return select_with_record(RECORD, model_id, **compute)
 
 
 def test_the_record_holds_full_trajectories_at_each_cards_defaults() -> None:
