@@ -19,6 +19,7 @@ from fv_rl.nft import DiffusionNFT
 pytest_plugins = ["fv_kernel.testing"]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 class TestRLPlugin(PluginConformance):
@@ -33,8 +34,8 @@ def test_methods_rewards_and_sampler_register_through_the_host():
     assert "flow-sde" in host.registry().samplers
 
 
-@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
-def test_the_example_recipes_parse(path):
+@pytest.mark.parametrize("path", sorted([*EXAMPLES.glob("*.yaml"), *RECIPES.glob("*.yaml")]), ids=lambda p: p.name)
+def test_the_example_and_shipped_recipes_parse(path):
     recipe = load_recipe(path)
     host = PluginHost()
     parse_options(recipe, resolve_method(host, recipe.method).options_schema)
