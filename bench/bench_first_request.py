@@ -17,7 +17,8 @@ module's own time; the card's load, ``ModelInstance.load_for_task``, whose own l
 in both) and ``fv serve --model CARD`` until ``GET /health`` answers (time to ready). One unmeasured
 run first writes the bytecode caches, as a user's second run finds them; the figures are the
 median of ``--runs`` after it, side by side, then the modules with the largest cumulative import
-time in the last ``fv generate`` and ``fv serve`` runs.
+time in the last ``fv generate`` and ``fv serve`` runs. ``--generate-only`` leaves ``fv serve`` out
+(a machine without the serve extra).
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="--cold-start: measured runs (after one that warms bytecode)")
     parser.add_argument("--top", type=int, default=12, help="--cold-start: modules listed by cumulative import time")
     parser.add_argument("--cold-steps", type=int, default=None, help="--cold-start: fv generate --steps (default: the card's)")
+    parser.add_argument("--generate-only", action="store_true",
+                        help="--cold-start: time fv generate only (a machine without the serve extra)")
     args = parser.parse_args(argv)
     if args.cold_start:
-        return cold_start(args.cold_card, args.device, args.runs, args.top, args.cold_steps)
+        return cold_start(args.cold_card, args.device, args.runs, args.top, args.cold_steps, serve=not args.generate_only)
     import torch
 
     from fv_kernel.api import DiffusionParams, Engine, InstanceOptions, Request, TaskType, TextPart, build_instance
@@ -196,7 +199,7 @@ def _median(runs: list[dict], key: str) -> float:
     return statistics.median(run[key] for run in runs)
 
 
-def cold_start(card: str, device: str, runs: int, top: int, steps: int | None = None) -> int:
+def cold_start(card: str, device: str, runs: int, top: int, steps: int | None = None, *, serve: bool = True) -> int:
     if runs < 1:
         raise SystemExit(f"--runs must be >= 1, got {runs}")
     if device.startswith("cuda"):
@@ -209,24 +212,32 @@ def cold_start(card: str, device: str, runs: int, top: int, steps: int | None = 
         out_dir = Path(tmp)
         _fv_generate(card, device, out_dir, steps)  # writes bytecode caches (a user's first run)
         generate = [_fv_generate(card, device, out_dir, steps) for _ in range(runs)]
-        _fv_serve(card, device, out_dir)
-        serve = [_fv_serve(card, device, out_dir) for _ in range(runs)]
+        served: list[dict] = []
+        if serve:
+            _fv_serve(card, device, out_dir)
+            served = [_fv_serve(card, device, out_dir) for _ in range(runs)]
     print(f"cold start of {card} on {device}, {os.cpu_count()} CPUs, median of {runs} run(s) after one that warms bytecode")
     print("| command | total wall s | start to loaded s | imports s (sum of -X importtime self) | load s (load_for_task) | target |")
     print("|---|---|---|---|---|---|")
     print(f"| fv generate --model {card} | {_median(generate, 'wall'):.2f} | {_median(generate, 'to_loaded'):.2f} | "
           f"{_median(generate, 'imports'):.2f} | {_median(generate, 'load'):.2f} | <= 2.5 s wall (CPU) |")
-    print(f"| fv serve --model {card}, until /health answers | {_median(serve, 'wall'):.2f} | - | "
-          f"{_median(serve, 'imports'):.2f} | - | < 5 s to ready |")
+    if served:
+        print(f"| fv serve --model {card}, until /health answers | {_median(served, 'wall'):.2f} | - | "
+              f"{_median(served, 'imports'):.2f} | - | < 5 s to ready |")
+    else:
+        print(f"| fv serve --model {card}, until /health answers | not measured (--generate-only) | - | - | - | < 5 s to ready |")
     print(f"\nimport time by package (the own time of all its modules, s; median over the runs), top {top}")
     print("| package | fv generate | fv serve |")
     print("|---|---|---|")
-    names = {name for run in generate + serve for name in run["packages"]}
-    by_package = {name: (statistics.median(run["packages"].get(name, 0.0) for run in generate),
-                         statistics.median(run["packages"].get(name, 0.0) for run in serve)) for name in names}
-    for name, (gen, srv) in sorted(by_package.items(), key=lambda item: -max(item[1]))[:top]:
-        print(f"| {name} | {gen:.3f} | {srv:.3f} |")
-    for name, result in (("fv generate", generate[-1]), ("fv serve", serve[-1])):
+    names = {name for run in generate + served for name in run["packages"]}
+
+    def package_median(runs_of: list[dict], name: str) -> float:
+        return statistics.median(run["packages"].get(name, 0.0) for run in runs_of) if runs_of else float("nan")
+
+    by_package = {name: (package_median(generate, name), package_median(served, name)) for name in names}
+    for name, (gen, srv) in sorted(by_package.items(), key=lambda item: -max(v for v in item[1] if v == v))[:top]:
+        print(f"| {name} | {gen:.3f} | {'-' if not served else f'{srv:.3f}'} |")
+    for name, result in (("fv generate", generate[-1]), *((("fv serve", served[-1]),) if served else ())):
         print(f"\n{name}: top {top} modules by cumulative import time, last run (s; depth 0 = imported by fv's own code)")
         print("| module | cumulative s | depth |")
         print("|---|---|---|")

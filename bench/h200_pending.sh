@@ -45,7 +45,9 @@ case "$part" in
     run gpu_e2e 150 python3 bench/bench_gpu.py "$out/gpu" --skip matmul dit diffusers graphs step_parts vae step_batching \
         compiled --concurrency 1 8 --budget-s 140
     # issue 36 section 4: the main job's cold start on the GPU machine
-    run cold_start 100 python3 bench/bench_first_request.py --cold-start --device cuda --runs 2
+    # (fv serve needs the serve extra: without fastapi on the machine, fv generate alone)
+    python3 -c "import fastapi" 2> /dev/null && serve_flag="" || serve_flag="--generate-only"
+    run cold_start 100 python3 bench/bench_first_request.py --cold-start --device cuda --runs 2 $serve_flag
     ;;
 esac
 for log in "$out"/*.log; do

@@ -82,3 +82,13 @@ def test_bench_first_request_cold_start_reports_generate_and_serve() -> None:
     wall, to_loaded, imports, load = figures
     assert 0 < load < to_loaded < wall and 0 < imports < wall
     assert "| torch |" in done.stdout  # the import breakdown by package names torch
+
+
+def test_bench_first_request_cold_start_generate_only_leaves_serve_out() -> None:
+    done = subprocess.run([sys.executable, str(BENCH_DIR / "bench_first_request.py"), "--cold-start", "--runs", "1",
+                           "--cold-steps", "1", "--top", "3", "--generate-only"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| fv ")}
+    assert "not measured (--generate-only)" in rows["fv serve --model wan-toy, until /health answers"]
+    assert float(rows["fv generate --model wan-toy"].split("|")[2]) > 0
+    assert "fv serve: top" not in done.stdout
