@@ -78,6 +78,7 @@ def _reference_streams(model: str, pairs: list[tuple[str, str]], left_chunks: in
                        chunk_frames: int, batch: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from fv_rl.flow_matching import context_length_of
     from fv_rl.self_forcing import CausalSchedule, SelfForcingOptions, causal_rollout
+    from fv_wan.causal import CausalRecipe
 
     from fv_kernel.api import CardCatalog, InstanceOptions, build_instance
     from fv_kernel.plugins import PluginHost
@@ -96,6 +97,8 @@ def _reference_streams(model: str, pairs: list[tuple[str, str]], left_chunks: in
     scale = grid.pixels_per_token // transformer.config.patch_size[1]
     schedule = CausalSchedule.of(SelfForcingOptions(chunk_frames=chunk_frames))
     length = context_length_of(card)
+    # The served window (sink and local chunks), as the card's sessions attend through it.
+    window = CausalRecipe(**card.loops["realtime"].config).window if "realtime" in card.loops else None
     generator = torch.Generator().manual_seed(seed)
     videos: list[torch.Tensor] = []
     with torch.no_grad():
@@ -104,7 +107,8 @@ def _reference_streams(model: str, pairs: list[tuple[str, str]], left_chunks: in
             ctx_l = text.encode([p[0] for p in rows], length).float()
             ctx_r = text.encode([p[1] for p in rows], length).float()
             shape = (len(rows), transformer.config.in_channels, chunk_frames, defaults.height // scale, defaults.width // scale)
-            chunks = causal_rollout(transformer, [ctx_l] * left_chunks + [ctx_r] * right_chunks, shape, schedule, generator)
+            chunks = causal_rollout(transformer, [ctx_l] * left_chunks + [ctx_r] * right_chunks, shape, schedule, generator,
+                                    window=window)
             latents = torch.cat(chunks, dim=2)
             pixels = vae.decode(vae.denormalize_latents(latents))  # (B, 3, F, H, W) in [-1, 1]
             videos.extend(((pixels + 1) / 2).clamp(0, 1).permute(0, 2, 1, 3, 4).cpu().unbind(0))

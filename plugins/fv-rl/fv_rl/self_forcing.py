@@ -61,6 +61,7 @@ from fv_kernel.api import (
     TrainedModel,
     TrainingRun,
     add_noise,
+    torch_dtype,
 )
 from fv_rl.dmd2 import dmd_loss
 from fv_rl.flow_matching import context_length_of
@@ -127,7 +128,7 @@ class SelfForcingOptions(BaseModel):
     context_noise: float = Field(default=0.0, ge=0.0, lt=1.0)
     #: The exported causal card's attention window in chunks: the first ``sink_chunks`` and the latest
     #: ``local_chunks`` (the chunk itself included). Training rollouts attend through the same window
-    #: (:class:`RolloutKV`), so a rollout longer than it sees what serving would.
+    #: (:class:`RolloutKV`, ``served_window``), so a rollout longer than it sees what serving would.
     sink_chunks: int = Field(default=1, ge=0)
     local_chunks: PositiveInt = 8
     steps: PositiveInt = 200
@@ -163,6 +164,11 @@ class SelfForcingOptions(BaseModel):
         self.sampler()  # the schedule must be valid
         return self
 
+    @property
+    def served_window(self) -> SlabWindowSpec:
+        """The exported card's attention window, which training rollouts attend through too."""
+        return SlabWindowSpec(sink_slabs=self.sink_chunks, local_slabs=self.local_chunks)
+
     def sampler(self) -> DMDSampler:
         return DMDSampler(
             denoising_timesteps=self.denoising_timesteps, shift=self.timestep_shift, timesteps_are_scheduler_space=False
@@ -182,18 +188,20 @@ class RolloutKV:
     ends: an evicted chunk's K/V stay where they were written, and ``attended`` records what each
     chunk attended to. The pool is private to the rollout and sized for every chunk it commits.
     Use it as a context manager; a chunk's slab is taken at its first forward, and the forward with
-    ``commit`` (the KV refresh) writes it and ends the chunk.
+    ``commit`` (the KV refresh) writes it and ends the chunk. ``window`` None: one that holds every chunk.
     """
 
-    def __init__(self, model: Any, chunk_shape: tuple[int, ...], chunks: int, window: SlabWindowSpec) -> None:
+    def __init__(self, model: Any, chunk_shape: tuple[int, ...], chunks: int, window: SlabWindowSpec | None) -> None:
         config = model.config
         p_t, p_h, p_w = config.patch_size
         batch, _, frames, height, width = chunk_shape
-        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[next(model.parameters()).dtype]
+        weights = next(model.parameters())
+        dtype = next(name for name in ("fp32", "bf16", "fp16") if torch_dtype(name) == weights.dtype)
+        window = window or SlabWindowSpec(sink_slabs=0, local_slabs=max(1, chunks))
         self.pool = SlabKVPool(SlabKVConfig(
             num_layers=len(model.blocks), num_heads=config.num_attention_heads, head_dim=config.attention_head_dim,
             tokens_per_slab=(frames // p_t) * (height // p_h) * (width // p_w), num_slabs=max(1, batch * chunks),
-            dtype=dtype, device=str(next(model.parameters()).device),
+            dtype=dtype, device=str(weights.device),
         ), name="rollout_kv")
         self.owners = [f"row{row}" for row in range(batch)]
         self.windows = [self.pool.open(owner, window) for owner in self.owners]
@@ -302,7 +310,6 @@ def causal_rollout(
     evicted). ``attended``, when given, receives what each chunk of row 0 attended to."""
     last = schedule.steps - 1 if exit_step is None else exit_step
     batch, device = chunk_shape[0], contexts[0].device
-    window = window or SlabWindowSpec(sink_slabs=0, local_slabs=max(1, len(contexts)))
 
     def noise() -> torch.Tensor:  # drawn on the CPU generator: the same rollout on every device
         return torch.randn(chunk_shape, generator=generator).to(device)
@@ -454,7 +461,6 @@ def teacher_forcing_loss(
     batch = latents.shape[0]
     losses = []
     shape = (*latents.shape[:2], chunk_frames, *latents.shape[3:])
-    window = window or SlabWindowSpec(sink_slabs=0, local_slabs=max(1, len(contexts)))
     with RolloutKV(model, shape, len(contexts), window) as kv:
         for chunk, context in enumerate(contexts):
             x0 = latents[:, :, chunk * chunk_frames:(chunk + 1) * chunk_frames]
@@ -535,7 +541,6 @@ class SelfForcing(RLMethod):
             raise RecipeError("card", f"card {card.model_id!r} is already distilled (assumes loop "
                                       f"{card.recipe.assumes_loop!r}); self_forcing needs a multi-step teacher")
         chunk_shape, window = self._geometry(run)
-        served_window = SlabWindowSpec(sink_slabs=o.sink_chunks, local_slabs=o.local_chunks)
         schedule = CausalSchedule.of(o)
         commit, began = git_commit(), time.perf_counter()  # the code that runs: read before training
         text_encoder = run.instance.component("text_encoder")
@@ -578,7 +583,7 @@ class SelfForcing(RLMethod):
             update_student = step % o.critic_updates == 0
             grad_chunks = frozenset(range(prefix, prefix + window)) if update_student else frozenset()
             chunks = causal_rollout(student, contexts, chunk_shape, schedule, generator, exit_step=exit_step,
-                                    grad_chunks=grad_chunks, window=served_window)
+                                    grad_chunks=grad_chunks, window=o.served_window)
             x0 = torch.cat(chunks[prefix:], dim=2)  # the scored window (B, C, window frames, H, W)
 
             # the critic learns the student's windows (flow matching)
@@ -719,7 +724,7 @@ class SelfForcing(RLMethod):
                 chunks = latents.shape[2] // o.chunk_frames
                 contexts = [ctx_a] * stage.prefix_chunks + [ctx_b] * (chunks - stage.prefix_chunks)
             loss = teacher_forcing_loss(student, latents, contexts, o.chunk_frames, schedule, generator,
-                                        SlabWindowSpec(sink_slabs=o.sink_chunks, local_slabs=o.local_chunks))
+                                        o.served_window)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)

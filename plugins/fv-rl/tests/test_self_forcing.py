@@ -308,7 +308,9 @@ def test_the_export_is_a_causal_card_that_streams_a_session(exported):
 TRAIN_VS_SERVE = 5e-5
 
 
-def _training_rollout_video(card, prompt: str, seed: int, chunks: int, window: SlabWindowSpec | None) -> torch.Tensor:
+def _training_rollout_videos(card, prompt: str, seed: int, chunks: int,
+                             windows: list[SlabWindowSpec | None]) -> list[torch.Tensor]:
+    """The decoded video (F, 3, H, W) of a training rollout through each of ``windows``, one instance for all."""
     from fv_rl.flow_matching import context_length_of
     from fv_wan.causal import CausalRecipe
 
@@ -323,11 +325,14 @@ def _training_rollout_video(card, prompt: str, seed: int, chunks: int, window: S
     shape = (1, transformer.config.in_channels, recipe.frames_per_chunk, defaults.height // scale, defaults.width // scale)
     schedule = sf.CausalSchedule.of(sf.SelfForcingOptions(
         chunk_frames=recipe.frames_per_chunk, denoising_timesteps=recipe.denoising_steps, timestep_shift=recipe.shift))
-    with torch.no_grad():
-        latents = torch.cat(sf.causal_rollout(transformer, [context] * chunks, shape, schedule,
-                                              torch.Generator().manual_seed(seed), window=window), dim=2)
-        pixels = vae.decode(vae.denormalize_latents(latents))
-    return ((pixels + 1) / 2).clamp(0, 1)[0].transpose(0, 1)  # (F, 3, H, W)
+    videos = []
+    for window in windows:
+        with torch.no_grad():
+            latents = torch.cat(sf.causal_rollout(transformer, [context] * chunks, shape, schedule,
+                                                  torch.Generator().manual_seed(seed), window=window), dim=2)
+            pixels = vae.decode(vae.denormalize_latents(latents))
+        videos.append(((pixels + 1) / 2).clamp(0, 1)[0].transpose(0, 1))
+    return videos
 
 
 def test_a_training_rollout_past_the_served_window_is_the_cards_session():
@@ -344,10 +349,9 @@ def test_a_training_rollout_past_the_served_window_is_the_cards_session():
     with fv.load("wan-toy-causal").session(prompt, seed=3, max_chunks=chunks) as session:
         served = torch.cat([chunk.frames for chunk in session])
     window = SlabWindowSpec(sink_slabs=recipe.sink_chunks, local_slabs=recipe.local_chunks)
-    trained = _training_rollout_video(card, prompt, 3, chunks, window)
+    trained, unwindowed = _training_rollout_videos(card, prompt, 3, chunks, [window, None])
     assert trained.shape == served.shape
     assert (trained - served).abs().max() <= TRAIN_VS_SERVE
-    unwindowed = _training_rollout_video(card, prompt, 3, chunks, None)
     inside = 1 + 4 * (recipe.frames_per_chunk * (recipe.sink_chunks + recipe.local_chunks) - 1)  # chunks that fit the window
     assert (unwindowed[:inside] - served[:inside]).abs().max() <= TRAIN_VS_SERVE
     assert (unwindowed - served).abs().max() > 100 * TRAIN_VS_SERVE
