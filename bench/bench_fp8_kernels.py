@@ -1,7 +1,9 @@
-"""GPU microbenchmark of the FP8 kernels (docs/precision.md): the Triton e4m3 linear against bf16
-``F.linear`` and ``torch._scaled_mm`` (rowwise, with and without its eager activation quantization),
-and the Triton e4m3 attention against SDPA-cuDNN bf16, at Wan-1.3B 480x832x81 shapes (32,760 tokens).
-Also sweeps the kernels' block sizes. Prints one JSON object; ``--out`` writes it too.
+"""GPU microbenchmark of the FP8 kernels (docs/precision.md) at Wan-1.3B 480x832x81 shapes (32,760
+tokens): the linears (``scaled_mm`` fp8_dynamic = Triton row quantization + ``torch._scaled_mm``,
+its parts alone, the old eager quantization, fp8_weights as dequantize + bf16 GEMM, the Triton GEMMs)
+against bf16 ``F.linear``; the Triton e4m3 attention (statistics, K/V quantization, attention) against
+SDPA-cuDNN bf16, also at Wan-14B 720p's 40 heads x 75,600 tokens. ``--sweep`` times the GEMM's
+tiles and every attention autotune candidate. Prints one JSON object; ``--out`` writes it too.
 
     python bench/bench_fp8_kernels.py --out bench/records/fp8_kernels_h200.json
 
@@ -45,7 +47,7 @@ def bench_linear(sweep: bool) -> dict[str, Any]:
         quantize_e4m3,
         quantize_rows_e4m3,
     )
-    from fv_kernel.compute.fp8_triton import _fp8_linear_kernel, fp8_linear_triton
+    from fv_kernel.compute.fp8_triton import _fp8_linear_kernel, fp8_linear_triton, fp8_quantize_rows
 
     out: dict[str, Any] = {}
     for label, (m, k, n) in LINEAR_SHAPES.items():
@@ -57,83 +59,113 @@ def bench_linear(sweep: bool) -> dict[str, Any]:
         ws = ws.reshape(-1)
         flops = 2 * m * k * n
         ref = F.linear(x.float(), w.float(), bias.float())
-        row: dict[str, Any] = {}
-        row["bf16 F.linear"] = _ms(lambda: F.linear(x, w, bias))
-        row["scaled_mm incl. eager quant"] = _ms(lambda: _scaled_mm_kernel(x, wq, ws, bias, "fp8_dynamic", torch.bfloat16))
-        xq, xs = quantize_rows_e4m3(x)
+        xq, xs = fp8_quantize_rows(x)
         wsr = ws.reshape(1, -1).contiguous()
-        row["scaled_mm GEMM only"] = _ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=wsr, out_dtype=torch.bfloat16, bias=bias))
-        row["triton fp8_dynamic"] = _ms(lambda: fp8_linear_triton(x, wq, ws, bias, "fp8_dynamic", torch.bfloat16))
-        row["triton fp8_weights"] = _ms(lambda: fp8_linear_triton(x, wq, ws, bias, "fp8_weights", torch.bfloat16))
-        row["rel_err triton fp8_dynamic vs fp32"] = _rel(fp8_linear_triton(x, wq, ws, bias, "fp8_dynamic", torch.bfloat16), ref)
-        row["rel_err scaled_mm vs fp32"] = _rel(_scaled_mm_kernel(x, wq, ws, bias, "fp8_dynamic", torch.bfloat16), ref)
-        row["rel_err triton fp8_weights vs fp32"] = _rel(fp8_linear_triton(x, wq, ws, bias, "fp8_weights", torch.bfloat16), ref)
-        row["tflops"] = {key: flops / (v * 1e-3) / 1e12 for key, v in row.items() if not key.startswith("rel_err")}
+        row: dict[str, Any] = {
+            "bf16 F.linear": _ms(lambda: F.linear(x, w, bias)),
+            "scaled_mm fp8_dynamic (Triton row quant + GEMM)": _ms(
+                lambda: _scaled_mm_kernel(x, wq, ws, bias, "fp8_dynamic", torch.bfloat16)),
+            "scaled_mm GEMM only": _ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=wsr, out_dtype=torch.bfloat16, bias=bias)),
+            "Triton row quant only": _ms(lambda: fp8_quantize_rows(x)),
+            "eager row quant only": _ms(lambda: quantize_rows_e4m3(x)),
+            "scaled_mm fp8_weights (dequant + bf16 GEMM)": _ms(
+                lambda: _scaled_mm_kernel(x, wq, ws, bias, "fp8_weights", torch.bfloat16)),
+            "triton fp8_dynamic": _ms(lambda: fp8_linear_triton(x, wq, ws, bias, "fp8_dynamic", torch.bfloat16)),
+            "triton fp8_weights": _ms(lambda: fp8_linear_triton(x, wq, ws, bias, "fp8_weights", torch.bfloat16)),
+            "rel_err triton fp8_dynamic vs fp32": _rel(fp8_linear_triton(x, wq, ws, bias, "fp8_dynamic", torch.bfloat16), ref),
+            "rel_err scaled_mm vs fp32": _rel(_scaled_mm_kernel(x, wq, ws, bias, "fp8_dynamic", torch.bfloat16), ref),
+            "rel_err triton fp8_weights vs fp32": _rel(fp8_linear_triton(x, wq, ws, bias, "fp8_weights", torch.bfloat16), ref),
+        }
+        row["tflops"] = {key: flops / (v * 1e-3) / 1e12 for key, v in row.items()
+                         if not key.startswith("rel_err") and "quant only" not in key}
         if sweep:
             y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            configs: dict[str, float] = {}
+            configs: dict[str, Any] = {}
             for dynamic in (True, False):
-                for bm, bn, bk, warps, stages in ((128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
-                                                  (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)):
-                    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+                a = xq if dynamic else x
+                for bm, bn, bk, warps, stages in ((128, 256, 128, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3),
+                                                  (128, 128, 64, 4, 4), (256, 128, 128, 8, 3), (64, 256, 128, 4, 3)):
+                    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
 
                     def launch() -> None:
-                        _fp8_linear_kernel[grid](x, wq, ws, bias, y, m, n, k, DYNAMIC=dynamic, HAS_BIAS=True,
-                                                 EMULATE_ROUNDING=False, PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn,
-                                                 BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                        _fp8_linear_kernel[grid](a, xs, wq, ws, bias, y, m, n, k, A_E4M3=dynamic, HAS_BIAS=True,
+                                                 PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                                                 num_warps=warps, num_stages=stages)
 
+                    name = f"{'dynamic (GEMM only)' if dynamic else 'weights'} {bm}x{bn}x{bk} w{warps} s{stages}"
                     try:
-                        configs[f"{'dynamic' if dynamic else 'weights'} {bm}x{bn}x{bk} w{warps} s{stages}"] = _ms(launch)
+                        configs[name] = _ms(launch)
                     except Exception as exc:  # noqa: BLE001 - out of shared memory for this config
-                        configs[f"{'dynamic' if dynamic else 'weights'} {bm}x{bn}x{bk} w{warps} s{stages}"] = f"{type(exc).__name__}"  # type: ignore[assignment]
+                        configs[name] = type(exc).__name__
             row["sweep_ms"] = configs
         out[label] = row
     return out
 
 
-def bench_attention(sweep: bool) -> dict[str, Any]:
+def bench_attention(sweep: bool, heads: int = 12, length: int = 32760) -> dict[str, Any]:
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fv_kernel.compute.fp8_attention import fp8_attention_triton, quantize_blocks
-    from fv_kernel.compute.fp8_triton import _fp8_attention_kernel
+    from fv_kernel.compute.fp8_attention import fp8_attention_triton, kv_statistics
+    from fv_kernel.compute.fp8_triton import (
+        ATTENTION_CONFIGS,
+        K_SCALE_BLOCK,
+        _fp8_attention_kernel,
+        _fp8_attention_tuned,
+        _quantize_kv_kernel,
+    )
 
-    b, h, length, d = 1, 12, 32760, 128
+    b, h, d = 1, heads, 128
     g = torch.Generator(device="cuda").manual_seed(1)
-    q, k, v = (torch.randn(b, h, length, d, device="cuda", generator=g).bfloat16() for _ in range(3))
+    # (B, L, H, D) viewed as (B, H, L, D): the layout the Wan blocks hand the driver
+    q, k, v = (torch.randn(b, length, h, d, device="cuda", generator=g).bfloat16().transpose(1, 2) for _ in range(3))
     flops = 4 * b * h * length * length * d
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ref = F.scaled_dot_product_attention(q, k, v)
         cudnn = _ms(lambda: F.scaled_dot_product_attention(q, k, v))
     exact = F.scaled_dot_product_attention(q[:, :2, :4096].float(), k[:, :2].float(), v[:, :2].float())
+    got = fp8_attention_triton(q, k, v)  # runs the autotuner once for this shape
     fp8 = _ms(lambda: fp8_attention_triton(q, k, v))
-    got = fp8_attention_triton(q, k, v)
+    k_mean, v_scale = kv_statistics(k, v)
+    lk_pad = triton.cdiv(length, K_SCALE_BLOCK) * K_SCALE_BLOCK
+    bh = b * h
+    kq = torch.empty(bh, lk_pad, d, dtype=torch.float8_e4m3fn, device="cuda")
+    vt = torch.empty(bh, d, lk_pad, dtype=torch.float8_e4m3fn, device="cuda")
+    ks = torch.empty(bh, lk_pad // K_SCALE_BLOCK, device="cuda")
+
+    def quantize() -> None:
+        _quantize_kv_kernel[(lk_pad // K_SCALE_BLOCK, bh)](
+            k, v, k_mean, v_scale, kq, ks, vt, h, length, lk_pad, d, k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), EMULATE_ROUNDING=False, KSB=K_SCALE_BLOCK, BLOCK_D=d, num_warps=4)
+
     out: dict[str, Any] = {
-        "shape": [b, h, length, d], "sdpa_cudnn bf16 ms": cudnn, "fp8 triton ms (incl. K/V quant)": fp8,
-        "tflops": {"cudnn": flops / cudnn / 1e9, "fp8": flops / fp8 / 1e9},
+        "shape": [b, h, length, d], "sdpa_cudnn bf16 ms": cudnn, "fp8 triton ms (all: stats, K/V quant, attention)": fp8,
+        "kv_statistics ms": _ms(lambda: kv_statistics(k, v)), "K/V quant kernel ms": _ms(quantize),
+        "autotuned config": str(getattr(_fp8_attention_tuned, "best_config", None)),
+        "tflops": {"cudnn": flops / cudnn / 1e9, "fp8 (all)": flops / fp8 / 1e9},
         "rel_err fp8 vs fp32 (2 heads, 4096 queries)": _rel(got[:, :2, :4096], exact),
         "rel_err cudnn bf16 vs fp32": _rel(ref[:, :2, :4096], exact),
     }
     if sweep:
+        quantize()
+        o = torch.empty(q.shape, dtype=q.dtype, device="cuda")
         configs: dict[str, Any] = {}
-        bh = b * h
-        for bm, bn, warps, stages in ((64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)):
-            kq, ks = quantize_blocks(k.reshape(bh, length, d).float(), bn)
-            vt = (v.reshape(bh, length, d).float() / 1.0).to(torch.float8_e4m3fn).transpose(1, 2).contiguous()
-            vs = torch.ones(bh, d, device="cuda")
-            o = torch.empty_like(q)
-            kq = kq.contiguous()
+        for cfg in ATTENTION_CONFIGS:
+            kw = cfg.all_kwargs()
 
             def launch() -> None:
-                _fp8_attention_kernel[(triton.cdiv(length, bm), bh)](
-                    q, kq, ks, vt, vs, o, length, length, d, ks.shape[1], d**-0.5, EMULATE_ROUNDING=False,
-                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, num_warps=warps, num_stages=stages)
+                _fp8_attention_kernel[(triton.cdiv(length, kw["BLOCK_M"]), bh)](
+                    q, kq, ks, vt, v_scale, o, h, length, length, lk_pad, d, q.stride(0), q.stride(1), q.stride(2),
+                    d**-0.5 * 1.4426950408889634, triton.next_power_of_2(length), EMULATE_ROUNDING=False,
+                    KSB=K_SCALE_BLOCK, BLOCK_D=d, **kw)
 
+            name = f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}"
             try:
-                configs[f"{bm}x{bn} w{warps} s{stages}"] = _ms(launch)
+                ms = _ms(launch)
+                configs[name] = {"ms": ms, "tflops": flops / ms / 1e9}
             except Exception as exc:  # noqa: BLE001
-                configs[f"{bm}x{bn} w{warps} s{stages}"] = type(exc).__name__
-        out["kernel-only sweep ms"] = configs
+                configs[name] = type(exc).__name__
+        out["kernel-only sweep"] = configs
     return out
 
 
@@ -146,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "linear": bench_linear(args.sweep), "attention": bench_attention(args.sweep)}
+              "linear": bench_linear(args.sweep), "attention": bench_attention(args.sweep),
+              "attention_14b_720p": bench_attention(False, heads=40, length=75600)}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

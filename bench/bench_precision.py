@@ -7,7 +7,8 @@ weights, bf16, SDPA) timed in the same process, each fv path as a ratio of the d
 - ``native``: bf16 linears, the native attention driver (``--attention``, SDPA-cuDNN by default);
 - ``fp8_weights``: the fp8 target linears as ``Fp8Linear`` mode ``fp8_weights`` (e4m3 weights,
   per-channel scales; activations bf16);
-- ``fp8_dynamic``: the targets as mode ``fp8_dynamic`` (activations quantized per token in the GEMM);
+- ``fp8_dynamic``: the targets as mode ``fp8_dynamic`` (activations quantized per token by one Triton
+  pass, then cuBLASLt's rowwise-scaled e4m3 GEMM on Hopper: ``Fp8Linear``'s ``auto`` kernel);
 - ``fp8_attention``: bf16 linears, attention through the ``fp8`` driver;
 - ``fp8_all``: ``fp8_dynamic`` and ``fp8_attention``.
 
@@ -15,9 +16,10 @@ The fp8 targets are what Wan cards name (q/k/v/o of attn1 and attn2 and the two 
 block; embedders, modulation and proj_out stay bf16). Per path: step ms, the ratio to diffusers, the
 weights' bytes, the step's peak allocated memory, and the step output's relative error and PSNR
 against the native path (one step; full-trajectory PSNR is the parity contract's measurement).
-``--with-14b`` adds Wan2.1-14B at 720x1280x81 (75,600 tokens) when the GPU has the memory.
+``--with-14b`` adds Wan2.1-14B at 720x1280x81 (75,600 tokens) when the GPU has the memory;
+``--models 14b`` runs that size alone (it takes most of one 10-minute device call).
 
-    python bench/bench_precision.py bench/records/precision_h200 [--with-14b]
+    python bench/bench_precision.py bench/records/precision_h200 [--with-14b | --models 14b]
     python bench/bench_precision.py /tmp/p --smoke   # tiny config on CPU (fp32, torch kernels)
 
 Without CUDA (and without ``--smoke``) it writes ``{"skipped": ...}`` and exits 0.
@@ -184,7 +186,7 @@ def model_case(run: Run, label: str, config: Any, latent: tuple[int, int, int], 
             subject.load_state_dict(model.state_dict(), strict=True)
             subject.rope.build_tables(device)
             subject = cast_for_inference(subject, dtype).eval().requires_grad_(False)
-            quantize_linears(subject, fp8_targets(subject), mode=mode)  # kernel="auto": Triton on CUDA
+            quantize_linears(subject, fp8_targets(subject), mode=mode)  # kernel="auto": cuBLASLt on Hopper
         subject.set_attention_fn(fp8_fn if path in ("fp8_attention", "fp8_all") else native_fn)
         subject.set_fused_ops(fused)
         with torch.no_grad():
@@ -226,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output", type=Path, help="directory for results.json and table.md")
     parser.add_argument("--smoke", action="store_true", help="tiny config on CPU in fp32 (the CPU smoke test)")
     parser.add_argument("--with-14b", action="store_true", help="also Wan2.1-14B at 720x1280x81, if memory allows")
+    parser.add_argument("--models", nargs="+", choices=["1.3b", "14b"], default=None,
+                        help="which sizes to run (default: 1.3b, plus 14b with --with-14b); 14b alone fits one device call")
     parser.add_argument("--attention", default="sdpa_cudnn", help="the native path's attention driver (CUDA)")
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args(argv)
@@ -246,9 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args)
     results["env"] = {"device": torch.cuda.get_device_name() if run.device.type == "cuda" else "cpu",
                       "torch": torch.__version__}
-    cases = [("tiny (smoke)" if args.smoke else "wan2.1-1.3b 480x832x81", WanTransformerConfig.tiny() if args.smoke else WanTransformerConfig.wan21_t2v_1_3b(),
-              (3, 8, 6) if args.smoke else (21, 60, 104), 10 if args.smoke else 512)]
-    if args.with_14b and not args.smoke:
+    sizes = args.models or (["1.3b", "14b"] if args.with_14b else ["1.3b"])
+    cases = []
+    if "1.3b" in sizes or args.smoke:
+        cases.append(("tiny (smoke)" if args.smoke else "wan2.1-1.3b 480x832x81",
+                      WanTransformerConfig.tiny() if args.smoke else WanTransformerConfig.wan21_t2v_1_3b(),
+                      (3, 8, 6) if args.smoke else (21, 60, 104), 10 if args.smoke else 512))
+    if "14b" in sizes and not args.smoke:
         cases.append(("wan2.1-14b 720x1280x81", WanTransformerConfig.wan21_t2v_14b(), (21, 90, 160), 512))
     for label, config, latent, text_len in cases:
         if "14b" in label:

@@ -91,7 +91,11 @@ def test_parity_check_catches_a_k_scale_on_the_wrong_axis(monkeypatch: pytest.Mo
     q, k, v = _qkv(d=64)
     k = k * torch.logspace(-1, 1, 64)
 
+    quantize_blocks = fp8_attention.quantize_blocks
+
     def per_channel(t: torch.Tensor, block: int):  # type: ignore[no-untyped-def]
+        if block != fp8_attention.K_BLOCK:  # Q (one scale per row) stays right
+            return quantize_blocks(t, block)
         s = (t.float().abs().amax(dim=1) / 448).clamp(min=1e-12)  # [BH, D]
         return (t.float() / s[:, None, :]).to(torch.float8_e4m3fn), s[:, : -(-t.shape[1] // block)]
 
@@ -155,9 +159,13 @@ def test_kernel_launchers_name_what_does_not_fit() -> None:
     )
 
     q = torch.randn(1, 2, 8, 16)
-    k = torch.zeros(2, 8, 16, dtype=torch.float8_e4m3fn)
-    with pytest.raises(Fp8KernelError, match="v_t"):
-        fp8_attention_kernel(q, k, torch.ones(2, 1), k, torch.ones(2, 16), scale=0.25, q_block=64, k_block=64)
+    stats = torch.zeros(1, 2, 16)
+    with pytest.raises(Fp8KernelError, match=r"v \(1, 2, 9, 16\)"):
+        fp8_attention_kernel(q, q, torch.randn(1, 2, 9, 16), stats, stats, scale=0.25)
+    with pytest.raises(Fp8KernelError, match="k_mean"):
+        fp8_attention_kernel(q, q, q, stats[:, :1], stats, scale=0.25)
+    with pytest.raises(Fp8KernelError, match="float16"):
+        fp8_attention_kernel(q, q.half(), q, stats, stats, scale=0.25)
     w = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
     with pytest.raises(Fp8KernelError, match="one per output channel"):
         fp8_linear_triton(torch.randn(3, 8), w, torch.ones(3), None, "fp8_dynamic", torch.float32)
@@ -180,22 +188,39 @@ def test_fp8_linear_auto_kernel_is_the_torch_reference_on_cpu() -> None:
         assert _rel(auto(x), F.linear(x, linear.weight, linear.bias)) < 0.05
 
 
-def test_fp8_linear_auto_kernel_takes_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The selection itself (CPU-checkable): a CUDA activation routes to the Triton kernel."""
+class _Cuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the kernel selection reads nothing else."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    ("capability", "in_features", "has_triton", "expected"),
+    [
+        ((9, 0), 32, True, "scaled_mm"),  # Hopper: cuBLASLt with rowwise scales
+        ((10, 0), 32, True, "scaled_mm"),
+        ((9, 0), 24, True, "triton"),  # cuBLASLt needs sizes divisible by 16
+        ((8, 9), 32, True, "triton"),  # Ada: no rowwise scaled_mm
+        ((8, 9), 32, False, "torch"),
+    ],
+)
+def test_fp8_linear_auto_kernel_on_cuda(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], in_features: int, has_triton: bool, expected: str,
+) -> None:
+    """The selection itself (CPU-checkable): which kernel a CUDA activation routes to."""
     from fv_kernel.compute import fp8
 
     called: list[str] = []
-    monkeypatch.setattr(fp8, "_triton_kernel", lambda *a: called.append("triton") or a[0])
-    monkeypatch.setattr("fv_kernel.compute.fused.triton_available", lambda: True)
-
-    class _Cuda(torch.Tensor):
-        @property
-        def device(self) -> torch.device:  # type: ignore[override]
-            return torch.device("cuda")
-
-    x = torch.randn(2, 4).as_subclass(_Cuda)
-    fp8._auto_kernel(x, torch.zeros(3, 4, dtype=torch.float8_e4m3fn), torch.ones(3), None, "fp8_dynamic", torch.float32)
-    assert called == ["triton"]
+    for name in ("scaled_mm", "triton", "torch"):
+        monkeypatch.setattr(fp8, f"_{name}_kernel", lambda *a, name=name: called.append(name) or a[0])
+    monkeypatch.setattr("fv_kernel.compute.fused.triton_available", lambda: has_triton)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    x = torch.randn(2, in_features).as_subclass(_Cuda)
+    fp8._auto_kernel(x, torch.zeros(16, in_features, dtype=torch.float8_e4m3fn), torch.ones(16), None, "fp8_dynamic",
+                     torch.float32)
+    assert called == [expected]
 
 
 def test_scaled_mm_kernel_refuses_sizes_cublas_cannot_take() -> None:

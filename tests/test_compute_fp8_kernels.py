@@ -109,6 +109,20 @@ def _ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return torch.softmax(s, dim=-1) @ v.double()
 
 
+def rows_errors(device: str) -> dict[str, float]:
+    """The one-pass per-token quantization against the reference above: dequantized values, contiguous
+    and strided rows (a column slice of a wider activation)."""
+    from fv_kernel.compute.fp8_triton import fp8_quantize_rows
+
+    g = torch.Generator().manual_seed(6)
+    out: dict[str, float] = {}
+    wide = torch.randn(37, 2100, generator=g) * torch.logspace(-3, 3, 37)[:, None]
+    for label, x in (("contiguous", wide[:, :1500].contiguous()), ("strided", wide[:, 300:1800]), ("one_column", wide[:, :1])):
+        q, s = fp8_quantize_rows(x.to(device))
+        out[label] = _rel(q.cpu().double() * s.cpu().double(), _ref_rows_e4m3(x))
+    return out
+
+
 def attention_errors(device: str) -> dict[str, float]:
     """Relative errors of the Triton fp8 attention against fp64 attention and the torch reference,
     and of a kernel whose V scale was dropped (negative control)."""
@@ -120,28 +134,33 @@ def attention_errors(device: str) -> dict[str, float]:
 
     g = torch.Generator().manual_seed(5)
     out: dict[str, float] = {}
-    for label, (lq, lk, d) in {"square": (100, 100, 64), "odd": (70, 77, 48)}.items():
+    # square; odd sizes and head dim; several key blocks with a partial last one (K scales per 128 keys)
+    for label, (lq, lk, d) in {"square": (100, 100, 64), "odd": (70, 77, 48), "long": (130, 300, 64)}.items():
         q, k, v = (torch.randn(1, 2, n, d, generator=g).to(device) for n in (lq, lk, lk))
         k = k + 3.0  # a large shared key offset: what K smoothing removes
         got = fp8_attention_triton(q, k, v).cpu()
         out[f"{label}.vs_exact"] = _rel(got, _ref_attention(q.cpu(), k.cpu(), v.cpu()))
         out[f"{label}.vs_torch_reference"] = _rel(got, fp8_attention_torch(q.cpu(), k.cpu(), v.cpu()))
+    # (B, L, H, D) viewed as (B, H, L, D): read through strides, not copied
+    x = torch.randn(2, 90, 3, 64, generator=g).to(device)
+    view = x.transpose(1, 2)
+    out["strided.vs_exact"] = _rel(fp8_attention_triton(view, view, view).cpu(), _ref_attention(*(view.cpu(),) * 3))
     q, k, v = (torch.randn(1, 1, 64, 32, generator=g).to(device) for _ in range(3))
     big = fp8_attention_triton(q * 1e4, k * 1e4, v * 1e4).cpu()
     out["saturation.finite"] = float(torch.isfinite(big).all())
     out["empty_queries.numel"] = float(fp8_attention_triton(q[:, :, :0], k, v).numel())
-    quantize_kv = fp8_attention.quantize_kv
+    kv_statistics = fp8_attention.kv_statistics
 
     def dropped_v_scale(k_, v_):  # type: ignore[no-untyped-def]
-        kq, ks, vq, vs = quantize_kv(k_, v_)
-        return kq, ks, vq, torch.full_like(vs, 1.0 / 448)
+        k_mean, v_scale = kv_statistics(k_, v_)
+        return k_mean, torch.full_like(v_scale, 1.0 / 448)
 
-    fp8_attention.quantize_kv = dropped_v_scale
+    fp8_attention.kv_statistics = dropped_v_scale
     try:
         q, k, v = (torch.randn(1, 2, 100, 64, generator=g).to(device) * 3 for _ in range(3))
         out["dropped_v_scale.vs_exact"] = _rel(fp8_attention_triton(q, k, v).cpu(), _ref_attention(q.cpu(), k.cpu(), v.cpu()))
     finally:
-        fp8_attention.quantize_kv = quantize_kv
+        fp8_attention.kv_statistics = kv_statistics
     return out
 
 
@@ -156,6 +175,7 @@ def kernel_checks(device: str) -> dict[str, Any]:
         "linear.reference_scale_dropped": linear_errors(device, lambda *a: _ref_linear(*a, drop_scale=True)),
         "linear.kernel_scale_dropped": linear_errors(device, kernel_scale="dropped"),
         "saturation": saturation(device),
+        "rows": rows_errors(device),
         "attention": attention_errors(device),
     }
 
@@ -188,6 +208,11 @@ def test_comparison_catches_a_dropped_scale(checks: dict[str, Any], control: str
     }, failing
 
 
+def test_row_quantization_matches_the_reference(checks: dict[str, Any]) -> None:
+    # Both round x / (absmax / 448) to nearest even; they differ only in the scale's last fp32 bit.
+    assert max(checks["rows"].values()) < 1e-6, checks["rows"]
+
+
 def test_fp8_linear_saturation_stays_finite(checks: dict[str, Any]) -> None:
     for mode, result in checks["saturation"].items():
         assert result["finite"], mode
@@ -199,9 +224,10 @@ def test_fp8_attention_kernel_parity(checks: dict[str, Any]) -> None:
     from fv_kernel.compute.fp8_attention import KERNEL_REL_ERROR, PARITY_REL_ERROR
 
     att = checks["attention"]
-    for label in ("square", "odd"):
+    for label in ("square", "odd", "long"):
         assert att[f"{label}.vs_exact"] < PARITY_REL_ERROR, att
         assert att[f"{label}.vs_torch_reference"] < KERNEL_REL_ERROR, att
+    assert att["strided.vs_exact"] < PARITY_REL_ERROR, att
     assert att["saturation.finite"] == 1.0
     assert att["empty_queries.numel"] == 0.0
 
@@ -216,42 +242,58 @@ def test_fp8_attention_comparison_catches_a_dropped_v_scale(checks: dict[str, An
 
 needs_triton = pytest.mark.skipif(not triton_available() and not REQUIRE_KERNELS, reason="needs triton")
 
-_SM90_LINEAR = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+_SM90_LINEAR = {"as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
                 "M": 32760, "N": 1536, "K": 1536}
-_SM90_ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vt_ptr": "*fp8e4nv", "vs_ptr": "*fp32",
-                   "o_ptr": "*bf16", "LQ": 32760, "LK": 32760, "D": 128, "K_BLOCKS": 512, "sm_scale": "fp32"}
+_SM90_ATTENTION = {"q_ptr": "*bf16", "kq_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vt_ptr": "*fp8e4nv", "vs_ptr": "*fp32",
+                   "o_ptr": "*bf16", "H": 12, "LQ": 32760, "LK": 32760, "LK_PAD": 32768, "D": 128, "stride_qb": 393216 * 128,
+                   "stride_qh": 128, "stride_ql": 1536, "qk_scale": "fp32", "LK_BUCKET": 32768}
 
 
 @needs_triton
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_fp8_linear_builds_tensor_core_code_for_sm90(dynamic: bool) -> None:
-    """``fp8_dynamic`` multiplies e4m3 by e4m3 on Hopper's tensor cores (wgmma) after a saturating
-    round-to-nearest e4m3 cast; ``fp8_weights`` widens to bf16 and uses bf16 wgmma; no register spills."""
+    """``fp8_dynamic`` multiplies e4m3 by e4m3 on Hopper's tensor cores (wgmma); ``fp8_weights``
+    widens to bf16 and uses bf16 wgmma; no register spills at the launcher's tiles."""
     from fv_kernel.compute.fp8_triton import _fp8_linear_kernel
     from fv_kernel.testing.triton_checks import compile_for_sm90
 
-    build = compile_for_sm90(_fp8_linear_kernel, _SM90_LINEAR, {
-        "DYNAMIC": dynamic, "HAS_BIAS": True, "EMULATE_ROUNDING": False, "PRECISION": "tf32",
-        "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4)
+    values = {**_SM90_LINEAR, "a_ptr": "*fp8e4nv" if dynamic else "*bf16"}
+    tiles = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128} if dynamic else {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
+    build = compile_for_sm90(_fp8_linear_kernel, values, {
+        "A_E4M3": dynamic, "HAS_BIAS": True, "PRECISION": "tf32", "GROUP_M": 8, **tiles}, num_warps=8 if dynamic else 4)
     wgmma = set(re.findall(r"wgmma\.mma_async\S*", build.ptx))
     if dynamic:
         assert wgmma and all(".e4m3.e4m3" in op for op in wgmma), wgmma
-        assert "cvt.rn.satfinite.e4m3x2.f32" in build.ptx
     else:
         assert wgmma and all(".bf16.bf16" in op for op in wgmma), wgmma
     assert build.spill_bytes == 0
 
 
 @needs_triton
-def test_fp8_attention_builds_e4m3_tensor_core_code_for_sm90() -> None:
-    from fv_kernel.compute.fp8_attention import K_BLOCK, Q_BLOCK
-    from fv_kernel.compute.fp8_triton import ATTENTION_WARPS, _fp8_attention_kernel
+def test_row_quantization_builds_a_saturating_e4m3_cast_for_sm90() -> None:
+    from fv_kernel.compute.fp8_triton import _quantize_rows_kernel
     from fv_kernel.testing.triton_checks import compile_for_sm90
 
+    build = compile_for_sm90(_quantize_rows_kernel, {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32",
+                                                     "M": 32760, "K": 1536, "stride_xm": 1536},
+                             {"EMULATE_ROUNDING": False, "ROWS": 4, "BLOCK_K": 1024})
+    assert "cvt.rn.satfinite.e4m3x2.f32" in build.ptx
+    assert build.spill_bytes == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("config", range(3))
+def test_fp8_attention_builds_e4m3_tensor_core_code_for_sm90(config: int) -> None:
+    """Q·Kᵀ and P·V both on e4m3 wgmma at the first autotune candidates, spilling (almost) nothing."""
+    from fv_kernel.compute.fp8_triton import ATTENTION_CONFIGS, K_SCALE_BLOCK, _fp8_attention_kernel
+    from fv_kernel.testing.triton_checks import compile_for_sm90
+
+    cfg = ATTENTION_CONFIGS[config]
     build = compile_for_sm90(_fp8_attention_kernel, _SM90_ATTENTION, {
-        "EMULATE_ROUNDING": False, "BLOCK_M": Q_BLOCK, "BLOCK_N": K_BLOCK, "BLOCK_D": 128}, num_warps=ATTENTION_WARPS)
+        "EMULATE_ROUNDING": False, "KSB": K_SCALE_BLOCK, "BLOCK_D": 128, **cfg.kwargs},
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     wgmma = set(re.findall(r"wgmma\.mma_async\S*", build.ptx))
-    assert len(wgmma) == 2 and all(".f32.e4m3.e4m3" in op for op in wgmma), wgmma  # Q·Kᵀ and P·V
+    assert wgmma and all(".f32.e4m3.e4m3" in op for op in wgmma), wgmma  # Q·Kᵀ and P·V
     assert build.spill_bytes <= 128, build.spill_bytes
 
 

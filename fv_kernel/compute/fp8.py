@@ -11,10 +11,11 @@ A precision path decides what of a linear runs in fp8:
 
 :class:`Fp8Linear` holds the quantized weight and computes either path. Its ``kernel`` decides
 how: ``"torch"`` is the portable reference (dequantize, then matmul in fp32: what every kernel is
-checked against), ``"scaled_mm"`` calls ``torch._scaled_mm`` (CUDA, sm_89+; the activation is
-quantized by a separate eager pass), ``"triton"`` is :func:`fv_kernel.compute.fp8_triton.fp8_linear_triton`
-(the per-token quantization fused into the GEMM's prologue), ``"auto"`` (the default) takes Triton
-on CUDA when it is importable and torch elsewhere, and a callable replaces them all.
+checked against), ``"scaled_mm"`` calls cuBLASLt (CUDA, sm_89+: ``torch._scaled_mm`` after a
+one-pass Triton per-token quantization for ``fp8_dynamic``; dequantize-then-GEMM for
+``fp8_weights``), ``"triton"`` is :func:`fv_kernel.compute.fp8_triton.fp8_linear_triton` (any size,
+sm_89+ or the interpreter), ``"auto"`` (the default) takes ``scaled_mm`` on Hopper and later where
+the sizes divide by 16, Triton on other CUDA devices, and torch elsewhere; a callable replaces them all.
 Quantization is done once, at load (:func:`quantize_linears`).
 """
 
@@ -102,10 +103,25 @@ def _torch_kernel(
     return y.to(out_dtype)
 
 
+def _quantize_rows_fast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantization in one Triton pass on CUDA (when triton imports), else in torch."""
+    from fv_kernel.compute.fused import triton_available
+
+    if x.device.type == "cuda" and triton_available():
+        from fv_kernel.compute.fp8_triton import fp8_quantize_rows
+
+        return fp8_quantize_rows(x)
+    return quantize_rows_e4m3(x)
+
+
 def _scaled_mm_kernel(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, mode: str, out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``torch._scaled_mm`` with rowwise scales (CUDA, sm_89+): e4m3 × e4m3, fp32 accumulation."""
+    """cuBLASLt (CUDA, sm_89+). ``fp8_dynamic``: the activation quantized per token (one Triton pass),
+    then ``torch._scaled_mm`` with rowwise scales, e4m3 x e4m3 with fp32 accumulation. ``fp8_weights``:
+    the weight dequantized to the activation's dtype for this call, then a bf16/fp16 GEMM (a mixed
+    e4m3 x bf16 tensor-core GEMM does not exist on Hopper; widening in a Triton GEMM's registers ran
+    2.3-3.3x slower than cuBLAS, docs/benchmarks.md)."""
     if mode != "fp8_dynamic":
         w = dequantize_e4m3(weight, scale.reshape(-1, 1) if scale.dim() else scale, x.dtype)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype)).to(out_dtype)
@@ -114,9 +130,9 @@ def _scaled_mm_kernel(
             f"kernel 'scaled_mm' needs in_features and out_features divisible by 16, got {x.shape[1]} and "
             f"{weight.shape[0]}; use kernel='triton' (any size) or 'torch'", param="kernel",
         )
-    xq, xs = quantize_rows_e4m3(x)
+    xq, xs = _quantize_rows_fast(x.contiguous())
     w_scale = (scale.reshape(1, -1) if scale.dim() else scale.reshape(1, 1).expand(1, weight.shape[0])).float().contiguous()
-    y = torch._scaled_mm(xq, weight.t(), scale_a=xs.contiguous(), scale_b=w_scale, out_dtype=torch.bfloat16,
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=w_scale, out_dtype=torch.bfloat16,
                          bias=None if bias is None else bias.to(torch.bfloat16))
     return y.to(out_dtype)
 
@@ -137,13 +153,24 @@ def _triton_kernel(
     return fp8_linear_triton(x, weight, scale, bias, mode, out_dtype)
 
 
+#: The first CUDA capability whose cuBLASLt takes ``_scaled_mm`` with rowwise (per-token x per-channel) scales.
+_ROWWISE_SCALED_MM_CAPABILITY = (9, 0)
+
+
 def _auto_kernel(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, mode: str, out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Triton on CUDA when importable (the fused prologue beats an eager quantization pass), else the torch reference."""
+    """The fastest kernel that can run: cuBLASLt (``scaled_mm``) on Hopper and later when the sizes
+    divide by 16, else Triton on CUDA when importable, else the torch reference."""
     from fv_kernel.compute.fused import triton_available
 
-    kernel = _triton_kernel if x.device.type == "cuda" and triton_available() else _torch_kernel
+    if x.device.type != "cuda":
+        kernel = _torch_kernel
+    elif (torch.cuda.get_device_capability(x.device) >= _ROWWISE_SCALED_MM_CAPABILITY
+          and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0):
+        kernel = _scaled_mm_kernel
+    else:
+        kernel = _triton_kernel if triton_available() else _torch_kernel
     return kernel(x, weight, scale, bias, mode, out_dtype)
 
 

@@ -2,14 +2,15 @@
 
 The quantization (FlashAttention-3 FP8 / SageAttention2 style, without the Hadamard rotation):
 
-- Q: one scale per :data:`Q_BLOCK` query rows of a head (absmax / 448);
+- Q: one scale per query row (absmax / 448);
 - K: smoothed first (its mean over tokens subtracted, per head: every score of a query row moves
   by the same amount, which softmax ignores), then one scale per :data:`K_BLOCK` keys;
 - P (the unnormalized softmax, in [0, 1]): the fixed scale 1/448; the row sums stay in fp32;
 - V: one scale per channel of a head (absmax over tokens).
 
-Two implementations of that one computation: the Triton kernel
-(:func:`fp8_attention_triton`, online softmax, CUDA) and
+K's mean and V's channel scales come from :func:`kv_statistics` (two reductions in torch); both
+implementations start from them. Two implementations of that one computation: the Triton kernels
+(:func:`fp8_attention_triton`: one pass quantizing K and V, then online softmax; CUDA) and
 :func:`fp8_attention_torch` (quantize, dequantize, then attention in fp32: any device, the
 reference). ``implementation="auto"`` takes Triton on CUDA when it is importable, else torch.
 
@@ -35,17 +36,16 @@ __all__ = [
     "KERNEL_REL_ERROR",
     "K_BLOCK",
     "PARITY_REL_ERROR",
-    "Q_BLOCK",
     "Fp8Attention",
     "fp8_attention_torch",
     "fp8_attention_triton",
+    "kv_statistics",
     "quantize_blocks",
     "quantize_kv",
 ]
 
-#: Query rows sharing one Q scale (the Triton kernel's BLOCK_M), keys sharing one K scale (its BLOCK_N).
-Q_BLOCK = 64
-K_BLOCK = 64
+#: Keys sharing one K scale (the Triton kernel's ``K_SCALE_BLOCK``; its key tiles divide it).
+K_BLOCK = 128
 #: The driver's parity bound: relative Frobenius error against fp32 SDPA on unit-normal inputs.
 PARITY_REL_ERROR = 0.07
 #: The Triton kernel against :func:`fp8_attention_torch`, same inputs.
@@ -63,17 +63,24 @@ def quantize_blocks(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     return q.reshape(bh, blocks * block, dim)[:, :length], scale
 
 
+def kv_statistics(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K's mean over tokens and V's per-channel scale (absmax over tokens / 448), fp32, for ``k``/``v``
+    ``[..., L, D]`` (one pass over each; no fp32 copy of either)."""
+    k_mean = k.mean(dim=-2, dtype=torch.float32)
+    v_min, v_max = torch.aminmax(v, dim=-2)
+    v_scale = (torch.maximum(v_max, -v_min).float() / E4M3_MAX).clamp(min=_MIN_SCALE)
+    return k_mean, v_scale
+
+
 def quantize_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """K smoothed (mean over tokens subtracted) and quantized per :data:`K_BLOCK` keys; V per channel.
 
     ``k``/``v`` ``[BH, L, D]``. Returns ``(k_e4m3 [BH, L, D], k_scale [BH, blocks], v_e4m3 [BH, L, D],
     v_scale [BH, D])``: ``k - mean ≈ k_e4m3 · k_scale`` and ``v ≈ v_e4m3 · v_scale``.
     """
-    k32 = k.float()
-    kq, k_scale = quantize_blocks(k32 - k32.mean(dim=1, keepdim=True), K_BLOCK)
-    v32 = v.float()
-    v_scale = (v32.abs().amax(dim=1) / E4M3_MAX).clamp(min=_MIN_SCALE)
-    vq = (v32 / v_scale[:, None, :]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    k_mean, v_scale = kv_statistics(k, v)
+    kq, k_scale = quantize_blocks(k.float() - k_mean[:, None, :], K_BLOCK)
+    vq = (v.float() / v_scale[:, None, :]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return kq, k_scale, vq, v_scale
 
 
@@ -89,9 +96,9 @@ def fp8_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     lk = k.shape[2]
     if lk == 0 and lq > 0:
         raise Fp8Error("fp8 attention needs at least one key (softmax over zero keys is undefined)")
-    qq, q_scale = quantize_blocks(q.reshape(batch * heads, lq, dim), Q_BLOCK)
+    qq, q_scale = quantize_blocks(q.reshape(batch * heads, lq, dim), 1)  # one scale per query row
     kq, k_scale, vq, v_scale = quantize_kv(k.reshape(batch * heads, lk, dim), v.reshape(batch * heads, lk, dim))
-    q32 = _dequantize_blocks(qq, q_scale, Q_BLOCK)
+    q32 = _dequantize_blocks(qq, q_scale, 1)
     k32 = _dequantize_blocks(kq, k_scale, K_BLOCK)
     s = (q32 @ k32.transpose(1, 2)) * (dim**-0.5 if scale is None else float(scale))
     p = torch.exp(s - s.amax(dim=-1, keepdim=True))
@@ -101,20 +108,16 @@ def fp8_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
 
 
 def fp8_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """The driver's computation as the Triton kernel (CUDA, or CPU under Triton's interpreter):
-    K and V quantized here by :func:`quantize_kv`, Q in the kernel. ``(B, H, L, D)``, no mask."""
+    """The driver's computation as the Triton kernels (CUDA, or CPU under Triton's interpreter):
+    :func:`kv_statistics` here, then K and V quantized and attended in Triton. ``(B, H, L, D)``, any
+    strides with a unit stride along D, no mask."""
     from fv_kernel.compute.fp8_triton import fp8_attention_kernel
 
-    batch, heads, lq, dim = q.shape
-    lk = k.shape[2]
-    if lk == 0 and lq > 0:
+    lq, dim = q.shape[2], q.shape[3]
+    if k.shape[2] == 0 and lq > 0:
         raise Fp8Error("fp8 attention needs at least one key (softmax over zero keys is undefined)")
-    kq, k_scale, vq, v_scale = quantize_kv(k.reshape(batch * heads, lk, dim), v.reshape(batch * heads, lk, dim))
-    # V transposed: the e4m3 dot's B operand must be contiguous along its reduction (token) axis.
-    return fp8_attention_kernel(
-        q, kq, k_scale, vq.transpose(1, 2).contiguous(), v_scale, scale=dim**-0.5 if scale is None else float(scale),
-        q_block=Q_BLOCK, k_block=K_BLOCK,
-    )
+    k_mean, v_scale = kv_statistics(k, v)
+    return fp8_attention_kernel(q, k, v, k_mean, v_scale, scale=dim**-0.5 if scale is None else float(scale))
 
 
 class Fp8Attention(AttentionBackend):

@@ -1,26 +1,31 @@
-"""Triton FP8 kernels: the e4m3 linear and e4m3 attention (docs/precision.md).
+"""Triton FP8 kernels: per-token activation quantization, the e4m3 linear and e4m3 attention (docs/precision.md).
+
+**Activation quantization** (:func:`fp8_quantize_rows`): one pass over a ``[M, K]`` activation,
+each row's absmax, then the row as e4m3 and its fp32 scale (absmax / 448). It feeds both the
+Triton GEMM here and ``torch._scaled_mm`` (:mod:`fv_kernel.compute.fp8`). It replaced a quantization
+in the GEMM's prologue, which re-read every row once per output tile (70 times for Wan's FFN) and
+ran the GEMM 4-7x slower than cuBLAS bf16 on an H100 (docs/benchmarks.md, 2026-12-05).
 
 **Linear** (:func:`fp8_linear_triton`, an :data:`fv_kernel.compute.fp8.Fp8Kernel`): the weight is e4m3
 ``[N, K]`` with an fp32 scale per output channel, quantized once at load. ``fp8_weights`` loads
-e4m3 weight tiles, widens them to the activation's dtype in registers and applies the channel
-scale in the epilogue (no dequantized weight is ever written). ``fp8_dynamic`` quantizes the
-activation per token *in the GEMM's prologue*: each program first reduces its ``BLOCK_M`` rows'
-absmax over K, then quantizes every activation tile to e4m3 as it loads it and multiplies e4m3 by
-e4m3 with fp32 accumulation; both scales and the bias are applied in the epilogue. The activation
-is read twice from L2/HBM by each program (once for the absmax) but no e4m3 copy of it is ever
-written: the eager per-row quantization this replaces cost 0.53 ms before a 0.14 ms GEMM on an
-H200 (docs/precision.md). The prologue was chosen over fusing into the preceding norm/modulation
-kernel because it needs no change to any producer (it works after any op, for any model) and its
-result is the same per-token quantization ``torch`` computes.
+e4m3 weight tiles and widens them to the activation's dtype in registers (no dequantized weight
+is ever written); ``fp8_dynamic`` multiplies the quantized activation by the weight, e4m3 by e4m3
+with fp32 accumulation. Both scales and the bias are applied in the epilogue. Programs walk the
+output in groups of ``GROUP_M`` row tiles so that neighbouring programs share weight tiles in L2.
 
-**Attention** (:func:`fp8_attention_triton`): FlashAttention-style online softmax with Q in e4m3
-per query block (quantized in the kernel, one scale per block of query rows), K smoothed (its mean
-over tokens subtracted: softmax is invariant to it) and quantized per block of keys, P quantized
-to e4m3 with the fixed scale 1/448 (P is in [0, 1]), V in e4m3 with a scale per channel; both
-products accumulate in fp32. K and V are quantized by :func:`fv_kernel.compute.fp8_attention.quantize_kv`
-(in torch, once per call) before :func:`fp8_attention_kernel` runs.
+**Attention** (:func:`fp8_attention_kernel`): FlashAttention-style online softmax in base 2. Q is
+quantized in the kernel, one scale per query row; K (smoothed: its mean over tokens subtracted,
+which softmax ignores) with one scale per :data:`K_SCALE_BLOCK` keys; P with the fixed scale 448
+(P is in [0, 1]; the factor is folded into the exponent and cancels against the row sums); V with
+one scale per channel. Both products are e4m3 x e4m3 with fp32 accumulation. K and V are
+quantized by one Triton pass (:func:`_quantize_kv_kernel`) into buffers padded to a multiple of
+:data:`K_SCALE_BLOCK` keys and a power-of-two head dim, V transposed (Hopper's e4m3 tensor-core
+dot wants its B operand contiguous along the reduction axis), so that the main loop loads whole
+tiles without masks; only the last, partial block of keys masks its scores. Q, K and V are read
+through their strides (a ``(B, L, H, D)`` layout viewed as ``(B, H, L, D)`` is not copied). The
+block sizes are autotuned per head dim and key-length bucket on CUDA (:data:`ATTENTION_CONFIGS`).
 
-Both run on CUDA (sm_89+ for the e4m3 tensor-core dot), or on CPU in Triton's interpreter
+All run on CUDA (sm_89+ for the e4m3 tensor-core dot), or on CPU in Triton's interpreter
 (``TRITON_INTERPRET=1`` set before triton is imported), which is how they are tested. The
 interpreter's float32 -> e4m3 cast loses the carry when rounding up reaches the next power of two
 (7.8 becomes 4, not 8), so under the interpreter the kernels first round to the e4m3 grid in fp32
@@ -33,16 +38,24 @@ import torch
 import triton
 import triton.language as tl
 
+from fv_kernel.compute.fp8_attention import K_BLOCK
 from fv_kernel.errors import FvError
 
 __all__ = [
+    "ATTENTION_CONFIGS",
+    "K_SCALE_BLOCK",
     "Fp8KernelError",
     "Fp8KernelUnavailable",
     "fp8_attention_kernel",
     "fp8_linear_triton",
+    "fp8_quantize_rows",
     "triton_interpreted",
 ]
 
+#: Keys sharing one K scale (the driver's ``K_BLOCK``). Every BLOCK_N of the attention kernel divides it,
+#: so a key tile has one scale.
+K_SCALE_BLOCK = K_BLOCK
+_LOG2E = 1.4426950408889634
 
 
 class Fp8KernelUnavailable(FvError, RuntimeError):
@@ -55,11 +68,6 @@ class Fp8KernelError(FvError, ValueError):
     """Tensors an FP8 Triton kernel cannot take (shape, dtype or mode)."""
 
     error_type = "invalid_precision"
-
-
-#: Warps of the attention kernel: at 64x64 blocks and head_dim 128, 4 warps spill about 1 KB of registers
-#: on sm_90 and 8 warps about 64 bytes (tests/test_compute_fp8_kernels.py builds it for sm_90).
-ATTENTION_WARPS = 8
 
 
 def triton_interpreted() -> bool:
@@ -93,47 +101,105 @@ def _round_to_e4m3_grid(x):
 
 
 @triton.jit
-def _fp8_linear_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
-    DYNAMIC: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE_ROUNDING: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _to_e4m3(x, EMULATE_ROUNDING: tl.constexpr):
+    """fp32 within ±448 as e4m3, rounded to nearest even (see the module docstring on the interpreter)."""
+    if EMULATE_ROUNDING:
+        x = _round_to_e4m3_grid(x)
+    return x.to(tl.float8e4nv)
+
+
+# --------------------------------------------------------------------------- per-token activation quantization
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, xq_ptr, xs_ptr, M, K, stride_xm,
+    EMULATE_ROUNDING: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    rm = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    m_ok = rm < M
+    rk = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([ROWS], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        kk = k + rk
+        ok = m_ok[:, None] & (kk < K)[None, :]
+        xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(xt), 1))
+    scale = tl.maximum(amax / 448.0, 1e-12)
+    tl.store(xs_ptr + rm, scale, mask=m_ok)
+    for k in range(0, K, BLOCK_K):  # the second read of a row comes from L2
+        kk = k + rk
+        ok = m_ok[:, None] & (kk < K)[None, :]
+        xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+        xq = _to_e4m3(tl.clamp(xt / scale[:, None], -448.0, 448.0), EMULATE_ROUNDING)
+        tl.store(xq_ptr + rm[:, None] * K + kk[None, :], xq, mask=ok)
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantization of ``x [M, K]`` (rows may be strided): ``(e4m3 [M, K], fp32 scale [M, 1])``,
+    ``x ≈ q.float() · scale``, scale = row absmax / 448 (at least 1e-12), rounded to nearest even."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise Fp8KernelError(f"per-row quantization takes a 2-D activation with unit stride along K, got shape "
+                             f"{tuple(x.shape)} and strides {x.stride()}")
+    emulate = _require_runnable(x, "fp8 row quantization")
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return xq, xs
+    if k == 0:
+        return xq, xs.fill_(1e-12)
+    block_k = min(1024, triton.next_power_of_2(k))
+    rows = max(1, 4096 // block_k)
+    _quantize_rows_kernel[(triton.cdiv(m, rows),)](
+        x, xq, xs, m, k, x.stride(0), EMULATE_ROUNDING=emulate, ROWS=rows, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return xq, xs
+
+
+# --------------------------------------------------------------------------- linear
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+    A_E4M3: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Grouped order: GROUP_M row tiles sweep the same column tiles together, reusing W from L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    if DYNAMIC:  # prologue: each row's absmax over K (the per-token scale)
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            kk = k + rk
-            xt = tl.load(x_ptr + rm[:, None] * K + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(xt.to(tl.float32)), 1))
-        x_scale = tl.maximum(amax / 448.0, 1e-12)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         kk = k + rk
         k_ok = kk < K
-        xt = tl.load(x_ptr + rm[:, None] * K + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_ptr + rm[:, None] * K + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         wt = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [K, N]: Wᵀ
-        if DYNAMIC:
-            xq = tl.clamp(xt.to(tl.float32) / x_scale[:, None], -448.0, 448.0)
-            if EMULATE_ROUNDING:
-                xq = _round_to_e4m3_grid(xq)
-            acc = tl.dot(xq.to(tl.float8e4nv), wt, acc)
+        if A_E4M3:
+            acc = tl.dot(at, wt, acc)  # e4m3 x e4m3, fp32 accumulation
         else:
-            acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
-    w_scale = tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
-    y = acc * w_scale[None, :]
-    if DYNAMIC:
-        y = y * x_scale[:, None]
+            acc = tl.dot(at, wt.to(at.dtype), acc, input_precision=PRECISION)
+    y = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    if A_E4M3:
+        y = y * tl.load(as_ptr + rm, mask=m_ok, other=0.0)[:, None]
     if HAS_BIAS:
         y = y + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _block(n: int, largest: int) -> int:
-    return max(16, min(largest, 1 << max(0, (n - 1).bit_length())))
+    return max(16, min(largest, triton.next_power_of_2(max(n, 1))))
 
 
 def fp8_linear_triton(
@@ -141,8 +207,9 @@ def fp8_linear_triton(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``x [M, K] · dequant(weight [N, K], scale)ᵀ + bias`` as :class:`~fv_kernel.compute.fp8.Fp8Linear`
-    computes it (``mode``: ``"fp8_weights"`` or ``"fp8_dynamic"``), in one Triton launch. ``scale``
-    is fp32 ``[N]`` (per output channel) or 0-dim (per tensor); the output is ``out_dtype``."""
+    computes it (``mode``: ``"fp8_weights"`` or ``"fp8_dynamic"``; the latter quantizes ``x`` per
+    token with :func:`fp8_quantize_rows` first). ``scale`` is fp32 ``[N]`` (per output channel) or
+    0-dim (per tensor); the output is ``out_dtype``."""
     if mode not in ("fp8_weights", "fp8_dynamic"):
         raise Fp8KernelError(f"mode must be 'fp8_weights' or 'fp8_dynamic', got {mode!r}", param="mode")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.dtype != torch.float8_e4m3fn:
@@ -151,22 +218,27 @@ def fp8_linear_triton(
     n = weight.shape[0]
     if scale.numel() not in (1, n):
         raise Fp8KernelError(f"weight_scale must hold 1 or {n} (one per output channel) values, got shape {tuple(scale.shape)}")
-    emulate = _require_runnable(x, "fp8 linear")
+    _require_runnable(x, "fp8 linear")
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     if k == 0:
         return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
-    x = x.contiguous()
     w_scale = scale.float().reshape(-1).expand(n).contiguous()
-    block_m, block_n, block_k = _block(m, 128), _block(n, 128), _block(k, 64 if mode == "fp8_dynamic" else 32)
-    block_k = max(block_k, 32)  # the e4m3 tensor-core dot needs K >= 32
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    dynamic = mode == "fp8_dynamic"
+    if dynamic:
+        a, a_scale = fp8_quantize_rows(x.contiguous())
+    else:
+        a, a_scale = x.contiguous(), w_scale  # a_scale unread without A_E4M3
+    # e4m3 tiles: 128x256x128 with 8 warps (Hopper wgmma's sweet spot); K >= 32 for the e4m3 dot.
+    block_m, block_n = _block(m, 128), _block(n, 256 if dynamic else 128)
+    block_k = max(32, _block(k, 128 if dynamic else 64))
+    warps = 8 if block_m * block_n >= 128 * 256 else 4
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_linear_kernel[grid](
-        x, weight.contiguous(), w_scale, bias if bias is not None else w_scale, y, m, n, k,
-        DYNAMIC=mode == "fp8_dynamic", HAS_BIAS=bias is not None, EMULATE_ROUNDING=emulate,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        a, a_scale, weight.contiguous(), w_scale, bias if bias is not None else w_scale, y, m, n, k,
+        A_E4M3=dynamic, HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=3,
     )  # fmt: skip
     return y
 
@@ -175,76 +247,150 @@ def fp8_linear_triton(
 
 
 @triton.jit
+def _quantize_kv_kernel(
+    k_ptr, v_ptr, kmean_ptr, vs_ptr, kq_ptr, ks_ptr, vt_ptr, H, LK, LK_PAD, D,
+    stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+    EMULATE_ROUNDING: tl.constexpr, KSB: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One block of ``KSB`` keys of one (batch, head): K - mean -> e4m3 with one scale; V / its channel scales -> e4m3, transposed."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    rl = blk.to(tl.int64) * KSB + tl.arange(0, KSB).to(tl.int64)
+    rd = tl.arange(0, BLOCK_D)
+    ok = (rl < LK)[:, None] & (rd < D)[None, :]
+    k = tl.load(k_ptr + b * stride_kb + h * stride_kh + rl[:, None] * stride_kl + rd[None, :], mask=ok, other=0.0)
+    k = tl.where(ok, k.to(tl.float32) - tl.load(kmean_ptr + bh * D + rd, mask=rd < D, other=0.0)[None, :], 0.0)
+    k_scale = tl.maximum(tl.max(tl.max(tl.abs(k), 1), 0) / 448.0, 1e-12)
+    tl.store(ks_ptr + bh * (LK_PAD // KSB) + blk, k_scale)
+    kq = _to_e4m3(tl.clamp(k / k_scale, -448.0, 448.0), EMULATE_ROUNDING)
+    tl.store(kq_ptr + bh * LK_PAD * BLOCK_D + rl[:, None] * BLOCK_D + rd[None, :], kq)  # padding rows/cols are 0
+    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + rl[:, None] * stride_vl + rd[None, :], mask=ok, other=0.0)
+    v_scale = tl.load(vs_ptr + bh * D + rd, mask=rd < D, other=1.0)
+    vq = _to_e4m3(tl.clamp(v.to(tl.float32) / v_scale[None, :], -448.0, 448.0), EMULATE_ROUNDING)
+    tl.store(vt_ptr + bh * BLOCK_D * LK_PAD + rd[None, :] * LK_PAD + rl[:, None], vq)
+
+
+@triton.jit
+def _attend_key_block(
+    acc, l_i, m_i, qq, row_factor, k_head, ks_head, vt_head, start, LK, LK_PAD,
+    EMULATE_ROUNDING: tl.constexpr, MASKED: tl.constexpr, KSB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    rn = start + tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    kt = tl.load(k_head + rn[None, :] * BLOCK_D + rd[:, None])  # [D, N]: Kᵀ, contiguous along D (K-major)
+    k_scale = tl.load(ks_head + start // KSB)
+    s = tl.dot(qq, kt) * (row_factor * k_scale)[:, None]  # e4m3 x e4m3 -> fp32, in log2 units
+    if MASKED:
+        s = tl.where((rn < LK)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # P·448 directly: the exponent carries log2(448), so P's e4m3 scale costs no multiply.
+    p = tl.math.exp2(s - (m_new - 8.807354922057604)[:, None])  # log2(448)
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if EMULATE_ROUNDING:
+        p = tl.minimum(p, 448.0)
+    vt = tl.load(vt_head + rd[None, :] * LK_PAD + rn[:, None])  # [N, D], contiguous along N
+    acc = acc * alpha[:, None] + tl.dot(_to_e4m3(p, EMULATE_ROUNDING), vt)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fp8_attention_kernel(
-    q_ptr, k_ptr, ks_ptr, vt_ptr, vs_ptr, o_ptr, LQ, LK, D, K_BLOCKS, sm_scale,
-    EMULATE_ROUNDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr, kq_ptr, ks_ptr, vt_ptr, vs_ptr, o_ptr, H, LQ, LK, LK_PAD, D,
+    stride_qb, stride_qh, stride_ql, qk_scale, LK_BUCKET,
+    EMULATE_ROUNDING: tl.constexpr, KSB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     rd = tl.arange(0, BLOCK_D)
-    m_ok = rm < LQ
-    d_ok = rd < D
-    q_off = bh * LQ * D + rm[:, None] * D + rd[None, :]
-    q = tl.load(q_ptr + q_off, mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    q_scale = tl.maximum(tl.max(tl.max(tl.abs(q), 1), 0) / 448.0, 1e-12)  # one scale per query block
-    qq = tl.clamp(q / q_scale, -448.0, 448.0)
-    if EMULATE_ROUNDING:
-        qq = _round_to_e4m3_grid(qq)
-    qq = qq.to(tl.float8e4nv)
+    q_ok = (rm < LQ)[:, None] & (rd < D)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rm[:, None] * stride_ql + rd[None, :], mask=q_ok, other=0.0)
+    q = q.to(tl.float32)
+    q_scale = tl.maximum(tl.max(tl.abs(q), 1) / 448.0, 1e-12)  # one scale per query row
+    qq = _to_e4m3(tl.clamp(q / q_scale[:, None], -448.0, 448.0), EMULATE_ROUNDING)
+    row_factor = q_scale * qk_scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, LK, BLOCK_N):
-        rn = start + tl.arange(0, BLOCK_N).to(tl.int64)
-        n_ok = rn < LK
-        kt = tl.load(k_ptr + bh * LK * D + rn[None, :] * D + rd[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        k_scale = tl.load(ks_ptr + bh * K_BLOCKS + start // BLOCK_N)
-        s = tl.dot(qq, kt) * (q_scale * k_scale * sm_scale)  # e4m3 x e4m3, fp32 accumulation
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pq = p * 448.0  # P in [0, 1]: the fixed scale 1/448 uses e4m3's whole range
-        if EMULATE_ROUNDING:
-            pq = _round_to_e4m3_grid(pq)
-        # V is stored transposed ([BH, D, L]): the e4m3 dot's B operand contiguous along its K (token) axis.
-        vt = tl.load(vt_ptr + bh * D * LK + rd[None, :] * LK + rn[:, None], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(pq.to(tl.float8e4nv), vt)
-        m_i = m_new
-    v_scale = tl.load(vs_ptr + bh * D + rd, mask=d_ok, other=0.0)
-    out = acc * (v_scale[None, :] / 448.0) / l_i[:, None]
-    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    k_head = kq_ptr + bh * LK_PAD * BLOCK_D
+    vt_head = vt_ptr + bh * BLOCK_D * LK_PAD
+    ks_head = ks_ptr + bh * (LK_PAD // KSB)
+    full = (LK // BLOCK_N) * BLOCK_N
+    for start in range(0, full, BLOCK_N):
+        acc, l_i, m_i = _attend_key_block(
+            acc, l_i, m_i, qq, row_factor, k_head, ks_head, vt_head, start, LK, LK_PAD,
+            EMULATE_ROUNDING, False, KSB, BLOCK_N, BLOCK_D)  # fmt: skip
+    if full < LK:  # the last, partial block of keys: padded keys get no weight
+        acc, l_i, m_i = _attend_key_block(
+            acc, l_i, m_i, qq, row_factor, k_head, ks_head, vt_head, full, LK, LK_PAD,
+            EMULATE_ROUNDING, True, KSB, BLOCK_N, BLOCK_D)  # fmt: skip
+    v_scale = tl.load(vs_ptr + bh * D + rd, mask=rd < D, other=0.0)
+    out = acc * v_scale[None, :] / l_i[:, None]  # the 448 in P cancels against the same factor in l_i
+    tl.store(o_ptr + bh * LQ * D + rm[:, None] * D + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=q_ok)
+
+
+#: The attention kernel's candidate tiles on CUDA: (BLOCK_M, BLOCK_N) with warps and pipeline stages; 8
+#: warps only for tiles of at least 128x128 (smaller ones leave a warpgroup idle). Triton's autotuner
+#: times them once per (head dim, key-length bucket) in a process; the interpreter runs the first.
+ATTENTION_CONFIGS: tuple[triton.Config, ...] = tuple(
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 4, 4),
+                         (64, 128, 4, 3), (64, 64, 4, 3), (256, 64, 8, 3))
+)
+
+_fp8_attention_tuned = triton.autotune(list(ATTENTION_CONFIGS), key=["BLOCK_D", "LK_BUCKET"])(_fp8_attention_kernel)
 
 
 def fp8_attention_kernel(
-    q: torch.Tensor, k_e4m3: torch.Tensor, k_scale: torch.Tensor, v_e4m3_t: torch.Tensor, v_scale: torch.Tensor, *,
-    scale: float, q_block: int, k_block: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor, v_scale: torch.Tensor, *, scale: float,
 ) -> torch.Tensor:
-    """Launch the attention kernel. ``q`` ``(B, H, Lq, D)`` (quantized here, one scale per ``q_block``
-    rows); ``k_e4m3`` ``[BH, Lk, D]`` with ``k_scale`` fp32 ``[BH, ceil(Lk / k_block)]``; ``v_e4m3_t``
-    ``[BH, D, Lk]`` (transposed) with ``v_scale`` fp32 ``[BH, D]``. Returns ``(B, H, Lq, D)`` in q's dtype.
-    :func:`fv_kernel.compute.fp8_attention.fp8_attention_triton` quantizes K and V and calls this."""
+    """Quantize K and V (one Triton pass) and run the attention kernel. ``q`` ``(B, H, Lq, D)`` and
+    ``k``/``v`` ``(B, H, Lk, D)`` in one float dtype, any strides with a unit stride along D;
+    ``k_mean`` and ``v_scale`` fp32 ``(B, H, D)``: K's mean over tokens and V's per-channel scale
+    (absmax / 448), from :func:`fv_kernel.compute.fp8_attention.kv_statistics`. Returns a contiguous
+    ``(B, H, Lq, D)`` in q's dtype. :func:`fv_kernel.compute.fp8_attention.fp8_attention_triton` calls it."""
     batch, heads, lq, dim = q.shape
-    lk = k_e4m3.shape[1]
+    lk = k.shape[2]
     if (
-        tuple(k_e4m3.shape) != (batch * heads, lk, dim) or tuple(v_e4m3_t.shape) != (batch * heads, dim, lk)
-        or tuple(k_scale.shape) != (batch * heads, -(-lk // k_block)) or tuple(v_scale.shape) != (batch * heads, dim)
-        or k_e4m3.dtype != torch.float8_e4m3fn or v_e4m3_t.dtype != torch.float8_e4m3fn
+        q.dim() != 4 or tuple(k.shape) != (batch, heads, lk, dim) or tuple(v.shape) != (batch, heads, lk, dim)
+        or tuple(k_mean.shape) != (batch, heads, dim) or tuple(v_scale.shape) != (batch, heads, dim)
+        or not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
     ):
         raise Fp8KernelError(
-            f"fp8 attention: q {tuple(q.shape)}, k {tuple(k_e4m3.shape)} ({k_e4m3.dtype}), k_scale {tuple(k_scale.shape)}, "
-            f"v_t {tuple(v_e4m3_t.shape)} ({v_e4m3_t.dtype}), v_scale {tuple(v_scale.shape)} do not fit"
+            f"fp8 attention: q {tuple(q.shape)} ({q.dtype}), k {tuple(k.shape)} ({k.dtype}), v {tuple(v.shape)} "
+            f"({v.dtype}), k_mean {tuple(k_mean.shape)}, v_scale {tuple(v_scale.shape)} do not fit"
         )
     emulate = _require_runnable(q, "fp8 attention")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lq == 0 or batch * heads == 0:
         return out
-    grid = (triton.cdiv(lq, q_block), batch * heads)
-    _fp8_attention_kernel[grid](
-        q.contiguous(), k_e4m3.contiguous(), k_scale.float().contiguous(), v_e4m3_t.contiguous(),
-        v_scale.float().contiguous(), out, lq, lk, dim, k_scale.shape[1], float(scale),
-        EMULATE_ROUNDING=emulate, BLOCK_M=q_block, BLOCK_N=k_block, BLOCK_D=max(32, 1 << (dim - 1).bit_length()),
-        num_warps=ATTENTION_WARPS,
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    block_d = max(32, triton.next_power_of_2(dim))  # the e4m3 dot reduces over at least 32
+    lk_pad = triton.cdiv(lk, K_SCALE_BLOCK) * K_SCALE_BLOCK
+    bh = batch * heads
+    kq = torch.empty(bh, lk_pad, block_d, dtype=torch.float8_e4m3fn, device=q.device)
+    vt = torch.empty(bh, block_d, lk_pad, dtype=torch.float8_e4m3fn, device=q.device)
+    ks = torch.empty(bh, lk_pad // K_SCALE_BLOCK, dtype=torch.float32, device=q.device)
+    k_mean = k_mean.float().contiguous()
+    v_scale = v_scale.float().contiguous()
+    _quantize_kv_kernel[(lk_pad // K_SCALE_BLOCK, bh)](
+        k, v, k_mean, v_scale, kq, ks, vt, heads, lk, lk_pad, dim,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        EMULATE_ROUNDING=emulate, KSB=K_SCALE_BLOCK, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
+    args = (q, kq, ks, vt, v_scale, out, heads, lq, lk, lk_pad, dim, q.stride(0), q.stride(1), q.stride(2),
+            float(scale) * _LOG2E, triton.next_power_of_2(lk))
+    if emulate:  # the interpreter: one configuration, not a timing sweep
+        config = ATTENTION_CONFIGS[0].all_kwargs()
+        _fp8_attention_kernel[(triton.cdiv(lq, config["BLOCK_M"]), bh)](
+            *args, EMULATE_ROUNDING=True, KSB=K_SCALE_BLOCK, BLOCK_D=block_d, **config)
+    else:
+        _fp8_attention_tuned[lambda meta: (triton.cdiv(lq, meta["BLOCK_M"]), bh)](
+            *args, EMULATE_ROUNDING=False, KSB=K_SCALE_BLOCK, BLOCK_D=block_d)
     return out
