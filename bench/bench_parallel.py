@@ -48,11 +48,31 @@ in its own environment before NCCL starts, and so in every process it starts. Ru
 it prints that nothing was measured and exits 0 (``skipped``). ``--smoke`` runs the same
 code on CPU with gloo at tiny sizes (``torchrun --nproc-per-node N bench/bench_parallel.py
 --smoke`` for N = 2, 4 or 8) to check the script end to end; its times mean nothing.
+
+Single-GPU baselines (``--baselines``, issue 37: where only one-GPU hosts are lent). One plain
+process, no torchrun, no process group::
+
+    python bench/bench_parallel.py --baselines --out baselines.json [--only NAME ...]
+
+times on one GPU the 1-GPU side of each 2-rank figure, through the functions the 2-rank run
+times it with (``_dit_single_step`` + ``_time_dit``; ``_vae_model``, ``_whole_decode_step``,
+``_decode_stream`` + ``_time_decode``): ``dit_1.3b_sp2``'s denoise forward at 480x832x81,
+``dit_1.3b_cfgp2``'s two-row CFG step, ``dit_14b_sp2``'s forward at 720x1280x81 (bf16: ~28 GB
+of weights) and ``vae_decode_vae2``'s decode of 81 frames at 480x832 (one decoder resident,
+where the 2-rank run holds two). Each row has ``status`` (``measured``, ``out_of_memory`` or
+``error``, with ``error``'s text), ``single_s``, ``peak_gib`` (the peak allocation of the case,
+weights included; up to the failure for a failed case) and ``parallel_s`` and ``speedup`` null:
+the report says ``"parallel_measured": false``. It records the device, its memory and the
+torch, CUDA and cuDNN versions. Cases are independent: one that fails is recorded and the
+next still runs. Exit status 0 when every case was measured, 1 when one was not (the report
+is written either way); without a CUDA device it prints ``skipped`` and exits 0.
+``--baselines --smoke`` runs the same functions on CPU at tiny sizes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -85,6 +105,13 @@ VAE_LATENT = {2: (21, 60, 104), 8: (21, 88, 160)}
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def _grouped() -> bool:
+    """Whether a process group runs (torchrun); ``--baselines`` runs alone, without one."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _timed(fn: Callable[[], Any], *, warmup: int, iters: int, cuda: bool) -> float:
     """Median seconds of ``fn`` (every rank runs it; collectives inside keep them in step)."""
     import torch.distributed as dist
@@ -93,7 +120,8 @@ def _timed(fn: Callable[[], Any], *, warmup: int, iters: int, cuda: bool) -> flo
         fn()
     times = []
     for _ in range(iters):
-        dist.barrier()
+        if _grouped():
+            dist.barrier()
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -131,6 +159,39 @@ def _dit_inputs(config: Any, latent: tuple[int, int, int], rows: int, device: to
     context = torch.randn(rows, text_tokens, config.text_dim, generator=generator)
     return {"x": x.to(device, dtype), "t": torch.full((rows,), 500.0, device=device),
             "context": context.to(device, dtype)}
+
+
+def _tokens(latent: tuple[int, int, int]) -> int:
+    """The DiT's sequence length: the 1x2x2 patches of the latent."""
+    return latent[0] * (latent[1] // 2) * (latent[2] // 2)
+
+
+def _pixel_shape(latent: tuple[int, int, int]) -> str:
+    """HxWxF of the video a latent stands for (the Wan VAE: 8x in space, 4x in time after the first frame)."""
+    frames, height, width = latent
+    return f"{height * 8}x{width * 8}x{(frames - 1) * 4 + 1}"
+
+
+def _dit_single_step(config: Any, latent: tuple[int, int, int], *, cfg: bool, args: argparse.Namespace,
+                     device: torch.device, dtype: torch.dtype
+                     ) -> tuple[Any, dict[str, torch.Tensor], int, Callable[[], list[torch.Tensor]]]:
+    """The model, the step's inputs, its rows and the step on one GPU: the 1-GPU side of every DiT figure.
+
+    With CFG the two rows run one after the other (the cards' sequential CFG dispatch).
+    ``bench_dit`` times it against the plan; ``--baselines`` times it alone.
+    """
+    model = _transformer(config, device, dtype)
+    rows = 2 if cfg else 1
+    inputs = _dit_inputs(config, latent, rows, device, dtype, args.text_tokens)
+
+    def single() -> list[torch.Tensor]:
+        return [model(inputs["x"][i : i + 1], inputs["t"][i : i + 1], inputs["context"][i : i + 1]) for i in range(rows)]
+
+    return model, inputs, rows, single
+
+
+def _time_dit(step: Callable[[], Any], args: argparse.Namespace, device: torch.device) -> float:
+    return _timed(step, warmup=args.warmup, iters=args.iters, cuda=device.type == "cuda")
 
 
 class _AllToAllTimer:
@@ -191,16 +252,11 @@ def bench_dit(name: str, config: Any, latent: tuple[int, int, int], *, cfg: bool
     from fv_kernel.parallel import compile_mesh
     from fv_wan.parallel import parallel_dit_op
 
-    model = _transformer(config, device, dtype)
-    rows = 2 if cfg else 1
-    inputs = _dit_inputs(config, latent, rows, device, dtype, args.text_tokens)
+    model, inputs, rows, single = _dit_single_step(config, latent, cfg=cfg, args=args, device=device, dtype=dtype)
     runtime = compile_mesh(plan, device.type)
     cuda = device.type == "cuda"
     op = parallel_dit_op("transformer", model, runtime)
     with torch.inference_mode():
-        def single() -> Any:  # one GPU: the rows one after another (the cards' sequential CFG dispatch)
-            return [model(inputs["x"][i : i + 1], inputs["t"][i : i + 1], inputs["context"][i : i + 1]) for i in range(rows)]
-
         def parallel() -> Any:  # this rank's CFG rows and sequence chunk; rows gathered back in order
             return op.fn(inputs, {"dispatch": "sequential"})
 
@@ -210,9 +266,9 @@ def bench_dit(name: str, config: Any, latent: tuple[int, int, int], *, cfg: bool
         max_diff = float((got - reference).abs().max())
         key = (config, latent, rows)
         if key not in single_cache:
-            single_cache[key] = _timed(single, warmup=args.warmup, iters=args.iters, cuda=cuda)
+            single_cache[key] = _time_dit(single, args, device)
         one = single_cache[key]
-        many = _timed(parallel, warmup=args.warmup, iters=args.iters, cuda=cuda)
+        many = _time_dit(parallel, args, device)
         row: dict[str, Any] = {}
         if all_to_all_share:
             import torch.distributed as dist
@@ -223,19 +279,20 @@ def bench_dit(name: str, config: Any, latent: tuple[int, int, int], *, cfg: bool
             exchanged = timer.seconds()
             row.update({"all_to_all_s": exchanged, "all_to_all_calls": timer.calls, "step_s_timed_with_a2a": whole,
                         "all_to_all_share": exchanged / whole})
-    tokens = latent[0] * (latent[1] // 2) * (latent[2] // 2)
-    return {"name": name, "plan": plan.label(), "ranks": plan.world_size // plan.dp, "tokens": tokens, "rows": rows,
+    return {"name": name, "plan": plan.label(), "ranks": plan.world_size // plan.dp, "tokens": _tokens(latent),
+            "rows": rows,
             "single_s": one, "parallel_s": many, "speedup": one / many, "max_abs_diff_vs_single": max_diff, **row}
 
 
 def _peak_gib_max_over_ranks(device: torch.device) -> float | None:
-    """The highest peak allocation of any rank since the last reset, in GiB (CUDA only)."""
+    """The highest peak allocation of any rank since the last reset, in GiB (CUDA only; alone, this process's)."""
     if device.type != "cuda":
         return None
     import torch.distributed as dist
 
     peak = torch.tensor([float(torch.cuda.max_memory_allocated(device))], device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if _grouped():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return float(peak.item()) / 2**30
 
 
@@ -245,56 +302,79 @@ def _reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def bench_vae(config: Any, latent: tuple[int, int, int], *, ranks: int, args: argparse.Namespace, device: torch.device,
-              dtype: torch.dtype) -> dict[str, Any]:
-    from fv_kernel.parallel import ParallelPlan, compile_mesh
+DecodeStep = Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]]
+
+
+def _vae_model(config: Any, device: torch.device, dtype: torch.dtype) -> Any:
     from fv_wan.models.vae import WanVAE
-    from fv_wan.parallel_vae import parallel_decode_op
 
-    def build() -> Any:
-        torch.manual_seed(2)
-        with torch.device(device):
-            return WanVAE(config).to(dtype).eval()
+    torch.manual_seed(2)  # the same random weights for the whole and the split decoder, on every rank
+    with torch.device(device):
+        return WanVAE(config).to(dtype).eval()
 
-    whole_vae, split_vae = build(), build()
-    runtime = compile_mesh(ParallelPlan(sp=ranks, vae=ranks), device.type)
-    split = parallel_decode_op(split_vae, runtime)
+
+def _vae_latents(config: Any, latent: tuple[int, int, int], device: torch.device) -> torch.Tensor:
     frames, height, width = latent
-    z = torch.randn(1, config.z_dim, frames, height, width, generator=torch.Generator().manual_seed(3)).to(device)
+    return torch.randn(1, config.z_dim, frames, height, width, generator=torch.Generator().manual_seed(3)).to(device)
 
-    def stream(step: Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]]) -> torch.Tensor:
-        cache: dict[str, torch.Tensor] = {}
-        out = []
-        for index in range(frames):
-            result = step({"z": z[:, :, index : index + 1], **{f"cache.{k}": v for k, v in cache.items()}},
-                          {"last": index == frames - 1})
-            cache = {k[len("cache."):]: v for k, v in result.items() if k.startswith("cache.")}
-            out.append(result["frames"])
-        return torch.cat(out, dim=2)
+
+def _decode_stream(z: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+    """Decodes ``z`` a latent frame at a time through ``step``, the causal cache carried as tensors (the op's protocol)."""
+    frames = z.shape[2]
+    cache: dict[str, torch.Tensor] = {}
+    out = []
+    for index in range(frames):
+        result = step({"z": z[:, :, index : index + 1], **{f"cache.{k}": v for k, v in cache.items()}},
+                      {"last": index == frames - 1})
+        cache = {k[len("cache."):]: v for k, v in result.items() if k.startswith("cache.")}
+        out.append(result["frames"])
+    return torch.cat(out, dim=2)
+
+
+def _whole_decode_step(vae: Any, dtype: torch.dtype) -> DecodeStep:
+    """One GPU's decode step: the 1-GPU side of the VAE figure (``bench_vae``, ``--baselines``)."""
+    from fv_wan.models.vae import CausalCache
 
     def whole_step(inputs: dict[str, torch.Tensor], params: dict[str, Any]) -> dict[str, torch.Tensor]:
-        from fv_wan.models.vae import CausalCache
-
         tensors = {k[len("cache."):]: v for k, v in inputs.items() if k.startswith("cache.")}
-        cache = CausalCache.from_tensors(tensors) if tensors else whole_vae.new_decode_cache()
-        z_frame = whole_vae.denormalize_latents(inputs["z"].float()).to(dtype)
-        decoded, cache = whole_vae.decode_step(z_frame, cache)
+        cache = CausalCache.from_tensors(tensors) if tensors else vae.new_decode_cache()
+        z_frame = vae.denormalize_latents(inputs["z"].float()).to(dtype)
+        decoded, cache = vae.decode_step(z_frame, cache)
         out = {"frames": (decoded.float() / 2 + 0.5).clamp(0, 1)}
         if not params["last"]:
             out.update({f"cache.{k}": v for k, v in cache.to_tensors().items()})
         return out
 
+    return whole_step
+
+
+def _time_decode(decode: Callable[[], torch.Tensor], args: argparse.Namespace, device: torch.device) -> float:
+    # A whole video per call: one warm-up and half the iterations of the DiT steps.
+    return _timed(decode, warmup=1, iters=max(1, args.iters // 2), cuda=device.type == "cuda")
+
+
+def bench_vae(config: Any, latent: tuple[int, int, int], *, ranks: int, args: argparse.Namespace, device: torch.device,
+              dtype: torch.dtype) -> dict[str, Any]:
+    from fv_kernel.parallel import ParallelPlan, compile_mesh
+    from fv_wan.parallel_vae import parallel_decode_op
+
+    whole_vae, split_vae = _vae_model(config, device, dtype), _vae_model(config, device, dtype)
+    runtime = compile_mesh(ParallelPlan(sp=ranks, vae=ranks), device.type)
+    split = parallel_decode_op(split_vae, runtime)
+    z = _vae_latents(config, latent, device)
+    whole_step = _whole_decode_step(whole_vae, dtype)
+
     with torch.inference_mode():
         _reset_peak(device)
-        reference = stream(whole_step)
+        reference = _decode_stream(z, whole_step)
         peak_single = _peak_gib_max_over_ranks(device)
         _reset_peak(device)
-        got = stream(split.fn)
+        got = _decode_stream(z, split.fn)
         peak_split = _peak_gib_max_over_ranks(device)
         max_diff = float((got - reference).abs().max())
         del got
-        one = _timed(lambda: stream(whole_step), warmup=1, iters=max(1, args.iters // 2), cuda=device.type == "cuda")
-        two = _timed(lambda: stream(split.fn), warmup=1, iters=max(1, args.iters // 2), cuda=device.type == "cuda")
+        one = _time_decode(lambda: _decode_stream(z, whole_step), args, device)
+        two = _time_decode(lambda: _decode_stream(z, split.fn), args, device)
     # Peaks include both VAEs' weights (about 0.5 GB in bf16), the latents and the output video on the GPU.
     return {"name": f"vae_decode_vae{ranks}", "plan": f"vae{ranks}", "latent": list(latent),
             "pixel_frames": int(reference.shape[2]), "pixel_size": [int(reference.shape[3]), int(reference.shape[4])],
@@ -462,7 +542,126 @@ def _cases(world: int, smoke: bool) -> dict[str, tuple[Any, tuple[int, int, int]
     return {name: case for name, case in table.items() if name in CASES_BY_WORLD[world]}
 
 
-def main() -> int:
+def _vae_case(world: int, smoke: bool) -> tuple[Any, tuple[int, int, int]]:
+    """The VAE config and the latent (frames, rows, cols) it decodes for this world size."""
+    from fv_wan.models.vae import WanVAEConfig
+
+    if smoke:  # 8 latent rows: a one-row strip per rank at vae=8 (and the 2-rank case's 4 rows at vae=2)
+        tiny = WanVAEConfig(base_dim=8, z_dim=16, dim_mult=(1, 2, 2, 2), num_res_blocks=1, attn_scales=())
+        return tiny, ((3, 4, 6) if world == 2 else (2, 8, 6))
+    return WanVAEConfig.wan21(), VAE_LATENT.get(world, (0, 0, 0))
+
+
+#: The cases whose single-GPU side ``--baselines`` measures: the 2-rank set (issue 37).
+BASELINE_CASES = CASES_BY_WORLD[2]
+
+
+def baseline_dit(config: Any, latent: tuple[int, int, int], *, cfg: bool, args: argparse.Namespace,
+                 device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """``bench_dit``'s 1-GPU side alone: the same model, inputs, step and timing."""
+    _, _, _, single = _dit_single_step(config, latent, cfg=cfg, args=args, device=device, dtype=dtype)
+    with torch.inference_mode():
+        return {"single_s": _time_dit(single, args, device)}
+
+
+def baseline_vae(config: Any, latent: tuple[int, int, int], *, args: argparse.Namespace, device: torch.device,
+                 dtype: torch.dtype) -> dict[str, Any]:
+    """``bench_vae``'s 1-GPU side alone: one decoder, the same latents, stream, step and timing."""
+    z = _vae_latents(config, latent, device)
+    whole_step = _whole_decode_step(_vae_model(config, device, dtype), dtype)
+    with torch.inference_mode():
+        video = _decode_stream(z, whole_step)  # bench_vae's untimed reference pass
+        size = {"pixel_frames": int(video.shape[2]), "pixel_size": [int(video.shape[3]), int(video.shape[4])]}
+        del video
+        return {"single_s": _time_decode(lambda: _decode_stream(z, whole_step), args, device), **size}
+
+
+def _measure_case(row: dict[str, Any], measure: Callable[[], dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """Runs one baseline into ``row``; an error, out of memory included, is recorded there and the next case runs."""
+    row.update({"status": "measured", "error": None, "single_s": None, "parallel_s": None, "speedup": None,
+                "target": TARGETS[row["name"]]})
+    _reset_peak(device)
+    try:
+        row.update(measure())
+    except torch.cuda.OutOfMemoryError as exc:  # the case does not fit one GPU
+        row.update({"status": "out_of_memory", "error": f"{type(exc).__name__}: {exc}"})
+    except Exception as exc:  # noqa: BLE001 - recorded in its row: one case's failure must not lose the others
+        row.update({"status": "error", "error": f"{type(exc).__name__}: {exc}"})
+    gc.collect()  # the case's model goes (a failed one's too) before the peak is read and the next case built
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # The peak statistic survives the frees: weights included (reset before the build); up to a failure.
+    row["peak_gib"] = _peak_gib_max_over_ranks(device)
+    return row
+
+
+def bench_baselines(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The single-GPU times of the 2-rank cases, through the functions the 2-rank run times its 1-GPU side with."""
+    from fv_kernel.parallel import ParallelPlan
+
+    cuda = device.type == "cuda"
+    dit_cases = _cases(2, args.smoke)
+    vae_config, vae_latent = _vae_case(2, args.smoke)
+    wanted = set(args.only or BASELINE_CASES)
+    results = []
+    for name in BASELINE_CASES:
+        if name not in wanted:
+            continue
+        if name in dit_cases:
+            config, latent, cfg, degrees = dit_cases[name]
+            row = {"name": name, "plan": ParallelPlan(**degrees).label(), "shape": _pixel_shape(latent),
+                   "latent": list(latent), "tokens": _tokens(latent), "rows": 2 if cfg else 1}
+            measure = functools.partial(baseline_dit, config, latent, cfg=cfg, args=args, device=device, dtype=dtype)
+        else:
+            row = {"name": name, "plan": "vae2", "shape": _pixel_shape(vae_latent), "latent": list(vae_latent)}
+            measure = functools.partial(baseline_vae, vae_config, vae_latent, args=args, device=device, dtype=dtype)
+        results.append(_measure_case({**row, "speedup_ranks": 2, "measured_on": "1 GPU" if cuda else "cpu"},
+                                     measure, device))
+    return {
+        "mode": "baselines", "smoke": args.smoke, "world_size": 1, "parallel_measured": False,
+        "note": "single-GPU baselines only: no parallel time was measured, so every parallel_s and speedup is null",
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "device_total_gib": torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else None,
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "dtype": str(dtype).removeprefix("torch."), "iters": args.iters, "warmup": args.warmup,
+        "text_tokens": args.text_tokens, "date": time.strftime("%Y-%m-%d", time.gmtime()), "results": results,
+    }
+
+
+def main_baselines(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--baselines``: 0 when every case was measured, 1 when one recorded an error (the report is written anyway)."""
+    unknown = sorted(set(args.only or ()) - set(BASELINE_CASES))
+    if unknown:
+        parser.error(f"--baselines measures {', '.join(BASELINE_CASES)}; --only got {', '.join(unknown)}")
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        parser.error(f"--baselines runs in one process: launch it with python, not torchrun "
+                     f"(got WORLD_SIZE={os.environ['WORLD_SIZE']})")
+    if args.smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+        args.text_tokens = 8
+    elif not torch.cuda.is_available():
+        print(json.dumps({"skipped": "nothing measured: --baselines needs one CUDA GPU, found none "
+                                     "(--baselines --smoke runs it on CPU at tiny sizes)"}))
+        return 0
+    else:
+        device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    report = bench_baselines(args, device, dtype)
+    print(f"{report['device']}, torch {report['torch']}, CUDA {report['cuda']}: single-GPU baselines, "
+          f"no parallel time measured (speed-ups null)")
+    for row in report["results"]:
+        if row["status"] != "measured":
+            print(f"{row['name']:>18}: {row['status']}: {row['error']}")
+            continue
+        peak = f"peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else "no peak on CPU"
+        print(f"{row['name']:>18}: {row['single_s'] * 1e3:10.1f} ms on {row['measured_on']} at {row['shape']}, {peak} "
+              f"(the 1-GPU side of {row['plan']}; target {row['target']}x, speed-up not measured)")
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2))
+    return 0 if all(row["status"] == "measured" for row in report["results"]) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (rank 0)")
     parser.add_argument("--iters", type=int, default=5)
@@ -474,7 +673,11 @@ def main() -> int:
                         help="how long a rank waits at a collective (the 1-GPU whole request keeps the others waiting)")
     parser.add_argument("--smoke", action="store_true", help="CPU + gloo, tiny sizes: checks the script, times mean nothing")
     parser.add_argument("--only", nargs="*", default=None, help=f"a subset of {sorted(TARGETS)}")
-    args = parser.parse_args()
+    parser.add_argument("--baselines", action="store_true",
+                        help="one process, one GPU: the single-GPU times of the 2-rank cases, no speed-ups")
+    args = parser.parse_args(argv)
+    if args.baselines:  # before NO_MULTICAST: no NCCL here, and a caller's environment stays as it was
+        return main_baselines(args, parser)
 
     os.environ.update(NO_MULTICAST)  # before NCCL starts; inherited by every process this one starts
     world = int(os.environ.get("WORLD_SIZE", "0"))
@@ -493,23 +696,19 @@ def main() -> int:
 
     import torch.distributed as dist
     from fv_kernel.parallel import ParallelPlan
-    from fv_wan.models.vae import WanVAEConfig
 
     timeout = datetime.timedelta(minutes=args.timeout_min)
     if args.smoke:
         dist.init_process_group("gloo", timeout=timeout)
         device, dtype = torch.device("cpu"), torch.float32
         torch.set_num_threads(1)
-        # 8 latent rows: a one-row strip per rank at vae=8 (and the 2-rank case's 4 rows at vae=2).
-        vae_config, vae_latent = WanVAEConfig(base_dim=8, z_dim=16, dim_mult=(1, 2, 2, 2), num_res_blocks=1,
-                                              attn_scales=()), ((3, 4, 6) if world == 2 else (2, 8, 6))
         args.text_tokens = 8
     else:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", timeout=timeout)
         device, dtype = torch.device("cuda", local_rank), torch.bfloat16
-        vae_config, vae_latent = WanVAEConfig.wan21(), VAE_LATENT.get(world, (0, 0, 0))
+    vae_config, vae_latent = _vae_case(world, args.smoke)
     wanted = set(args.only or CASES_BY_WORLD[world])
     results: list[dict[str, Any]] = []
     single_cache: dict[Any, float] = {}
