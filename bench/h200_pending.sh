@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 measurements the open issues still wait for, in two parts that each fit one device call
-# (10 minutes): `bash bench/h200_pending.sh 1` and `bash bench/h200_pending.sh 2`. Every bench runs
+# (10 minutes): `bash bench/h200_pending.sh 1` and `bash bench/h200_pending.sh 2`; parts 3 and 4 are the
+# FP8 kernels and precision paths (issue 34) and the 14B step with the one-GPU parallel baselines (issue 37). Every bench runs
 # under its own timeout, writes its JSON under $OUT (default out/h200) and its log beside it, so a
 # bench that fails or runs out of time costs only its own slot; the last lines of each log are
 # printed at the end. docs/benchmarks.md says which section records each figure.
@@ -8,8 +9,8 @@
 # The device machine has torch and triton but not every package: wheels carried in .whlb/ (pydantic,
 # diffusers, stevedore, ...) are installed into /tmp/site first when that folder is present.
 set -u
-part="${1:?usage: bash bench/h200_pending.sh 1|2}"
-case "$part" in 1|2) ;; *) echo "part must be 1 or 2, got $part" >&2; exit 2 ;; esac
+part="${1:?usage: bash bench/h200_pending.sh 1|2|3|4}"
+case "$part" in 1|2|3|4) ;; *) echo "part must be 1, 2, 3 or 4, got $part" >&2; exit 2 ;; esac
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -48,6 +49,16 @@ case "$part" in
     # (fv serve needs the serve extra: without fastapi on the machine, fv generate alone)
     python3 -c "import fastapi" 2> /dev/null && serve_flag="" || serve_flag="--generate-only"
     run cold_start 100 python3 bench/bench_first_request.py --cold-start --device cuda --runs 2 $serve_flag
+    ;;
+3)
+    # issue 34: the fp8 kernels (every tile candidate) and the precision paths' Wan-1.3B step beside diffusers
+    run fp8_kernels 300 python3 bench/bench_fp8_kernels.py --sweep --out "$out/fp8_kernels.json"
+    run precision 270 python3 bench/bench_precision.py "$out/precision"
+    ;;
+4)
+    # issue 34: the 14B 720p step on each path (needs about 100 GiB free: an H200); issue 37: one-GPU baselines
+    run precision_14b 330 python3 bench/bench_precision.py "$out/precision_14b" --models 14b --iters 3
+    run parallel_baselines 240 python3 bench/bench_parallel.py --baselines --iters 3 --warmup 1 --out "$out/parallel_baselines.json"
     ;;
 esac
 for log in "$out"/*.log; do
