@@ -24,6 +24,15 @@ weight tensors (``load_state_dict(assign=True)``: no second copy of a real-size 
    tok/s of 8 chat requests one at a time (batch 1) and batched (batch 8), one prompt
    upsampling's decode of ``--upsample-tokens`` (512) tokens with the upsampling sampler, and
    the physical bound at batch 1 (reasoner weight bytes per token at the measured bandwidth).
+
+Sections 3 and 4 report the rows each call of an op really held (``call_rows``; the graphed tier's
+``replayed_rows_bucket``): the executor fuses a scheduled batch only where the card declares
+``parity.batched_vs_alone`` at the instance's precision, and cosmos3-nano/super declare none, so
+their "batched" runs make one call per request. For such a card each batched run is repeated
+under a copy of the card that declares one (``batch8_fused``, ``batched_fused``: a measurement,
+not a deployable card), with how far fusing moved the results from the same requests alone
+(frames' max abs, texts kept, one token step's logits fused vs each row alone): the figures a
+real declaration needs.
 5. ``memory``: weights of one instance serving text and video vs two engines (counted on the
    meta device for Nano and Super); with ``--card cosmos3-tiny`` also the peak RSS of a process doing both.
 
@@ -34,14 +43,15 @@ markdown table and writes every number as JSON to the given path.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
+import math
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 import torch
@@ -57,7 +67,7 @@ from fv_cosmos3.models.layers import MRoPE
 from fv_cosmos3.models.state_dict import is_reasoner_key
 from fv_cosmos3.models.tokenizer import ByteTokenizer, PromptSpec, build_generation_prompt
 from fv_kernel.api import (
-    ARParams, DiffusionParams, Engine, InstanceOptions, ModelCard, PagedKVPool, Request, SchedulerConfig,
+    ARParams, BatchedVsAlone, DiffusionParams, Engine, InstanceOptions, ModelCard, PagedKVPool, Request, SchedulerConfig,
     TaskType, TextPart, torch_dtype,
 )
 from fv_kernel.runtime.engine import run_concurrently, run_serially
@@ -258,8 +268,59 @@ def _engine_run(b: Bench, instance: Cosmos3Instance, requests: list[Request], *,
         "seconds": seconds, "requests": len(requests), "requests_per_s": len(requests) / seconds,
         "op_seconds": dict(times.seconds), "largest_batch": dict(times.largest),
         "batch_sizes": {op: dict(sizes) for op, sizes in times.batch_sizes.items()},
+        # Rows per call of each op: a scheduled batch runs as one call only where the executor fuses it.
+        "call_rows": {op: dict(rows) for op, rows in times.call_rows.items()},
         "text_tokens": [len(a.token_ids) for a in texts],  # upsampled prompts, or chat answers
+        # Per request, in order (read by the sections that compare runs; not written to the JSON): its text's
+        # token ids (None without a text artifact) and its artifacts.
+        "_token_ids": [next((list(a.token_ids) for a in r.artifacts if a.kind == "text"), None) for r in results],
+        "_artifacts": [r.artifacts for r in results],
     }
+
+
+def _declares_batching(instance: Cosmos3Instance) -> bool:
+    """Whether the card promises how far fusing moves a result at the instance's precision: without it the
+    executor runs a scheduled batch's rows one by one (``parity.batched_vs_alone``; cosmos3-nano/super declare
+    none yet), so a "batched" run is one call per row."""
+    return instance.card.parity.batching_tolerance(instance.precision) is not None
+
+
+@contextlib.contextmanager
+def _batching_declared(instance: Cosmos3Instance) -> Iterator[None]:
+    """The instance's card, for the body, declaring an unbounded ``batched_vs_alone`` at the instance's precision
+    (as ``bench_batched_vs_alone.py`` measures): the executor fuses its steps, and the run measures what a real
+    declaration would give and how far it moves results. Never a card to deploy."""
+    card = instance.card
+    entry = BatchedVsAlone(precision=instance.precision, max_abs=math.inf,  # type: ignore[arg-type]
+                           justification="measurement only (bench_cosmos3.py)")
+    others = tuple(e for e in card.parity.batched_vs_alone if e.precision != instance.precision)
+    instance.card = card.model_copy(update={"parity": card.parity.model_copy(update={"batched_vs_alone": (*others, entry)})})
+    try:
+        yield
+    finally:
+        instance.card = card
+
+
+def _artifacts_max_abs(left: list[list[Any]], right: list[list[Any]]) -> float:
+    """The largest absolute difference between two runs' tensor artifacts (frames, samples), request by request."""
+    worst = 0.0
+    for a_list, b_list in zip(left, right):
+        for a, b in zip(a_list, b_list):
+            for name in ("frames", "samples", "tensor"):
+                x, y = getattr(a, name, None), getattr(b, name, None)
+                if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and x.numel():
+                    worst = max(worst, float((x.double() - y.double()).abs().max()))
+    return worst
+
+
+def _same_texts(left: list[list[int] | None], right: list[list[int] | None]) -> int | None:
+    """How many requests returned the same text tokens in both runs (None: the requests return no text)."""
+    pairs = [(x, y) for x, y in zip(left, right) if x is not None or y is not None]
+    return sum(x == y for x, y in pairs) if pairs else None
+
+
+def _public(run: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in run.items() if not k.startswith("_")}
 
 
 def _t2v(b: Bench, instance: Cosmos3Instance, prefix: str, n: int, *, upsample: bool, height: int, width: int,
@@ -293,18 +354,34 @@ def bench_omni(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
     size = _omni_size(b, instance.card)
     _engine_run(b, instance, _t2v(b, instance, "warm-omni-", 1, upsample=True, **{**size, "steps": 1}), batched=False)
     run = _engine_run(b, instance, _t2v(b, instance, "omni-", 1, upsample=True, **size), batched=False)
-    return {**size, **run}
+    return {**size, **_public(run)}
 
 
 def bench_concurrent(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
     size = _omni_size(b, instance.card)
     n = b.concurrent
-    out: dict[str, Any] = {**size, "requests": n}
+    declared = _declares_batching(instance)
+    out: dict[str, Any] = {**size, "requests": n, "batching_declared": declared}
     for name, upsample in (("omni", True), ("t2v_one_prompt_length", False)):
         serial = _engine_run(b, instance, _t2v(b, instance, f"s-{name}-", n, upsample=upsample, **size), batched=False)
-        batched = _engine_run(b, instance, _t2v(b, instance, f"b-{name}-", n, upsample=upsample, **size), batched=True)
-        out[name] = {"one_at_a_time": serial, "batched": batched,
-                     "speedup": batched["requests_per_s"] / serial["requests_per_s"]}
+        runs = {"batched": _engine_run(b, instance, _t2v(b, instance, f"b-{name}-", n, upsample=upsample, **size),
+                                       batched=True)}
+        if not declared:  # "batched" ran each request's rows alone; this is what a declaration would give
+            with _batching_declared(instance):
+                runs["batched_fused"] = _engine_run(b, instance, _t2v(b, instance, f"f-{name}-", n, upsample=upsample,
+                                                                      **size), batched=True)
+        entry: dict[str, Any] = {"one_at_a_time": _public(serial)}
+        for key, run in runs.items():
+            entry[key] = {
+                **_public(run), "speedup": run["requests_per_s"] / serial["requests_per_s"],
+                # The same requests (prompts, seeds) as one at a time: what batching moved (the measurement a
+                # card's parity.batched_vs_alone declares: frames in [0, 1]; omni videos differ wholesale once
+                # an upsampled prompt does), and how many requests' texts stayed identical.
+                "vs_alone_max_abs": _artifacts_max_abs(serial["_artifacts"], run["_artifacts"]),
+                "same_text_as_alone": _same_texts(serial["_token_ids"], run["_token_ids"]),
+            }
+        entry["speedup"] = entry["batched"]["speedup"]
+        out[name] = entry
     return out
 
 
@@ -359,29 +436,81 @@ def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
         out["bound_tokens_per_s_batch1"] = bandwidth / per_token
     buckets = instance.options.compute.graph_batch_buckets if instance.options.compute else (1, 2, 4, 8, 16, 32)
     tiers = [("eager", None)] + ([("graphed", GraphedDecode(tuple(buckets)))] if b.cuda or b.smoke else [])
+    # Without a declaration at the instance's precision (cosmos3-nano/super in bf16) "batch8" runs each request's
+    # token step alone, one call per row; "batch8_fused" is the same run under a declaring copy of the card.
+    declared = _declares_batching(instance)
+    out["batching_declared"] = declared
+    runs = [("batch8", True, False), ("batch1", False, False)] + ([] if declared else [("batch8_fused", True, True)])
     for tier, graphed in tiers:
         if graphed is not None and not b.cuda:
             graphed.capture = False  # --smoke on the CPU: the static step, run eagerly
         instance.graphed_decode = graphed
         # Warm-up (captures every graph the timed runs replay: batch buckets 1 and 8, their context buckets).
-        _engine_run(b, instance, requests(f"warm-{tier}-", min(b.decode_tokens, 4)), batched=True)
+        with contextlib.nullcontext() if declared else _batching_declared(instance):
+            _engine_run(b, instance, requests(f"warm-{tier}-", min(b.decode_tokens, 4)), batched=True)
         _engine_run(b, instance, requests(f"warm1-{tier}-", min(b.decode_tokens, 4))[:1], batched=False)
         if graphed is not None:
             _engine_run(b, instance, upsampling(f"warm-{tier}-"), batched=False)
         result: dict[str, Any] = {}
-        for name, batched in (("batch8", True), ("batch1", False)):
-            run = _engine_run(b, instance, requests(f"{tier}-{name}-", b.decode_tokens), batched=batched)
-            result[name] = {**run, "tokens_per_s": sum(run["text_tokens"]) / run["seconds"]}
+        tokens: dict[str, list[list[int] | None]] = {}
+        for name, batched, measuring in runs:
+            before = (Counter(graphed.replayed_shapes), graphed.captures) if graphed is not None else None
+            with _batching_declared(instance) if measuring else contextlib.nullcontext():
+                run = _engine_run(b, instance, requests(f"{tier}-{name}-", b.decode_tokens), batched=batched)
+            tokens[name] = run["_token_ids"]
+            result[name] = {**_public(run), "tokens_per_s": sum(run["text_tokens"]) / run["seconds"]}
+            if graphed is not None and before is not None:
+                # What each replay held: "rows/bucket" -> replays (8 rows in bucket 8 when fused; 1/1 when not).
+                shapes = graphed.replayed_shapes - before[0]
+                result[name]["replayed_rows_bucket"] = {f"{r}/{k}": n for (r, k), n in sorted(shapes.items())}
+                result[name]["captures"] = graphed.captures - before[1]
+        for name, batched, _ in runs:
+            if batched:  # the same prompts and seeds as batch1: rows that ran alone keep every text as it was
+                result[name]["same_text_as_batch1"] = _same_texts(tokens[name], tokens["batch1"])
         up = _engine_run(b, instance, upsampling(f"{tier}-"), batched=False)
         result["upsample"] = {"tokens": up["text_tokens"][0], "seconds": up["seconds"]}
         if graphed is not None:
             result["captures"], result["replays"], result["eager_steps"] = graphed.captures, graphed.replays, graphed.eager_steps
+        result["one_step_fused_vs_alone"] = _step_fused_vs_alone(instance, prompts)
         out[tier] = result
     instance.graphed_decode = None
     if "graphed" in out:
+        for name, _, _ in runs:
+            if name != "batch1":
+                out[f"graphed_vs_eager_{name}"] = (out["graphed"][name]["tokens_per_s"]
+                                                   / out["eager"][name]["tokens_per_s"])
         out["graphed_vs_eager_batch1"] = out["graphed"]["batch1"]["tokens_per_s"] / out["eager"]["batch1"]["tokens_per_s"]
-        out["graphed_vs_eager_batch8"] = out["graphed"]["batch8"]["tokens_per_s"] / out["eager"]["batch8"]["tokens_per_s"]
     return out
+
+
+def _step_fused_vs_alone(instance: Cosmos3Instance, prompts: list[str]) -> dict[str, Any]:
+    """One ``ar_token`` step of the prompts' sequences as one fused call against each row alone, through the
+    instance's op on its current tier: how far fusing moves a row's logits (what a batching declaration must
+    cover), and in how many rows the greedy token stayed the same."""
+    pool = instance.text_kv_pool
+    assert pool is not None
+    tokenizer = instance.component("tokenizer")
+    prefill, step = instance.op("ar_prefill"), instance.op("ar_token")
+    tables, plans = [], []
+    try:
+        with torch.inference_mode():
+            for i, prompt in enumerate(prompts):
+                ids = tokenizer.chat_ids([{"role": "user", "content": prompt}])
+                table = pool.allocate(f"bench-one-step-{i}", tokens=len(ids) + 1)
+                tables.append(table)
+                table_ids = pool.table_tensor(table).unsqueeze(0)
+                logits = prefill.fn({"ids": torch.tensor([ids]), "table": table_ids}, {})["logits"]
+                plans.append({"token": logits.argmax(-1).view(1, 1).cpu(), "table": table_ids,
+                              "length": torch.tensor([len(ids)])})
+            # Each row rewrites its own new-token slot: the alone steps first, then the fused one.
+            alone = torch.cat([step.fn(plan, {})["logits"] for plan in plans]).float()
+            fused = torch.cat([out["logits"] for out in step.run_fused(plans, {})]).float()
+    finally:
+        for table in tables:
+            pool.free(table)
+    return {"rows": len(plans), "logits_max_abs": float((fused - alone).abs().max()),
+            "logits_abs_max": float(alone.abs().max()), "bit_identical": bool(torch.equal(fused, alone)),
+            "same_greedy_token_rows": int((fused.argmax(-1) == alone.argmax(-1)).sum())}
 
 
 # --------------------------------------------------------------------------- 5. memory (counted; RSS on the CPU)
@@ -457,23 +586,45 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
     if conc:
         for name in ("omni", "t2v_one_prompt_length"):
             c = conc[name]
-            rows.append((f"{conc['requests']} concurrent {name.replace('_', ' ')} requests: batched / one at a time (s)",
-                         f"{c['batched']['seconds']:.2f} / {c['one_at_a_time']['seconds']:.2f} = {c['speedup']:.2f}x "
-                         f"(largest generate batch {c['batched']['largest_batch'].get('generate', 0)})"))
+            for key in ("batched", "batched_fused"):
+                if key not in c:
+                    continue
+                run = c[key]
+                label = "batched" if key == "batched" else "batched under a declaring card (measurement)"
+                rows.append((f"{conc['requests']} concurrent {name.replace('_', ' ')} requests: {label} / one at a "
+                             "time (s)",
+                             f"{run['seconds']:.2f} / {c['one_at_a_time']['seconds']:.2f} = {run['speedup']:.2f}x "
+                             f"(generate calls by rows {_calls(run, 'generate')}; vs alone: max abs "
+                             f"{run['vs_alone_max_abs']:.2g}" + (f", same text {run['same_text_as_alone']}/{conc['requests']}"
+                                                               if run["same_text_as_alone"] is not None else "") + ")"))
     dec = results.get("decode")
     if dec:
+        if not dec["batching_declared"]:
+            rows.append(("decode: the card declares no parity.batched_vs_alone at this precision, so batch 8 runs "
+                         "each request's token step alone; batch 8 fused: the same under a declaring copy", ""))
         for tier in ("eager", "graphed"):
             if tier not in dec:
                 continue
             t = dec[tier]
+            rows.append((f"reasoner decode, {tier}: batch 1 / batch 8 ({dec['requests']} chat requests) (tok/s)",
+                         f"{t['batch1']['tokens_per_s']:.1f} / {t['batch8']['tokens_per_s']:.1f} "
+                         f"(batch 8's ar_token calls by rows {_calls(t['batch8'], 'ar_token')})"))
+            if "batch8_fused" in t:
+                f = t["batch8_fused"]
+                rows.append((f"reasoner decode, {tier}: batch 8 fused (tok/s)",
+                             f"{f['tokens_per_s']:.1f} (ar_token calls by rows {_calls(f, 'ar_token')}; same text as "
+                             f"batch 1 {f['same_text_as_batch1']}/{dec['requests']})"))
+            one = t["one_step_fused_vs_alone"]
             rows += [
-                (f"reasoner decode, {tier}: batch 1 / batch 8 ({dec['requests']} chat requests) (tok/s)",
-                 f"{t['batch1']['tokens_per_s']:.1f} / {t['batch8']['tokens_per_s']:.1f}"),
+                (f"one {tier} token step of {one['rows']} rows fused vs each alone: logits max abs (of max |logit|), "
+                 "same greedy token", f"{one['logits_max_abs']:.2g} (of {one['logits_abs_max']:.3g}), "
+                 f"{one['same_greedy_token_rows']}/{one['rows']}"),
                 (f"prompt upsampling decode, {tier}: {t['upsample']['tokens']} tokens (s)", f"{t['upsample']['seconds']:.2f}"),
             ]
         if "graphed_vs_eager_batch1" in dec:
-            rows.append(("  graphed / eager, batch 1 / batch 8",
-                         f"{dec['graphed_vs_eager_batch1']:.2f}x / {dec['graphed_vs_eager_batch8']:.2f}x"))
+            fused = (f" / {dec['graphed_vs_eager_batch8_fused']:.2f}x" if "graphed_vs_eager_batch8_fused" in dec else "")
+            rows.append(("  graphed / eager, batch 1 / batch 8" + (" / batch 8 fused" if fused else ""),
+                         f"{dec['graphed_vs_eager_batch1']:.2f}x / {dec['graphed_vs_eager_batch8']:.2f}x{fused}"))
         if "bound_tokens_per_s_batch1" in dec:
             rows.append((f"physical bound at batch 1: {dec['reasoner_bytes_per_token'] / 1e9:.2f} GB of reasoner weights "
                          f"per token at the measured {dec['measured_hbm_bytes_per_s'] / 1e12:.2f} TB/s (tok/s)",
@@ -491,6 +642,12 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("tiny process peak RSS, one / two instances (MiB)",
                      f"{mem['tiny_peak_rss_kib_one'] / 1024:.0f} / {mem['tiny_peak_rss_kib_two'] / 1024:.0f}"))
     return rows
+
+
+def _calls(run: dict[str, Any], op: str) -> str:
+    """``rows x calls`` of ``op`` in a run, e.g. ``8x63`` (one fused call per step) or ``1x504`` (every row alone)."""
+    calls = run.get("call_rows", {}).get(op, {})
+    return ", ".join(f"{rows}x{n}" for rows, n in sorted(calls.items(), key=lambda kv: -int(kv[0]))) or "none"
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ logits do not depend on what the padded rows hold (tested bit for bit).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -282,6 +283,9 @@ class GraphedDecode:
         self.captures = 0
         self.replays = 0
         self.eager_steps = 0
+        #: Replays by (live rows, batch bucket): whether requests' steps really ran as one call (a benchmark's
+        #: scheduler batch of 8 whose rows run one by one shows (1, 1) eight times, not (8, 8) once).
+        self.replayed_shapes: Counter[tuple[int, int]] = Counter()
         self._entries: dict[DecodeGraphKey, _DecodeGraph] = {}
         self._failed: set[DecodeGraphKey] = set()
         self._bound: tuple[Any, ...] | None = None  # what every entry was captured against
@@ -343,7 +347,9 @@ class GraphedDecode:
         entry = self._entries.get(key)
         if entry is None:
             device = store[0].device
-            static = {name: tensor.to(device) for name, tensor in host.items()}
+            # Owned copies: on the host ``to`` would hand back the caller's own tensors (a plan's token, length,
+            # ``seen``), and every later step's ``copy_`` into the static buffers would overwrite them.
+            static = {name: tensor.to(device, copy=True) for name, tensor in host.items()}
             capture = device.type == "cuda" if self.capture is None else self.capture
 
             def fn(buffers: Tensors, mot: Cosmos3MoT = mot) -> Tensors:
@@ -364,6 +370,7 @@ class GraphedDecode:
             for name, tensor in host.items():
                 entry.static[name].copy_(tensor, non_blocking=True)
         self.replays += 1
+        self.replayed_shapes[(rows, bucket)] += 1
         outputs = entry.replay()
         # Clones: the next replay overwrites the graph's outputs.
         return {name: out[:rows].clone() for name, out in outputs.items()}

@@ -57,12 +57,23 @@ def test_smoke_measures_every_section(tmp_path: Path) -> None:
     assert plain["batched"]["largest_batch"]["generate"] == conc["requests"] == 2
     assert plain["one_at_a_time"]["largest_batch"]["generate"] == 1
     assert conc["omni"]["batched"]["largest_batch"]["ar_token"] == 2
+    # The tiny card declares batching at fp32: its batched runs really fused, within that declaration (1e-5).
+    assert conc["batching_declared"] is True and "batched_fused" not in plain
+    assert plain["batched"]["call_rows"]["generate"] == {"2": 3}
+    assert plain["batched"]["vs_alone_max_abs"] <= 1e-5 and plain["batched"]["same_text_as_alone"] is None
+    assert conc["omni"]["batched"]["same_text_as_alone"] == 2
 
     dec = r["decode"]
+    assert dec["batching_declared"] is True
     for tier in ("eager", "graphed"):  # --smoke: the graphed tier's static step, run eagerly on the CPU
         assert dec[tier]["batch8"]["largest_batch"]["ar_token"] == 8, tier
+        assert dec[tier]["batch8"]["call_rows"]["ar_token"] == {"8": 3}, tier  # one call of 8 rows per token
+        assert dec[tier]["batch8"]["same_text_as_batch1"] == 8, tier
         assert dec[tier]["batch1"]["largest_batch"]["ar_token"] == 1, tier
         assert dec[tier]["upsample"]["tokens"] > 0 and dec[tier]["upsample"]["seconds"] > 0
+        one = dec[tier]["one_step_fused_vs_alone"]
+        assert one["rows"] == 8 and one["logits_max_abs"] <= 1e-5 and one["same_greedy_token_rows"] == 8, (tier, one)
+    assert dec["graphed"]["batch8"]["replayed_rows_bucket"] == {"8/8": 3}
     assert dec["graphed"]["replays"] > 0 and dec["graphed"]["eager_steps"] == 0
     assert "graphed / eager, batch 1 / batch 8" in printed
     assert r["memory"]["nano_bf16"]["one_instance"] < r["memory"]["nano_bf16"]["two_instances"]

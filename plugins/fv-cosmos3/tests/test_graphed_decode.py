@@ -177,6 +177,28 @@ def test_padded_rows_do_not_touch_live_kv_or_live_logits():
     assert step(unmasked)[1] - live_slots, "the checker must see an unmasked padded row's store"
 
 
+def test_static_buffers_are_the_captures_own_never_a_callers_tensors():
+    """On the host ``tensor.to(device)`` is the tensor itself: static buffers built that way were the first caller's
+    token and length tensors, and every later step's copy into them overwrote that caller's inputs (a fused step run
+    after eight single ones decoded row 0 with row 7's token at row 7's position: logits off by ~2.8). Negative
+    control: the two steps' inputs differ, so an aliased buffer would show."""
+    bench = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=4, seed=11)
+    graphed = GraphedDecode((1,), capture=False, min_context=64)
+    inputs = [{"token": bench.token[r : r + 1].clone(), "table": bench.table_ids[r : r + 1],
+               "length": torch.tensor(bench.lengths[r : r + 1]),
+               "temperature": torch.tensor([0.7 + 0.1 * r]), "top_k": torch.tensor([20 + r]), "top_p": torch.tensor([0.9]),
+               "uniform": torch.tensor([0.25 * (r + 1)]), "penalty": torch.tensor([1.5 * r]),
+               "seen": torch.full((1, 8), -1 if r == 0 else 3)} for r in range(2)]
+    assert all(not torch.equal(inputs[0][name], inputs[1][name]) for name in ("token", "length", "uniform", "seen"))
+    kept = {name: tensor.clone() for name, tensor in inputs[0].items()}
+    with torch.inference_mode():
+        graphed.run(bench.mot, bench.pool, "v1", inputs[0])
+        graphed.run(bench.mot, bench.pool, "v1", inputs[1])  # the same capture: its buffers are refilled
+    assert graphed.captures == 1 and graphed.replays == 2
+    for name, tensor in kept.items():
+        assert torch.equal(inputs[0][name], tensor), f"the second step wrote into the first caller's {name!r}"
+
+
 # --------------------------------------------------------------------------- invalidation
 
 
