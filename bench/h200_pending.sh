@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 measurements the open issues still wait for, in two parts that each fit one device call
-# (10 minutes): `bash bench/h200_pending.sh 1` and `bash bench/h200_pending.sh 2`; parts 3 and 4 are the
-# FP8 kernels and precision paths (issue 34) and the 14B step with the one-GPU parallel baselines (issue 37). Every bench runs
+# (10 minutes): `bash bench/h200_pending.sh 1` and `bash bench/h200_pending.sh 2`; part 3 is the FP8
+# kernels and precision paths (issue 34) with Cosmos 3's decode (issue 36), part 4 the 14B step and the
+# one-GPU parallel baselines (issue 37). Every bench runs
 # under its own timeout, writes its JSON under $OUT (default out/h200) and its log beside it, so a
 # bench that fails or runs out of time costs only its own slot; the last lines of each log are
 # printed at the end. docs/benchmarks.md says which section records each figure.
@@ -51,13 +52,15 @@ case "$part" in
     run cold_start 100 python3 bench/bench_first_request.py --cold-start --device cuda --runs 2 $serve_flag
     ;;
 3)
-    # issue 34: the fp8 kernels (every tile candidate) and the precision paths' Wan-1.3B step beside diffusers
-    run fp8_kernels 300 python3 bench/bench_fp8_kernels.py --sweep --out "$out/fp8_kernels.json"
-    run precision 270 python3 bench/bench_precision.py "$out/precision"
+    # issue 34: the fp8 kernels (every tile candidate) and the precision paths' Wan-1.3B step beside diffusers;
+    # issue 36 section 1: Cosmos 3's decode, with the rows each token step really ran (and fused, measured)
+    run fp8_kernels 240 python3 bench/bench_fp8_kernels.py --sweep --out "$out/fp8_kernels.json"
+    run precision 200 python3 bench/bench_precision.py "$out/precision"
+    run cosmos3_decode 150 python3 bench/bench_cosmos3.py "$out/cosmos3_decode.json" --card cosmos3-nano --sections decode
     ;;
 4)
     # issue 34: the 14B 720p step on each path (needs about 100 GiB free: an H200); issue 37: one-GPU baselines
-    run precision_14b 330 python3 bench/bench_precision.py "$out/precision_14b" --models 14b --iters 3
+    run precision_14b 300 python3 bench/bench_precision.py "$out/precision_14b" --models 14b --iters 3
     run parallel_baselines 240 python3 bench/bench_parallel.py --baselines --iters 3 --warmup 1 --out "$out/parallel_baselines.json"
     ;;
 esac
