@@ -12,7 +12,6 @@ row and the others still run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -23,8 +22,8 @@ from typing import Any
 
 import pytest
 import torch
+from bench_parallel_module import BENCH, load_bench
 
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "bench_parallel.py"
 TIMEOUT_S = {2: 120, 4: 180, 8: 300}
 EXPECTED = {
     2: {"dit_1.3b_sp2", "dit_1.3b_cfgp2", "dit_14b_sp2", "vae_decode_vae2"},
@@ -84,14 +83,6 @@ def test_without_enough_gpus_nothing_is_measured_and_it_exits_0() -> None:
 
 
 BASELINES = ["dit_1.3b_sp2", "dit_1.3b_cfgp2", "dit_14b_sp2", "vae_decode_vae2"]
-
-
-def load_bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_parallel", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_baselines_run_alone_and_report_no_speedup(tmp_path: Path) -> None:

@@ -7,18 +7,22 @@ the plans that do not fit are refused with a ``ParallelPlanError`` naming the ax
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-from fv_kernel.api import DiffusionParams, ParallelPlan, ParallelPlanError, Request, TaskType, TextPart
-from fv_kernel.parallel import check_plan_against_card
+from bench_parallel_module import load_bench
 from fv_wan.models.transformer import WanTransformerConfig
 from fv_wan.parallel import WAN_PARALLEL, wan_tokens
 
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "bench_parallel.py"
+from fv_kernel.api import (
+    DiffusionParams,
+    ParallelPlan,
+    ParallelPlanError,
+    Request,
+    TaskType,
+    TextPart,
+)
+from fv_kernel.parallel import check_plan_against_card
 
 
 def refused(axis: str, build: Any) -> str:
@@ -38,14 +42,6 @@ def deploy_and_submit(card: Any, plan: ParallelPlan, frames: int, height: int, w
     """What a deployment checks: the plan against the card (its default shape included), then the request."""
     check_plan_against_card(plan, card)
     WAN_PARALLEL.check_request(card, request(card, frames, height, width), plan)
-
-
-def load_bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_parallel", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_14b_720p_plans_fit_the_card(wan_card: Any) -> None:
