@@ -166,6 +166,10 @@ def test_kernel_launchers_name_what_does_not_fit() -> None:
         fp8_attention_kernel(q, q, q, stats[:, :1], stats, scale=0.25)
     with pytest.raises(Fp8KernelError, match="float16"):
         fp8_attention_kernel(q, q.half(), q, stats, stats, scale=0.25)
+    for k_block in (64, 384):
+        with pytest.raises(Fp8KernelError, match=f"power of two of at least 128, got {k_block}") as info:
+            fp8_attention_kernel(q, q, q, stats, stats, scale=0.25, k_block=k_block)
+        assert info.value.param == "k_block"
     w = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
     with pytest.raises(Fp8KernelError, match="one per output channel"):
         fp8_linear_triton(torch.randn(3, 8), w, torch.ones(3), None, "fp8_dynamic", torch.float32)

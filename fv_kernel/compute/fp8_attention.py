@@ -44,7 +44,7 @@ __all__ = [
     "quantize_kv",
 ]
 
-#: Keys sharing one K scale (the Triton kernel's ``K_SCALE_BLOCK``; its key tiles divide it).
+#: Keys sharing one K scale (the Triton kernel's key tiles divide it).
 K_BLOCK = 128
 #: The driver's parity bound: relative Frobenius error against fp32 SDPA on unit-normal inputs.
 PARITY_REL_ERROR = 0.07
@@ -117,7 +117,8 @@ def fp8_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     if k.shape[2] == 0 and lq > 0:
         raise Fp8Error("fp8 attention needs at least one key (softmax over zero keys is undefined)")
     k_mean, v_scale = kv_statistics(k, v)
-    return fp8_attention_kernel(q, k, v, k_mean, v_scale, scale=dim**-0.5 if scale is None else float(scale))
+    return fp8_attention_kernel(q, k, v, k_mean, v_scale, scale=dim**-0.5 if scale is None else float(scale),
+                                k_block=K_BLOCK)
 
 
 class Fp8Attention(AttentionBackend):

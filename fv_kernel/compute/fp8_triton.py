@@ -15,11 +15,11 @@ output in groups of ``GROUP_M`` row tiles so that neighbouring programs share we
 
 **Attention** (:func:`fp8_attention_kernel`): FlashAttention-style online softmax in base 2. Q is
 quantized in the kernel, one scale per query row; K (smoothed: its mean over tokens subtracted,
-which softmax ignores) with one scale per :data:`K_SCALE_BLOCK` keys; P with the fixed scale 448
+which softmax ignores) with one scale per block of keys (128, the driver's ``K_BLOCK``); P with the fixed scale 448
 (P is in [0, 1]; the factor is folded into the exponent and cancels against the row sums); V with
 one scale per channel. Both products are e4m3 x e4m3 with fp32 accumulation. K and V are
 quantized by one Triton pass (:func:`_quantize_kv_kernel`) into buffers padded to a multiple of
-:data:`K_SCALE_BLOCK` keys and a power-of-two head dim, V transposed (Hopper's e4m3 tensor-core
+that block and a power-of-two head dim, V transposed (Hopper's e4m3 tensor-core
 dot wants its B operand contiguous along the reduction axis), so that the main loop loads whole
 tiles without masks; only the last, partial block of keys masks its scores. Q, K and V are read
 through their strides (a ``(B, L, H, D)`` layout viewed as ``(B, H, L, D)`` is not copied). The
@@ -38,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fv_kernel.compute.fp8_attention import K_BLOCK
 from fv_kernel.errors import FvError
 
 __all__ = [
@@ -52,9 +51,9 @@ __all__ = [
     "triton_interpreted",
 ]
 
-#: Keys sharing one K scale (the driver's ``K_BLOCK``). Every BLOCK_N of the attention kernel divides it,
-#: so a key tile has one scale.
-K_SCALE_BLOCK = K_BLOCK
+#: The smallest block of keys sharing one K scale (the driver's ``K_BLOCK`` is 128): every BLOCK_N of
+#: the attention kernel divides it, so a key tile has one scale.
+K_SCALE_BLOCK = 128
 _LOG2E = 1.4426950408889634
 
 
@@ -350,11 +349,13 @@ _fp8_attention_tuned = triton.autotune(list(ATTENTION_CONFIGS), key=["BLOCK_D", 
 
 def fp8_attention_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor, v_scale: torch.Tensor, *, scale: float,
+    k_block: int = K_SCALE_BLOCK,
 ) -> torch.Tensor:
     """Quantize K and V (one Triton pass) and run the attention kernel. ``q`` ``(B, H, Lq, D)`` and
     ``k``/``v`` ``(B, H, Lk, D)`` in one float dtype, any strides with a unit stride along D;
     ``k_mean`` and ``v_scale`` fp32 ``(B, H, D)``: K's mean over tokens and V's per-channel scale
-    (absmax / 448), from :func:`fv_kernel.compute.fp8_attention.kv_statistics`. Returns a contiguous
+    (absmax / 448), from :func:`fv_kernel.compute.fp8_attention.kv_statistics`; ``k_block`` keys share
+    one K scale (a power of two, at least :data:`K_SCALE_BLOCK`). Returns a contiguous
     ``(B, H, Lq, D)`` in q's dtype. :func:`fv_kernel.compute.fp8_attention.fp8_attention_triton` calls it."""
     batch, heads, lq, dim = q.shape
     lk = k.shape[2]
@@ -367,31 +368,33 @@ def fp8_attention_kernel(
             f"fp8 attention: q {tuple(q.shape)} ({q.dtype}), k {tuple(k.shape)} ({k.dtype}), v {tuple(v.shape)} "
             f"({v.dtype}), k_mean {tuple(k_mean.shape)}, v_scale {tuple(v_scale.shape)} do not fit"
         )
+    if k_block < K_SCALE_BLOCK or k_block & (k_block - 1):  # one program quantizes a block: a power of two
+        raise Fp8KernelError(f"k_block must be a power of two of at least {K_SCALE_BLOCK}, got {k_block}", param="k_block")
     emulate = _require_runnable(q, "fp8 attention")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lq == 0 or batch * heads == 0:
         return out
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     block_d = max(32, triton.next_power_of_2(dim))  # the e4m3 dot reduces over at least 32
-    lk_pad = triton.cdiv(lk, K_SCALE_BLOCK) * K_SCALE_BLOCK
+    lk_pad = triton.cdiv(lk, k_block) * k_block
     bh = batch * heads
     kq = torch.empty(bh, lk_pad, block_d, dtype=torch.float8_e4m3fn, device=q.device)
     vt = torch.empty(bh, block_d, lk_pad, dtype=torch.float8_e4m3fn, device=q.device)
-    ks = torch.empty(bh, lk_pad // K_SCALE_BLOCK, dtype=torch.float32, device=q.device)
+    ks = torch.empty(bh, lk_pad // k_block, dtype=torch.float32, device=q.device)
     k_mean = k_mean.float().contiguous()
     v_scale = v_scale.float().contiguous()
-    _quantize_kv_kernel[(lk_pad // K_SCALE_BLOCK, bh)](
+    _quantize_kv_kernel[(lk_pad // k_block, bh)](
         k, v, k_mean, v_scale, kq, ks, vt, heads, lk, lk_pad, dim,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        EMULATE_ROUNDING=emulate, KSB=K_SCALE_BLOCK, BLOCK_D=block_d, num_warps=4,
+        EMULATE_ROUNDING=emulate, KSB=k_block, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     args = (q, kq, ks, vt, v_scale, out, heads, lq, lk, lk_pad, dim, q.stride(0), q.stride(1), q.stride(2),
             float(scale) * _LOG2E, triton.next_power_of_2(lk))
     if emulate:  # the interpreter: one configuration, not a timing sweep
         config = ATTENTION_CONFIGS[0].all_kwargs()
         _fp8_attention_kernel[(triton.cdiv(lq, config["BLOCK_M"]), bh)](
-            *args, EMULATE_ROUNDING=True, KSB=K_SCALE_BLOCK, BLOCK_D=block_d, **config)
+            *args, EMULATE_ROUNDING=True, KSB=k_block, BLOCK_D=block_d, **config)
     else:
         _fp8_attention_tuned[lambda meta: (triton.cdiv(lq, meta["BLOCK_M"]), bh)](
-            *args, EMULATE_ROUNDING=False, KSB=K_SCALE_BLOCK, BLOCK_D=block_d)
+            *args, EMULATE_ROUNDING=False, KSB=k_block, BLOCK_D=block_d)
     return out
