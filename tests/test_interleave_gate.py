@@ -5,7 +5,8 @@ Each buggy card below is the toy card with one deliberate conditioning or RNG le
 - a DiT op that memoizes the text context on the module (first writer wins);
 - an encode op that parks the text context on the module for the DiT op (last writer wins);
 - a stochastic denoise loop that keeps its noise generator on the (shared) loop object;
-- a DiT op that runs every row of a fused batch at row 0's timestep (the throughput gate's).
+- a DiT op that runs every row of a fused batch at row 0's timestep (the throughput gate's);
+- a decode op whose fused calls pick other tokens (the throughput gate's, for a promise's ``text``).
 
 The gate (varied requests, each checked against a run alone on a fresh instance) fails on
 each. The design it replaced (one prompt for every request, reference run serially on the
@@ -40,6 +41,7 @@ from fv_kernel.testing import (
     GATE_NEGATIVE_PROMPTS,
     GATE_PROMPTS,
     InterleaveConformance,
+    TextDivergedWarning,
     alternative_size,
     sample_requests,
 )
@@ -530,3 +532,129 @@ def test_a_card_that_declares_nothing_runs_unfused_and_bit_identical_under_throu
             return engine
 
     assert "declares no parity.batched_vs_alone, yet op" in _throughput_fails(IgnoresTheDeclaration())
+
+
+# --------------------------------------------------------------------------- a promise scoped to ops, and its text
+
+
+def _promise(**fields: Any) -> BatchedVsAlone:
+    return BatchedVsAlone(**{"precision": "fp32", "max_abs": 1e-6, "justification": "toy, measured on CPU", **fields})
+
+
+def build_token_flip_instance(card: ModelCard, options: InstanceOptions) -> ModelInstance:
+    """A decode op whose fused calls shift the vocabulary by one (a token that flips near a tie, made certain).
+    Alone (batch 1) it is right."""
+
+    def wrap(instance: ModelInstance, ops: dict[str, StepOp]) -> dict[str, StepOp]:
+        if "lm_decode" in ops:
+            plain = ops["lm_decode"].fn
+
+            def lm_decode(inputs: TensorDict, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+                out = plain(inputs, params)
+                if inputs["ids"].shape[0] > 1:
+                    out = {**out, "logits": out["logits"].roll(1, dims=-1)}
+                return out
+
+            ops["lm_decode"] = dataclasses.replace(ops["lm_decode"], fn=lm_decode)
+        return ops
+
+    return _wrap_ops(build_toy_instance(card, options), wrap)
+
+
+def _token_flip(text: str) -> Callable[[], ModelCard]:
+    def card() -> ModelCard:
+        lm = toy_card("toy-lm").model_copy(update={"factory": f"{HERE}:build_token_flip_instance"})
+        return with_batched_vs_alone(lm, _promise(ops=("lm_decode",), text=text))
+
+    return card
+
+
+def _meta(name: str = "text") -> Any:
+    from fv_kernel.request.artifacts import Provenance
+
+    return Provenance(model_id="toy", loop_id="loop", request_id=name)
+
+
+def _text(ids: list[int]) -> Any:
+    from fv_kernel.request.artifacts import TextArtifact
+
+    return TextArtifact(token_ids=ids, text=" ".join(map(str, ids)), provenance=_meta())
+
+
+def _video(value: float, fps: float = 8.0) -> Any:
+    from fv_kernel.request.artifacts import VideoArtifact
+
+    return VideoArtifact(frames=torch.full((1, 3, 2, 2), value), fps=fps, provenance=_meta("video"))
+
+
+def test_compare_with_alone_holds_text_as_the_promise_says_and_tensors_to_max_abs_either_way() -> None:
+    from fv_kernel.testing import compare_with_alone
+
+    alone, batched = [_text([1, 2, 3]), _video(0.5)], [_text([1, 2, 4]), _video(0.75)]
+    # identical (the default): a text difference fails, as artifacts_max_abs always did.
+    with pytest.raises(AssertionError, match="field 'token_ids'"):
+        compare_with_alone(alone, batched)
+    with pytest.raises(AssertionError, match="field 'token_ids'"):
+        compare_with_alone(alone, batched, text="identical")
+    # may_diverge: the text difference is reported, not failed; the frames still measure 0.25 against max_abs.
+    seen = compare_with_alone(alone, batched, text="may_diverge")
+    assert seen.max_abs == 0.25
+    assert [d.split(":")[0] for d in seen.text_differences] == ["artifact 0 (text 'text') field 'token_ids'",
+                                                                "artifact 0 (text 'text') field 'text'"]
+    # Equal text: nothing to report, in either mode.
+    assert compare_with_alone(alone, [alone[0], batched[1]], text="identical") == (0.25, ())
+    # may_diverge speaks for text only: other metadata must still be equal.
+    with pytest.raises(AssertionError, match="field 'fps'"):
+        compare_with_alone([_video(0.5)], [_video(0.5, fps=16.0)], text="may_diverge")
+
+
+def test_a_promise_scoped_to_the_dit_passes_the_gate_and_a_fused_op_outside_it_fails_it() -> None:
+    scoped = lambda: with_batched_vs_alone(toy_card("toy-dit"), _promise(ops=("dit_forward",)))  # noqa: E731
+    _gate(scoped).test_throughput_within_the_card_tolerance()
+
+    class IgnoresTheScope(_Gate):  # an executor that fuses every op of a declaring card
+        card_ids = ("toy-dit",)
+        card_factory = staticmethod(scoped)
+
+        def make_engine(self, cards: Sequence[ModelCard], scheduler: SchedulerConfig | None = None) -> Engine:
+            engine = super().make_engine(cards, scheduler)
+            engine.executor.fused_rows = lambda instance, op, batch: list(range(len(batch))) if len(batch) > 1 else []  # type: ignore[method-assign]
+            return engine
+
+    message = _throughput_fails(IgnoresTheScope())
+    assert "fused, but parity.batched_vs_alone covers only ops ['dit_forward']" in message, message
+
+
+def test_a_scoped_promise_still_holds_its_ops_tensors_to_max_abs() -> None:
+    """may_diverge loosens text only: a row reading row 0's timestep still fails on its frames."""
+    row_zero = lambda: with_batched_vs_alone(ROW_ZERO(), _promise(ops=("dit_forward",), text="may_diverge"))  # noqa: E731
+    assert "moved" in _throughput_fails(_gate(row_zero))
+
+
+def test_text_identical_fails_a_flipped_token_and_may_diverge_reports_it() -> None:
+    message = _throughput_fails(_gate(_token_flip("identical")))
+    assert "field 'token_ids'" in message, message
+    with pytest.warns(TextDivergedWarning, match="text differs from its run alone, as parity.batched_vs_alone text: "
+                                                 "may_diverge allows .*field 'token_ids'"):
+        _gate(_token_flip("may_diverge")).test_throughput_within_the_card_tolerance()
+
+
+def test_the_gate_refuses_a_promise_for_an_op_the_card_does_not_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor refuses it, typed, once the instance has every component (toy-lm has one): the gate's
+    requests fail with the field and the ops there are. Where the executor cannot tell yet (a component never
+    loaded, simulated by switching its check off), the gate's own check after every task still refuses it."""
+    from fv_kernel.errors import InvalidRequest
+    from fv_kernel.runtime import executor
+
+    typo = lambda: with_batched_vs_alone(toy_card("toy-lm"), _promise(ops=("lm_decod",)))  # noqa: E731
+    refused = ("parity.batched_vs_alone.ops: card 'toy-lm' promises fused steps at fp32 for ops ['lm_decod'] that "
+               "its instance does not have; allowed: encode_text, lm_decode, lm_prefill")
+    message = _throughput_fails(_gate(typo))
+    assert refused in message, message
+    with monkeypatch.context() as patched:
+        patched.setattr(executor, "check_promised_ops", lambda instance, **_: None)
+        with pytest.raises(InvalidRequest) as info:
+            _gate(typo).test_throughput_within_the_card_tolerance()
+    assert str(info.value) == refused
+    # The op's real name passes (the flip-free toy-lm decodes the same tokens fused).
+    _gate(lambda: with_batched_vs_alone(toy_card("toy-lm"), _promise(ops=("lm_decode",)))).test_throughput_within_the_card_tolerance()

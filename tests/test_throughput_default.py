@@ -163,3 +163,71 @@ def test_an_undeclared_card_is_named_in_the_log_when_it_is_added(caplog: pytest.
     named = [r.getMessage() for r in caplog.records if "declares no parity.batched_vs_alone" in r.getMessage()]
     assert named == ["card 'toy-dit' declares no parity.batched_vs_alone at fp32: its steps run unfused (as under "
                      "batching: exact) unless an op is batch-invariant"]
+
+
+def _promise(**fields: object):  # type: ignore[no-untyped-def]
+    from fv_kernel.api import BatchedVsAlone
+
+    return BatchedVsAlone(**{"precision": "fp32", "max_abs": 1e-6, "justification": "toy, measured on CPU", **fields})
+
+
+def _scoped(*ops: str) -> ModelCard:
+    card = toy_card("toy-dit")
+    return card.model_copy(update={"parity": card.parity.model_copy(update={"batched_vs_alone": (_promise(ops=ops),)})})
+
+
+def test_a_promise_scopes_its_ops_and_text_and_defaults_to_every_op_and_identical_text() -> None:
+    from pydantic import ValidationError
+
+    from fv_kernel.api import ParitySpec
+
+    default = _promise()
+    assert default.ops == () and default.text == "identical"
+    assert default.covers("dit_forward") and default.covers("decode_frame")
+    scoped = _promise(ops=("dit_forward",), text="may_diverge")
+    assert scoped.covers("dit_forward") and not scoped.covers("decode_frame")
+    assert ParitySpec(level="C1", reference="self", batched_vs_alone=(scoped,)).batching_tolerance("fp32") == scoped
+    with pytest.raises(ValidationError, match=r"(?s)ops\n.*ops names \[''\]; each entry is an op's \(StepOp\) name"):
+        _promise(ops=("dit_forward", ""))
+    with pytest.raises(ValidationError, match=r"(?s)ops\n.*ops names \['dit_forward'\] more than once; give each op once"):
+        _promise(ops=("dit_forward", "dit_forward"))
+    with pytest.raises(ValidationError, match=r"(?s)text\n.*'identical' or 'may_diverge'"):
+        _promise(text="close")
+
+
+@pytest.mark.parametrize("covered, uncovered", [("dit_forward", "decode_frame"), ("decode_frame", "dit_forward")])
+def test_a_promise_scoped_to_one_op_fuses_that_op_and_not_the_others(covered: str, uncovered: str) -> None:
+    results, recorder = _run(_scoped(covered), _requests(), SchedulerConfig())
+    assert all(r.status == "completed" for r in results)
+    fused = {rec.op for rec in recorder.records if sum(rec.fused) > 1}
+    batched = {rec.op for rec in recorder.records if rec.batch_size > 1}
+    assert covered in fused, f"{covered} is covered and batched, yet never fused"
+    assert uncovered in batched and uncovered not in fused, f"{uncovered} is outside the promise, yet fused"
+    # The unscoped promise (today's meaning) fuses both.
+    _, every = _run(toy_card("toy-dit"), _requests(), SchedulerConfig())
+    assert {covered, uncovered} <= {rec.op for rec in every.records if sum(rec.fused) > 1}
+
+
+def test_a_promise_for_an_op_the_instance_does_not_have_is_refused_typed() -> None:
+    from fv_kernel.api import InvalidRequest
+    from fv_kernel.runtime.executor import check_promised_ops
+
+    instance = build_instance(_scoped("dit_forward", "dit_forwrd"))
+    # Ops are built from the components loaded so far: with none loaded a name may still come, so no verdict.
+    check_promised_ops(instance)
+    with pytest.raises(InvalidRequest) as info:
+        check_promised_ops(instance, every_op_built=True)
+    assert info.value.param == "parity.batched_vs_alone.ops" and str(info.value).endswith("allowed: none (no op built yet)")
+    instance.load_for_task(TaskType.TEXT_TO_VIDEO)  # every component of toy-dit
+    with pytest.raises(InvalidRequest) as info:
+        check_promised_ops(instance)
+    assert str(info.value) == ("parity.batched_vs_alone.ops: card 'toy-dit' promises fused steps at fp32 for ops "
+                               "['dit_forwrd'] that its instance does not have; allowed: decode_frame, dit_forward, "
+                               "encode_text, lm_decode, lm_prefill")
+    right = build_instance(_scoped("dit_forward"))
+    right.load_for_task(TaskType.TEXT_TO_VIDEO)
+    check_promised_ops(right)  # the real name passes
+    # Through the engine: the requests whose steps would fuse fail with that error, none runs on a wrong promise.
+    results, _ = _run(_scoped("dit_forwrd"), _requests(), SchedulerConfig())
+    assert {r.status for r in results} == {"failed"}
+    assert all(r.error is not None and r.error.param == "parity.batched_vs_alone.ops" for r in results)

@@ -523,8 +523,9 @@ class BatchedVsAlone(_Spec):
     Under ``scheduler.batching: throughput`` (the default) compatible steps of different
     requests run as one fused call: the same math on a stacked batch, whose kernels may reduce
     in another order than at batch 1. This is the card's promise about the result, and the
-    runtime fuses an instance's steps only where its card makes one at the instance's precision.
-    The conformance kit's throughput gate (``InterleaveConformance``) measures it.
+    runtime fuses an instance's steps only where its card makes one at the instance's precision,
+    and only for the ops it covers (``ops``). The conformance kit's throughput gate
+    (``InterleaveConformance``) measures it: tensor artifacts within ``max_abs``, text as ``text`` says.
     """
 
     precision: Precision
@@ -533,6 +534,31 @@ class BatchedVsAlone(_Spec):
     max_abs: float = Field(ge=0)
     #: What was measured, where, and the margin: the number is a measurement, not a guess.
     justification: str = Field(min_length=1)
+    #: The ops (``StepOp`` names) whose steps may fuse under this promise; empty: every op of the card.
+    #: An op it does not name runs each request's rows alone, as at a precision with no promise, so a
+    #: card can promise its token step without promising its video step. Ops are built by the card's
+    #: factory, not declared on the card: the executor refuses a name its instance does not have
+    #: (``fv_kernel.runtime.executor.check_promised_ops``).
+    ops: tuple[str, ...] = ()
+    #: Whether generated text (token ids and their text) equals the run alone. ``may_diverge``: a fused
+    #: decode step tiles its GEMMs otherwise than at batch 1, which can flip a sampled or greedy token
+    #: near a tie, and every later token with it; only tensor artifacts are then held to ``max_abs``.
+    text: Literal["identical", "may_diverge"] = "identical"
+
+    @field_validator("ops")
+    @classmethod
+    def _named_ops(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        blank = [name for name in value if not name.strip()]
+        if blank:
+            raise ValueError(f"ops names {blank}; each entry is an op's (StepOp) name, a non-empty string")
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"ops names {repeated} more than once; give each op once")
+        return value
+
+    def covers(self, op: str) -> bool:
+        """Whether the promise lets steps of ``op`` fuse (``ops`` names it, or is empty)."""
+        return not self.ops or op in self.ops
 
 
 class ParitySpec(_Spec):

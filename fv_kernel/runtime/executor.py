@@ -17,14 +17,14 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple
 
 import torch
 
-from fv_kernel.errors import FvError, NonFiniteOutput, StepFailed
+from fv_kernel.errors import FvError, InvalidRequest, NonFiniteOutput, StepFailed
 from fv_kernel.loop.plan import ShapeSignature, StepOp, StepResult
 from fv_kernel.model.instance import ADAPTER_MERGE_COST, ModelInstance
 from fv_kernel.runtime.batching import WorkUnit
 from fv_kernel.runtime.cost import CostKey, CostModel
 from fv_kernel.runtime.metrics import EngineMetrics
 
-__all__ = ["Executor", "BatchOutcome", "check_finite", "MergePolicy", "merge_cost_key"]
+__all__ = ["Executor", "BatchOutcome", "check_finite", "check_promised_ops", "MergePolicy", "merge_cost_key"]
 
 log = logging.getLogger("fv.engine")
 
@@ -157,15 +157,23 @@ class Executor:
         """The positions of ``batch``'s units that run as one fused call of ``op`` (empty: each alone).
 
         A batch-invariant op fuses in either mode. Otherwise only under ``batching: throughput``,
-        only for a card that declares how far fusing may move a result at the instance's precision
-        (``ParitySpec.batched_vs_alone``), and never for an exact unit. Block hooks carry
-        per-request state, so their steps always run per sample.
+        only where the card declares how far fusing may move a result at the instance's precision
+        (``ParitySpec.batched_vs_alone``) and that promise covers ``op`` (its ``ops`` name it, or
+        are empty), and never for an exact unit. Block hooks carry per-request state, so their
+        steps always run per sample. A promise naming an op the instance does not have is refused
+        (:func:`check_promised_ops`): it would otherwise leave the op it meant unfused, silently.
         """
         if len(batch) < 2 or any("block_hooks" in u.plan.params for u in batch):
             return []
         if op.batch_invariant:
             return list(range(len(batch)))
-        if self.batching != "throughput" or instance.card.parity.batching_tolerance(instance.precision) is None:
+        if self.batching != "throughput":
+            return []
+        promise = instance.card.parity.batching_tolerance(instance.precision)
+        if promise is None:
+            return []
+        check_promised_ops(instance)
+        if not promise.covers(op.name):
             return []
         rows = [index for index, unit in enumerate(batch) if not unit.exact]
         return rows if len(rows) > 1 else []
@@ -231,6 +239,34 @@ class Executor:
             # covers them (read after it, they cost each batch a second wait).
             flags = _FiniteFlags(done) if self.check_finite else None
         return done, flags, together
+
+
+def check_promised_ops(instance: ModelInstance, *, every_op_built: bool | None = None) -> None:
+    """Refuse the card's ``parity.batched_vs_alone`` promise at ``instance``'s precision if its ``ops``
+    name an op the instance does not have: :class:`~fv_kernel.errors.InvalidRequest` naming
+    ``parity.batched_vs_alone.ops`` and the instance's ops.
+
+    A card does not list its ops (its factory builds them from the components loaded so far), so the
+    card spec cannot check the names. ``every_op_built`` None: decided once every component of the
+    card's checkpoint is loaded (before, a name may belong to a component still to load); True: the
+    caller knows every op it will use is built (the conformance gate, after running every task).
+    """
+    promise = instance.card.parity.batching_tolerance(instance.precision)
+    if promise is None or not promise.ops:
+        return
+    if every_op_built is None:
+        every_op_built = all(c in instance.components for c in instance.card.checkpoint.components)
+    if not every_op_built:
+        return
+    built = instance.ops
+    unknown = [name for name in promise.ops if name not in built]
+    if unknown:
+        raise InvalidRequest(
+            "parity.batched_vs_alone.ops",
+            f"card {instance.model_id!r} promises fused steps at {instance.precision} for ops {unknown} that its "
+            "instance does not have",
+            allowed=sorted(built) or "none (no op built yet)",
+        )
 
 
 def run_per_sample(op: StepOp, batch: list[WorkUnit]) -> list[StepResult | BaseException]:
