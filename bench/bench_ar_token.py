@@ -4,6 +4,7 @@ Shared by ``plugins/fv-cosmos3/tests/test_ar_token_costs.py`` (counts) and runna
 micro-benchmark (times); figures in docs/benchmarks.md::
 
     python bench/bench_ar_token.py            # tiny and kvnano, 1 and 8 rows, history 32/256/512
+    python bench/bench_ar_token.py --graphed  # kernels per CUDA-graphed decode step at Nano's layer structure
 
 ``kvnano`` keeps Cosmos 3 Nano's K/V geometry (36 layers x 8 KV heads x head_dim 128) with a small hidden
 size, so a step's history traffic is Nano's (fp32 here) while its weights are cheap. Rows of an 8-row batch
@@ -38,18 +39,36 @@ CONFIGS: dict[str, Cosmos3Config] = {
 _MOVES = {"index", "index_select", "cat", "copy_", "fill_", "zero_", "zeros", "zeros_like", "new_zeros", "clone",
           "_to_copy", "index_put_", "_index_put_impl_", "stack", "contiguous", "empty_like", "masked_fill",
           "masked_fill_", "gather", "index_copy", "index_copy_", "where"}
+# Ops that launch no device kernel whatever their inputs: metadata, allocation without a fill, a host read.
+_NO_KERNEL = {"detach", "detach_", "lift_fresh", "resolve_conj", "resolve_neg", "empty", "empty_strided", "item",
+              "_local_scalar_dense"}
 
 
 def _nbytes(value: Any) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
+def _launches(func: Any, args: tuple, out: Any) -> bool:
+    """Whether an op launches a device kernel: not a view or metadata op, not a ``to``/``reshape``/``contiguous``
+    that handed back its input's memory (a cast to the same dtype, a viewable reshape)."""
+    if func.overloadpacket.__name__ in _NO_KERNEL:
+        return False
+    returns = func._schema.returns
+    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        return any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs for o in outputs)
+    return True
+
+
 class MoveCounter(TorchDispatchMode):
-    """Counts every aten op of a region, and the bytes the memory-moving ones write."""
+    """Counts every aten op of a region, the ones among them that launch a device kernel (``launches``: what a
+    CUDA graph of the region replays, one dependent kernel each), and the bytes the memory-moving ones write."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.launches: Counter[str] = Counter()
         self.moved: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -57,6 +76,8 @@ class MoveCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         self.ops[name] += 1
+        if _launches(func, args, out):
+            self.launches[name] += 1
         if name in _MOVES:
             if name in ("index_put_", "_index_put_impl_"):
                 written = _nbytes(args[2])  # the values, not the whole destination
@@ -74,6 +95,10 @@ class MoveCounter(TorchDispatchMode):
     @property
     def op_count(self) -> int:
         return sum(self.ops.values())
+
+    @property
+    def launch_count(self) -> int:
+        return sum(self.launches.values())
 
 
 def kv_bytes_per_token(config: Cosmos3Config, dtype: torch.dtype) -> int:
@@ -156,8 +181,61 @@ def count_step(config: Cosmos3Config, rows: int, history: int) -> MoveCounter:
     return counter
 
 
+#: Cosmos 3 Nano's layer structure (32 query / 8 KV heads of 128, SwiGLU, q/k norms, bf16 in serving) with a small
+#: hidden size and vocabulary: a decode step's kernels per layer do not depend on those sizes (checked at the real ones
+#: in docs/benchmarks.md), so Nano's count per step is this layer count x 36 + the fixed part.
+NANO_SHAPE = Cosmos3Config.nano(hidden_size=256, intermediate_size=512, vocab_size=1024)
+
+
+def count_graphed_step(config: Cosmos3Config, rows: int, *, bucket: int, dtype: torch.dtype = torch.float32,
+                       sampling: bool = False, history: int = 40) -> MoveCounter:
+    """The ops of one static decode step (what ``fv_cosmos3.graphed_decode`` captures in a CUDA graph and replays)
+    of ``rows`` live rows in batch bucket ``bucket``, counted around the captured function alone: the host's
+    filling of the static buffers is not in the graph."""
+    from fv_cosmos3.graphed_decode import GraphedDecode
+
+    bench = DecodeBench.build(config, rows, history, steps=2, dtype=dtype)
+    graphed = GraphedDecode((bucket,), capture=False, min_context=64)
+    inputs: dict[str, torch.Tensor] = {"token": bench.token, "table": bench.table_ids,
+                                       "length": torch.tensor(bench.lengths, dtype=torch.long)}
+    if sampling:
+        inputs.update(temperature=torch.full((rows,), 0.7), top_k=torch.full((rows,), 20),
+                      top_p=torch.full((rows,), 0.8), uniform=torch.rand(rows), penalty=torch.full((rows,), 1.5),
+                      seen=torch.full((rows, 8), -1))
+    with torch.inference_mode():
+        assert graphed.run(bench.mot, bench.pool, "count", inputs) is not None
+        (entry,) = graphed._entries.values()
+        with MoveCounter() as counter:
+            entry.fn(entry.static)
+    return counter
+
+
+def graphed_launches(config: Cosmos3Config, rows: int, *, bucket: int, dtype: torch.dtype = torch.float32,
+                     sampling: bool = False) -> tuple[Counter[str], Counter[str]]:
+    """Kernels of one static decode step by op, split into (per layer, fixed per step): counted at one and two
+    layers of ``config``; a step of L layers launches L x per-layer + fixed."""
+    counts = [count_graphed_step(Cosmos3Config(**{**config.model_dump(), "num_hidden_layers": n}), rows, bucket=bucket,
+                                 dtype=dtype, sampling=sampling).launches for n in (1, 2)]
+    per_layer = counts[1] - counts[0]
+    return per_layer, counts[0] - per_layer
+
+
+def print_graphed(layers: int = 36) -> None:
+    """Kernels per static decode step at Nano's layer structure, bf16 and fp32, full and padded buckets."""
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows, bucket, sampling in ((1, 1, False), (1, 1, True), (3, 4, False), (8, 8, True)):
+            per_layer, fixed = graphed_launches(NANO_SHAPE, rows, bucket=bucket, dtype=dtype, sampling=sampling)
+            total = layers * sum(per_layer.values()) + sum(fixed.values())
+            print(f"{str(dtype).removeprefix('torch.'):8s} rows={rows} bucket={bucket} sampling={sampling!s:5s}: "
+                  f"{sum(per_layer.values())} per layer x {layers} + {sum(fixed.values())} = {total} kernels/step  "
+                  f"per layer {dict(per_layer.most_common())}  fixed {dict(fixed.most_common())}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
+    if argv == ["--graphed"]:
+        print_graphed()
+        return 0
     names = argv or list(CONFIGS)
     for name in names:
         config = CONFIGS[name]

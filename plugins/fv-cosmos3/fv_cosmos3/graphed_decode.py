@@ -10,18 +10,24 @@ next token) once per shape and replays it:
   smallest context bucket that holds it (``context_bucket``: powers of two times
   ``MIN_CONTEXT``, whole blocks, capped at the pool's per-sequence maximum).
 * Everything that changes from step to step is a static input buffer the graph reads: token
-  ids, positions, each row's block table, the slot its new token's K/V goes to, a live-row
-  mask and the sampling parameters. The pool's storage is already static (``PagedKVPool.storage``).
-* Rows past the live batch are padding: they read row 0's first block and their K/V store is
-  masked (a padded row stores back the value it read from a slot no live row writes this
-  step), so they never change a live sequence's K/V; their outputs are cut off.
-* Fewer kernels inside the graph, where exact: each RMSNorm normalises with one ``F.rms_norm``
-  (a fused kernel on CUDA; bit-identical to the module's formula in fp32 on the CPU), and q
-  and k get their RoPE in one elementwise pass.
+  ids, positions, each row's block table, the slot its new token's K/V goes to (and, with padded
+  rows, whose K/V it stores) and the sampling parameters. The pool's storage is already static
+  (``PagedKVPool.storage``).
+* Rows past the live batch are padding: they read row 0's first block and store row 0's K/V
+  into row 0's slot (the same bits twice, whatever order they land in), so they never change a
+  live sequence's K/V; their outputs are cut off. A full bucket (always at batch 1) has its own
+  capture without that source selection.
+* Fewer kernels inside the graph, each exact (``static_decode_step``): fused RMSNorms with no
+  casts, q/k/v and gate/up as one linear each over weights packed into one tensor
+  (``pack_weights``: the parameters become views of it, so in-place weight changes reach the
+  graph and nothing is held twice), q's and k's norms and RoPE over their heads side by side,
+  one ``index_copy_`` per K/V store. At Nano's layer structure in bf16 that is 23 kernels a layer
+  and 851 a step at batch 1, from 42 and 1,530 (``bench/bench_ar_token.py --graphed``).
 * Captures are keyed by :class:`DecodeGraphKey` (weights version, batch bucket, context
-  bucket, dtype, sampling) and all of them are dropped when the instance's
-  ``weights_version`` changes (an RL weight sync), when the pool's storage is rebuilt, or when
-  the reasoner module is replaced: a graph reads the tensors it was captured with.
+  bucket, dtype, sampling, padding) and all of them are dropped when the instance's
+  ``weights_version`` changes (an RL weight sync), when the pool's storage is rebuilt, when
+  the reasoner module is replaced, or when a packed weight is replaced by another tensor: a
+  graph reads the tensors it was captured with.
 
 On CUDA the step is captured; elsewhere (and in the CPU tests) the same static-buffer
 function runs eagerly, so the capture logic is the code that is tested. Eager decode remains
@@ -40,12 +46,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from fv_cosmos3.models.layers import apply_rope
+from fv_cosmos3.models.layers import RMSNorm, sdpa_attention
 from fv_cosmos3.models.mot import Cosmos3MoT
 
 __all__ = [
@@ -101,6 +108,9 @@ class DecodeGraphKey:
     sampling: bool
     #: Width of the ``seen`` (presence penalty) rows a sampling step reads (0 without sampling).
     seen_width: int = 0
+    #: Fewer live rows than the bucket: the K/V store picks each row's source (``source``); a full bucket stores
+    #: every row's own K/V with two kernels a layer fewer.
+    padded: bool = False
 
 
 # --------------------------------------------------------------------------- graph-safe sampling
@@ -152,22 +162,206 @@ def sample_tokens(
     return torch.where(hot, sampled, greedy)
 
 
+# --------------------------------------------------------------------------- packed weights
+
+
+def stacked_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat(tensors)`` (along dim 0) without a copy: a view of their common storage when they are its
+    consecutive contiguous blocks, in order (as :func:`pack_weights` lays them out); else None."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    end = first.storage_offset()
+    for t in tensors:
+        if (t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:] or t.is_meta
+                or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != end):
+            return None
+        end += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def _packable(linears: Sequence[nn.Module]) -> bool:
+    """Plain ``nn.Linear`` layers (an fp8 or adapter-wrapped linear computes otherwise) with no hooks (one
+    ``F.linear`` on their stacked weights would skip them), the same input, dtype and device, biases all or none."""
+    if not all(type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in linears):
+        return False
+    weights = [m.weight for m in linears]
+    return (all(w.dtype == weights[0].dtype and w.device == weights[0].device and w.shape[1] == weights[0].shape[1]
+                for w in weights) and len({m.bias is None for m in linears}) == 1)
+
+
+def _projections(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
+    """The linears of a reasoner layer that read one input: q/k/v, and gate/up (SwiGLU only)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [(attn.to_q, attn.to_k, attn.to_v)] + ([(mlp.gate_proj, mlp.up_proj)] if mlp.hidden_act == "silu" else [])
+
+
+def _joint_qk_norms(attn: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``norm_q`` and ``norm_k`` over activations of ``dtype`` are exactly one normalisation of q's and k's
+    heads side by side and a multiply by each head's gain: RMSNorms alike but for their gains, of that dtype, whose
+    gain is applied after the normalisation's rounding (fp32, or the Qwen convention in bf16/fp16)."""
+    norm_q, norm_k = attn.norm_q, attn.norm_k
+    return (isinstance(norm_q, RMSNorm) and isinstance(norm_k, RMSNorm) and norm_q.eps == norm_k.eps
+            and norm_q.multiply_in_fp32 == norm_k.multiply_in_fp32
+            and norm_q.weight.dtype == norm_k.weight.dtype == dtype and norm_q.weight.device == norm_k.weight.device
+            and (dtype == torch.float32 or (dtype in (torch.float16, torch.bfloat16) and not norm_q.multiply_in_fp32)))
+
+
+def _gain_norms(mot: Cosmos3MoT) -> list[nn.Module] | None:
+    """Every layer's ``norm_q``, then every layer's ``norm_k``, when all are joint q/k norms: packed
+    (:func:`pack_weights`), one ``where`` a step builds every layer's table of per-head gains."""
+    attns = [layer.self_attn for layer in mot.layers]
+    if not all(_joint_qk_norms(a, mot._compute_dtype) for a in attns):
+        return None
+    return [a.norm_q for a in attns] + [a.norm_k for a in attns]
+
+
+def _param_groups(mot: Cosmos3MoT) -> list[list[nn.Module]]:
+    """The groups of modules whose ``weight`` (and ``bias``) :func:`pack_weights` lays out consecutively."""
+    groups = [list(linears) for layer in mot.layers for linears in _projections(layer) if _packable(linears)]
+    norms = _gain_norms(mot)
+    return groups + ([norms] if norms is not None else [])
+
+
+#: What :func:`pack_weights` packed, to check each step that it still holds: (the module's parameter dict, the
+#: name, the parameter, its data pointer then).
+PackedParams = list[tuple[dict, str, torch.Tensor, int]]
+
+
+def pack_weights(mot: Cosmos3MoT) -> PackedParams:
+    """Lay out the weights of each reasoner layer's q/k/v projections as consecutive rows of one tensor (and its
+    gate/up, and every layer's q/k norm gains), so that one op over their stacked view (:func:`stacked_rows`)
+    reads all of them: one ``F.linear`` where there were three (two), one ``where`` a step building every layer's
+    table of per-head gains. The parameters become views of that tensor: names, shapes, values, ``state_dict()``
+    and checkpoints stay as they were, and no second copy is kept (a derived copy would hold 9 GB more on Nano,
+    and go stale when a weight changes in place). In-place changes (``load_state_dict``, an adapter merge, an RL
+    sync) write into the packed rows themselves; a parameter replaced (``load_state_dict(assign=True)``, ``.to()``)
+    is no longer a view of them, which :meth:`GraphedDecode._check_bound` sees on the next step, packing again.
+    Modules that cannot be packed (an fp8 linear, hooks, mixed dtypes) keep their layout and run one op each."""
+    packed: PackedParams = []
+    for modules in _param_groups(mot):
+        for name in ("weight", "bias"):
+            params = [m._parameters.get(name) for m in modules]
+            if params[0] is None:
+                continue
+            if stacked_rows(params) is None:
+                # Built with inference mode and autograd off: the parameters stay ordinary tensors (an inference
+                # tensor cannot be loaded into in place outside inference mode).
+                with torch.inference_mode(False), torch.no_grad():
+                    try:
+                        whole = torch.cat([p.detach() for p in params])
+                    except torch.OutOfMemoryError:
+                        # No room for one group twice: it stays as it is and runs one op per module.
+                        log.warning("no memory to pack %d reasoner weights; they run unpacked", len(params))
+                        continue
+                    start = 0
+                    for param in params:
+                        param.data = whole[start : start + param.shape[0]]
+                        start += param.shape[0]
+                if whole.is_cuda:
+                    # The old tensors' blocks (of other sizes than the packed one) back to the device now: at most
+                    # one group is held twice, and nothing stays reserved behind the packed copy.
+                    torch.cuda.empty_cache()
+            packed.extend((m._parameters, name, p, p.data_ptr()) for m, p in zip(modules, params))
+    return packed
+
+
+def packing_intact(packed: PackedParams) -> bool:
+    """Every parameter :func:`pack_weights` packed is still that parameter, over the same memory (checked every step:
+    about 35 us of host time for Nano's 252 packed parameters on the 2-core CPU machine)."""
+    for params, name, param, ptr in packed:
+        if params.get(name) is not param or param.data_ptr() != ptr:
+            return False
+    return True
+
+
+def _stacked_linear(linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The weight (and bias) of ``linears`` as one linear, when they are packed; else None (one call each)."""
+    if not _packable(linears):
+        return None
+    weight = stacked_rows([m.weight for m in linears])
+    if weight is None or linears[0].bias is None:
+        return None if weight is None else (weight, None)
+    bias = stacked_rows([m.bias for m in linears])
+    return None if bias is None else (weight, bias)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The packed views a capture computes with, resolved when it is captured: per layer the q/k/v and the gate/up
+    ``(weight, bias)`` (None: one linear each), and every layer's q/k norm gains (L, D) each (None: a table per
+    layer). A graph reads the tensors it was captured with, and so does the CPU's eager stand-in, so a plan whose
+    packing was undone afterwards is stale there as it would be on the GPU."""
+
+    qkv: tuple[tuple[torch.Tensor, torch.Tensor | None] | None, ...]
+    gate_up: tuple[tuple[torch.Tensor, torch.Tensor | None] | None, ...]
+    qk_gains: tuple[torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def of(cls, mot: Cosmos3MoT) -> "DecodePlan":
+        qkv, gate_up = [], []
+        for layer in mot.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv.append(_stacked_linear((attn.to_q, attn.to_k, attn.to_v)))
+            gate_up.append(_stacked_linear((mlp.gate_proj, mlp.up_proj)) if mlp.hidden_act == "silu" else None)
+        norms = _gain_norms(mot)
+        gains = None if norms is None else stacked_rows([n.weight for n in norms])
+        qk_gains = None if gains is None else tuple(gains.view(2, len(mot.layers), -1).unbind(0))
+        return cls(tuple(qkv), tuple(gate_up), qk_gains)  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------- the static step
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)`` (an ``RMSNorm`` or ``Identity``) with the normalisation as one ``F.rms_norm`` (one fused kernel
-    on CUDA, where the module's formula is five); bit-identical to the module in fp32 on the CPU, and the weight
-    is applied exactly as the module applies it."""
-    if isinstance(norm, torch.nn.Identity):
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` (an ``RMSNorm`` or ``Identity``) in as few kernels as give the module's result bit for bit (on the
+    CPU; the same rounding steps on CUDA): fp32, or the weight multiplied in fp32 (Nemotron), is one ``F.rms_norm``
+    with the weight; bf16/fp16 with the Qwen convention (round, then multiply by the low-precision weight) is
+    ``F.rms_norm`` (fp32 inside, one rounding) and the multiply. No casts: ``F.rms_norm`` upcasts internally."""
+    if isinstance(norm, nn.Identity):
         return x
+    weight = norm.weight
+    shape = (x.shape[-1],)
+    if weight.dtype == x.dtype:
+        if x.dtype == torch.float32 or norm.multiply_in_fp32:
+            return F.rms_norm(x, shape, weight=weight, eps=norm.eps)
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return F.rms_norm(x, shape, eps=norm.eps) * weight
+    # Mixed dtypes (e.g. fp32 gains on bf16 activations): the module's formula, normalised in one op.
     input_dtype = x.dtype
-    x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.eps)
+    x32 = F.rms_norm(x.float(), shape, eps=norm.eps)
     if norm.multiply_in_fp32:
-        return (norm.weight.float() * x32).to(input_dtype)
-    if norm.weight.dtype in (torch.float16, torch.bfloat16):
-        return x32.to(norm.weight.dtype) * norm.weight
-    return (x32 * norm.weight).to(input_dtype)
+        return (weight.float() * x32).to(input_dtype)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        return x32.to(weight.dtype) * weight
+    return (x32 * weight).to(input_dtype)
+
+
+def _qk_norm(attn: nn.Module, qk: torch.Tensor, q_heads: int, is_q: torch.Tensor,
+             gains: torch.Tensor | None) -> torch.Tensor:
+    """``norm_q`` over the first ``q_heads`` heads of ``qk`` (B, 1, heads, D) and ``norm_k`` over the rest: for joint
+    norms (``_joint_qk_norms``) one normalisation of every head and a multiply by each head's gain (``gains``
+    (heads, D), or built here from ``is_q`` (heads, 1)): two kernels where there were four to eight."""
+    norm_q, norm_k = attn.norm_q, attn.norm_k
+    if isinstance(norm_q, nn.Identity) and isinstance(norm_k, nn.Identity):
+        return qk
+    if _joint_qk_norms(attn, qk.dtype):
+        gains = torch.where(is_q, norm_q.weight, norm_k.weight) if gains is None else gains
+        return F.rms_norm(qk, (qk.shape[-1],), eps=norm_q.eps) * gains
+    return torch.cat([_rms_norm(norm_q, qk[:, :, :q_heads]), _rms_norm(norm_k, qk[:, :, q_heads:])], dim=2)
+
+
+def _linears(x: torch.Tensor, stacked: tuple[torch.Tensor, torch.Tensor | None] | None,
+             linears: Sequence[nn.Module]) -> torch.Tensor:
+    """The outputs of ``linears`` side by side on the last dim: one ``F.linear`` when they are packed."""
+    if stacked is not None:
+        return F.linear(x, *stacked)
+    return torch.cat([m(x) for m in linears], dim=-1)
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x2, x1] for x = [x1, x2] on the last dim: RoPE's ``rotate_half`` without its negation."""
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 
 def static_decode_step(
@@ -177,42 +371,70 @@ def static_decode_step(
     *,
     context: int,
     sampling: bool,
+    plan: DecodePlan | None = None,
 ) -> Tensors:
     """One decode step of ``buffers``' rows against the pool storage ``store``, with static shapes only.
 
     buffers: ``token`` (Bk, 1), ``position`` (Bk, 1) (the new token's position = the row's history
     length), ``table`` (Bk, ceil(context / block_size)) block ids (unused columns any valid id),
-    ``slot_block`` / ``slot_offset`` (Bk,) where the new token's K/V goes, ``live`` (Bk,) bool, and with
-    ``sampling`` the ``SAMPLING_INPUTS`` rows. Returns ``logits`` (Bk, V) fp32 (and ``token`` (Bk,)).
-    The ops are the eager tower's (``Cosmos3MoT._text_tower``), in its order, except two exact fusions: each
-    RMSNorm's normalisation is one ``F.rms_norm``, and q and k are rotated in one pass.
+    ``slot`` (Bk,) the flat slot (block * block_size + offset) the row's new K/V goes to, with padded rows
+    ``source`` (Bk,) the row whose new K/V it stores (itself; a padded row: row 0, into row 0's slot; absent:
+    every row itself), and with ``sampling`` the ``SAMPLING_INPUTS`` rows. Returns ``logits`` (Bk, V) fp32 (and
+    ``token`` (Bk,)).
+
+    The values are the eager tower's (``Cosmos3MoT._text_tower``), in fewer kernels, each rewrite exact
+    (bit-identical to the eager step in fp32 on the CPU, ``tests/test_graphed_decode.py``):
+
+    * each RMSNorm is one ``F.rms_norm`` (a multiply after it for bf16 weights, the Qwen convention), no casts;
+    * q, k and v are one linear over the layer's packed weights (:func:`pack_weights`), gate and up another;
+    * q's and k's norms are one norm over their heads side by side and a multiply by a table of each head's gain
+      (one ``where`` a step builds every layer's table from the packed gains);
+    * RoPE of q and k together: ``x cos + swap(x) sin'`` with ``sin'`` = sin with its first half negated, which is
+      ``rotate_half(x) sin`` exactly (negation is exact, and is applied once per step, not per layer);
+    * the new K/V goes in with one ``index_copy_`` each (padded rows write row 0's K/V to row 0's slot: the same
+      bits, whatever order duplicates land in), where a read, a ``where`` and an ``index_put_`` were;
+    * the attention mask is made additive once a step, where SDPA would convert it in every layer (on CUDA).
     """
     c = mot.config
+    plan = DecodePlan.of(mot) if plan is None else plan
     store_k, store_v = store
     token, table = buffers["token"], buffers["table"]
     bucket = token.shape[0]
-    block, offset, live = buffers["slot_block"], buffers["slot_offset"], buffers["live"]
+    slot, source = buffers["slot"], buffers.get("source")
     flat = table.reshape(-1)
-    cos, sin = mot._rope_tables(mot._text_position_ids(buffers["position"], bucket, 1))
+    q_heads, kv_heads, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    cos, sin = mot._rope_tables(mot._text_position_ids(buffers["position"], bucket, 1))  # (Bk, 1, D)
+    half = dim // 2
+    cos = cos.unsqueeze(1)  # (Bk, 1, 1, D): every head of q and k
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
+    # Each layer's q/k norm gains per head (its norm_q's for q's heads, norm_k's for k's): one op for every layer
+    # when their gains are packed, else one op in each layer.
+    is_q = (torch.arange(q_heads + kv_heads, device=token.device) < q_heads)[:, None]
+    gains = None if plan.qk_gains is None else torch.where(is_q, plan.qk_gains[0][:, None], plan.qk_gains[1][:, None])
     # Keys 0..position of each row (its history and the new token): no host-side length anywhere.
     may_attend = torch.arange(context, device=token.device)[None, :] <= buffers["position"]
     attn_mask = may_attend[:, None, None, :]
-    keep = live[None, :, None]
+    if mot.attention is sdpa_attention:
+        # SDPA turns a boolean mask into an additive one in every call (kernels in each layer on CUDA): once here,
+        # the same values (0 where a key may be attended, -inf elsewhere) in the queries' dtype.
+        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(mot._compute_dtype)
 
     hidden = mot.embed_tokens(token)
     for i, layer in enumerate(mot.layers):
         attn = layer.self_attn
         x = _rms_norm(layer.input_layernorm, hidden)
-        q = _rms_norm(attn.norm_q, mot._split_heads(attn.to_q(x), c.num_attention_heads)).transpose(1, 2)
-        k = _rms_norm(attn.norm_k, mot._split_heads(attn.to_k(x), c.num_key_value_heads)).transpose(1, 2)
-        v = mot._split_heads(attn.to_v(x), c.num_key_value_heads).transpose(1, 2)
-        # RoPE of q and k as one pass over their heads side by side (elementwise: the same values).
-        q_rot, k_rot = apply_rope(torch.cat([q, k], dim=1), cos, sin).split([q.shape[1], k.shape[1]], dim=1)
+        heads = _linears(x, plan.qkv[i], (attn.to_q, attn.to_k, attn.to_v)).view(bucket, 1, -1, dim)
+        qk = _qk_norm(attn, heads[:, :, : q_heads + kv_heads], q_heads, is_q, None if gains is None else gains[i])
+        qk = qk.transpose(1, 2)  # (Bk, Hq + Hkv, 1, D)
+        qk = qk * cos + _swap_halves(qk) * sin
+        q_rot, k_rot = qk[:, :q_heads], qk[:, q_heads:]
+        v = heads[:, :, q_heads + kv_heads :].transpose(1, 2)
         layer_k, layer_v = store_k[i], store_v[i]  # (kv_heads, blocks, block_size, head_dim)
-        # The new token's K/V into its slot; a padded row stores back what it reads (a no-op).
         for slots, new in ((layer_k, k_rot), (layer_v, v)):
-            old = slots[:, block, offset]
-            slots[:, block, offset] = torch.where(keep, new[:, :, 0].transpose(0, 1).to(slots.dtype), old)
+            rows = new[:, :, 0] if source is None else new[:, :, 0].index_select(0, source)
+            if rows.dtype != slots.dtype:
+                rows = rows.to(slots.dtype)
+            slots.view(kv_heads, -1, dim).index_copy_(1, slot, rows.transpose(0, 1))
 
         def gathered(slots: torch.Tensor) -> torch.Tensor:
             heads, _, size, dim = slots.shape
@@ -221,7 +443,13 @@ def static_decode_step(
 
         out = mot.attention(q_rot, gathered(layer_k), gathered(layer_v), is_causal=False, attn_mask=attn_mask)
         hidden = hidden + attn.to_out(out.transpose(1, 2).reshape(bucket, 1, -1))
-        hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
+        x = _rms_norm(layer.post_attention_layernorm, hidden)
+        mlp = layer.mlp
+        if mlp.hidden_act == "silu":
+            gate, up = _linears(x, plan.gate_up[i], (mlp.gate_proj, mlp.up_proj)).chunk(2, dim=-1)
+            hidden = hidden + mlp.down_proj(F.silu(gate) * up)
+        else:
+            hidden = hidden + mlp(x)
     logits = mot.lm_head(_rms_norm(mot.norm, hidden))[:, -1].float()
     result = {"logits": logits}
     if sampling:
@@ -289,6 +517,7 @@ class GraphedDecode:
         self._entries: dict[DecodeGraphKey, _DecodeGraph] = {}
         self._failed: set[DecodeGraphKey] = set()
         self._bound: tuple[Any, ...] | None = None  # what every entry was captured against
+        self._packed: PackedParams = []  # the projection weights the entries read packed (``pack_weights``)
         self._graph_pool: Any = None
 
     def keys(self) -> list[DecodeGraphKey]:
@@ -301,12 +530,14 @@ class GraphedDecode:
         self._graph_pool = None
 
     def _check_bound(self, mot: Cosmos3MoT, store: tuple[torch.Tensor, torch.Tensor], weights_version: str) -> None:
-        # A graph reads the tensors it was captured with: new weights (a sync), a rebuilt pool or another
-        # module make every capture stale.
+        # A graph reads the tensors it was captured with: new weights (a sync), a rebuilt pool, another module, or
+        # a packed projection weight replaced by another tensor (its graph would read the old packed rows) make
+        # every capture stale. Each binding packs the projections (a no-op when they still are).
         bound = (weights_version, id(mot), store[0].data_ptr(), store[1].data_ptr(), store[0].shape)
-        if bound != self._bound:
+        if bound != self._bound or not packing_intact(self._packed):
             self.invalidate()
             self._bound = bound
+            self._packed = pack_weights(mot)
 
     def run(self, mot: Cosmos3MoT, pool: Any, weights_version: str, inputs: Mapping[str, torch.Tensor]) -> Tensors | None:
         token, lengths = inputs["token"], inputs["length"]
@@ -339,7 +570,7 @@ class GraphedDecode:
                 return None
         seen_width = int(inputs["seen"].shape[-1]) if sampling else 0
         key = DecodeGraphKey(weights_version, bucket, context, str(store[0].dtype).removeprefix("torch."), sampling,
-                             seen_width)
+                             seen_width, padded=rows < bucket)
         if key in self._failed:
             self.eager_steps += 1
             return None
@@ -352,8 +583,8 @@ class GraphedDecode:
             static = {name: tensor.to(device, copy=True) for name, tensor in host.items()}
             capture = device.type == "cuda" if self.capture is None else self.capture
 
-            def fn(buffers: Tensors, mot: Cosmos3MoT = mot) -> Tensors:
-                return static_decode_step(mot, store, buffers, context=context, sampling=sampling)
+            def fn(buffers: Tensors, mot: Cosmos3MoT = mot, plan: DecodePlan = DecodePlan.of(mot)) -> Tensors:
+                return static_decode_step(mot, store, buffers, context=context, sampling=sampling, plan=plan)
 
             try:
                 if capture and self._graph_pool is None:
@@ -394,16 +625,18 @@ def _host_buffers(inputs: Mapping[str, torch.Tensor], lengths: torch.Tensor, row
         filler = fill if isinstance(fill, torch.Tensor) else torch.full((pad, *live.shape[1:]), fill, dtype=live.dtype)
         return torch.cat([live, filler.expand(pad, *live.shape[1:]).to(live.dtype)])
 
-    # Padded rows: position 0 of row 0's first block (a slot no live row writes in a decode step).
+    # Padded rows read row 0's first block at position 0, and store row 0's new K/V into row 0's slot (the same
+    # bits twice in one slot: no live slot gets anything but its own row's K/V).
     first = table[:1, :1]
+    slot = block * block_size + offset
     buffers = {
         "token": padded(inputs["token"].to("cpu", torch.long), 0),
         "position": padded(lengths.view(-1, 1), 0),
         "table": padded(table, first.expand(1, blocks)),
-        "slot_block": padded(block, first.view(1)),
-        "slot_offset": padded(offset, 0),
-        "live": padded(torch.ones(rows, dtype=torch.bool), False),
+        "slot": padded(slot, slot[:1]),
     }
+    if pad:
+        buffers["source"] = padded(torch.arange(rows), 0)
     if sampling:
         defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "uniform": 0.0, "penalty": 0.0, "seen": -1}
         dtypes = {"top_k": torch.long, "seen": torch.long}

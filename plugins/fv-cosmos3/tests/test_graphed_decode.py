@@ -8,15 +8,18 @@ static buffers, so bucketing, padding, masking, invalidation and sampling are al
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from cosmos3_testutils import ATOL, drive_loop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
-from bench_ar_token import CONFIGS, DecodeBench  # noqa: E402
+from bench_ar_token import CONFIGS, NANO_SHAPE, DecodeBench, graphed_launches  # noqa: E402
 
+from fv_cosmos3 import graphed_decode
 from fv_cosmos3.cards import cosmos3_card
 from fv_cosmos3.graphed_decode import (
     GraphedDecode,
@@ -24,9 +27,11 @@ from fv_cosmos3.graphed_decode import (
     batch_bucket,
     context_bucket,
     sample_tokens,
+    stacked_rows,
     static_decode_step,
 )
-from fv_cosmos3.models import Cosmos3MoT
+from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT
+from fv_kernel.compute.lora import AdapterWeights, LowRankUpdate, merge_adapters
 from fv_kernel.api import ARParams, Request, TaskType, TextPart, build_instance, sample_next_token
 
 
@@ -131,6 +136,201 @@ def test_the_fused_rms_norm_is_the_modules_norm_bit_for_bit(fp32_multiply, dtype
     assert torch.equal(_rms_norm(torch.nn.Identity(), x), x)
 
 
+#: Layer variants the rewrites must keep exact: Nemotron's norms and squared-ReLU MLP (no gate/up to pack, gains
+#: multiplied in fp32), no q/k norms, biased projections (packed biases), and Nano's heads (32 q, 8 KV of 128).
+VARIANTS = {
+    "relu2": Cosmos3Config.tiny(hidden_act="relu2"),
+    "no_qk_norm": Cosmos3Config.tiny(qk_norm_for_text=False),
+    "attention_bias": Cosmos3Config.tiny(attention_bias=True),
+    "nano_heads": Cosmos3Config(**{**NANO_SHAPE.model_dump(), "num_hidden_layers": 2}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("rows", [1, 3])
+def test_static_step_is_bit_identical_to_the_eager_step_for_every_layer_variant(variant, rows):
+    eager = DecodeBench.build(VARIANTS[variant], rows, history=31, steps=3, seed=2, stride=0)
+    graph = DecodeBench.build(VARIANTS[variant], rows, history=31, steps=3, seed=2, stride=0)
+    expected = eager.step()
+    actual = _graphed_step(graph, GraphedDecode((rows,), capture=False, min_context=32))
+    assert torch.equal(actual, expected)
+    for (ke, ve), (kg, vg) in zip(_kv(eager), _kv(graph)):
+        assert torch.equal(kg, ke) and torch.equal(vg, ve)
+
+
+@pytest.mark.parametrize("fp32_multiply", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_joint_qk_norm_is_each_heads_own_norm_bit_for_bit(fp32_multiply, dtype):
+    """q's heads through norm_q and k's through norm_k, as one normalisation and a table of gains where that is
+    exact (fp32; the Qwen convention in bf16), each norm on its own heads otherwise (Nemotron in bf16)."""
+    from fv_cosmos3.graphed_decode import _joint_qk_norms, _qk_norm
+    from fv_cosmos3.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norms = []
+    for _ in range(2):
+        norm = RMSNorm(16, 1e-6, multiply_in_fp32=fp32_multiply)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(16, generator=gen))
+        norms.append(norm.to(dtype))
+    attn = SimpleNamespace(norm_q=norms[0], norm_k=norms[1])
+    qk = (3 * torch.randn(5, 1, 6, 16, generator=gen)).to(dtype)  # 4 q heads, 2 k heads
+    is_q = (torch.arange(6) < 4)[:, None]
+    expected = torch.cat([norms[0](qk[:, :, :4]), norms[1](qk[:, :, 4:])], dim=2)
+    assert torch.equal(_qk_norm(attn, qk, 4, is_q, None), expected)
+    assert _joint_qk_norms(attn, dtype) == (dtype == torch.float32 or not fp32_multiply)
+
+
+def _packed_groups(mot: Cosmos3MoT) -> list[list[torch.Tensor]]:
+    groups = []
+    for layer in mot.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        groups += [[attn.to_q.weight, attn.to_k.weight, attn.to_v.weight], [mlp.gate_proj.weight, mlp.up_proj.weight]]
+    attns = [layer.self_attn for layer in mot.layers]
+    return groups + [[a.norm_q.weight for a in attns] + [a.norm_k.weight for a in attns]]
+
+
+def _param_bytes(mot: Cosmos3MoT) -> int:
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in mot.parameters()}
+    return sum(storages.values())
+
+
+def test_packed_weights_keep_the_state_dict_and_hold_no_second_copy(tmp_path):
+    """After the first graphed step each layer's q/k/v weights are consecutive rows of one tensor (and gate/up, and
+    every layer's q/k norm gains): the parameters are views of it. The state dict keeps its keys, shapes and
+    values, saves and loads back strictly, and the parameters take no more memory than before. Negative control:
+    before the step nothing is packed (the check can tell the two apart)."""
+    from safetensors.torch import load_file, save_file
+
+    bench = DecodeBench.build(CONFIGS["tiny"], 2, history=40, steps=2, seed=12)
+    before = {name: tensor.clone() for name, tensor in bench.mot.state_dict().items()}
+    nbytes = _param_bytes(bench.mot)
+    assert all(stacked_rows(group) is None for group in _packed_groups(bench.mot))
+    _graphed_step(bench, GraphedDecode((2,), capture=False, min_context=64))
+    assert all(stacked_rows(group) is not None for group in _packed_groups(bench.mot))
+    after = bench.mot.state_dict()
+    assert list(after) == list(before)
+    assert all(after[name].shape == before[name].shape and torch.equal(after[name], before[name]) for name in before)
+    assert _param_bytes(bench.mot) == nbytes
+    save_file(dict(after), str(tmp_path / "reasoner.safetensors"))
+    reloaded = Cosmos3MoT(bench.mot.config)
+    reloaded.load_state_dict(load_file(str(tmp_path / "reasoner.safetensors")), strict=True)
+    assert all(torch.equal(reloaded.state_dict()[name], before[name]) for name in before)
+
+
+def _logits_now(bench: DecodeBench, graphed: GraphedDecode | None = None) -> torch.Tensor:
+    """The logits of the step at the bench's current token and lengths, without moving on (the new token's slot
+    is written again, with the current weights' K/V): every weight change is compared at the same shapes."""
+    inputs = {"token": bench.token, "table": bench.table_ids, "length": torch.tensor(bench.lengths, dtype=torch.long)}
+    with torch.inference_mode():
+        out = bench.ar_token(inputs, {}) if graphed is None else graphed.run(bench.mot, bench.pool, "v1", inputs)
+    return out["logits"]
+
+
+def _twin_benches(seed: int) -> tuple[DecodeBench, DecodeBench, GraphedDecode]:
+    """Two benches with the same weights and K/V (graphed, eager) and a graphed tier whose capture has the eager
+    step's shapes (equal rows, full bucket, context = history + 1): their logits compare bit for bit."""
+    graph, eager = (DecodeBench.build(CONFIGS["tiny"], 2, history=31, steps=2, seed=seed, stride=0) for _ in range(2))
+    return graph, eager, GraphedDecode((2,), capture=False, min_context=32)
+
+
+def test_in_place_weight_changes_reach_the_captured_step(monkeypatch):
+    """A LoRA merge (to_k's low rank, up_proj's and norm_k's full deltas), its exact restore and a
+    ``load_state_dict`` write the parameters in place, with no ``weights_version`` bump and no recapture: the graphed
+    step follows each change bit for bit, because the packed rows are the parameters. Negative control: a derived
+    packed copy (``torch.cat`` of the weights, taken at capture) goes stale at the merge and the check sees it."""
+
+    def follows_every_change() -> list[bool]:
+        graph, eager, graphed = _twin_benches(seed=13)
+        same = [torch.equal(_logits_now(graph, graphed), _logits_now(eager))]
+        gen = torch.Generator().manual_seed(1)
+        config = graph.mot.config
+        kv_dim, hidden = config.num_key_value_heads * config.head_dim, config.hidden_size
+        to_k = LowRankUpdate(torch.randn(4, hidden, generator=gen), torch.randn(kv_dim, 4, generator=gen), alpha=2.0)
+        adapter = AdapterWeights("style", "transformer", low_rank={"layers.1.self_attn.to_k": to_k}, deltas={
+            "layers.0.mlp.up_proj.weight": 0.1 * torch.randn(config.intermediate_size, hidden, generator=gen),
+            "layers.2.self_attn.norm_k.weight": 0.5 * torch.randn(config.head_dim, generator=gen)})
+        merged = [merge_adapters(bench.mot, [(adapter, 0.8)]) for bench in (graph, eager)]
+        same.append(torch.equal(_logits_now(graph, graphed), _logits_now(eager)))
+        for m in merged:
+            m.restore()
+        same.append(torch.equal(_logits_now(graph, graphed), _logits_now(eager)))
+        new = _reseeded(graph.mot, 5).state_dict()
+        for bench in (graph, eager):
+            bench.mot.load_state_dict(new)
+        same.append(torch.equal(_logits_now(graph, graphed), _logits_now(eager)))
+        assert graphed.captures == 1 and graphed.replays == 4
+        return same
+
+    assert follows_every_change() == [True, True, True, True]
+    monkeypatch.setattr(graphed_decode, "stacked_rows", lambda tensors: torch.cat(list(tensors)))
+    assert follows_every_change() == [True, False, True, False]
+
+
+def test_a_replaced_parameter_is_packed_again_and_recaptured(monkeypatch):
+    """``load_state_dict(assign=True)`` replaces the parameters, with no version bump: the packed rows the capture
+    reads are no longer the parameters, so the next step packs the new ones and recaptures, and follows the new
+    weights bit for bit. Negative control: without that check the capture reads the old packed rows."""
+
+    def follows(check: bool) -> tuple[bool, int]:
+        graph, eager, graphed = _twin_benches(seed=14)
+        assert torch.equal(_logits_now(graph, graphed), _logits_now(eager))
+        new = _reseeded(graph.mot, 21).state_dict()
+        if not check:
+            monkeypatch.setattr(graphed_decode, "packing_intact", lambda packed: True)
+        graph.mot.load_state_dict({name: tensor.clone() for name, tensor in new.items()}, assign=True)
+        eager.mot.load_state_dict(new)
+        return torch.equal(_logits_now(graph, graphed), _logits_now(eager)), graphed.captures
+
+    assert follows(check=True) == (True, 2)
+    assert follows(check=False) == (False, 1)
+
+
+def test_a_group_without_memory_to_pack_runs_unpacked(monkeypatch, caplog):
+    """Packing holds one group's weights twice for a moment; where that does not fit, the group keeps its layout
+    (a warning says so) and the step computes it one linear each, with the same logits bit for bit. Negative
+    control: the other groups were packed (the failure is per group, and the check can tell packed from not)."""
+    real_cat = torch.cat
+    calls = []
+
+    def cat(tensors, *args, **kwargs):  # the first packing copy fails, as on a full device
+        calls.append(1)
+        if len(calls) == 1 and not torch.is_inference_mode_enabled():
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_cat(tensors, *args, **kwargs)
+
+    graph, eager, graphed = _twin_benches(seed=15)
+    monkeypatch.setattr(torch, "cat", cat)
+    with caplog.at_level("WARNING"):
+        actual = _logits_now(graph, graphed)
+    monkeypatch.setattr(torch, "cat", real_cat)
+    assert "run unpacked" in caplog.text
+    groups = [stacked_rows(group) is not None for group in _packed_groups(graph.mot)]
+    assert groups[0] is False and all(groups[1:])
+    assert torch.equal(actual, _logits_now(eager))
+
+
+def test_a_graphed_step_launches_the_pinned_kernels_per_layer(monkeypatch):
+    """Counted on the CPU (every op that launches a kernel, what a CUDA graph of the step replays) at Nano's layer
+    structure in bf16: 23 kernels a layer and 23 more a step, 851 a step over Nano's 36 layers (the step before
+    these rewrites launched 42 and 18: 1,530). A change that adds a kernel fails here. Padded rows add the K/V
+    store's source selection; fp32 has no gain multiplies after its norms. (The additive attention mask built once
+    a step is 2 of the fixed 23: SDPA would build it inside every layer's call on CUDA, unseen by this counter.)
+    Negative control: with nothing packed (q/k/v, gate/up one linear each and a concatenation, a gain table per
+    layer) the counter sees 6 more a layer."""
+    per_layer, fixed = graphed_launches(NANO_SHAPE, 1, bucket=1, dtype=torch.bfloat16)
+    assert per_layer == Counter({"mul": 6, "linear": 4, "rms_norm": 3, "add": 3, "index_copy_": 2, "index_select": 2,
+                                 "flip": 1, "scaled_dot_product_attention": 1, "silu": 1})
+    assert sum(fixed.values()) == 23 and 36 * sum(per_layer.values()) + sum(fixed.values()) == 851
+    padded, _ = graphed_launches(NANO_SHAPE, 3, bucket=4, dtype=torch.bfloat16)
+    assert padded - per_layer == Counter({"index_select": 2}) and not per_layer - padded
+    fp32, _ = graphed_launches(NANO_SHAPE, 1, bucket=1, dtype=torch.float32)
+    assert per_layer - fp32 == Counter({"mul": 2}) and not fp32 - per_layer
+    monkeypatch.setattr(graphed_decode, "pack_weights", lambda mot: [])
+    unpacked, _ = graphed_launches(NANO_SHAPE, 1, bucket=1, dtype=torch.bfloat16)
+    assert unpacked - per_layer == Counter({"linear": 3, "cat": 2, "where": 1}) and not per_layer - unpacked
+
+
 def _static_inputs(bench: DecodeBench, bucket: int, context: int) -> dict[str, torch.Tensor]:
     lengths = torch.tensor(bench.lengths, dtype=torch.long)
     inputs = {"token": bench.token, "table": bench.table_ids, "length": lengths}
@@ -145,36 +345,40 @@ def _changed_slots(before: torch.Tensor, after: torch.Tensor) -> set[tuple[int, 
 
 
 def test_padded_rows_do_not_touch_live_kv_or_live_logits():
-    """Three live rows in a bucket of 8. The only slots a step changes are the live rows' new-token slots; the
-    live rows' logits are bit-identical whatever the padded rows hold. Negative control: with the padded rows'
-    store unmasked, the checker sees them write into a live sequence's K/V."""
+    """Three live rows in a bucket of 8. The only slots a step changes are the live rows' new-token slots, and what
+    they hold is the live rows' own K/V, bit for bit the same whatever the padded rows hold (padded rows store row
+    0's K/V into row 0's slot); the live rows' logits are bit-identical too. Negative control: with the padded rows
+    storing their own K/V (``source`` every row itself), the checker sees row 0's slot hold another row's K/V."""
     bench = DecodeBench.build(CONFIGS["tiny"], 3, history=37, steps=4, seed=4)
     store = bench.pool.storage()
     buffers = _static_inputs(bench, 8, 64)
     live_slots = {(int(bench.table_ids[r, n // 16]), n % 16) for r, n in enumerate(bench.lengths)}
 
-    def step(buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, set[tuple[int, int]]]:
+    def step(buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, set[tuple[int, int]], list[torch.Tensor]]:
         before = tuple(s.clone() for s in store)
         with torch.inference_mode():
             logits = static_decode_step(bench.mot, store, buffers, context=64, sampling=False)["logits"]
         changed = _changed_slots(before[0], store[0]) | _changed_slots(before[1], store[1])
+        written = [s[:, :, b, o].clone() for b, o in sorted(live_slots) for s in store]
         for s, b in zip(store, before):
             s.copy_(b)  # every variant starts from the same pool
-        return logits, changed
+        return logits, changed, written
 
-    logits, changed = step(buffers)
+    logits, changed, written = step(buffers)
     assert changed == live_slots
     other = dict(buffers)
     other["token"] = buffers["token"].clone()
     other["token"][3:] = torch.arange(5).view(5, 1) + 100
     other["position"] = buffers["position"].clone()
     other["position"][3:] = 7
-    logits_other, changed_other = step(other)
+    logits_other, changed_other, written_other = step(other)
     assert changed_other == live_slots
+    assert all(torch.equal(a, b) for a, b in zip(written_other, written))
     assert torch.equal(logits_other[:3], logits[:3])
     assert not torch.equal(logits_other[3:], logits[3:])  # the padding did change (the test can see it)
-    unmasked = dict(other, live=torch.ones(8, dtype=torch.bool))
-    assert step(unmasked)[1] - live_slots, "the checker must see an unmasked padded row's store"
+    unmasked = dict(other, source=torch.arange(8))
+    assert not all(torch.equal(a, b) for a, b in zip(step(unmasked)[2], written)), \
+        "the checker must see a padded row's own K/V stored into a live slot"
 
 
 def test_static_buffers_are_the_captures_own_never_a_callers_tensors():

@@ -63,3 +63,39 @@ def _cuda_op(bench: DecodeBench):
                                component_loader=lambda component_id: None, ops_builder=cosmos3_ops,
                                components={"transformer": bench.mot}, text_kv_pool=bench.pool)
     return cosmos3_ops(instance)["ar_token"].fn
+
+
+def test_packing_on_the_gpu_takes_no_memory_and_the_capture_follows_an_in_place_change():
+    """The packed q/k/v and gate/up tensors replace the parameters' own (the old ones are freed: allocated memory
+    does not grow), and a captured graph reads the parameters themselves: an in-place change with no version bump
+    or recapture (what an adapter merge does) reaches the replayed step."""
+    from fv_cosmos3.graphed_decode import pack_weights, packing_intact
+
+    graph = _on_cuda(DecodeBench.build(CONFIGS["tiny"], 1, history=42, steps=4, seed=5))
+    eager = _on_cuda(DecodeBench.build(CONFIGS["tiny"], 1, history=42, steps=4, seed=5))
+    eager.ar_token = _cuda_op(eager)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    packed = pack_weights(graph.mot)
+    assert packed and packing_intact(packed) and torch.cuda.memory_allocated() <= allocated
+    graphed = GraphedDecode((1,), min_context=48)
+
+    def logits() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            inputs = {"token": graph.token, "table": graph.table_ids, "length": torch.tensor(graph.lengths)}
+            actual = graphed.run(graph.mot, graph.pool, "v1", inputs)
+            expected = eager.ar_token({"token": eager.token.cuda(), "table": eager.table_ids,
+                                       "length": torch.tensor(eager.lengths)}, {})["logits"]
+        assert actual is not None
+        return actual["logits"], expected
+
+    before, expected = logits()
+    torch.testing.assert_close(before, expected, rtol=0, atol=1e-4)
+    with torch.no_grad():
+        for bench in (graph, eager):
+            bench.mot.layers[1].self_attn.to_k.weight.mul_(1.5)
+            bench.mot.layers[0].mlp.up_proj.weight.add_(0.05)
+    actual, expected = logits()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-4)
+    assert (actual - before).abs().max() > 1e-2  # the change is visible: a stale copy would have failed above
+    assert graphed.captures == 1 and all(entry.graph is not None for entry in graphed._entries.values())
