@@ -148,7 +148,7 @@ def bench_attention(sweep: bool, heads: int = 12, length: int = 32760) -> dict[s
     }
     if sweep:
         quantize()
-        o = torch.empty(q.shape, dtype=q.dtype, device="cuda")
+        o = torch.empty_like(q)
         configs: dict[str, Any] = {}
         for cfg in ATTENTION_CONFIGS:
             kw = cfg.all_kwargs()
@@ -156,7 +156,7 @@ def bench_attention(sweep: bool, heads: int = 12, length: int = 32760) -> dict[s
             def launch() -> None:
                 _fp8_attention_kernel[(triton.cdiv(length, kw["BLOCK_M"]), bh)](
                     q, kq, ks, vt, v_scale, o, h, length, length, lk_pad, d, q.stride(0), q.stride(1), q.stride(2),
-                    d**-0.5 * 1.4426950408889634, triton.next_power_of_2(length), EMULATE_ROUNDING=False,
+                    o.stride(0), o.stride(1), o.stride(2), d**-0.5 * 1.4426950408889634, triton.next_power_of_2(length), EMULATE_ROUNDING=False,
                     KSB=K_SCALE_BLOCK, BLOCK_D=d, **kw)
 
             name = f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}"

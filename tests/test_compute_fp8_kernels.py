@@ -144,7 +144,9 @@ def attention_errors(device: str) -> dict[str, float]:
     # (B, L, H, D) viewed as (B, H, L, D): read through strides, not copied
     x = torch.randn(2, 90, 3, 64, generator=g).to(device)
     view = x.transpose(1, 2)
-    out["strided.vs_exact"] = _rel(fp8_attention_triton(view, view, view).cpu(), _ref_attention(*(view.cpu(),) * 3))
+    got = fp8_attention_triton(view, view, view)
+    out["strided.vs_exact"] = _rel(got.cpu(), _ref_attention(*(view.cpu(),) * 3))
+    out["strided.output_in_q_layout"] = float(got.stride() == view.stride())
     q, k, v = (torch.randn(1, 1, 64, 32, generator=g).to(device) for _ in range(3))
     big = fp8_attention_triton(q * 1e4, k * 1e4, v * 1e4).cpu()
     out["saturation.finite"] = float(torch.isfinite(big).all())
@@ -228,6 +230,7 @@ def test_fp8_attention_kernel_parity(checks: dict[str, Any]) -> None:
         assert att[f"{label}.vs_exact"] < PARITY_REL_ERROR, att
         assert att[f"{label}.vs_torch_reference"] < KERNEL_REL_ERROR, att
     assert att["strided.vs_exact"] < PARITY_REL_ERROR, att
+    assert att["strided.output_in_q_layout"] == 1.0  # transposing it back to (B, L, H, D) is free
     assert att["saturation.finite"] == 1.0
     assert att["empty_queries.numel"] == 0.0
 
@@ -246,7 +249,8 @@ _SM90_LINEAR = {"as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_pt
                 "M": 32760, "N": 1536, "K": 1536}
 _SM90_ATTENTION = {"q_ptr": "*bf16", "kq_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vt_ptr": "*fp8e4nv", "vs_ptr": "*fp32",
                    "o_ptr": "*bf16", "H": 12, "LQ": 32760, "LK": 32760, "LK_PAD": 32768, "D": 128, "stride_qb": 393216 * 128,
-                   "stride_qh": 128, "stride_ql": 1536, "qk_scale": "fp32", "LK_BUCKET": 32768}
+                   "stride_qh": 128, "stride_ql": 1536, "stride_ob": 393216 * 128, "stride_oh": 128, "stride_ol": 1536,
+                   "qk_scale": "fp32", "LK_BUCKET": 32768}
 
 
 @needs_triton

@@ -299,7 +299,7 @@ def _attend_key_block(
 @triton.jit
 def _fp8_attention_kernel(
     q_ptr, kq_ptr, ks_ptr, vt_ptr, vs_ptr, o_ptr, H, LQ, LK, LK_PAD, D,
-    stride_qb, stride_qh, stride_ql, qk_scale, LK_BUCKET,
+    stride_qb, stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, qk_scale, LK_BUCKET,
     EMULATE_ROUNDING: tl.constexpr, KSB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -331,7 +331,8 @@ def _fp8_attention_kernel(
             EMULATE_ROUNDING, True, KSB, BLOCK_N, BLOCK_D)  # fmt: skip
     v_scale = tl.load(vs_ptr + bh * D + rd, mask=rd < D, other=0.0)
     out = acc * v_scale[None, :] / l_i[:, None]  # the 448 in P cancels against the same factor in l_i
-    tl.store(o_ptr + bh * LQ * D + rm[:, None] * D + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=q_ok)
+    o_rows = o_ptr + b * stride_ob + h * stride_oh + rm[:, None] * stride_ol
+    tl.store(o_rows + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=q_ok)
 
 
 #: The attention kernel's candidate tiles on CUDA: (BLOCK_M, BLOCK_N) with warps and pipeline stages, each
@@ -355,8 +356,8 @@ def fp8_attention_kernel(
     ``k``/``v`` ``(B, H, Lk, D)`` in one float dtype, any strides with a unit stride along D;
     ``k_mean`` and ``v_scale`` fp32 ``(B, H, D)``: K's mean over tokens and V's per-channel scale
     (absmax / 448), from :func:`fv_kernel.compute.fp8_attention.kv_statistics`; ``k_block`` keys share
-    one K scale (a power of two, at least :data:`K_SCALE_BLOCK`). Returns a contiguous
-    ``(B, H, Lq, D)`` in q's dtype. :func:`fv_kernel.compute.fp8_attention.fp8_attention_triton` calls it."""
+    one K scale (a power of two, at least :data:`K_SCALE_BLOCK`). Returns ``(B, H, Lq, D)`` in q's dtype
+    and memory layout (``torch.empty_like(q)``). :func:`fv_kernel.compute.fp8_attention.fp8_attention_triton` calls it."""
     batch, heads, lq, dim = q.shape
     lk = k.shape[2]
     if (
@@ -371,7 +372,9 @@ def fp8_attention_kernel(
     if k_block < K_SCALE_BLOCK or k_block & (k_block - 1):  # one program quantizes a block: a power of two
         raise Fp8KernelError(f"k_block must be a power of two of at least {K_SCALE_BLOCK}, got {k_block}", param="k_block")
     emulate = _require_runnable(q, "fp8 attention")
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # q's memory layout: the blocks' (B, L, H, D) viewed as (B, H, L, D) comes back as that view, so
+    # transposing it back for the output projection is free (as after cuDNN's SDPA), not a copy.
+    out = torch.empty_like(q)
     if lq == 0 or batch * heads == 0:
         return out
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -389,7 +392,7 @@ def fp8_attention_kernel(
         EMULATE_ROUNDING=emulate, KSB=k_block, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     args = (q, kq, ks, vt, v_scale, out, heads, lq, lk, lk_pad, dim, q.stride(0), q.stride(1), q.stride(2),
-            float(scale) * _LOG2E, triton.next_power_of_2(lk))
+            out.stride(0), out.stride(1), out.stride(2), float(scale) * _LOG2E, triton.next_power_of_2(lk))
     if emulate:  # the interpreter: one configuration, not a timing sweep
         config = ATTENTION_CONFIGS[0].all_kwargs()
         _fp8_attention_kernel[(triton.cdiv(lq, config["BLOCK_M"]), bh)](
