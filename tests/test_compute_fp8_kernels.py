@@ -120,6 +120,17 @@ def rows_errors(device: str) -> dict[str, float]:
     for label, x in (("contiguous", wide[:, :1500].contiguous()), ("strided", wide[:, 300:1800]), ("one_column", wide[:, :1])):
         q, s = fp8_quantize_rows(x.to(device))
         out[label] = _rel(q.cpu().double() * s.cpu().double(), _ref_rows_e4m3(x))
+    # rows wider than one tile take the two-pass kernel: force it on small rows (the limit is read at launch)
+    from fv_kernel.compute import fp8_triton
+
+    limit = fp8_triton.WHOLE_ROW_LIMIT
+    fp8_triton.WHOLE_ROW_LIMIT = 256
+    try:
+        x = wide[:5, :1500].contiguous()
+        q, s = fp8_quantize_rows(x.to(device))
+        out["two_pass"] = _rel(q.cpu().double() * s.cpu().double(), _ref_rows_e4m3(x))
+    finally:
+        fp8_triton.WHOLE_ROW_LIMIT = limit
     return out
 
 
@@ -278,11 +289,13 @@ def test_row_quantization_builds_a_saturating_e4m3_cast_for_sm90() -> None:
     from fv_kernel.compute.fp8_triton import _quantize_rows_kernel
     from fv_kernel.testing.triton_checks import compile_for_sm90
 
-    build = compile_for_sm90(_quantize_rows_kernel, {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32",
-                                                     "M": 32760, "K": 1536, "stride_xm": 1536},
-                             {"EMULATE_ROUNDING": False, "ROWS": 4, "BLOCK_K": 1024})
-    assert "cvt.rn.satfinite.e4m3x2.f32" in build.ptx
-    assert build.spill_bytes == 0
+    for k, rows, block_k, whole, warps in ((1536, 2, 2048, True, 4), (8960, 1, 16384, True, 8), (20480, 4, 1024, False, 4)):
+        build = compile_for_sm90(_quantize_rows_kernel, {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32",
+                                                         "M": 32760, "K": k, "stride_xm": k},
+                                 {"EMULATE_ROUNDING": False, "ROWS": rows, "BLOCK_K": block_k, "WHOLE_ROWS": whole},
+                                 num_warps=warps)
+        assert "cvt.rn.satfinite.e4m3x2.f32" in build.ptx, k
+        assert build.spill_bytes == 0, (k, build.spill_bytes)
 
 
 @needs_triton

@@ -1,7 +1,8 @@
 """Triton FP8 kernels: per-token activation quantization, the e4m3 linear and e4m3 attention (docs/precision.md).
 
-**Activation quantization** (:func:`fp8_quantize_rows`): one pass over a ``[M, K]`` activation,
-each row's absmax, then the row as e4m3 and its fp32 scale (absmax / 448). It feeds both the
+**Activation quantization** (:func:`fp8_quantize_rows`): one read of a ``[M, K]`` activation (two for
+rows wider than :data:`WHOLE_ROW_LIMIT`), each row's absmax, then the row as e4m3 and its fp32 scale
+(absmax / 448). It feeds both the
 Triton GEMM here and ``torch._scaled_mm`` (:mod:`fv_kernel.compute.fp8`). It replaced a quantization
 in the GEMM's prologue, which re-read every row once per output tile (70 times for Wan's FFN) and
 ran the GEMM 4-7x slower than cuBLAS bf16 on an H100 (docs/benchmarks.md, 2026-12-05).
@@ -43,6 +44,7 @@ from fv_kernel.errors import FvError
 __all__ = [
     "ATTENTION_CONFIGS",
     "K_SCALE_BLOCK",
+    "WHOLE_ROW_LIMIT",
     "Fp8KernelError",
     "Fp8KernelUnavailable",
     "fp8_attention_kernel",
@@ -113,25 +115,38 @@ def _to_e4m3(x, EMULATE_ROUNDING: tl.constexpr):
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, xq_ptr, xs_ptr, M, K, stride_xm,
-    EMULATE_ROUNDING: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    EMULATE_ROUNDING: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROWS: tl.constexpr,
 ):  # fmt: skip
     rm = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     m_ok = rm < M
     rk = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([ROWS], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        kk = k + rk
-        ok = m_ok[:, None] & (kk < K)[None, :]
-        xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=ok, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(xt), 1))
-    scale = tl.maximum(amax / 448.0, 1e-12)
-    tl.store(xs_ptr + rm, scale, mask=m_ok)
-    for k in range(0, K, BLOCK_K):  # the second read of a row comes from L2
-        kk = k + rk
-        ok = m_ok[:, None] & (kk < K)[None, :]
-        xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+    if WHOLE_ROWS:  # a row fits one tile: read it once
+        ok = m_ok[:, None] & (rk < K)[None, :]
+        xt = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=ok, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(xt), 1) / 448.0, 1e-12)
+        tl.store(xs_ptr + rm, scale, mask=m_ok)
         xq = _to_e4m3(tl.clamp(xt / scale[:, None], -448.0, 448.0), EMULATE_ROUNDING)
-        tl.store(xq_ptr + rm[:, None] * K + kk[None, :], xq, mask=ok)
+        tl.store(xq_ptr + rm[:, None] * K + rk[None, :], xq, mask=ok)
+    else:  # wider rows: the absmax pass, then the quantizing pass (its reads mostly from L2)
+        amax = tl.zeros([ROWS], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            kk = k + rk
+            ok = m_ok[:, None] & (kk < K)[None, :]
+            xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(xt), 1))
+        scale = tl.maximum(amax / 448.0, 1e-12)
+        tl.store(xs_ptr + rm, scale, mask=m_ok)
+        for k in range(0, K, BLOCK_K):
+            kk = k + rk
+            ok = m_ok[:, None] & (kk < K)[None, :]
+            xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+            xq = _to_e4m3(tl.clamp(xt / scale[:, None], -448.0, 448.0), EMULATE_ROUNDING)
+            tl.store(xq_ptr + rm[:, None] * K + kk[None, :], xq, mask=ok)
+
+
+#: The widest row :func:`fp8_quantize_rows` reads once (a tile of this many elements per program, 8 warps);
+#: wider rows take two passes. The FFN's 8,960-wide activation took 0.50 ms on an H100 in two passes.
+WHOLE_ROW_LIMIT = 16384
 
 
 def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,10 +163,12 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return xq, xs
     if k == 0:
         return xq, xs.fill_(1e-12)
-    block_k = min(1024, triton.next_power_of_2(k))
+    whole = triton.next_power_of_2(k) <= WHOLE_ROW_LIMIT
+    block_k = triton.next_power_of_2(k) if whole else 1024
     rows = max(1, 4096 // block_k)
     _quantize_rows_kernel[(triton.cdiv(m, rows),)](
-        x, xq, xs, m, k, x.stride(0), EMULATE_ROUNDING=emulate, ROWS=rows, BLOCK_K=block_k, num_warps=4,
+        x, xq, xs, m, k, x.stride(0), EMULATE_ROUNDING=emulate, ROWS=rows, BLOCK_K=block_k, WHOLE_ROWS=whole,
+        num_warps=8 if block_k * rows >= 8192 else 4,
     )  # fmt: skip
     return xq, xs
 
