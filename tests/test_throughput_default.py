@@ -165,6 +165,24 @@ def test_an_undeclared_card_is_named_in_the_log_when_it_is_added(caplog: pytest.
                      "batching: exact) unless an op is batch-invariant"]
 
 
+def test_a_scoped_promise_names_its_ops_in_the_log_when_the_card_is_added(caplog: pytest.LogCaptureFixture) -> None:
+    """What a scoped promise leaves unfused is said at deploy time; an unscoped promise needs no line."""
+    import logging
+
+    def with_promise(promise):  # type: ignore[no-untyped-def]
+        card = toy_card("toy-dit")
+        return card.model_copy(update={"parity": card.parity.model_copy(update={"batched_vs_alone": (promise,)})})
+
+    scoped = with_promise(_promise(ops=("dit_forward",), text="may_diverge"))
+    with caplog.at_level(logging.INFO, logger="fv.engine"):
+        Engine(SchedulerConfig()).add_instance(build_instance(scoped))
+        Engine(SchedulerConfig()).add_instance(build_instance(with_promise(_promise())))
+        Engine(SchedulerConfig(batching="exact")).add_instance(build_instance(scoped))
+    named = [r.getMessage() for r in caplog.records if "parity.batched_vs_alone at fp32 covers ops" in r.getMessage()]
+    assert named == ["card 'toy-dit''s parity.batched_vs_alone at fp32 covers ops ['dit_forward'] (text may_diverge): "
+                     "its other ops run unfused unless batch-invariant"]
+
+
 def _promise(**fields: object):  # type: ignore[no-untyped-def]
     from fv_kernel.api import BatchedVsAlone
 

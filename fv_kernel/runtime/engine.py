@@ -140,9 +140,13 @@ class Engine:
             self.admission.register_pool(pool_key(instance, name), pool.capacity_blocks)
         self._instances[instance.model_id] = instance
         self._by_instance_id[instance.instance_id] = instance
-        if self.config.batching == "throughput" and instance.card.parity.batching_tolerance(instance.precision) is None:
+        promise = instance.card.parity.batching_tolerance(instance.precision)
+        if self.config.batching == "throughput" and promise is None:
             log.info("card %r declares no parity.batched_vs_alone at %s: its steps run unfused (as under batching: "
                      "exact) unless an op is batch-invariant", instance.model_id, instance.precision)
+        elif self.config.batching == "throughput" and promise is not None and promise.ops:
+            log.info("card %r's parity.batched_vs_alone at %s covers ops %s (text %s): its other ops run unfused "
+                     "unless batch-invariant", instance.model_id, instance.precision, list(promise.ops), promise.text)
         # Deploy-time work that would otherwise land in the scheduler on the first admission:
         # importing the card's loop classes (lazy "module:Class" entries) and sizing what the
         # instance keeps resident (re-sized later only if it loads more components).
