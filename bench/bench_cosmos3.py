@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -67,11 +66,12 @@ from fv_cosmos3.models.layers import MRoPE
 from fv_cosmos3.models.state_dict import is_reasoner_key
 from fv_cosmos3.models.tokenizer import ByteTokenizer, PromptSpec, build_generation_prompt
 from fv_kernel.api import (
-    ARParams, BatchedVsAlone, DiffusionParams, Engine, InstanceOptions, ModelCard, PagedKVPool, Request, SchedulerConfig,
+    ARParams, DiffusionParams, Engine, InstanceOptions, ModelCard, PagedKVPool, Request, SchedulerConfig,
     TaskType, TextPart, torch_dtype,
 )
 from fv_kernel.runtime.engine import run_concurrently, run_serially
 from fv_wan.models.vae import WanVAE, WanVAEConfig
+from bench_batched_vs_alone import measuring as declaring_unbounded  # bench/, beside this script
 from op_times import OpTimes  # bench/, beside this script
 from random_weights import seeded_manifest
 
@@ -288,13 +288,10 @@ def _declares_batching(instance: Cosmos3Instance) -> bool:
 @contextlib.contextmanager
 def _batching_declared(instance: Cosmos3Instance) -> Iterator[None]:
     """The instance's card, for the body, declaring an unbounded ``batched_vs_alone`` at the instance's precision
-    (as ``bench_batched_vs_alone.py`` measures): the executor fuses its steps, and the run measures what a real
+    (``bench_batched_vs_alone.measuring``): the executor fuses its steps, and the run measures what a real
     declaration would give and how far it moves results. Never a card to deploy."""
     card = instance.card
-    entry = BatchedVsAlone(precision=instance.precision, max_abs=math.inf,  # type: ignore[arg-type]
-                           justification="measurement only (bench_cosmos3.py)")
-    others = tuple(e for e in card.parity.batched_vs_alone if e.precision != instance.precision)
-    instance.card = card.model_copy(update={"parity": card.parity.model_copy(update={"batched_vs_alone": (*others, entry)})})
+    instance.card = declaring_unbounded(card, instance.precision)
     try:
         yield
     finally:
