@@ -286,7 +286,7 @@ def compare_with_alone(alone: Sequence[Artifact], batched: Sequence[Artifact], *
     conditioned on other text (an upsampled prompt feeding a video step), so its tensors are not
     held to the bound: they are left out of ``max_abs``, and the listed difference says so."""
     assert len(alone) == len(batched), f"{len(alone)} artifacts vs {len(batched)}"
-    worst, differences = 0.0, []
+    tensors, differences = [], []
     for index, (a, b) in enumerate(zip(alone, batched)):
         da, db = _artifact_tensors(a), _artifact_tensors(b)
         assert da.keys() == db.keys(), f"artifact {index} fields differ"
@@ -294,18 +294,15 @@ def compare_with_alone(alone: Sequence[Artifact], batched: Sequence[Artifact], *
             y = db[key]
             if isinstance(x, torch.Tensor):
                 assert x.shape == y.shape, f"artifact {index} ({a.kind}) field {key!r}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
+                tensors.append((x, y))
             elif x != y and text == "may_diverge" and a.kind == "text" and key in _TEXT_FIELDS:
                 differences.append(f"artifact {index} (text {a.name!r}) field {key!r}: alone {x!r}, batched {y!r}")
             else:
                 assert x == y, f"artifact {index} ({a.kind}) field {key!r}: {x!r} != {y!r}"
     if differences:  # conditioned on other text: the tensors are not comparable
         return AloneComparison(0.0, (*differences, "tensors of a request whose text diverged are not bounded"))
-    for a, b in zip(alone, batched):
-        db = _artifact_tensors(b)
-        for key, x in _artifact_tensors(a).items():
-            if isinstance(x, torch.Tensor) and x.numel():
-                worst = max(worst, float((x.double() - db[key].double()).abs().max()))
-    return AloneComparison(worst, tuple(differences))
+    worst = max((float((x.double() - y.double()).abs().max()) for x, y in tensors if x.numel()), default=0.0)
+    return AloneComparison(worst, ())
 
 
 def artifacts_max_abs(left: Sequence[Artifact], right: Sequence[Artifact]) -> float:
