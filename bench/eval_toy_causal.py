@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -57,6 +58,17 @@ def frames_of_chunks(latent_frames: int, chunk_frames: int, frames_per_latent: i
     for start in range(0, latent_frames, chunk_frames):
         counts.append(sum(1 if k == 0 else frames_per_latent for k in range(start, start + chunk_frames)))
     return counts
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a share (95% at ``z`` 1.96): how far a score over ``trials``
+    streams may sit from the rate a much larger sample would give (about +-12 points at 50 streams)."""
+    if trials < 1 or not 0 <= successes <= trials:
+        raise ValueError(f"need 0 <= successes <= trials and trials >= 1, got {successes}/{trials}")
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def judge_segments(first: torch.Tensor, second: torch.Tensor, left: str, right: str) -> dict[str, Any]:
@@ -181,9 +193,15 @@ def main(argv: list[str] | None = None) -> int:
         "left_direction": sum(r["left_direction"] for r in results) / len(results),
         "seconds": round(seconds, 1),
     }
-    print(f"turn within {args.right_chunks} chunks: {scores['turn']:.0%} ({sum(r['turn'] for r in results)}/{len(results)})"
-          f"  [target >= 80%]")
-    print(f"colour, first segment: {scores['colour']:.0%} ({sum(colours)}/{len(colours)} objects)  [target >= 85%]")
+    turns = sum(r["turn"] for r in results)
+    scores["turn_95"] = wilson_interval(turns, len(results))
+    scores["colour_95"] = wilson_interval(sum(colours), len(colours))
+    low, high = scores["turn_95"]
+    print(f"turn within {args.right_chunks} chunks: {scores['turn']:.0%} ({turns}/{len(results)}; 95% interval "
+          f"{low:.0%}-{high:.0%})  [target >= 80%]")
+    low, high = scores["colour_95"]
+    print(f"colour, first segment: {scores['colour']:.0%} ({sum(colours)}/{len(colours)} objects; 95% interval "
+          f"{low:.0%}-{high:.0%})  [target >= 85%]")
     print(f"(first segment moves left: {scores['left_direction']:.0%}; {args.backend} backend, {seconds:.0f} s)")
     if args.json:
         with open(args.json, "w") as handle:
