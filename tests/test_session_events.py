@@ -150,6 +150,10 @@ def test_the_rollout_contract_defaults_queue_apply_and_drain() -> None:
     ready = [ReadyChunk(chunk_index=i, frames=FRAMES, frame_start=3 * i, prompt_version=2) for i in range(2)]
     state, taken = loop.take_ready(state.model_copy(update={"ready": ready}))
     assert len(taken) == 2 and state.ready == [] and state.frames_emitted == 6
+    # A preview shows frames its final chunk will cover: taking it does not advance the timeline.
+    preview = ReadyChunk(chunk_index=2, frames=FRAMES, frame_start=6, prompt_version=2, preview=True)
+    state, taken = loop.take_ready(state.model_copy(update={"ready": [preview]}))
+    assert taken == [preview] and state.frames_emitted == 6
     assert loop.cancel_stream(state.model_copy(update={"ready": ready})).ready == []
     assert loop.progress(state.model_copy(update={"chunk_index": 3, "max_chunks": 5})) == (3, 5)
     assert loop.finished(state.model_copy(update={"chunk_index": 5, "max_chunks": 5}))

@@ -39,6 +39,8 @@ class ReadyChunk(BaseModel):
     frame_start: int = Field(ge=0)
     #: The prompt version this chunk was generated under.
     prompt_version: int = Field(ge=0)
+    #: An early look at chunk ``chunk_index`` (e.g. decoded from a denoise step's x0 estimate): it covers
+    #: the frames its final version will, which follows it; previews never advance the timeline.
     preview: bool = False
 
     @field_validator("frames")
@@ -122,11 +124,12 @@ class ChunkRolloutLoop(Loop[S]):
         })
 
     def take_ready(self, state: S) -> tuple[S, list[ReadyChunk]]:
-        """The decoded chunks to emit, and the state without them (``frames_emitted`` advanced)."""
+        """The decoded chunks to emit, and the state without them (``frames_emitted`` advanced by the
+        final chunks: a preview shows frames its chunk's final version will cover)."""
         if not state.ready:
             return state, []
         chunks = list(state.ready)
-        emitted = state.frames_emitted + sum(chunk.num_frames for chunk in chunks)
+        emitted = state.frames_emitted + sum(chunk.num_frames for chunk in chunks if not chunk.preview)
         return state.model_copy(update={"ready": [], "frames_emitted": emitted}), chunks
 
     def cancel_stream(self, state: S) -> S:

@@ -498,13 +498,15 @@ class SessionManager:
             record.emit("media.init", stream=VIDEO_STREAM, modality="video", fps=state.fps)
             record.stream_open = True
         fps = state.fps
+        # A preview carries the index and frame range of the final chunk that replaces it.
         record.emit(
             "media.chunk", stream=VIDEO_STREAM, index=record.chunks_emitted, frames=chunk.frames.detach(),
             frame_start=frame_start, num_frames=chunk.num_frames, fps=fps,
             pts=(frame_start / fps, (frame_start + chunk.num_frames) / fps), preview=chunk.preview,
             prompt_version=chunk.prompt_version,
         )
-        record.chunks_emitted += 1
+        if not chunk.preview:
+            record.chunks_emitted += 1
 
     def _on_state(
         self, record: SessionRecord, loop: ChunkRolloutLoop[Any], ctx: LoopContext, state: ChunkRolloutState
@@ -517,7 +519,8 @@ class SessionManager:
                 continue
             if record.session.stream:
                 self._emit_chunk(record, state, chunk, start)
-            start += chunk.num_frames
+            if not chunk.preview:
+                start += chunk.num_frames
         if state.prompt_version != record.applied_version:
             record.applied_version = state.prompt_version
             record.emit("session.prompt_applied", version=state.prompt_version, chunk_index=state.chunk_index)

@@ -37,6 +37,7 @@ from fv_kernel.request.session import SessionClosed, SessionRequest
 from fv_kernel.runtime.sessions import SessionHandle
 from fv_kernel.serving.errors import ApiError
 from fv_kernel.serving.fmp4 import FragmentedMP4Writer
+from fv_kernel.serving.media import preview_png
 
 __all__ = [
     "ProtocolError", "RealtimeLimits", "RealtimeSession", "SessionStart", "chunk_as_json", "mount_realtime",
@@ -102,6 +103,8 @@ class ExtraParams(BaseModel):
     max_chunks: int | None = Field(default=None, ge=1)
     idle_timeout_s: float | None = Field(default=None, gt=0)
     max_ahead_chunks: int | None = Field(default=None, ge=1, le=64)
+    #: fv extension: also send ``video.preview`` (a PNG of each chunk's early look) when the card makes previews.
+    previews: bool = False
 
 
 class SessionStart(BaseModel):
@@ -192,6 +195,8 @@ def _session_request(start: SessionStart, default_model: str | None, limits: Rea
     for name in ("idle_timeout_s", "max_ahead_chunks"):
         if getattr(start.extra_params, name) is not None:
             fields[name] = getattr(start.extra_params, name)
+    if start.extra_params.previews:
+        fields["previews"] = True
     try:
         return SessionRequest.of(**fields)
     except FvError as exc:
@@ -331,7 +336,9 @@ class RealtimeSession:
             yield {"type": "session.prompt_applied", "request_id": rid, "version": event.version,  # type: ignore[union-attr]
                    "event_id": self._event_ids.get(event.version),  # type: ignore[union-attr]
                    "chunk_index": event.chunk_index}, None  # type: ignore[union-attr]
-        elif kind == "media.chunk" and event.frames is not None and not event.preview:  # type: ignore[union-attr]
+        elif kind == "media.chunk" and event.frames is not None and event.preview:  # type: ignore[union-attr]
+            yield self._preview(event), None
+        elif kind == "media.chunk" and event.frames is not None:  # type: ignore[union-attr]
             async for item in self._chunk(event):
                 yield item
         elif kind == "session.error":
@@ -405,6 +412,16 @@ class RealtimeSession:
             self._complete = True
             if not self.handle.closed:
                 self.handle.stop()
+
+
+    def _preview(self, event: Any) -> dict[str, Any]:
+        """fv's ``video.preview``: the last frame of a chunk's early look, as a PNG (base64), with the index and
+        frame range of the final chunk that follows it. Only sessions that asked (``extra_params.previews``) get them."""
+        png = preview_png(event.frames)
+        return {"type": "video.preview", "request_id": self.request_id, "generation_chunk_index": event.index,
+                "frame_start": event.frame_start, "num_frames": event.num_frames,
+                "prompt_version": event.prompt_version or 0, "mime": "image/png",
+                "image": base64.b64encode(png).decode() if png is not None else None}
 
 
 def _parse_message(text: str, limits: RealtimeLimits) -> dict[str, Any]:

@@ -332,7 +332,7 @@ def _causal_instance(base: ModelInstance, card: ModelCard, options: InstanceOpti
 
 # --------------------------------------------------------------------------- the loop
 
-Phase = Literal["text", "denoise", "commit", "decode"]
+Phase = Literal["text", "denoise", "preview", "commit", "decode"]
 
 
 class CausalWanState(ChunkRolloutState):
@@ -367,6 +367,10 @@ class CausalWanState(ChunkRolloutState):
     frames_decoded: int = 0
     #: Outside a session: the frames the request asked for (the video is trimmed to them).
     requested_frames: int | None = None
+    #: The session asked for previews: each chunk's first denoise step's x0 estimate is decoded too
+    #: (``preview_x0`` while it waits for that decode), before the chunk's remaining steps.
+    previews: bool = False
+    preview_x0: torch.Tensor | None = None
     recipe_overrides: tuple[str, ...] = ()
 
 
@@ -467,6 +471,7 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
             model_id=model.model_id, weights_version=model.weights_version, seed=d.seed, rng_state=generator.get_state(),
             height=d.height, width=d.width, latent_shape=shape, phase="text", latents=latents, window=window,
             text_ids=ids, text_mask=mask, requested_frames=requested,
+            previews=in_session and request.output.stream_previews and len(self._timesteps) > 1,
             recipe_overrides=getattr(model, "recipe_overrides", ()),
         )
 
@@ -517,12 +522,15 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
         if state.phase == "commit":
             latents, t = self.commit_inputs(state)
             return self._forward_plan(state, latents, t, commit=True)
-        assert state.x0 is not None
+        preview = state.phase == "preview"
+        z = state.preview_x0 if preview else state.x0
+        assert z is not None
+        # A preview decodes from the stream's VAE cache too, but its updated cache is dropped (advance).
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.VAE_TILE, op="vae_decode_chunk",
-            inputs={"z": state.x0, **{f"cache.{k}": v for k, v in state.vae_cache.items()}},
+            inputs={"z": z, **{f"cache.{k}": v for k, v in state.vae_cache.items()}},
             shape_sig=ShapeSignature.of(latent=str(state.latent_shape), first=int(state.chunk_index == 0)),
-            batchable=False, tag="decode",
+            batchable=False, tag="preview" if preview else "decode",
         )
 
     def advance(self, state: CausalWanState, result: StepResult) -> CausalWanState:
@@ -538,11 +546,20 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
             if state.chunk_step + 1 < len(self._timesteps):
                 sigma = self._timesteps[state.chunk_step + 1] / 1000.0
                 noise, rng = self._draw(state.rng_state, x0.shape)  # fresh noise: a re-noise, not an ODE step
-                return state.model_copy(update={
+                update: dict[str, Any] = {
                     "latents": (1 - sigma) * x0 + sigma * noise, "rng_state": rng, "chunk_step": state.chunk_step + 1,
                     "step": step,
-                })
+                }
+                if state.previews and state.chunk_step == 0:
+                    update.update({"phase": "preview", "preview_x0": x0})
+                return state.model_copy(update=update)
             return state.model_copy(update={"x0": x0, "phase": "commit", "step": step})
+        if state.phase == "preview":
+            frames = result.outputs["frames"][0].transpose(0, 1).contiguous()  # (F, 3, H, W)
+            ready = ReadyChunk(chunk_index=state.chunk_index, frames=frames, frame_start=state.frames_decoded,
+                               prompt_version=state.prompt_version, preview=True)
+            return state.model_copy(update={"ready": [*state.ready, ready], "phase": "denoise", "preview_x0": None,
+                                            "step": step})
         if state.phase == "commit":
             rng = state.rng_state
             if self._recipe.context_noise > 0:  # the refresh drew its noise: advance the generator past it
@@ -571,13 +588,17 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
         return state.model_copy(update=update)
 
     def finalize(self, state: CausalWanState) -> LoopResult:
-        return LoopResult(loop_id=self.loop_id, artifacts=[self._artifact(state, partial=False)] if state.ready else [])
+        return LoopResult(loop_id=self.loop_id, artifacts=[self._artifact(state, partial=False)] if self._finals(state) else [])
 
     def partial(self, state: CausalWanState) -> LoopResult | None:
-        return LoopResult(loop_id=self.loop_id, artifacts=[self._artifact(state, partial=True)]) if state.ready else None
+        return LoopResult(loop_id=self.loop_id, artifacts=[self._artifact(state, partial=True)]) if self._finals(state) else None
+
+    @staticmethod
+    def _finals(state: CausalWanState) -> list[ReadyChunk]:
+        return [chunk for chunk in state.ready if not chunk.preview]
 
     def _artifact(self, state: CausalWanState, *, partial: bool) -> VideoArtifact:
-        frames = torch.cat([chunk.frames for chunk in state.ready]).float().cpu()
+        frames = torch.cat([chunk.frames for chunk in self._finals(state)]).float().cpu()
         if state.requested_frames is not None:
             frames = frames[: state.requested_frames]
         return VideoArtifact(frames=frames, fps=state.fps, provenance=Provenance(
@@ -590,10 +611,10 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
     def cancel_stream(self, state: CausalWanState) -> CausalWanState:
         """Drop undelivered chunks and restart the current chunk from fresh noise (its slab is rewritten)."""
         state = state.model_copy(update={"ready": []})
-        if state.phase in ("denoise", "commit", "decode") and not self.finished(state):
+        if state.phase in ("denoise", "preview", "commit", "decode") and not self.finished(state):
             latents, rng = self._draw(state.rng_state, (1, *state.latent_shape))
             state = state.model_copy(update={"latents": latents, "rng_state": rng, "chunk_step": 0, "x0": None,
-                                             "phase": "denoise"})
+                                             "preview_x0": None, "phase": "denoise"})
         return state
 
     def update_prompt(self, state: CausalWanState, prompt: str, version: int) -> CausalWanState:
@@ -604,15 +625,16 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
         prompt (``boundary``); a chunk at its KV refresh or decode is finished, and the update waits for
         the next chunk."""
         state = super().update_prompt(state, prompt, version)
-        in_progress = state.phase == "denoise" and state.chunk_step > 0
-        if state.phase == "text" or (state.phase == "denoise" and (
+        denoising = state.phase in ("denoise", "preview")  # a preview waits between the chunk's first two steps
+        in_progress = denoising and state.chunk_step > 0
+        if state.phase == "text" or (denoising and (
                 state.chunk_step == 0 or self._recipe.prompt_update == "restart")):
             state = self.apply_pending_prompt(state)
             ids, mask = self._tokenize(state.prompt)
             update: dict[str, Any] = {"phase": "text", "text_ids": ids, "text_mask": mask}
             if in_progress:
                 latents, rng = self._draw(state.rng_state, (1, *state.latent_shape))
-                update.update({"latents": latents, "rng_state": rng, "chunk_step": 0})
+                update.update({"latents": latents, "rng_state": rng, "chunk_step": 0, "preview_x0": None})
             state = state.model_copy(update=update)
         return state
 
@@ -653,7 +675,9 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
                          shape_sig=ShapeSignature.of(tokens=recipe.max_sequence_length)),
             StepEstimate(loop_id=self.loop_id, kind=WorkKind.DIFFUSION_STEP, count=len(recipe.denoising_steps) + 1,
                          shape_sig=ShapeSignature.of(latent=latent, window=recipe.window.max_slabs)),
-            StepEstimate(loop_id=self.loop_id, kind=WorkKind.VAE_TILE, shape_sig=ShapeSignature.of(latent=latent, first=0)),
+            # With previews, each chunk decodes twice (its first step's x0 estimate, then the chunk).
+            StepEstimate(loop_id=self.loop_id, kind=WorkKind.VAE_TILE, shape_sig=ShapeSignature.of(latent=latent, first=0),
+                         count=2 if request.output.stream_previews and len(recipe.denoising_steps) > 1 else 1),
         )
         return ResourceRequest(steps=steps, pool_blocks={CHUNK_KV: recipe.window.max_slabs})
 
