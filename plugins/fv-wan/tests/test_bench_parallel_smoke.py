@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from bench_parallel_module import BENCH, load_bench
+from bench_module import BENCH, load_bench
 
 TIMEOUT_S = {2: 120, 4: 180, 8: 300}
 EXPECTED = {

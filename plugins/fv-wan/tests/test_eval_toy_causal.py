@@ -4,7 +4,6 @@ share), and a short card run that prints it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -13,18 +12,15 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_module import BENCH_DIR, load_bench
 
 from fv_wan.toy_card import wan_toy_causal_card
 
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "eval_toy_causal.py"
+BENCH = BENCH_DIR / "eval_toy_causal.py"
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("eval_toy_causal", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("eval_toy_causal")
 
 
 def _by_definition(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from bench_parallel_module import load_bench
+from bench_module import load_bench
 from fv_wan.models.transformer import WanTransformerConfig
 from fv_wan.parallel import WAN_PARALLEL, wan_tokens
 
