@@ -134,15 +134,16 @@ def realtime_page_browser(profile: Path) -> Iterator[Browser]:
 
 
 def start_realtime_page(browser: Browser, server_url: str, *, prompt: str, size: tuple[int, int], frames: int,
-                        fps: int = 8, model: str | None = None) -> None:
-    """Open ``/realtime`` and start a session from its form (``size`` is width, height)."""
+                        fps: int = 8, model: str | None = None, previews: bool = False) -> None:
+    """Open ``/realtime`` and start a session from its form (``size`` is width, height; ``previews`` ticks its box)."""
     browser.get(f"{server_url}/realtime")
     fields = {"prompt": prompt, "width": size[0], "height": size[1], "fps": fps, "num-frames": frames,
               **({"model": model} if model is not None else {})}
     browser.js("""
         for (const [id, value] of Object.entries(arguments[0])) { document.getElementById(id).value = value; }
+        document.getElementById('previews').checked = arguments[1];
         document.getElementById('start').click();
-    """, fields)
+    """, fields, previews)
 
 
 def drive_realtime_page(browser: Browser, server_url: str, *, prompt: str, update: str, size: tuple[int, int],

@@ -4,7 +4,7 @@
   const $ = (id) => document.getElementById(id);
   // Observable state (the browser test reads it; handy in the console too).
   const state = window.fvRealtime = {
-    chunks: 0, bytes: 0, queued: [], applied: [], errors: [], done: null, requestId: null, mime: null,
+    chunks: 0, previews: 0, bytes: 0, queued: [], applied: [], errors: [], done: null, requestId: null, mime: null,
   };
   let ws = null, mediaSource = null, sourceBuffer = null, pendingMeta = null;
   const appendQueue = [];
@@ -53,6 +53,12 @@
         break;
       case "video.chunk_metadata":
         pendingMeta = message;
+        break;
+      case "video.preview":  // fv: the next chunk's early look, shown until the chunk itself arrives
+        state.previews += 1;
+        if (message.image) $("preview").src = `data:${message.mime};base64,${message.image}`;
+        $("preview-caption").textContent = `preview of chunk ${message.generation_chunk_index}`;
+        $("preview-box").style.display = "block";
         break;
       case "video.status":
         $("status").textContent = `${message.chunks} chunks, ${message.frames} frames, `
@@ -113,6 +119,7 @@
         width: number("width"), height: number("height"), fps: number("fps"), num_frames: number("num-frames"),
         seed: number("seed"),
       };
+      if ($("previews").checked) start.extra_params = { previews: true };
       if ($("model").value.trim()) start.model = $("model").value.trim();
       ws.send(JSON.stringify(start));
       setRunning(true);

@@ -18,7 +18,7 @@ pytest.importorskip("websockets")
 
 from fv_kernel.api import DeployConfig, Engine, SchedulerConfig, build_instance
 from fv_kernel.serving import ServerThread, create_app
-from fv_kernel.testing.browser import Browser, drive_realtime_page, realtime_page_browser
+from fv_kernel.testing.browser import Browser, drive_realtime_page, realtime_page_browser, start_realtime_page
 from fv_wan.toy_card import wan_toy_causal_card
 
 
@@ -28,14 +28,33 @@ def browser(tmp_path: Path) -> Iterator[Browser]:
         yield b
 
 
-def test_page_streams_wan_toy_causal_and_applies_a_prompt_update(browser: Browser, tmp_path: Path) -> None:
+def _server(tmp_path: Path) -> ServerThread:
     deploy = DeployConfig(output_dir=tmp_path / "out")
     engine = Engine(SchedulerConfig(), limits=deploy.limits)
     engine.add_instance(build_instance(wan_toy_causal_card()))
-    server = ServerThread(create_app(engine, deploy)).start()
+    return ServerThread(create_app(engine, deploy)).start()
+
+
+def test_page_streams_wan_toy_causal_and_applies_a_prompt_update(browser: Browser, tmp_path: Path) -> None:
+    server = _server(tmp_path)
     try:
         drive_realtime_page(browser, server.url, model="wan-toy-causal",
                             prompt="a red circle moves left slowly on a navy background",
                             update="a red circle moves right slowly on a navy background", size=(64, 64), frames=120)
+    finally:
+        server.stop()
+
+
+def test_page_shows_previews_when_asked(browser: Browser, tmp_path: Path) -> None:
+    server = _server(tmp_path)
+    try:
+        start_realtime_page(browser, server.url, model="wan-toy-causal", prompt="a red circle moves left slowly on a navy "
+                            "background", size=(64, 64), frames=40, previews=True)
+        browser.wait("2 previews and 2 chunks", lambda: browser.js(
+            "return window.fvRealtime.previews >= 2 && window.fvRealtime.chunks >= 2"), timeout=120)
+        assert browser.js("return document.getElementById('preview').naturalWidth") == 64
+        assert browser.js("return window.fvRealtime.errors") == []
+        browser.js("document.getElementById('stop').click()")
+        browser.wait("session.done", lambda: browser.js("return window.fvRealtime.done"), timeout=60)
     finally:
         server.stop()
