@@ -111,8 +111,10 @@
     const key = $("api-key").value;
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
     const url = `${scheme}//${location.host}/v1/realtime/video${key ? `?api_key=${encodeURIComponent(key)}` : ""}`;
+    log("connecting");
     ws = new WebSocket(url);
     ws.binaryType = "arraybuffer";
+    ws.onerror = () => log("websocket error (see the browser console)", "error");
     ws.onopen = () => {
       const start = {
         type: "session.start", prompt: $("prompt").value, format: "m4s",

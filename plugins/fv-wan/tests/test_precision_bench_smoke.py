@@ -29,8 +29,10 @@ def test_the_bench_measures_a_path_and_merges_the_record(tmp_path: Path) -> None
     assert row["path"] == "fp8_weights" and row["device"] == "cpu" and row["model_id"] == "wan-tiny"
     merged = load_parity_record(record)
     got = merged.find_path("fp8_weights", "wan-tiny", "fp32")
-    # The same seeded run as the shipped record's: deterministic on CPU.
-    assert got is not None and got.psnr_db == shipped.find_path("fp8_weights", "wan-tiny", "fp32").psnr_db
+    # The same seeded run as the shipped record's. Bit-equal on one machine; another CPU model's GEMM kernels
+    # (AVX2 vs AVX-512) sum in another order, which moved this figure by 1e-4 dB in CI, so 1e-3 dB.
+    want = shipped.find_path("fp8_weights", "wan-tiny", "fp32")
+    assert got is not None and want is not None and abs(got.psnr_db - want.psnr_db) < 1e-3
     assert merged.find_path("fp8_all", "wan-toy", "fp32") == kept
 
 
