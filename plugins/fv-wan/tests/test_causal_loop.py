@@ -95,6 +95,20 @@ def test_estimate_reserves_the_window_in_the_pool() -> None:
     assert estimate.pool_blocks == {"chunk_kv": 3}
 
 
+def test_estimate_prices_a_second_decode_a_chunk_when_previews_are_asked() -> None:
+    from fv_kernel.api import OutputSpec, WorkKind
+
+    instance = tiny_instance()
+    loop = instance.loop("realtime")
+    plain = make_request(CARD)
+    previews = plain.model_copy(update={"output": OutputSpec(stream_previews=True)})
+
+    def decodes(request: Any) -> int:
+        return sum(s.count for s in loop.estimate(request, instance).steps if s.kind == WorkKind.VAE_TILE)
+
+    assert (decodes(plain), decodes(previews)) == (1, 2)
+
+
 # --------------------------------------------------------------------------- the rollout
 
 
