@@ -346,6 +346,10 @@ def run_two_sessions_and_a_batch_job(config: SchedulerConfig) -> tuple[list[str]
     from fv_kernel.api import DiffusionParams, Request, TaskType, TextPart
 
     engine, recorder = make_engine(chunk_toy_card(), toy_card("toy-dit"), config=config)
+    # Loaded up front: a first request's load runs on a thread, and on a loaded machine the job's could
+    # outlast both sessions, which would then finish before the job's first unit (a test timing, not scheduling).
+    for model_id in ("toy-chunk", "toy-dit"):
+        engine.instances[model_id].load_for_task(TaskType.TEXT_TO_VIDEO)
 
     async def go() -> dict[str, str]:
         async with engine.running():
