@@ -413,7 +413,6 @@ class RealtimeSession:
             if not self.handle.closed:
                 self.handle.stop()
 
-
     def _preview(self, event: Any) -> dict[str, Any]:
         """fv's ``video.preview``: the last frame of a chunk's early look, as a PNG (base64), with the index and
         frame range of the final chunk that follows it. Only sessions that asked (``extra_params.previews``) get them."""

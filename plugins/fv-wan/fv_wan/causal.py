@@ -374,6 +374,11 @@ class CausalWanState(ChunkRolloutState):
     recipe_overrides: tuple[str, ...] = ()
 
 
+def _decoded_frames(result: StepResult) -> torch.Tensor:
+    """A ``vae_decode_chunk`` result's frames as (F, 3, H, W)."""
+    return result.outputs["frames"][0].transpose(0, 1).contiguous()
+
+
 class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
     """The Self-Forcing chunk rollout of a causal Wan card (kind ``chunk_rollout``).
 
@@ -555,8 +560,7 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
                 return state.model_copy(update=update)
             return state.model_copy(update={"x0": x0, "phase": "commit", "step": step})
         if state.phase == "preview":
-            frames = result.outputs["frames"][0].transpose(0, 1).contiguous()  # (F, 3, H, W)
-            ready = ReadyChunk(chunk_index=state.chunk_index, frames=frames, frame_start=state.frames_decoded,
+            ready = ReadyChunk(chunk_index=state.chunk_index, frames=_decoded_frames(result), frame_start=state.frames_decoded,
                                prompt_version=state.prompt_version, preview=True)
             return state.model_copy(update={"ready": [*state.ready, ready], "phase": "denoise", "preview_x0": None,
                                             "step": step})
@@ -568,7 +572,7 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
         return self._next_chunk(state, result, step)
 
     def _next_chunk(self, state: CausalWanState, result: StepResult, step: int) -> CausalWanState:
-        frames = result.outputs["frames"][0].transpose(0, 1).contiguous()  # (F, 3, H, W)
+        frames = _decoded_frames(result)
         cache = {k[len("cache."):]: v for k, v in result.outputs.items() if k.startswith("cache.")}
         ready = ReadyChunk(chunk_index=state.chunk_index, frames=frames, frame_start=state.frames_decoded,
                            prompt_version=state.prompt_version)
