@@ -134,8 +134,23 @@ def png_bytes(width: int = 8, height: int = 8) -> bytes:
 # --------------------------------------------------------------------------- happy path
 
 
-def test_create_stream_and_content(served: Served) -> None:
+def test_create_stream_and_content(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     av = pytest.importorskip("av")
+    from fv_kernel.serving import jobs
+
+    encoded_on_the_loop: list[bool] = []
+
+    def encode(frames: Any) -> bytes | None:
+        # Preview PNGs are made on a worker thread: no event loop runs in the thread that encodes them.
+        try:
+            asyncio.get_running_loop()
+            encoded_on_the_loop.append(True)
+        except RuntimeError:
+            encoded_on_the_loop.append(False)
+        return preview_png(frames)
+
+    preview_png = jobs.preview_png
+    monkeypatch.setattr(jobs, "preview_png", encode)
     d = served.card.capabilities.defaults
     with served.client() as client:
         created = client.post("/v1/videos", json={"prompt": "a red fox", "seed": 7})
@@ -158,6 +173,7 @@ def test_create_stream_and_content(served: Served) -> None:
         assert previews, "decoded frames are streamed as previews"
         assert base64.b64decode(previews[0]["image"]["b64"]).startswith(b"\x89PNG")
         assert names.index("video.preview") < names.index("video.artifact")
+        assert encoded_on_the_loop and not any(encoded_on_the_loop)
         artifact = events[-2][2]
         assert artifact["frames"] == d.frames and artifact["content"]["video"] == f"/v1/videos/{job['id']}/content"
         assert events[-1][2]["status"] == "completed" and events[-1][2]["progress"] == 100

@@ -476,7 +476,7 @@ class JobManager:
                         "id": record.id, "progress": value, "loop_id": event.loop_id, "step": event.step, "total": event.total,
                     })
                 elif kind == "media.chunk" and event.preview and event.frames is not None:
-                    png = preview_png(event.frames)
+                    png = await asyncio.to_thread(preview_png, event.frames)  # off the event loop
                     if png is not None:
                         live.publish("video.preview", {
                             "id": record.id, "stream": event.stream, "index": event.index, "pts": list(event.pts),

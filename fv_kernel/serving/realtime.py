@@ -337,7 +337,7 @@ class RealtimeSession:
                    "event_id": self._event_ids.get(event.version),  # type: ignore[union-attr]
                    "chunk_index": event.chunk_index}, None  # type: ignore[union-attr]
         elif kind == "media.chunk" and event.frames is not None and event.preview:  # type: ignore[union-attr]
-            yield self._preview(event), None
+            yield await self._preview(event), None
         elif kind == "media.chunk" and event.frames is not None:  # type: ignore[union-attr]
             async for item in self._chunk(event):
                 yield item
@@ -413,10 +413,11 @@ class RealtimeSession:
             if not self.handle.closed:
                 self.handle.stop()
 
-    def _preview(self, event: Any) -> dict[str, Any]:
+    async def _preview(self, event: Any) -> dict[str, Any]:
         """fv's ``video.preview``: the last frame of a chunk's early look, as a PNG (base64), with the index and
-        frame range of the final chunk that follows it. Only sessions that asked (``extra_params.previews``) get them."""
-        png = preview_png(event.frames)
+        frame range of the final chunk that follows it. Only sessions that asked (``extra_params.previews``) get them.
+        The PNG is encoded on a thread, as fragments are: at 480x832 it would hold the event loop."""
+        png = await asyncio.to_thread(preview_png, event.frames)
         return {"type": "video.preview", "request_id": self.request_id, "generation_chunk_index": event.index,
                 "frame_start": event.frame_start, "num_frames": event.num_frames,
                 "prompt_version": event.prompt_version or 0, "mime": "image/png",

@@ -6,6 +6,7 @@ to a client that asked (``extra_params.previews``)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -132,9 +133,24 @@ def _stream(url: str, **extra: Any) -> list[Any]:
                 return messages
 
 
-def test_websocket_sends_previews_only_to_a_client_that_asked(ws_url: str) -> None:
+def test_websocket_sends_previews_only_to_a_client_that_asked(ws_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from PIL import Image
 
+    from fv_kernel.serving import realtime
+    from fv_kernel.serving.media import preview_png
+
+    on_the_loop: list[bool] = []
+
+    def encode(frames: Any) -> bytes | None:
+        # The PNG is made on a worker thread: no event loop runs in the thread that encodes it.
+        try:
+            asyncio.get_running_loop()
+            on_the_loop.append(True)
+        except RuntimeError:
+            on_the_loop.append(False)
+        return preview_png(frames)
+
+    monkeypatch.setattr(realtime, "preview_png", encode)
     plain = _stream(ws_url)
     assert not any(isinstance(m, dict) and m["type"] == "video.preview" for m in plain)
     asked = _stream(ws_url, previews=True)
@@ -147,5 +163,6 @@ def test_websocket_sends_previews_only_to_a_client_that_asked(ws_url: str) -> No
         assert preview["frame_start"] == meta["frame_start"] and preview["mime"] == "image/png"
         image = Image.open(io.BytesIO(base64.b64decode(preview["image"])))
         assert image.format == "PNG" and image.size == (64, 64)
+    assert on_the_loop == [False, False]
     # The binary frames (fMP4) are the same count either way: previews add JSON messages only.
     assert sum(isinstance(m, bytes) for m in asked) == sum(isinstance(m, bytes) for m in plain) == 2
