@@ -469,6 +469,9 @@ def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
         if graphed is not None:
             result["captures"], result["replays"], result["eager_steps"] = graphed.captures, graphed.replays, graphed.eager_steps
         result["one_step_fused_vs_alone"] = _step_fused_vs_alone(instance, prompts)
+        if graphed is not None:
+            with torch.inference_mode():  # as the Engine's steps run (the pool's storage is an inference tensor)
+                result["step_split"] = _step_split(b, graphed, result["batch1"]["tokens_per_s"])
         out[tier] = result
     instance.graphed_decode = None
     if "graphed" in out:
@@ -478,6 +481,41 @@ def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
                                                    / out["eager"][name]["tokens_per_s"])
         out["graphed_vs_eager_batch1"] = out["graphed"]["batch1"]["tokens_per_s"] / out["eager"]["batch1"]["tokens_per_s"]
     return out
+
+
+def _step_split(b: Bench, graphed: GraphedDecode, tokens_per_s: float, replays: int = 50) -> dict[str, Any]:
+    """Where a batch-1 token's time goes: each batch-1 capture replayed back to back on its static buffers (the
+    step's own device time; nothing else runs) beside the Engine's wall time per token in the batch-1 run; the
+    difference is the host's (the loop, the scheduler, filling the static buffers, waiting on the token). On CUDA the
+    same static step is also run kernel by kernel under torch.profiler: ``kernels`` lists where its device time goes
+    (written in full beside the JSON as ``decode_kernels.txt``)."""
+    split: dict[str, Any] = {"engine_ms_per_token_batch1": 1000 / tokens_per_s, "replay_ms": {}}
+    keys = sorted((k for k in graphed.keys() if k.bucket == 1), key=lambda k: (k.context, k.sampling))
+    for key in keys:
+        graphed.replay(key)
+        b.sync()
+        start = time.perf_counter()
+        for _ in range(replays):
+            graphed.replay(key)
+        b.sync()
+        split["replay_ms"][f"context {key.context}{', sampling' if key.sampling else ''}"] = (
+            1000 * (time.perf_counter() - start) / replays)
+    if b.cuda and keys:
+        from torch.profiler import ProfilerActivity, profile
+
+        key = keys[0]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                graphed.replay(key, captured=False)
+            b.sync()
+        averages = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in averages) / 3
+        split["eager_static_step_device_ms"] = total / 1000
+        split["kernels"] = [{"name": e.key[:80], "ms_per_step": e.self_device_time_total / 3000,
+                             "calls_per_step": e.count / 3} for e in averages[:15]]
+        Path(b.args.output).with_name("decode_kernels.txt").write_text(
+            prof.key_averages().table(sort_by="self_device_time_total", row_limit=60) + "\n")
+    return split
 
 
 def _step_fused_vs_alone(instance: Cosmos3Instance, prompts: list[str]) -> dict[str, Any]:
@@ -623,6 +661,11 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append(("  graphed / eager, batch 1 / batch 8" + (" / batch 8 fused" if fused else ""),
                          f"{dec['graphed_vs_eager_batch1']:.2f}x / {dec['graphed_vs_eager_batch8']:.2f}x{fused}"))
         if "bound_tokens_per_s_batch1" in dec:
+            split = dec.get("graphed", {}).get("step_split")
+            if split and split["replay_ms"]:
+                replays = ", ".join(f"{name} {ms:.2f}" for name, ms in split["replay_ms"].items())
+                rows.append(("graphed batch-1 token: engine wall vs the captured step replayed alone (ms)",
+                             f"{split['engine_ms_per_token_batch1']:.2f} vs {replays}"))
             rows.append((f"physical bound at batch 1: {dec['reasoner_bytes_per_token'] / 1e9:.2f} GB of reasoner weights "
                          f"per token at the measured {dec['measured_hbm_bytes_per_s'] / 1e12:.2f} TB/s (tok/s)",
                          f"{dec['bound_tokens_per_s_batch1']:.0f}"))

@@ -523,6 +523,14 @@ class GraphedDecode:
     def keys(self) -> list[DecodeGraphKey]:
         return list(self._entries)
 
+    def replay(self, key: DecodeGraphKey, *, captured: bool = True) -> Tensors:
+        """Run one captured step on its static buffers as the last step left them, without the host's work of
+        filling them (a benchmark's measure of the step alone). ``captured=False`` runs the same static step
+        eagerly, kernel by kernel (what a profiler can attribute op by op). It writes the K/V of the last step's
+        rows into their slots again: use it only when no sequence that step served is still decoding."""
+        entry = self._entries[key]
+        return entry.replay() if captured else entry.fn(entry.static)
+
     def invalidate(self) -> None:
         """Drop every captured step (its graph, buffers and memory pool)."""
         self._entries.clear()

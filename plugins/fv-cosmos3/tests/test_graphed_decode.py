@@ -403,6 +403,24 @@ def test_static_buffers_are_the_captures_own_never_a_callers_tensors():
         assert torch.equal(inputs[0][name], tensor), f"the second step wrote into the first caller's {name!r}"
 
 
+def test_replaying_a_key_reruns_its_last_step_on_the_buffers_as_they_were_left():
+    """``GraphedDecode.replay`` (what the decode bench times as the step alone) gives that key's last step's logits
+    again, captured or kernel by kernel; the key picks the capture (two context buckets, two different steps)."""
+    graphed = GraphedDecode((1,), capture=False, min_context=64)
+    bench = DecodeBench.build(CONFIGS["tiny"], 1, history=62, steps=4, seed=5)
+    with torch.inference_mode():
+        first = _graphed_step(bench, graphed)  # 63 tokens: the 64-token bucket
+        second = _graphed_step(bench, graphed)  # 64 tokens: the same bucket, its buffers refilled
+        third = _graphed_step(bench, graphed)  # 65 tokens: the next bucket
+    small, large = sorted(graphed.keys(), key=lambda k: k.context)
+    assert (small.context, graphed.captures, graphed.replays) == (64, 2, 3) and large.context > 64
+    with torch.inference_mode():
+        assert torch.equal(graphed.replay(small)["logits"], second)
+        assert torch.equal(graphed.replay(small, captured=False)["logits"], second)
+        assert torch.equal(graphed.replay(large)["logits"], third)
+    assert not torch.equal(first, second) and not torch.equal(second, third)
+
+
 # --------------------------------------------------------------------------- invalidation
 
 
