@@ -433,6 +433,7 @@ def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
         out["bound_tokens_per_s_batch1"] = bandwidth / per_token
     buckets = instance.options.compute.graph_batch_buckets if instance.options.compute else (1, 2, 4, 8, 16, 32)
     tiers = [("eager", None)] + ([("graphed", GraphedDecode(tuple(buckets)))] if b.cuda or b.smoke else [])
+    tiers = [(name, graphed) for name, graphed in tiers if name in getattr(b.args, "decode_tiers", ("eager", "graphed"))]
     # Without a declaration at the instance's precision (cosmos3-nano/super in bf16) "batch8" runs each request's
     # token step alone, one call per row; "batch8_fused" is the same run under a declaring copy of the card.
     declared = _declares_batching(instance)
@@ -474,7 +475,7 @@ def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
                 result["step_split"] = _step_split(b, graphed, result["batch1"]["tokens_per_s"])
         out[tier] = result
     instance.graphed_decode = None
-    if "graphed" in out:
+    if "graphed" in out and "eager" in out:
         for name, _, _ in runs:
             if name != "batch1":
                 out[f"graphed_vs_eager_{name}"] = (out["graphed"][name]["tokens_per_s"]
@@ -726,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upsample-tokens", type=int, default=None, help="omni/concurrent: the rewrite's token "
                         "budget (default: the card's, 512; random weights never stop early)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="decode: tokens per chat request")
+    parser.add_argument("--decode-tiers", nargs="+", default=["eager", "graphed"], choices=["eager", "graphed"],
+                        help="decode: which tiers to run (the eager one takes minutes at Nano size)")
     parser.add_argument("--sections", nargs="+", default=["step", "omni", "concurrent", "decode"],
                         choices=["step", "omni", "concurrent", "decode"], help="which of sections 1-4 to run (5 always runs)")
     parser.add_argument("--profile", default=None, metavar="DIR",
