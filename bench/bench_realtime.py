@@ -39,7 +39,7 @@ import torch
 
 from random_weights import random_weight_card  # bench/, beside this script
 
-from fv_kernel.api import Engine, InstanceOptions, Observer, SessionClosed, SessionRequest, StepRecord, TaskType, build_instance
+from fv_kernel.api import ComputeOptions, Engine, InstanceOptions, Observer, SessionClosed, SessionRequest, StepRecord, TaskType, build_instance
 
 CARD_1_3B = "wan2.1-t2v-1.3b-causal"
 CARD_SMOKE = "wan-toy-causal"
@@ -104,7 +104,8 @@ def make_engine(args: argparse.Namespace, *, batching: bool) -> tuple[Engine, St
     card = card_for(args, batching=batching)
     times = StepTimes()
     engine = Engine(observers=[times])
-    instance = build_instance(card, InstanceOptions(device=args.device, precision=args.precision))
+    compute = ComputeOptions(fused_ops=args.fused_ops)
+    instance = build_instance(card, InstanceOptions(device=args.device, precision=args.precision, compute=compute))
     instance.load_for_task(TaskType.TEXT_TO_VIDEO)
     engine.add_instance(instance)
     return engine, times, float(card.capabilities.defaults.fps or 16.0)
@@ -196,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update-every", type=float, default=None,
                         help="seconds between prompt updates in the one-session run (default: seconds / 4)")
     parser.add_argument("--smoke", action="store_true", help=f"{CARD_SMOKE} on CPU at 64x64, fp32")
+    parser.add_argument("--fused-ops", default="off", choices=["off", "torch", "triton"],
+                        help="the instance's fused ops (DiT and VAE; default off: eager, what a card without a "
+                        "parity record runs)")
     args = parser.parse_args(argv)
     if args.seconds <= 0:
         parser.error("--seconds must be > 0")
@@ -220,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "card": CARD_SMOKE if args.smoke else CARD_1_3B, "device": args.device, "precision": args.precision,
         "size": [args.height, args.width], "seconds": args.seconds, "torch": torch.__version__,
+        "fused_ops": args.fused_ops,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
         "one_session": one,
         "faster_than_realtime": one["fps"] >= on["playback_fps"],
