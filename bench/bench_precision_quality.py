@@ -12,7 +12,9 @@ the card lists) generates the same text-to-video requests (fixed prompts and see
 default steps and shape) on CPU, with the torch reference kernels (``Fp8Linear``'s and the fp8
 attention driver's; the Triton kernels compute the same math on CUDA and are checked against these
 references by their own tests, so quality is measured here without a GPU). Reported per path: the
-PSNR of its final decoded videos against the native path's (one MSE over all clips), and on cards
+PSNR of each final decoded video against the native path's, one sample per seed and prompt (16
+held-out prompts on ``wan-toy``, one prompt at 3 seeds on ``wan-tiny``), as their mean and the 95%
+lower confidence bound of the mean that the contract judges, and on cards
 with the toy judge (``wan-toy``) the judge's colour and direction scores in points (percent of
 prompted objects right) next to native's, over ``--judge-n`` held-out prompts. Each path's
 contract (``card.precision.paths``) gives the verdict. ``--record`` merges the measurements into a
@@ -42,6 +44,7 @@ from fv_kernel.api import (
     InstanceOptions,
     ModelCard,
     PrecisionPathMeasurement,
+    PrecisionPathSample,
     Request,
     TaskType,
     TextPart,
@@ -52,6 +55,8 @@ from fv_kernel.compute.compile import load_parity_record
 
 JUDGED = ("colour", "direction")
 TINY_PROMPT = "a red fox runs through fresh snow"
+#: wan-tiny (random weights, no judge): this prompt at this many seeds, the contract's fewest samples.
+TINY_SAMPLES = 3
 
 
 def psnr(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
@@ -81,20 +86,24 @@ def judge_scores(videos: list[torch.Tensor], prompts: list[str]) -> dict[str, fl
 def measure(card: ModelCard, options: InstanceOptions, precision: str, paths: list[str], args: argparse.Namespace,
             command: str) -> list[PrecisionPathMeasurement]:
     judged = card.model_id == "wan-toy"
-    prompts = held_out_prompts(args.judge_n, seed=0) if judged else [TINY_PROMPT]
+    prompts = held_out_prompts(args.judge_n, seed=0) if judged else [TINY_PROMPT] * TINY_SAMPLES
     options = options.model_copy(update={"precision": precision, "device": "cpu"})
     native = run_path(card, options, "native", prompts, args.seed)
     reference_scores = judge_scores(native, prompts) if judged else {}
     d = card.capabilities.defaults
     source = (f"{datetime.date.today()}, {platform.machine()} CPU ({torch.get_num_threads()} threads), torch reference "
               f"kernels, {card.model_id} {'trained' if judged else 'seeded random'} weights, {len(prompts)} "
-              f"{'held-out prompts' if judged else 'prompt'}, seed {args.seed}: {command}")
+              f"{'held-out prompts' if judged else 'seeds of one prompt'}, seeds {args.seed}..{args.seed + len(prompts) - 1}: "
+              f"{command}")
     out = []
     for path in paths:
         videos = run_path(card, options, path, prompts, args.seed)
         out.append(PrecisionPathMeasurement(
             path=path, model_id=card.model_id, precision=precision, steps=d.steps, frames=d.frames, height=d.height,
-            width=d.width, psnr_db=psnr(native, videos), judge_scores=judge_scores(videos, prompts) if judged else {},
+            width=d.width, samples=tuple(
+                PrecisionPathSample(seed=args.seed + i, prompt=prompt, psnr_db=psnr([native[i]], [videos[i]]))
+                for i, prompt in enumerate(prompts)),
+            judge_scores=judge_scores(videos, prompts) if judged else {},
             reference_judge_scores=reference_scores, device="cpu", source=source,
         ))
     return out
@@ -117,7 +126,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_precision_quality.py", *sys.argv[1:]])
     measurements: list[PrecisionPathMeasurement] = []
-    print("| card | precision | path | PSNR vs native (dB) | colour (native) | direction (native) | contract |")
+    print("| card | precision | path | PSNR vs native, mean (95% lower bound) (dB) | colour (native) | direction (native) "
+          "| contract |")
     print("|---|---|---|---|---|---|---|")
     for model in args.cards:
         card, options = load_card(model, "cpu")
@@ -133,7 +143,9 @@ def main() -> int:
                                                              defaults=card.capabilities.defaults)
                 scores = [f"{m.judge_scores[n]:.1f} ({m.reference_judge_scores[n]:.1f})" if m.judge_scores else "-"
                           for n in JUDGED]
-                print(f"| {m.model_id} | {precision} | {m.path} | {m.psnr_db:.2f} | {scores[0]} | {scores[1]} | "
+                stats = m.statistics()
+                print(f"| {m.model_id} | {precision} | {m.path} | {stats.mean_db:.2f} ({stats.lower_bound_db:.2f}) | "
+                      f"{scores[0]} | {scores[1]} | "
                       f"{'pass' if verdict.passed else 'FAIL'} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps([m.model_dump(mode="json") for m in measurements], indent=2))

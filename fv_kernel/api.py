@@ -59,6 +59,7 @@ from fv_kernel.card.spec import (
     PrecisionPathChoice,
     PrecisionPathContract,
     PrecisionPathMeasurement,
+    PrecisionPathSample,
     PrecisionPathVerdict,
     QuantizedFrom,
     ProgramSpec,

@@ -9,6 +9,7 @@ resolved path and its family quantizes the targets at load. Toy-dit lists ``fp8_
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -23,10 +24,13 @@ import fv_kernel as fv
 from fv_kernel.api import DiffusionParams, Request, TaskType, TextPart, run_local
 from fv_kernel.card.checkpoint import load_into
 from fv_kernel.card.spec import (
+    IDENTICAL_CLIP_PSNR_DB,
     ModelCard,
     PrecisionContract,
     PrecisionPathContract,
     PrecisionPathMeasurement,
+    PrecisionPathSample,
+    PrecisionPathVerdict,
     TierParityRecord,
 )
 from fv_kernel.compute.compile import ComputeOptions, load_parity_record
@@ -48,11 +52,14 @@ def card() -> ModelCard:
     return toy_card("toy-dit")  # defaults: 4 steps at 3x8x8, fp32; lists fp8_weights and fp8_dynamic
 
 
-def measured(path: str = "fp8_dynamic", *, psnr: float = 50.0, device: str = "cpu", step: float | None = 1e-3,
-             native_step: float | None = 2e-3, steps: int = 4, judge: dict[str, float] | None = None,
-             native_judge: dict[str, float] | None = None) -> PrecisionPathMeasurement:
+def measured(path: str = "fp8_dynamic", *, psnr: float | tuple[float, ...] = 50.0, device: str = "cpu",
+             step: float | None = 1e-3, native_step: float | None = 2e-3, steps: int = 4,
+             judge: dict[str, float] | None = None, native_judge: dict[str, float] | None = None) -> PrecisionPathMeasurement:
+    """One measurement; ``psnr`` a value for each of three seeds alike, or the samples' values."""
+    values = psnr if isinstance(psnr, tuple) else (psnr,) * 3
+    samples = tuple(PrecisionPathSample(seed=seed, prompt="a red fox", psnr_db=value) for seed, value in enumerate(values))
     return PrecisionPathMeasurement(
-        path=path, model_id="toy-dit", precision="fp32", steps=steps, frames=3, height=8, width=8, psnr_db=psnr,  # type: ignore[arg-type]
+        path=path, model_id="toy-dit", precision="fp32", steps=steps, frames=3, height=8, width=8, samples=samples,  # type: ignore[arg-type]
         judge_scores=judge or {}, reference_judge_scores=native_judge or {}, device=device, step_seconds=step,
         reference_step_seconds=native_step, source="test",
     )
@@ -167,12 +174,13 @@ def test_a_linear_path_quantizes_the_targets_at_load_and_nothing_else(card: Mode
 
 
 def test_each_path_keeps_its_contract_on_toy_dit(card: ModelCard) -> None:
-    """The toy card's own contracts hold for what its paths produce (the numbers are measurements)."""
-    native = video(card, InstanceOptions())
+    """The toy card's own contracts hold for what its paths produce over three seeds (the numbers are measurements)."""
+    seeds = (3, 4, 5)
+    native = [video(card, InstanceOptions(), seed=seed) for seed in seeds]
     for path, contract in card.precision.paths.items():
-        got = video(card, InstanceOptions(precision_path=path))
-        assert not torch.equal(got, native)  # the path ran: fp8 is not the native result
-        m = measured(path, psnr=psnr(got, native))
+        got = [video(card, InstanceOptions(precision_path=path), seed=seed) for seed in seeds]
+        assert not any(torch.equal(g, n) for g, n in zip(got, native))  # the path ran: fp8 is not the native result
+        m = measured(path, psnr=tuple(psnr(g, n) for g, n in zip(got, native)))
         assert contract.check(m, model_id="toy-dit", precision="fp32", defaults=card.capabilities.defaults).passed, m.psnr_db
 
 
@@ -251,7 +259,54 @@ def test_the_record_keeps_tier_and_path_measurements_side_by_side(tmp_path: Path
     assert record.merged([]).precision_paths == record.precision_paths  # merging tiers keeps the paths
     file = tmp_path / "r.json"
     file.write_text(record.model_copy(update={"precision_paths": (measured(psnr=math.inf),)}).model_dump_json())
-    assert load_parity_record(file).find_path("fp8_dynamic", "toy-dit", "fp32").psnr_db == math.inf
+    loaded = load_parity_record(file).find_path("fp8_dynamic", "toy-dit", "fp32")
+    assert [s.psnr_db for s in loaded.samples] == [math.inf] * 3  # kept as measured
+    assert loaded.psnr_db == IDENTICAL_CLIP_PSNR_DB  # and counted as 150 dB in the statistics
+
+
+# --------------------------------------------------------------------------- the statistical floor
+
+
+def test_the_floor_is_on_the_95_percent_lower_bound_of_the_mean_psnr() -> None:
+    """Every sample at or above the floor passes; below it, the mean's 95% lower bound must hold the floor. Negative
+    control: the same mean (42 dB, floor 40) with one sample below passes when the samples are close together and
+    fails when they are spread too wide to tell. The bound is mean - t(0.95, n-1) * sd / sqrt(n), from its definition."""
+    contract = PrecisionPathContract(path="fp8_dynamic", min_psnr_db=40)
+
+    def verdict(values: tuple[float, ...]) -> PrecisionPathVerdict:
+        return contract.check(measured(psnr=values), model_id="toy-dit", precision="fp32", defaults=None)
+
+    assert verdict((40.0, 70.0, 100.0)).passed and "every sample >= 40 dB" in verdict((40.0, 70.0, 100.0)).reason
+    # One unlucky seed: mean 42.0, sd 1.0807 over 6; bound 42 - 2.015048 * 1.0807 / sqrt(6) = 41.1109.
+    unlucky = verdict((39.8, 42.4, 42.4, 42.4, 42.4, 42.6))
+    assert unlucky.passed and "95% lower bound 41.11 dB" in unlucky.reason, unlucky.reason
+    wide = (36.0, 42.0, 48.0)
+    # t(0.95, 2) = 2.919986; sd 6; bound 42 - 2.919986 * 6 / sqrt(3) = 31.885
+    failed = verdict(wide)
+    assert not failed.passed and "95% lower bound 31.88 dB" in failed.reason and "sd 6.00" in failed.reason
+    # An identical clip counts as 150 dB, not as an infinity that would carry any mean.
+    assert verdict((math.inf, 41.0, 41.0)).passed
+    assert not verdict((math.inf, 20.0, 20.0)).passed
+    assert not verdict((math.nan, 45.0, 45.0)).passed
+
+
+def test_a_record_with_fewer_samples_than_the_contract_needs_is_not_judged(tmp_path: Path) -> None:
+    """A record from before samples were kept (one pooled psnr_db) still loads, as one sample, and is not judged: the
+    reason names 'samples' and how many seeds the contract needs."""
+    old = measured(psnr=60.0).model_dump(mode="json")
+    del old["samples"]
+    old["psnr_db"] = 60.0
+    file = tmp_path / "old.json"
+    file.write_text(json.dumps({"precision_paths": [old]}))
+    loaded = load_parity_record(file).find_path("fp8_dynamic", "toy-dit", "fp32")
+    assert loaded is not None and [s.psnr_db for s in loaded.samples] == [60.0]
+    verdict = PrecisionPathContract(path="fp8_dynamic", min_psnr_db=40).check(
+        loaded, model_id="toy-dit", precision="fp32", defaults=None)
+    assert not verdict.passed and "1 sample(s) in 'samples'" in verdict.reason and "at least 3 seeds" in verdict.reason
+    with pytest.raises(ValidationError, match="not both"):
+        PrecisionPathMeasurement.model_validate({**old, "samples": [{"psnr_db": 60.0}]})
+    with pytest.raises(ValidationError, match="min_samples"):
+        PrecisionPathContract(path="fp8_dynamic", min_psnr_db=40, min_samples=1)
 
 
 # --------------------------------------------------------------------------- recipes that assume a path

@@ -61,6 +61,8 @@ __all__ = [
     "FP8_ATTENTION_PATHS",
     "PrecisionPathContract",
     "PrecisionPathMeasurement",
+    "PrecisionPathSample",
+    "IDENTICAL_CLIP_PSNR_DB",
     "PrecisionPathVerdict",
     "CacheContract",
     "ParallelismContract",
@@ -737,6 +739,16 @@ class TierSampleStatistics(_Spec):
     worst_db: float
 
 
+def _one_sided_statistics(values: list[float]) -> TierSampleStatistics:
+    """Mean, sd and the one-sided 95% lower confidence bound of the mean of finite ``values`` (NaN bound for one)."""
+    n, mean, worst = len(values), sum(values) / len(values), min(values)
+    if n < 2:
+        return TierSampleStatistics(n=n, mean_db=mean, sd_db=math.nan, lower_bound_db=math.nan, worst_db=worst)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return TierSampleStatistics(n=n, mean_db=mean, sd_db=sd, lower_bound_db=mean - t_quantile_95(n - 1) * sd / math.sqrt(n),
+                                worst_db=worst)
+
+
 class _TrajectoryMeasurement(_Spec):
     """What every full-trajectory measurement names: the card, and the trajectory it ran (its
     steps and shape, which a contract checks against the card's defaults), and where it was made."""
@@ -806,23 +818,36 @@ class TierParityMeasurement(_TrajectoryMeasurement):
         if any(math.isnan(d) for d in diffs) or worst == -math.inf:
             bad = math.nan if any(math.isnan(d) for d in diffs) else -math.inf
             return TierSampleStatistics(n=n, mean_db=bad, sd_db=math.nan, lower_bound_db=bad, worst_db=worst)
-        mean = sum(diffs) / n
-        if n < 2:
-            return TierSampleStatistics(n=n, mean_db=mean, sd_db=math.nan, lower_bound_db=math.nan, worst_db=worst)
-        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
-        return TierSampleStatistics(n=n, mean_db=mean, sd_db=sd, lower_bound_db=mean - t_quantile_95(n - 1) * sd / math.sqrt(n),
-                                    worst_db=worst)
+        return _one_sided_statistics(diffs)
+
+
+#: An identical clip's PSNR (infinite) counts as this many dB in a precision path's statistics: above what fp32
+#: rounding alone leaves (about 138 dB for frames in [0, 1]), so an identical clip neither fails a path nor lets one
+#: infinity carry the mean.
+IDENTICAL_CLIP_PSNR_DB = 150.0
+
+
+class PrecisionPathSample(_Spec):
+    """One seed and prompt's full trajectory: the path's final decoded video against the native path's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+    #: The request's seed (None: not recorded, in a record from before samples were kept).
+    seed: int | None = None
+    prompt: str | None = None
+    #: PSNR (dB, inf: identical) of the path's final video against the native path's, same seed and prompt.
+    psnr_db: float
 
 
 class PrecisionPathMeasurement(_TrajectoryMeasurement):
-    """One full-trajectory measurement of a precision path against the native path
+    """Full-trajectory measurements of a precision path against the native path, one sample per seed and prompt
     (``bench/bench_precision_quality.py --record``): what a :class:`PrecisionPathContract` is judged on."""
 
     path: Literal["fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all"]
     #: The instance precision both runs used (the card's default unless the deployment chose another).
     precision: Precision
-    #: PSNR (dB, inf: identical) of the path's final decoded video against the native path's, same seed.
-    psnr_db: float
+    #: One per seed and prompt; the contract needs several (``PrecisionPathContract.min_samples``).
+    samples: tuple[PrecisionPathSample, ...] = Field(min_length=1)
     #: The path's judge scores (points, e.g. the toy judge's ``colour`` and ``direction``); empty: not judged.
     judge_scores: dict[str, float] = Field(default_factory=dict)
     #: The native path's scores on the same prompts and seeds.
@@ -839,10 +864,36 @@ class PrecisionPathMeasurement(_TrajectoryMeasurement):
     def _device_type(cls, value: str) -> str:
         return value.split(":", 1)[0]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _single_sample_record(cls, data: Any) -> Any:
+        # A record written before samples were kept has one pooled psnr_db: it loads as one sample, which the
+        # contract reports it cannot judge (naming 'samples') instead of refusing the file.
+        if isinstance(data, dict) and "psnr_db" in data:
+            if "samples" in data:
+                raise ValueError("a measurement gives 'samples', or the single psnr_db of an older record, not both")
+            data = dict(data)
+            data["samples"] = [{"psnr_db": data.pop("psnr_db")}]
+        return data
+
     @property
     def key(self) -> tuple[str, str, str]:
         """What a record keeps one measurement per: (path, card, precision)."""
         return (self.path, self.model_id, self.precision)
+
+    @property
+    def psnr_db(self) -> float:
+        """The samples' mean PSNR (an identical clip counted as ``IDENTICAL_CLIP_PSNR_DB``)."""
+        return self.statistics().mean_db
+
+    def statistics(self) -> TierSampleStatistics:
+        """The samples' PSNRs summarised: mean, sd, the one-sided 95% lower bound of the mean (NaN for one sample)
+        and the worst. An identical clip counts as ``IDENTICAL_CLIP_PSNR_DB``; a NaN sample makes every figure NaN."""
+        values = [min(sample.psnr_db, IDENTICAL_CLIP_PSNR_DB) for sample in self.samples]
+        if any(math.isnan(v) for v in values):
+            return TierSampleStatistics(n=len(values), mean_db=math.nan, sd_db=math.nan, lower_bound_db=math.nan,
+                                        worst_db=math.nan)
+        return _one_sided_statistics(values)
 
     @property
     def speedup(self) -> float | None:
@@ -860,15 +911,22 @@ class PrecisionPathVerdict(_Spec):
 
 class PrecisionPathContract(_Spec):
     """Where a card allows a precision path: the quality the path must keep against the card's
-    native path over a full trajectory (C1: fixed seed, the card's default steps and shape).
+    native path over full trajectories (C1: fixed seeds, the card's default steps and shape).
 
     Judged by :meth:`check` on a :class:`PrecisionPathMeasurement` read from the deployment's
-    ``compute.parity_record``. ``precision_path: auto`` selects only a path that passes.
+    ``compute.parity_record``. ``precision_path: auto`` selects only a path that passes. The floor
+    is statistical, as the compute tiers' is: over the samples (one per seed and prompt), the path
+    passes when every sample is at or above ``min_psnr_db``, or else when the one-sided 95% lower
+    confidence bound of their mean PSNR is. One unlucky seed below the floor does not fail a path
+    whose mean is well above it; a path that holds the floor only on average, with samples spread
+    too wide to tell, fails.
     """
 
     path: Literal["fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all"]
-    #: Floor on the final video's PSNR against the native path's (dB).
+    #: Floor (dB) on the 95% lower confidence bound of the final videos' mean PSNR against the native path's.
     min_psnr_db: float = Field(gt=0)
+    #: Fewest samples (seeds and prompts) the rule judges: a bound needs a spread (as ``TierParityContract``'s).
+    min_samples: int = Field(default=3, ge=2)
     #: Each judge score may differ from the native path's by at most this many points; None: no
     #: judge (the measurement's scores are not read).
     max_judge_delta: float | None = Field(default=None, ge=0)
@@ -892,8 +950,16 @@ class PrecisionPathContract(_Spec):
         short = _short_trajectory(where, measurement, defaults)
         if short is not None:
             return fail(short)
-        if not measurement.psnr_db >= self.min_psnr_db:  # NaN fails too
-            return fail(f"{where}: final video {measurement.psnr_db:.2f} dB PSNR against the native path, below the "
+        n = len(measurement.samples)
+        if n < self.min_samples:
+            return fail(f"{where}: the record holds {n} sample(s) in 'samples' (a single-sample record cannot be "
+                        f"judged); the contract's floor is statistical and needs at least {self.min_samples} seeds "
+                        f"and prompts; {measurement.source}")
+        stats = measurement.statistics()
+        # Every sample at or above the floor passes however spread they are; below it, the mean must be held at 95%.
+        if not (stats.worst_db >= self.min_psnr_db or stats.lower_bound_db >= self.min_psnr_db):  # NaN fails too
+            return fail(f"{where}: final videos {stats.mean_db:.2f} dB PSNR against the native path on average over "
+                        f"{n} samples (sd {stats.sd_db:.2f}), 95% lower bound {stats.lower_bound_db:.2f} dB, below the "
                         f"contract's {self.min_psnr_db:g} dB; {measurement.source}")
         if self.max_judge_delta is not None:
             if not measurement.reference_judge_scores:
@@ -906,7 +972,10 @@ class PrecisionPathContract(_Spec):
                     return fail(f"{where}: judge score {name!r} {score:.2f} against the native path's {native:.2f}, "
                                 f"more than {self.max_judge_delta:g} points apart; {measurement.source}")
         return PrecisionPathVerdict(path=self.path, passed=True, reason=(
-            f"{where}: {measurement.psnr_db:.2f} dB against the native path >= {self.min_psnr_db:g} dB"
+            f"{where}: over {n} samples {stats.mean_db:.2f} dB against the native path on average, "
+            + (f"every sample >= {self.min_psnr_db:g} dB (worst {stats.worst_db:.2f} dB)" if stats.worst_db >= self.min_psnr_db
+               else f"95% lower bound {stats.lower_bound_db:.2f} dB >= {self.min_psnr_db:g} dB (worst sample "
+                    f"{stats.worst_db:.2f} dB)")
             + ("" if self.max_judge_delta is None else f", judge scores within {self.max_judge_delta:g} points")
             + f"; {measurement.source}"))
 

@@ -30,8 +30,9 @@ def _cards(wan_card):
 
 def test_the_shipped_cpu_record_holds_every_path_with_the_documented_verdicts(wan_card) -> None:
     """Every path of wan-tiny (fp32 and bf16) and wan-toy (fp32) is measured over the card's default
-    trajectory; the contracts' verdicts are the table's. No step timings: on CPU the fp8 paths run
-    the reference kernels, so ``auto`` keeps ``native``."""
+    trajectory, with as many samples (seeds and prompts) as the contract needs at least; the contracts'
+    verdicts are the table's. No step timings: on CPU the fp8 paths run the reference kernels, so
+    ``auto`` keeps ``native``."""
     record = load_parity_record(RECORD)
     for card in _cards(wan_card):
         for precision in [p for c, p in PASSING if c == card.model_id]:
@@ -40,6 +41,7 @@ def test_the_shipped_cpu_record_holds_every_path_with_the_documented_verdicts(wa
                 m = record.find_path(path, card.model_id, precision)
                 assert m is not None, (card.model_id, precision, path)
                 assert m.step_seconds is None and m.device == "cpu"
+                assert len(m.samples) == (16 if card.model_id == "wan-toy" else 3) >= contract.min_samples
                 if card.model_id == "wan-toy":
                     assert set(m.judge_scores) == set(m.reference_judge_scores) == {"colour", "direction"}
                 if contract.check(m, model_id=card.model_id, precision=precision, defaults=card.capabilities.defaults).passed:
@@ -79,5 +81,6 @@ def test_the_judge_bound_is_two_points(wan_card) -> None:
     contract = toy.precision.paths["fp8_weights"]
     ref = m.reference_judge_scores
     for delta, ok in ((2.5, False), (1.5, True)):
-        edited = m.model_copy(update={"psnr_db": 99.0, "judge_scores": {**ref, "colour": ref["colour"] - delta}})
+        samples = tuple(sample.model_copy(update={"psnr_db": 99.0}) for sample in m.samples)  # past the PSNR floor
+        edited = m.model_copy(update={"samples": samples, "judge_scores": {**ref, "colour": ref["colour"] - delta}})
         assert contract.check(edited, model_id="wan-toy", precision="fp32", defaults=toy.capabilities.defaults).passed is ok
