@@ -3,7 +3,8 @@
 :func:`quantize_card` builds the card's instance on an fp8 linear path (its family quantizes
 the ``fp8_targets`` at load), then writes each quantized component's state dict (e4m3
 ``weight`` + fp32 ``weight_scale`` for the targets, everything else as loaded) as safetensors
-in the component's checkpoint folder, beside a copy of the source's other files, and a card
+in the component's checkpoint folder, beside a copy of the source's other files (a seeded
+component's folder gets the card's component config as ``config.json``), and a card
 (``fv-card.json``) whose ``recipe.quantized_from`` records the card, weights version and path.
 Loading that folder back quantizes nothing and runs bit-identically to quantizing at load.
 """
@@ -106,6 +107,11 @@ def quantize_card(card: ModelCard, options: InstanceOptions, path: str, output: 
                 shutil.copytree(src, folder, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json", "*.bin"))
             folder.mkdir(parents=True, exist_ok=True)
+            if not (folder / "config.json").exists():
+                # A seeded component had no files: its config is the card's (the keys its builder takes), written as
+                # the folder's config.json so that the folder is a checkpoint in the diffusers convention a family's
+                # loader reads (without it fv-wan's loader failed on the missing file).
+                (folder / "config.json").write_text(json.dumps(card.components[component_id].config, indent=2) + "\n")
             _save(module, folder / _WEIGHTS_FILE, {"fv_quantized_from": card.model_id, "fv_precision_path": path,
                                                     "fv_weights_version": instance.weights_version})
             ckpt_components[component_id] = spec.model_copy(update={"random_init_seed": None,

@@ -11,11 +11,14 @@ Wan release's (``wan/modules/model.py`` names: ``dim``/``num_heads`` in ``config
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
+
+from fv_kernel.api import InstanceOptions, ModelCard
 
 from fv_wan.models.transformer import ORIGINAL_KEY_PREFIXES, WanTransformerConfig
 
-__all__ = ["transformer_config_from_disk", "is_original_layout", "same_architecture"]
+__all__ = ["transformer_config_from_disk", "is_original_layout", "same_architecture", "seed_of"]
 
 #: The original release's CLIP (open-clip ViT-H/14) width, which I2V's ``image_dim`` takes.
 _ORIGINAL_I2V_IMAGE_DIM = 1280
@@ -61,3 +64,30 @@ def is_original_layout(keys: Any) -> bool:
         if stripped == "head.head.weight":
             return True
     return False
+
+
+def seed_of(card: ModelCard, component_id: str, options: InstanceOptions) -> int | None:
+    """The seed a component's random weights are drawn with in this load, or None when it loads from files.
+
+    No source at all: every component is seeded (``random_init_seed``, else 0). The card's own source
+    (``checkpoint.source``, also when ``options.source`` names that same checkpoint, as ``fv generate
+    --model FOLDER`` does): a component with a ``random_init_seed`` stays seeded beside the others'
+    files (``fv quantize`` of wan-tiny writes its transformer and keeps its VAE and text encoder
+    seeded). Another source named by the deployment (``options.source``) loads every component from
+    that checkpoint.
+    """
+    seed = card.checkpoint.components[component_id].random_init_seed
+    own, named = card.checkpoint.source, options.source
+    if own is None and named is None:
+        return seed or 0
+    if named is None or (own is not None and _same_source(named, own)):
+        return seed
+    return None
+
+
+def _same_source(a: str, b: str) -> bool:
+    """Two checkpoint sources name one checkpoint: the same local folder, or the same hub id."""
+    if a == b:
+        return True
+    left, right = Path(a).expanduser(), Path(b).expanduser()
+    return left.exists() and right.exists() and left.resolve() == right.resolve()

@@ -33,9 +33,10 @@ from fv_kernel.api import (
     resolve_source,
     run_local,
 )
+from fv_wan.checkpoint import seed_of
 from fv_wan.loops import text_context_length
 from fv_wan.models.encoders import WanTextEncoder
-from fv_wan.models.transformer import WanTransformer, WanTransformerConfig
+from fv_wan.models.transformer import WanTransformer
 from fv_wan.models.vae import WanVAE, WanVAEConfig
 
 __all__ = ["DIFFUSERS_VERSION", "PARITY_PROMPT", "PARITY_SEED", "full_vae", "export_checkpoint", "check_parity", "scheduler_config"]
@@ -63,8 +64,9 @@ def full_vae(card: ModelCard, options: InstanceOptions, component_id: str = "vae
     config = WanVAEConfig.from_diffusers_config(spec.config)
     ckpt = card.checkpoint.components[component_id]
     source = options.source or card.checkpoint.source
-    if source is None:
-        vae = _seeded(ckpt.random_init_seed or 0, lambda: WanVAE(config))
+    seed = seed_of(card, component_id, options)
+    if source is None or seed is not None:
+        vae = _seeded(seed or 0, lambda: WanVAE(config))
     else:
         folder = resolve_source(source, subfolder=ckpt.subfolder, local_files_only=options.local_files_only)
         found = WanVAEConfig.from_diffusers_config(json.loads((folder / "config.json").read_text()))

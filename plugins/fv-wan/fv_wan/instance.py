@@ -47,7 +47,7 @@ from fv_kernel.api import (
     select_compute_tiers,
     select_fused_ops,
 )
-from fv_wan.checkpoint import is_original_layout, same_architecture, transformer_config_from_disk
+from fv_wan.checkpoint import is_original_layout, same_architecture, seed_of, transformer_config_from_disk
 from fv_wan.component_configs import WanImageEncoderConfig, WanTextEncoderConfig
 from fv_wan.models.encoders import WanImageEncoder, WanTextEncoder
 from fv_wan.models.transformer import (
@@ -71,10 +71,10 @@ def _component_dtype(card: ModelCard, component_id: str, options: InstanceOption
 
 
 def _folder(card: ModelCard, component_id: str, options: InstanceOptions) -> Path | None:
-    """The checkpoint folder of a component, or None for seeded random weights."""
+    """The checkpoint folder of a component, or None for seeded random weights (:func:`seed_of`)."""
     ckpt = card.checkpoint.components[component_id]
     source = options.source or card.checkpoint.source
-    if source is None:
+    if source is None or seed_of(card, component_id, options) is not None:
         return None
     return resolve_source(source, subfolder=ckpt.subfolder, local_files_only=options.local_files_only)
 
@@ -158,7 +158,7 @@ def _load_transformer_weights(
     device = torch.device(options.device)
     folder = _folder(card, component_id, options)
     if folder is None:
-        seed = card.checkpoint.components[component_id].random_init_seed or 0
+        seed = seed_of(card, component_id, options) or 0
         model = _seeded(seed, lambda: WanTransformer(expected))
         model.rope.build_tables(device)
         return cast_for_inference(model.to(device), dtype).eval().requires_grad_(False)
@@ -203,8 +203,7 @@ def load_vae(card: ModelCard, component_id: str, options: InstanceOptions) -> Wa
     folder = _folder(card, component_id, options)
     keep_encoder = component_id == "vae_encoder"
     if folder is None:
-        seed = card.checkpoint.components[component_id].random_init_seed or 0
-        vae = _seeded(seed, lambda: WanVAE(config))
+        vae = _seeded(seed_of(card, component_id, options) or 0, lambda: WanVAE(config))
     else:
         disk = json.loads((folder / "config.json").read_text())
         found = WanVAEConfig.from_diffusers_config(disk)
@@ -240,8 +239,8 @@ def _load_encoder(
     config = _component_config(spec, config_cls, config_cls.model_validate)
     dtype = _component_dtype(card, component_id, options)
     source = options.source or card.checkpoint.source
-    if source is None:
-        seed = card.checkpoint.components[component_id].random_init_seed or 0
+    seed = seed_of(card, component_id, options)
+    if source is None or seed is not None:
         tiny = config.tiny.model_dump() if config.tiny is not None else {}
         encoder = encoder_cls.tiny(seed, **tiny)
         return encoder.to(device=options.device, dtype=dtype).eval().requires_grad_(False)

@@ -167,6 +167,7 @@ def toy_parameter_count(spec: ComponentSpec) -> int:
 def build_toy_instance(card: ModelCard, options: InstanceOptions, compute: Any = None) -> ModelInstance:
     """fv-wan's instance, plus: the seeded word-level text encoder when the card has no checkpoint,
     and the whole-VAE ``vae`` component a trainer trains (serving never loads it)."""
+    from fv_wan.checkpoint import seed_of
     from fv_wan.instance import build_wan_instance, wan_ops
 
     base = build_wan_instance(card, options, compute)
@@ -176,9 +177,9 @@ def build_toy_instance(card: ModelCard, options: InstanceOptions, compute: Any =
     def load(component_id: str) -> Any:
         if component_id == "vae":
             return load_full_vae(card, component_id, options)
-        if component_id == "text_encoder" and source is None:
-            seed = card.checkpoint.components[component_id].random_init_seed or 0
-            return toy_text_encoder(seed).to(device=options.device).requires_grad_(False)
+        seed = seed_of(card, component_id, options) if component_id == "text_encoder" else None
+        if component_id == "text_encoder" and (source is None or seed is not None):
+            return toy_text_encoder(seed or 0).to(device=options.device).requires_grad_(False)
         return base.component_loader(component_id)
 
     ops_builder = wan_ops if compute is None else functools.partial(wan_ops, compute=compute, compile_cache=CompileCache())

@@ -223,3 +223,43 @@ def test_fv_quantize_of_wan_toy_loads_back_as_the_same_fp8_layers(tmp_path) -> N
         assert module.mode == "fp8_weights" and module.weight_scale.shape == (module.out_features,)
         assert torch.equal(module.weight.view(torch.uint8), want[name].weight.view(torch.uint8))
         assert torch.equal(module.weight_scale, want[name].weight_scale)
+
+
+def test_fv_quantize_of_a_seeded_card_loads_back_and_generates_as_quantizing_at_load(tmp_path, wan_card) -> None:
+    """wan-tiny's weights are seeded, not files. ``fv quantize`` writes its transformer as files (with the card's
+    config as ``config.json``) and keeps its VAE and text encoder seeded beside them; the written card loads (before:
+    ``fv generate`` on the folder failed on the missing ``transformer/config.json``, then on looking for the seeded
+    VAE's folder) and generates what quantizing at load generates. Its weights are those bytes exactly; the video
+    agrees to fp32 rounding, and bit for bit once the loaded parameters are copied to fresh memory: tensors read from
+    a safetensors file sit at other memory alignments than freshly allocated ones, and CPU GEMMs sum those in
+    another order."""
+    from fv_kernel.api import DiffusionParams, Request, TaskType, TextPart, build_instance, read_card_file_beside, run_local
+    from fv_kernel.model.quantize import quantize_card
+
+    card = wan_card(CARD)
+    out = tmp_path / "wan-tiny-fp8"
+    written = quantize_card(card, InstanceOptions(), "fp8_weights", out)
+    config = json.loads((out / "transformer" / "config.json").read_text())
+    assert config == json.loads(json.dumps(card.components["transformer"].config))
+    assert not (out / "vae").exists() and not (out / "text_encoder").exists()
+    seeds = {c: s.random_init_seed for c, s in written.checkpoint.components.items()}
+    assert seeds["transformer"] is None and seeds["vae_decoder"] == card.checkpoint.components["vae_decoder"].random_init_seed
+
+    def frames(card: Any, options: InstanceOptions, fresh_memory: bool = False) -> torch.Tensor:
+        instance = build_instance(card, options)
+        instance.load_for_task(TaskType.TEXT_TO_VIDEO)
+        if fresh_memory:
+            with torch.no_grad():
+                for param in instance.component("transformer").parameters():
+                    param.data = param.data.clone()
+        request = Request(model=card.model_id, task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="a red fox"),),
+                          diffusion=DiffusionParams(seed=2))
+        (video,) = run_local(request, instance)
+        return video.frames
+
+    loaded = read_card_file_beside(out)
+    at_load = frames(card, InstanceOptions(precision_path="fp8_weights"))
+    assert (frames(loaded, InstanceOptions()) - at_load).abs().max() <= 1e-5
+    # ``fv generate --model FOLDER`` names the card's own folder as the source: the seeded parts stay seeded.
+    assert torch.equal(frames(loaded, InstanceOptions(source=str(out))), frames(loaded, InstanceOptions()))
+    assert torch.equal(frames(loaded, InstanceOptions(), fresh_memory=True), at_load)
