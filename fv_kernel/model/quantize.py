@@ -19,7 +19,7 @@ from torch import nn
 
 from fv_kernel import __version__
 from fv_kernel.card.checkpoint import resolve_source
-from fv_kernel.card.spec import FP8_LINEAR_PATHS, ModelCard, QuantizedFrom
+from fv_kernel.card.spec import ModelCard, QuantizedFrom
 from fv_kernel.compute.fp8 import Fp8Linear
 from fv_kernel.errors import FvError, InvalidRequest
 from fv_kernel.model.catalog import CARD_FILE
