@@ -472,7 +472,7 @@ def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
         result["one_step_fused_vs_alone"] = _step_fused_vs_alone(instance, prompts)
         if graphed is not None:
             with torch.inference_mode():  # as the Engine's steps run (the pool's storage is an inference tensor)
-                result["step_split"] = _step_split(b, graphed, result["batch1"]["tokens_per_s"])
+                result["step_split"] = _step_split(b, graphed, result["batch1"]["tokens_per_s"], replays=3 if b.smoke else 50)
         out[tier] = result
     instance.graphed_decode = None
     if "graphed" in out and "eager" in out:
