@@ -166,3 +166,37 @@ def test_websocket_sends_previews_only_to_a_client_that_asked(ws_url: str, monke
     assert on_the_loop == [False, False]
     # The binary frames (fMP4) are the same count either way: previews add JSON messages only.
     assert sum(isinstance(m, bytes) for m in asked) == sum(isinstance(m, bytes) for m in plain) == 2
+
+
+def test_the_sse_fallback_relays_previews_to_a_client_that_asked(ws_url: str) -> None:
+    """The SSE fallback carries the WebSocket's messages: ``video.preview`` before each ``video.chunk`` when the
+    session's ``extra_params.previews`` asks, none otherwise."""
+    import httpx
+
+    from fv_kernel.testing import read_sse
+
+    base = ws_url.replace("ws://", "http://").removesuffix("/v1/realtime/video")
+
+    def events(**extra: Any) -> list[tuple[str, dict[str, Any]]]:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            created = http.post("/v1/realtime/video/sessions", json={
+                "model": "wan-toy-causal", "prompt": PROMPT, "width": 64, "height": 64, "seed": 3,
+                "extra_params": {"max_chunks": 2, **extra}})
+            assert created.status_code == 201, created.text
+            seen: list[tuple[str, dict[str, Any]]] = []
+            with http.stream("GET", created.json()["events_url"]) as response:
+                for event in read_sse(response):
+                    seen.append((event["event"], event["data"]))
+                    if event["event"] == "session.done":
+                        return seen
+        raise AssertionError("the stream ended without session.done")
+
+    plain = [kind for kind, _ in events() if kind in ("video.preview", "video.chunk")]
+    assert plain == ["video.chunk"] * 2
+    asked = events(previews=True)
+    assert [kind for kind, _ in asked if kind in ("video.preview", "video.chunk")] == ["video.preview", "video.chunk"] * 2
+    previews = [data for kind, data in asked if kind == "video.preview"]
+    chunks = [data for kind, data in asked if kind == "video.chunk"]
+    for preview, chunk in zip(previews, chunks):
+        assert preview["generation_chunk_index"] == chunk["generation_chunk_index"]
+        assert base64.b64decode(preview["image"]).startswith(b"\x89PNG")
