@@ -137,19 +137,9 @@ def png_bytes(width: int = 8, height: int = 8) -> bytes:
 def test_create_stream_and_content(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     av = pytest.importorskip("av")
     from fv_kernel.serving import jobs
+    from fv_kernel.testing import recording_loop_use
 
-    encoded_on_the_loop: list[bool] = []
-
-    def encode(frames: Any) -> bytes | None:
-        # Preview PNGs are made on a worker thread: no event loop runs in the thread that encodes them.
-        try:
-            asyncio.get_running_loop()
-            encoded_on_the_loop.append(True)
-        except RuntimeError:
-            encoded_on_the_loop.append(False)
-        return preview_png(frames)
-
-    preview_png = jobs.preview_png
+    encode, encoded_on_the_loop = recording_loop_use(jobs.preview_png)  # preview PNGs are made on a worker thread
     monkeypatch.setattr(jobs, "preview_png", encode)
     d = served.card.capabilities.defaults
     with served.client() as client:

@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     import httpx
 
 from fv_kernel.parallel.launch import free_port
 
-__all__ = ["wait_for_job", "job_progress", "read_sse", "free_port"]
+__all__ = ["wait_for_job", "job_progress", "read_sse", "free_port", "recording_loop_use"]
 
 
 def wait_for_job(client: "httpx.Client", job_id: str, statuses: set[str], timeout_s: float = 600.0) -> dict[str, Any]:
@@ -52,3 +53,19 @@ def read_sse(response: Any) -> Iterator[dict[str, Any]]:
         elif line == "" and current:
             yield {"id": current.get("id"), "event": current["event"], "data": current["data"]}
             current = {}
+
+
+def recording_loop_use(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[bool]]:
+    """``fn`` wrapped to record, for each call, whether it ran in a thread with a running asyncio event loop: a
+    test's check that blocking work (an encode, a file write) was moved off a server's loop."""
+    on_a_loop: list[bool] = []
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+            on_a_loop.append(True)
+        except RuntimeError:
+            on_a_loop.append(False)
+        return fn(*args, **kwargs)
+
+    return wrapped, on_a_loop

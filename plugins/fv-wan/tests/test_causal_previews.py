@@ -6,7 +6,6 @@ to a client that asked (``extra_params.previews``)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import json
@@ -137,19 +136,9 @@ def test_websocket_sends_previews_only_to_a_client_that_asked(ws_url: str, monke
     from PIL import Image
 
     from fv_kernel.serving import realtime
-    from fv_kernel.serving.media import preview_png
+    from fv_kernel.testing import recording_loop_use
 
-    on_the_loop: list[bool] = []
-
-    def encode(frames: Any) -> bytes | None:
-        # The PNG is made on a worker thread: no event loop runs in the thread that encodes it.
-        try:
-            asyncio.get_running_loop()
-            on_the_loop.append(True)
-        except RuntimeError:
-            on_the_loop.append(False)
-        return preview_png(frames)
-
+    encode, on_the_loop = recording_loop_use(realtime.preview_png)  # the PNG is made on a worker thread
     monkeypatch.setattr(realtime, "preview_png", encode)
     plain = _stream(ws_url)
     assert not any(isinstance(m, dict) and m["type"] == "video.preview" for m in plain)
