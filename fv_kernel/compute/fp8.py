@@ -226,7 +226,8 @@ class Fp8Linear(nn.Module):
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
             if linear.bias is not None:
                 module.bias.copy_(linear.bias)
-        return module
+        # In the mode of the layer it replaces: quantizing a model in eval mode leaves no layer in training mode.
+        return module.train(linear.training)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scale = self.weight_scale.reshape(-1, 1) if self.weight_scale.dim() else self.weight_scale

@@ -183,6 +183,7 @@ def test_quantize_at_load_takes_the_card_targets_only(wan_card) -> None:
     assert fp8 == sorted(fp8_target_paths(card, "transformer", model))
     assert len(fp8) == 10 * len(model.blocks)
     assert all(m.weight_scale.dim() == 1 for n, m in model.named_modules() if isinstance(m, Fp8Linear))  # per channel
+    assert not any(m.training for m in model.modules())  # the quantized layers take the loaded model's eval mode
     for native in ("condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1", "proj_out"):
         assert type(model.get_submodule(native)) is torch.nn.Linear
 
