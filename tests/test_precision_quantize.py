@@ -153,6 +153,8 @@ def test_a_checkpoint_folder_is_written_in_its_layout_with_its_other_files(tmp_p
                   str(source / component / "diffusion_pytorch_model.safetensors"))
         (source / component / "config.json").write_text(json.dumps({"component": component}))
     (source / "model_index.json").write_text("{}")
+    (source / "tokenizer").mkdir()  # a folder that is no component's, as a tokenizer's or a scheduler's is
+    (source / "tokenizer" / "tokenizer.json").write_text('{"vocab": {}}')
     seeded = toy_card("toy-dit")
     data = seeded.model_dump()
     data["checkpoint"]["source"] = str(source)
@@ -164,6 +166,7 @@ def test_a_checkpoint_folder_is_written_in_its_layout_with_its_other_files(tmp_p
     out = tmp_path / "q"
     card = quantize_card(from_files, InstanceOptions(), "fp8_weights", out)
     assert (out / "model_index.json").read_text() == "{}"
+    assert (out / "tokenizer" / "tokenizer.json").read_text() == '{"vocab": {}}'
     assert json.loads((out / "dit" / "config.json").read_text()) == {"component": "dit"}
     assert (out / "decoder" / "diffusion_pytorch_model.safetensors").read_bytes() == (
         source / "decoder" / "diffusion_pytorch_model.safetensors").read_bytes()

@@ -3,7 +3,8 @@
 :func:`quantize_card` builds the card's instance on an fp8 linear path (its family quantizes
 the ``fp8_targets`` at load), then writes each quantized component's state dict (e4m3
 ``weight`` + fp32 ``weight_scale`` for the targets, everything else as loaded) as safetensors
-in the component's checkpoint folder, beside a copy of the source's other files (a seeded
+in the component's checkpoint folder, beside a copy of the source's other files and folders (a
+tokenizer, a scheduler config; a seeded
 component's folder gets the card's component config as ``config.json``), and a card
 (``fv-card.json``) whose ``recipe.quantized_from`` records the card, weights version and path.
 Loading that folder back quantizes nothing and runs bit-identically to quantizing at load.
@@ -82,9 +83,14 @@ def quantize_card(card: ModelCard, options: InstanceOptions, path: str, output: 
         if source is not None and from_files:
             # The checkpoint's own files (model_index.json, configs): the output is a checkpoint in the card's layout.
             root = resolve_source(source, local_files_only=options.local_files_only)
+            component_folders = {spec.subfolder for spec in card.checkpoint.components.values() if spec.subfolder}
             for item in root.iterdir():
                 if item.is_file() and not item.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
                     shutil.copy2(item, staging / item.name)
+                elif item.is_dir() and item.name not in component_folders and item.name != staging.name:
+                    # Folders that are no component's (a tokenizer, a scheduler config): copied as they are; without
+                    # them the written card's text encoder found no tokenizer.
+                    shutil.copytree(item, staging / item.name)
             for component_id in from_files:
                 spec = card.checkpoint.components[component_id]
                 if component_id in components or not spec.subfolder:

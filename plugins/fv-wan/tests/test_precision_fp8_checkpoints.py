@@ -200,6 +200,24 @@ def test_fp8_errors_name_the_field_and_allowed_values(tmp_path, wan_card) -> Non
         _load(card, root, "fp8_weights")
 
 
+def _frames(card: Any, options: InstanceOptions, prompt: str, *, steps: int | None = None, seed: int = 2,
+            fresh_memory: bool = False) -> torch.Tensor:
+    """One text-to-video request's frames; ``fresh_memory``: the transformer's parameters copied to newly allocated
+    memory first (tensors read from a file sit at other alignments, which CPU GEMMs sum in another order)."""
+    from fv_kernel.api import DiffusionParams, Request, TaskType, TextPart, build_instance, run_local
+
+    instance = build_instance(card, options)
+    instance.load_for_task(TaskType.TEXT_TO_VIDEO)
+    if fresh_memory:
+        with torch.no_grad():
+            for param in instance.component("transformer").parameters():
+                param.data = param.data.clone()
+    request = Request(model=card.model_id, task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text=prompt),),
+                      diffusion=DiffusionParams(seed=seed, steps=steps))
+    (video,) = run_local(request, instance)
+    return video.frames
+
+
 def test_fv_quantize_of_wan_toy_loads_back_as_the_same_fp8_layers(tmp_path) -> None:
     """``fv quantize`` writes per-channel ``weight_scale`` keys; fv-wan's loader takes them as they
     are: the same e4m3 bytes and scales as quantizing wan-toy at load, and nothing quantized again."""
@@ -224,6 +242,17 @@ def test_fv_quantize_of_wan_toy_loads_back_as_the_same_fp8_layers(tmp_path) -> N
         assert module.mode == "fp8_weights" and module.weight_scale.shape == (module.out_features,)
         assert torch.equal(module.weight.view(torch.uint8), want[name].weight.view(torch.uint8))
         assert torch.equal(module.weight_scale, want[name].weight_scale)
+    # The whole card runs from the folder: its tokenizer and scheduler folders (no component's) were copied too
+    # (before, the written card's text encoder found no tokenizer and fv generate failed).
+    assert (out / "tokenizer" / "tokenizer.json").exists() and (out / "scheduler" / "scheduler_config.json").exists()
+    # The same bytes read from a file sit at other memory alignments than freshly quantized ones, which CPU GEMMs
+    # sum in another order (4 guided steps grow that to ~3e-5); with every parameter in fresh memory, bit for bit.
+    written, at_load = read_card_file_beside(out), InstanceOptions(precision_path="fp8_weights")
+    toy_prompt, steps = "a red circle moves left quickly on a black background", 4
+    assert (_frames(written, InstanceOptions(), toy_prompt, steps=steps) - _frames(toy, at_load, toy_prompt, steps=steps)
+            ).abs().max() <= 1e-3
+    assert torch.equal(_frames(written, InstanceOptions(), toy_prompt, steps=steps, fresh_memory=True),
+                       _frames(toy, at_load, toy_prompt, steps=steps, fresh_memory=True))
 
 
 def test_fv_quantize_of_a_seeded_card_loads_back_and_generates_as_quantizing_at_load(tmp_path, wan_card) -> None:
@@ -234,7 +263,7 @@ def test_fv_quantize_of_a_seeded_card_loads_back_and_generates_as_quantizing_at_
     agrees to fp32 rounding, and bit for bit once the loaded parameters are copied to fresh memory: tensors read from
     a safetensors file sit at other memory alignments than freshly allocated ones, and CPU GEMMs sum those in
     another order."""
-    from fv_kernel.api import DiffusionParams, Request, TaskType, TextPart, build_instance, read_card_file_beside, run_local
+    from fv_kernel.api import read_card_file_beside
     from fv_kernel.model.quantize import quantize_card
 
     card = wan_card(CARD)
@@ -246,21 +275,9 @@ def test_fv_quantize_of_a_seeded_card_loads_back_and_generates_as_quantizing_at_
     seeds = {c: s.random_init_seed for c, s in written.checkpoint.components.items()}
     assert seeds["transformer"] is None and seeds["vae_decoder"] == card.checkpoint.components["vae_decoder"].random_init_seed
 
-    def frames(card: Any, options: InstanceOptions, fresh_memory: bool = False) -> torch.Tensor:
-        instance = build_instance(card, options)
-        instance.load_for_task(TaskType.TEXT_TO_VIDEO)
-        if fresh_memory:
-            with torch.no_grad():
-                for param in instance.component("transformer").parameters():
-                    param.data = param.data.clone()
-        request = Request(model=card.model_id, task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text="a red fox"),),
-                          diffusion=DiffusionParams(seed=2))
-        (video,) = run_local(request, instance)
-        return video.frames
-
     loaded = read_card_file_beside(out)
-    at_load = frames(card, InstanceOptions(precision_path="fp8_weights"))
-    assert (frames(loaded, InstanceOptions()) - at_load).abs().max() <= 1e-5
+    at_load = _frames(card, InstanceOptions(precision_path="fp8_weights"), "a red fox")
+    assert (_frames(loaded, InstanceOptions(), "a red fox") - at_load).abs().max() <= 1e-5
     # ``fv generate --model FOLDER`` names the card's own folder as the source: the seeded parts stay seeded.
-    assert torch.equal(frames(loaded, InstanceOptions(source=str(out))), frames(loaded, InstanceOptions()))
-    assert torch.equal(frames(loaded, InstanceOptions(), fresh_memory=True), at_load)
+    assert torch.equal(_frames(loaded, InstanceOptions(source=str(out)), "a red fox"), _frames(loaded, InstanceOptions(), "a red fox"))
+    assert torch.equal(_frames(loaded, InstanceOptions(), "a red fox", fresh_memory=True), at_load)
