@@ -281,3 +281,20 @@ def test_fv_quantize_of_a_seeded_card_loads_back_and_generates_as_quantizing_at_
     # ``fv generate --model FOLDER`` names the card's own folder as the source: the seeded parts stay seeded.
     assert torch.equal(_frames(loaded, InstanceOptions(source=str(out)), "a red fox"), _frames(loaded, InstanceOptions(), "a red fox"))
     assert torch.equal(_frames(loaded, InstanceOptions(), "a red fox", fresh_memory=True), at_load)
+
+
+def test_fv_quantize_of_wan_toy_causal_streams_a_session(tmp_path) -> None:
+    """The quantized causal card's folder runs on its own: a session streams from it (``fv realtime --model DIR``)."""
+    from fv_wan.toy_card import wan_toy_causal_card
+
+    import fv_kernel as fv
+    from fv_kernel.model.quantize import quantize_card
+
+    causal = wan_toy_causal_card()
+    if causal is None:
+        pytest.skip("wan-toy-causal's weights are not installed")
+    out = tmp_path / "wan-toy-causal-fp8"
+    quantize_card(causal, InstanceOptions(), "fp8_weights", out)
+    with fv.load(str(out)).session("a red circle moves left quickly on a navy background", seed=1, max_chunks=2) as session:
+        chunks = list(session)
+    assert len(chunks) == 2 and all(chunk.frames.shape[-2:] == (64, 64) for chunk in chunks)
