@@ -38,6 +38,18 @@ REALTIME_OUTPUT_SUFFIXES = (".mp4", ".gif", ".pt")
 STOP_LINE = ":stop"
 
 
+def _causal_cards(config: Optional[Path]) -> list[str]:
+    """The installed cards that stream sessions (a ``chunk_rollout`` loop), for an error's allowed values."""
+    from fv_kernel.cli.deploy_options import load_config, start_host
+    from fv_kernel.model.catalog import CardCatalog
+
+    try:
+        entries = CardCatalog(start_host(load_config(config))).entries()
+    except (FvError, PluginError):
+        return []
+    return sorted(m for m, e in entries.items() if any(s.kind == "chunk_rollout" for s in e.card.loops.values()))
+
+
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
@@ -126,7 +138,7 @@ def realtime(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="A causal card (one with a chunk_rollout loop): a card id, a card file, a checkpoint directory or a hub id (default: the installed plugins' default card)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="The opening prompt; lines typed on stdin while it runs update it (':stop' ends the session)."),
     output: Path = typer.Option(..., "--output", "-o", help="Output file: .mp4 (H.264, written as chunks arrive), .gif or .pt (float32 (F,3,H,W) in [0,1]; both written when the session ends)."),
-    chunks: Optional[int] = typer.Option(None, "--chunks", "-n", help="Stop after this many chunks (default: until ':stop', end of stdin is not a stop, or Ctrl-C)."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", "-n", min=1, help="Stop after this many chunks (default: until ':stop', end of stdin is not a stop, or Ctrl-C)."),
     seed: int = typer.Option(0, "--seed"),
     height: Optional[int] = typer.Option(None, "--height"),
     width: Optional[int] = typer.Option(None, "--width"),
@@ -147,6 +159,10 @@ def realtime(
     options.update({k: v for k, v in (("height", height), ("width", width), ("fps", fps)) if v is not None})
     try:
         generator = load(model, config=config, device=device)
+        if not any(spec.kind == "chunk_rollout" for spec in generator.card.loops.values()):
+            causal = _causal_cards(config)
+            _fail(f"model: card {generator.card.model_id!r} has no chunk_rollout loop, so it cannot stream a session; "
+                  f"allowed: {', '.join(causal) if causal else 'none installed (a causal card, e.g. fv-wan wan-toy-causal)'}")
         session = generator.session(prompt, **options)
         session.__enter__()
     except (FvError, PluginError) as exc:

@@ -168,3 +168,14 @@ def test_cards_list_shows_the_cards_with_their_recipes() -> None:
     for model_id in wan:
         (line,) = [l for l in table.output.splitlines() if l.split() and l.split()[0] == model_id]
         assert wan[model_id]["recipe"].split()[0] in line
+
+
+def test_realtime_on_a_card_that_cannot_stream_names_the_causal_cards(tmp_path: Path) -> None:
+    """``fv realtime --model wan-toy`` (no chunk_rollout loop): one line, naming the installed cards that can stream."""
+    out = tmp_path / "o.mp4"
+    result = CliRunner().invoke(app, ["realtime", "--model", "wan-toy", "--prompt", "a red circle moves left quickly on "
+                                      "a black background", "--output", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.stderr, result.output
+    assert "card 'wan-toy' has no chunk_rollout loop" in result.stderr and "allowed: " in result.stderr
+    allowed = result.stderr.split("allowed: ", 1)[1].strip().split(", ")
+    assert "wan-toy-causal" in allowed and "wan-toy" not in allowed and not out.exists()
