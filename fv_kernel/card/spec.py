@@ -1340,6 +1340,11 @@ class ModelCard(_Spec):
         return None if program is None else program.returns
 
     @property
+    def streams_sessions(self) -> bool:
+        """It has a ``chunk_rollout`` loop (a causal card): it can stream realtime sessions."""
+        return any(spec.kind == "chunk_rollout" for spec in self.loops.values())
+
+    @property
     def random_weight_components(self) -> tuple[str, ...]:
         """The components whose weights are seeded random numbers (``random_init_seed``), not trained."""
         return tuple(sorted(k for k, c in self.checkpoint.components.items() if c.random_init_seed is not None))

@@ -38,18 +38,6 @@ REALTIME_OUTPUT_SUFFIXES = (".mp4", ".gif", ".pt")
 STOP_LINE = ":stop"
 
 
-def _causal_cards(config: Optional[Path]) -> list[str]:
-    """The installed cards that stream sessions (a ``chunk_rollout`` loop), for an error's allowed values."""
-    from fv_kernel.cli.deploy_options import load_config, start_host
-    from fv_kernel.model.catalog import CardCatalog
-
-    try:
-        entries = CardCatalog(start_host(load_config(config))).entries()
-    except (FvError, PluginError):
-        return []
-    return sorted(m for m, e in entries.items() if any(s.kind == "chunk_rollout" for s in e.card.loops.values()))
-
-
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
@@ -159,8 +147,11 @@ def realtime(
     options.update({k: v for k, v in (("height", height), ("width", width), ("fps", fps)) if v is not None})
     try:
         generator = load(model, config=config, device=device)
-        if not any(spec.kind == "chunk_rollout" for spec in generator.card.loops.values()):
-            causal = _causal_cards(config)
+        if not generator.card.streams_sessions:
+            from fv_kernel.model.catalog import CardCatalog
+
+            # The installed cards that can, from the plugin host the generator already started.
+            causal = sorted(m for m, e in CardCatalog(generator.host).entries().items() if e.card.streams_sessions)
             _fail(f"model: card {generator.card.model_id!r} has no chunk_rollout loop, so it cannot stream a session; "
                   f"allowed: {', '.join(causal) if causal else 'none installed (a causal card, e.g. fv-wan wan-toy-causal)'}")
         session = generator.session(prompt, **options)

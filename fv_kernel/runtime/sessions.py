@@ -257,8 +257,7 @@ class SessionManager:
         if not loop_ids:
             raise InvalidRequest(
                 "model", f"card {instance.model_id!r} has no chunk_rollout loop, so it cannot stream a session",
-                allowed=sorted(m for m, i in self.engine.instances.items()
-                               if any(s.kind == ChunkRolloutLoop.kind for s in i.card.loops.values())) or "none loaded",
+                allowed=sorted(m for m, i in self.engine.instances.items() if i.card.streams_sessions) or "none loaded",
             )
         loop = instance.loop(loop_ids[0])
         if not isinstance(loop, ChunkRolloutLoop):
