@@ -65,9 +65,10 @@ def full_vae(card: ModelCard, options: InstanceOptions, component_id: str = "vae
     ckpt = card.checkpoint.components[component_id]
     source = options.source or card.checkpoint.source
     seed = seed_of(card, component_id, options)
-    if source is None or seed is not None:
-        vae = _seeded(seed or 0, lambda: WanVAE(config))
+    if seed is not None:  # always so without a source
+        vae = _seeded(seed, lambda: WanVAE(config))
     else:
+        assert source is not None
         folder = resolve_source(source, subfolder=ckpt.subfolder, local_files_only=options.local_files_only)
         found = WanVAEConfig.from_diffusers_config(json.loads((folder / "config.json").read_text()))
         with torch.device("meta"):

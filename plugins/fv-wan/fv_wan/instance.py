@@ -72,10 +72,11 @@ def _component_dtype(card: ModelCard, component_id: str, options: InstanceOption
 
 def _folder(card: ModelCard, component_id: str, options: InstanceOptions) -> Path | None:
     """The checkpoint folder of a component, or None for seeded random weights (:func:`seed_of`)."""
-    ckpt = card.checkpoint.components[component_id]
-    source = options.source or card.checkpoint.source
-    if source is None or seed_of(card, component_id, options) is not None:
+    if seed_of(card, component_id, options) is not None:  # always so without a source
         return None
+    source = options.source or card.checkpoint.source
+    assert source is not None  # seed_of seeds every component of a card without one
+    ckpt = card.checkpoint.components[component_id]
     return resolve_source(source, subfolder=ckpt.subfolder, local_files_only=options.local_files_only)
 
 
@@ -240,7 +241,7 @@ def _load_encoder(
     dtype = _component_dtype(card, component_id, options)
     source = options.source or card.checkpoint.source
     seed = seed_of(card, component_id, options)
-    if source is None or seed is not None:
+    if seed is not None:  # always so without a source
         tiny = config.tiny.model_dump() if config.tiny is not None else {}
         encoder = encoder_cls.tiny(seed, **tiny)
         return encoder.to(device=options.device, dtype=dtype).eval().requires_grad_(False)

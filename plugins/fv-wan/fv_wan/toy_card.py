@@ -172,14 +172,12 @@ def build_toy_instance(card: ModelCard, options: InstanceOptions, compute: Any =
 
     base = build_wan_instance(card, options, compute)
     compute = compute if compute is not None else options.compute
-    source = options.source or card.checkpoint.source
 
     def load(component_id: str) -> Any:
         if component_id == "vae":
             return load_full_vae(card, component_id, options)
-        seed = seed_of(card, component_id, options) if component_id == "text_encoder" else None
-        if component_id == "text_encoder" and (source is None or seed is not None):
-            return toy_text_encoder(seed or 0).to(device=options.device).requires_grad_(False)
+        if component_id == "text_encoder" and (seed := seed_of(card, component_id, options)) is not None:
+            return toy_text_encoder(seed).to(device=options.device).requires_grad_(False)
         return base.component_loader(component_id)
 
     ops_builder = wan_ops if compute is None else functools.partial(wan_ops, compute=compute, compile_cache=CompileCache())
