@@ -194,15 +194,11 @@ def test_the_docs_python_example_prints_what_it_says() -> None:
 
 def test_the_quality_bench_runs_on_ground_truth(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """bench/bench_toy_quality.py --ground-truth: the judge's ceiling at a card's size, as the docs show."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[3] / "bench" / "bench_toy_quality.py"
-    spec = importlib.util.spec_from_file_location("bench_toy_quality", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench_module import load_bench
+
+    bench = load_bench("bench_toy_quality")
     out = tmp_path / "gt.json"
     monkeypatch.setattr("sys.argv", ["bench_toy_quality.py", "--model", "wan-tiny", "--ground-truth", "--n", "6",
                                      "--json", str(out)])
