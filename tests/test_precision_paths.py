@@ -284,6 +284,7 @@ def test_the_floor_is_on_the_95_percent_lower_bound_of_the_mean_psnr() -> None:
     # t(0.95, 2) = 2.919986; sd 6; bound 42 - 2.919986 * 6 / sqrt(3) = 31.885
     failed = verdict(wide)
     assert not failed.passed and "95% lower bound 31.88 dB" in failed.reason and "sd 6.00" in failed.reason
+    assert "worst sample 36.00 dB at seed 0, prompt 'a red fox'" in failed.reason  # the clip to reproduce first
     # An identical clip counts as 150 dB, not as an infinity that would carry any mean.
     assert verdict((math.inf, 41.0, 41.0)).passed
     assert not verdict((math.inf, 20.0, 20.0)).passed

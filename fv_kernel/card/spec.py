@@ -958,9 +958,13 @@ class PrecisionPathContract(_Spec):
         stats = measurement.statistics()
         # Every sample at or above the floor passes however spread they are; below it, the mean must be held at 95%.
         if not (stats.worst_db >= self.min_psnr_db or stats.lower_bound_db >= self.min_psnr_db):  # NaN fails too
+            # The clip to look at first: the worst sample's seed and prompt, where the record kept them.
+            worst = min(measurement.samples, key=lambda sample: (not math.isnan(sample.psnr_db), sample.psnr_db))
+            which = "" if worst.seed is None else f"; worst sample {worst.psnr_db:.2f} dB at seed {worst.seed}" + (
+                "" if worst.prompt is None else f", prompt {worst.prompt!r}")
             return fail(f"{where}: final videos {stats.mean_db:.2f} dB PSNR against the native path on average over "
                         f"{n} samples (sd {stats.sd_db:.2f}), 95% lower bound {stats.lower_bound_db:.2f} dB, below the "
-                        f"contract's {self.min_psnr_db:g} dB; {measurement.source}")
+                        f"contract's {self.min_psnr_db:g} dB{which}; {measurement.source}")
         if self.max_judge_delta is not None:
             if not measurement.reference_judge_scores:
                 return fail(f"{where}: the contract bounds the judge's scores, which the measurement does not record")
