@@ -158,6 +158,44 @@ def test_components_load_lazily_per_task() -> None:
     assert set(instance.components) == {"lm", "dit", "decoder"}
 
 
+def test_a_load_in_flight_on_another_thread_is_waited_for_until_its_ops_exist() -> None:
+    """Two requests of one task on two threads: the second must not return from ``load_for_task`` while the first
+    has stored its components but not yet built the ops (it then failed on 'has no op ... (loaded: [])', seen once in
+    CI on cosmos3-tiny's interleave gate). The first load is held right after its components are in."""
+    import threading
+
+    instance = build_instance(toy_card("toy-omni"), InstanceOptions())
+    components_in, release = threading.Event(), threading.Event()
+    build_ops = instance.ops_builder
+
+    def slow_ops(built):  # noqa: ANN001, ANN202
+        components_in.set()
+        assert release.wait(10)
+        return build_ops(built)
+
+    instance.ops_builder = slow_ops
+    first = threading.Thread(target=instance.load_for_task, args=(TaskType.TEXT_GENERATION,))
+    first.start()
+    assert components_in.wait(10) and "lm" in instance.components
+    found: list[object] = []
+
+    def second() -> None:
+        instance.load_for_task(TaskType.TEXT_GENERATION)
+        try:
+            found.append(instance.op("lm_prefill"))
+        except KeyError as exc:
+            found.append(exc)
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "the second caller returned while the first load had not built its ops"
+    release.set()
+    first.join(10)
+    waiter.join(10)
+    assert len(found) == 1 and not isinstance(found[0], KeyError), found
+
+
 def test_key_maps_are_declared_and_loading_reports_missing_and_unexpected_keys() -> None:
     module = torch.nn.Sequential(torch.nn.Linear(2, 2))
     original = {"layer0.w": torch.ones(2, 2), "layer0.b": torch.zeros(2)}

@@ -169,15 +169,17 @@ class ModelInstance:
                 "task", f"card {self.model_id!r} cannot run {task.value!r}",
                 allowed=sorted(t.value for t in self.card.capabilities.tasks),
             )
-        needed = [c for c in self.card.checkpoint.components_for(task) if c not in self.components]
-        if not needed:
-            return
-        self._preflight(needed)
-        with self._lock, _COMPONENT_BUILDS:
-            for component_id in needed:
-                if component_id not in self.components:
+        # Checked under the lock: a load in flight on another thread holds it until its ops are built, so no
+        # caller returns between its components appearing and the ops that run them.
+        with self._lock:
+            needed = [c for c in self.card.checkpoint.components_for(task) if c not in self.components]
+            if not needed:
+                return
+            self._preflight(needed)
+            with _COMPONENT_BUILDS:
+                for component_id in needed:
                     self.components[component_id] = self.component_loader(component_id)
-            self._ops = self.ops_builder(self)
+                self._ops = self.ops_builder(self)
 
     def _preflight(self, component_ids: Sequence[str]) -> None:
         """Before loading: the components' checkpoint source is there and their weights fit
