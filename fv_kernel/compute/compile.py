@@ -85,6 +85,12 @@ class ComputeOptions(BaseModel):
     #: Capture each denoise forward as a CUDA graph per batch bucket (CUDA only; eager elsewhere).
     cuda_graphs: bool = False
     graph_batch_buckets: tuple[PositiveInt, ...] = Field(default=(1, 2, 4, 8, 16, 32))
+    #: Tokens an autoregressive decode loop that samples on the device (a graphed decode) runs per
+    #: scheduled step, each sampled token fed to the next sub-step on the device (multi-step decode,
+    #: as vLLM's ``num_scheduler_steps``): the host's work per step is paid once per this many
+    #: tokens. The tokens are those of one-token steps; cancellation and streamed text land at
+    #: these boundaries. 1 schedules every token.
+    decode_tokens_per_step: int = Field(default=8, ge=1, le=64)
     #: A JSON ``TierParityRecord`` (``bench/bench_tier_parity.py --record``): the trajectory
     #: measurements :func:`select_compute_tiers` judges each tier's contract on. None: nothing
     #: measured, so no fast tier is selected by default (``fused_ops="auto"`` stays eager).

@@ -18,11 +18,11 @@ import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Generic, Mapping, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fv_kernel.card.spec import LoopSpec, ModelCard
 from fv_kernel.errors import RequestCancelled
-from fv_kernel.loop.plan import ResourceRequest, StepOp, StepResult, WorkPlan
+from fv_kernel.loop.plan import EmitSpec, ResourceRequest, StepOp, StepResult, WorkPlan
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import Request
 from fv_kernel.state import TensorState
@@ -46,11 +46,26 @@ __all__ = [
 
 
 class Done(BaseModel):
-    """Returned by :meth:`Loop.next` when the loop has no more steps."""
+    """Returned by :meth:`Loop.next` when the loop has no more steps.
+
+    ``emits``: text chunks the driver emits before ``finalize`` (what the last step produced
+    that no later plan will carry, e.g. a decode loop's last tokens). A chunk that names a
+    step output has no step to read it from here, and is refused.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     reason: str = "complete"
+    emits: tuple[EmitSpec, ...] = ()
+
+    @field_validator("emits")
+    @classmethod
+    def _text_only(cls, value: tuple[EmitSpec, ...]) -> tuple[EmitSpec, ...]:
+        for emit in value:
+            if emit.text is None:
+                raise ValueError(f"a Done's emits carry text only; stream {emit.stream!r} names no text "
+                                 f"(from_output={emit.from_output!r} has no step to read it from)")
+        return value
 
 
 class LoopResult(BaseModel):

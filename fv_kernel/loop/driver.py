@@ -5,17 +5,17 @@
         result = await ctx.execute(plan)        # the single seam
         state = loop.advance(state, result)
         emit plan.emits (media.init before a stream's first chunk); check cancellation
-    result = loop.finalize(state); media.complete for each stream the loop opened
+    emit Done.emits; result = loop.finalize(state); media.complete for each stream the loop opened
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from fv_kernel.errors import InvalidRequest, RequestCancelled
 from fv_kernel.loop.contract import Done, Loop, LoopContext, LoopResult, LoopState, ResidentModel
-from fv_kernel.loop.plan import StepResult, WorkPlan
+from fv_kernel.loop.plan import EmitSpec, StepResult
 from fv_kernel.loop.samplers import use_samplers
 
 __all__ = ["drive", "resume", "LoopCancelled"]
@@ -30,16 +30,18 @@ class LoopCancelled(RequestCancelled):
         self.state = state
 
 
-def _emit_chunks(ctx: LoopContext, plan: WorkPlan, result: StepResult, counters: dict[str, int]) -> None:
-    """Emit the plan's chunks; ``counters`` (stream -> next index) holds the streams this loop opened."""
+def _emit_chunks(ctx: LoopContext, emits: Sequence[EmitSpec], result: StepResult | None,
+                 counters: dict[str, int]) -> None:
+    """Emit a plan's (or a ``Done``'s) chunks, reading named outputs from ``result``; ``counters``
+    (stream -> next index) holds the streams this loop opened."""
     previews = ctx.request.output.stream_previews
-    for emit in plan.emits:
+    for emit in emits:
         if emit.preview and not previews:
             continue  # a preview is a copy and an event: only requests that ask for previews pay for them
         payload: dict[str, Any] = {}
         if emit.text is not None:
             payload["text"] = emit.text
-        elif emit.from_output is not None:
+        elif emit.from_output is not None and result is not None:
             tensor = result.outputs[emit.from_output]
             payload["samples" if emit.modality == "audio" else "frames"] = tensor.detach()
         else:
@@ -73,6 +75,7 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: LoopContext) -> LoopRes
             raise LoopCancelled(ctx.cancel.reason or "cancelled", loop.partial(state), state)
         plan = loop.next(state)
         if isinstance(plan, Done):
+            _emit_chunks(ctx, plan.emits, None, counters)  # what the last step made that no plan carries
             break
         if plan.step_index is None:
             plan = plan.model_copy(update={"step_index": state.step})
@@ -92,7 +95,7 @@ async def resume(loop: Loop[Any], state: LoopState, ctx: LoopContext) -> LoopRes
             captured = loop.behavior_slice(state)
             if captured is not None:
                 ctx.emit("behavior.slice", loop_id=loop.loop_id, slice=captured)
-        _emit_chunks(ctx, plan, result, counters)
+        _emit_chunks(ctx, plan.emits, result, counters)
         done, total = loop.progress(state)
         ctx.emit("progress", loop_id=loop.loop_id, step=done, total=total)
         if ctx.on_state is not None:

@@ -57,6 +57,10 @@ class ShapeSignature(BaseModel):
 
     Build one with ``ShapeSignature.of(tokens=4096, frames=21)``. Two plans batch
     together only if their signatures are equal.
+
+    One dimension has a meaning of its own: ``repeat``, the number of sub-steps of this shape
+    one step runs back to back (a decode step that samples ``repeat`` tokens in a row, each
+    from the last: multi-step decode). The cost model prices such a step ``repeat`` times one.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -72,6 +76,11 @@ class ShapeSignature(BaseModel):
             if key == name:
                 return value
         return default
+
+    @property
+    def repeat(self) -> int:
+        """Sub-steps of this shape the step runs back to back (the ``repeat`` dim; 1 when absent)."""
+        return int(self.get("repeat", 1))
 
     def __str__(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.dims)

@@ -64,7 +64,8 @@ class CostModel:
     def base_seconds(spec: StepCostSpec, shape_sig: ShapeSignature, precision: str, batch_size: int = 1) -> float:
         units = float(shape_sig.get(spec.unit, 0) or 0)
         per_item = spec.fixed_seconds + spec.per_unit_seconds * units + spec.per_unit_sq_seconds * units * units
-        return per_item * spec.precision_factor.get(precision, 1.0) * max(batch_size, 1)
+        # A step of ``repeat`` sub-steps (multi-step decode) costs that many of its shape.
+        return per_item * shape_sig.repeat * spec.precision_factor.get(precision, 1.0) * max(batch_size, 1)
 
     def predict(self, key: CostKey, spec: StepCostSpec, batch_size: int = 1) -> float:
         """Calibrated expected GPU-seconds of a step (or a batch of ``batch_size`` of them)."""
