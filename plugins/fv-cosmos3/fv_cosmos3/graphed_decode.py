@@ -58,13 +58,18 @@ from fv_cosmos3.models.mot import Cosmos3MoT
 __all__ = [
     "DEFAULT_BATCH_BUCKETS",
     "MIN_CONTEXT",
+    "MIN_PREFILL",
     "SAMPLING_INPUTS",
     "DecodeGraphKey",
     "GraphedDecode",
+    "PrefillGraphKey",
     "batch_bucket",
+    "chain_length",
     "context_bucket",
+    "logits_health",
     "sample_tokens",
     "static_decode_step",
+    "static_prefill_step",
 ]
 
 log = logging.getLogger(__name__)
@@ -72,6 +77,8 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 #: The smallest context bucket in tokens; buckets double from here (a handful of graphs per batch bucket).
 MIN_CONTEXT = 256
+#: The smallest prompt bucket of a captured prefill; buckets double from here up to the pool's sequence limit.
+MIN_PREFILL = 32
 #: The per-row inputs of graph-safe sampling, as a decode plan carries them (see ``sample_tokens``).
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "uniform", "penalty", "seen")
 
@@ -460,6 +467,39 @@ def static_decode_step(
     return result
 
 
+@dataclass(frozen=True)
+class PrefillGraphKey:
+    """What one captured prompt prefill depends on: prompts of any length up to ``length`` replay it."""
+
+    weights_version: str
+    length: int
+    dtype: str
+
+
+def static_prefill_step(mot: Cosmos3MoT, store: tuple[torch.Tensor, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> Tensors:
+    """One prompt's prefill with static shapes: the reasoner tower's own forward over the prompt right-padded to
+    the bucket, its K/V stored into the pool, the logits of the last real token.
+
+    buffers: ``ids`` (1, L) (the prompt, then padding), ``position`` (1, L) (0 .. L-1), ``slot`` (L,) the flat slot
+    of each position's K/V, ``source`` (L,) the position whose K/V goes there, ``last`` (1,) the last real
+    position. Padded positions store the last real position's K/V into its own slot (the same bits twice, as the
+    decode step's padded rows do), so no slot past the prompt is written. Causal attention keeps every real
+    position's K/V and the last real logits free of the padding. Returns ``logits`` (1, V) fp32."""
+    result = mot._text_tower(buffers["ids"], buffers["position"], None, "reasoner", skip_last_mlp=False)
+    assert result.hidden is not None
+    store_k, store_v = store
+    source, slot = buffers["source"], buffers["slot"]
+    for layer, (keys, values) in enumerate(zip(result.kv.keys, result.kv.values)):
+        for slots, new in ((store_k[layer], keys), (store_v[layer], values)):
+            heads, _, _, dim = slots.shape
+            rows = new[0].index_select(1, source)  # (kv_heads, L, head_dim)
+            if rows.dtype != slots.dtype:
+                rows = rows.to(slots.dtype)
+            slots.view(heads, -1, dim).index_copy_(1, slot, rows)
+    hidden = result.hidden.index_select(1, buffers["last"])
+    return {"logits": mot._logits(hidden, False)[:, -1].float()}
+
+
 # --------------------------------------------------------------------------- captures
 
 
@@ -502,26 +542,34 @@ class GraphedDecode:
     """
 
     def __init__(self, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, *, capture: bool | None = None,
-                 min_context: int = MIN_CONTEXT) -> None:
+                 min_context: int = MIN_CONTEXT, min_prefill: int = MIN_PREFILL) -> None:
         if not buckets or any(int(b) < 1 for b in buckets):
             raise ValueError(f"graph_batch_buckets must be positive batch sizes, got {buckets}")
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.capture = capture
         self.min_context = min_context
+        self.min_prefill = min_prefill
         self.captures = 0
         self.replays = 0
+        #: Of ``replays``, the prompt prefills (one per row).
+        self.prefill_replays = 0
         self.eager_steps = 0
         #: Replays by (live rows, batch bucket): whether requests' steps really ran as one call (a benchmark's
         #: scheduler batch of 8 whose rows run one by one shows (1, 1) eight times, not (8, 8) once).
         self.replayed_shapes: Counter[tuple[int, int]] = Counter()
-        self._entries: dict[DecodeGraphKey, _DecodeGraph] = {}
-        self._failed: set[DecodeGraphKey] = set()
+        self._entries: dict[DecodeGraphKey | PrefillGraphKey, _DecodeGraph] = {}
+        self._failed: set[DecodeGraphKey | PrefillGraphKey] = set()
         self._bound: tuple[Any, ...] | None = None  # what every entry was captured against
         self._packed: PackedParams = []  # the projection weights the entries read packed (``pack_weights``)
         self._graph_pool: Any = None
 
     def keys(self) -> list[DecodeGraphKey]:
-        return list(self._entries)
+        """The captured decode steps' keys."""
+        return [key for key in self._entries if isinstance(key, DecodeGraphKey)]
+
+    def prefill_keys(self) -> list[PrefillGraphKey]:
+        """The captured prompt prefills' keys."""
+        return [key for key in self._entries if isinstance(key, PrefillGraphKey)]
 
     def replay(self, key: DecodeGraphKey, *, captured: bool = True) -> Tensors:
         """Run one captured step on its static buffers as the last step left them, without the host's work of
@@ -548,6 +596,8 @@ class GraphedDecode:
             self._packed = pack_weights(mot)
 
     def run(self, mot: Cosmos3MoT, pool: Any, weights_version: str, inputs: Mapping[str, torch.Tensor]) -> Tensors | None:
+        """The step's outputs for the live rows (``logits`` and, sampling, ``token``; a chained step, whose
+        ``uniform`` is (B, n), ``tokens`` (B, n) and ``health``, see :func:`chain_length`), or None: eager."""
         token, lengths = inputs["token"], inputs["length"]
         if token.ndim != 2 or token.shape[1] != 1:
             return None  # several new tokens per row (a draft): the eager step
@@ -559,60 +609,206 @@ class GraphedDecode:
         store = pool.storage()
         self._check_bound(mot, store, weights_version)
         cfg = pool.config
+        chain = chain_length(inputs)
         lengths_host = lengths.reshape(-1).to("cpu", torch.long)
-        if int(lengths_host.min()) < 1 or int(lengths_host.max()) >= cfg.max_tokens_per_sequence:
+        if int(lengths_host.min()) < 1 or int(lengths_host.max()) + chain > cfg.max_tokens_per_sequence:
             # No history yet (the prefill's business), or no room left (the eager step raises CacheFull).
             self.eager_steps += 1
             return None
-        context = context_bucket(int(lengths_host.max()) + 1, block_size=cfg.block_size,
-                                 max_tokens=cfg.max_tokens_per_sequence, minimum=self.min_context)
+        # Sub-step j attends over the context a one-token step there would: chained tokens are those tokens.
+        contexts = [context_bucket(int(lengths_host.max()) + 1 + j, block_size=cfg.block_size,
+                                   max_tokens=cfg.max_tokens_per_sequence, minimum=self.min_context)
+                    for j in range(chain)]
         sampling = all(name in inputs for name in SAMPLING_INPUTS)
+        if chain > 1 and not sampling:
+            return None  # the eager step names what is missing
         table_host = inputs["table"].to("cpu", torch.long)
         for row in range(rows):
-            # The eager step's checks: a freed or foreign table raises; a table without a block for the new
+            # The eager step's checks: a freed or foreign table raises; a table without a block for each new
             # token grows in the eager step (``PagedKVPool.write_rows``), which a graph cannot do.
             length = int(lengths_host[row])
             pool.table_from_tensor(table_host[row], length)
-            if length // cfg.block_size >= table_host.shape[1] or int(table_host[row, length // cfg.block_size]) < 0:
+            needed = range(length // cfg.block_size, (length + chain - 1) // cfg.block_size + 1)
+            if needed.stop > table_host.shape[1] or bool((table_host[row, needed.start:needed.stop] < 0).any()):
                 self.eager_steps += 1
                 return None
         seen_width = int(inputs["seen"].shape[-1]) if sampling else 0
-        key = DecodeGraphKey(weights_version, bucket, context, str(store[0].dtype).removeprefix("torch."), sampling,
-                             seen_width, padded=rows < bucket)
+        dtype = str(store[0].dtype).removeprefix("torch.")
+        keys = [DecodeGraphKey(weights_version, bucket, context, dtype, sampling, seen_width, padded=rows < bucket)
+                for context in contexts]
+        if any(key in self._failed for key in keys):
+            self.eager_steps += 1
+            return None
+        step_inputs = dict(inputs)
+        uniforms = None
+        if chain > 1:
+            uniforms = inputs["uniform"].to("cpu", torch.float32).reshape(rows, chain)
+            step_inputs["uniform"] = uniforms[:, 0]
+        host = _host_buffers(step_inputs, lengths_host, rows, bucket, -(-contexts[-1] // cfg.block_size),
+                             cfg.block_size, sampling)
+        device = store[0].device
+        if uniforms is not None:
+            # Each sub-step's uniform, and the first free ``seen`` column of each row (its own tokens go there).
+            uniforms = torch.cat([uniforms, torch.zeros(bucket - rows, chain)]).to(device)
+            seen_free = (host["seen"] >= 0).sum(dim=1)
+            if int(seen_free.max()) + chain - 1 > seen_width:
+                self.eager_steps += 1
+                return None
+            seen_free = seen_free.to(device)
+        tokens = health = None
+        entry: _DecodeGraph | None = None
+        outputs: Tensors = {}
+        for j, key in enumerate(keys):
+            previous = entry
+            entry = self._entries.get(key)
+            if entry is None or entry is not previous:
+                blocks = -(-key.context // cfg.block_size)
+                own = {name: (tensor[:, :blocks] if name == "table" else tensor) for name, tensor in host.items()}
+                if entry is None:
+                    # Owned copies: on the host ``to`` would hand back the caller's own tensors (a plan's token,
+                    # length, ``seen``), and every later step's ``copy_`` into the static buffers would overwrite them.
+                    static = {name: tensor.to(device, copy=True) for name, tensor in own.items()}
+                else:
+                    static = entry.static
+                    for name, tensor in own.items():
+                        static[name].copy_(tensor, non_blocking=True)
+            else:
+                static = entry.static
+            if j:
+                assert previous is not None and uniforms is not None
+                _advance_buffers(static, previous.static, outputs["token"], uniforms[:, j], seen_free + (j - 1),
+                                 cfg.block_size)
+            if entry is None:
+                # Captured on buffers that hold this sub-step's inputs: the capture's warm-up runs write this step's
+                # K/V, the same bits the replay writes again.
+                entry = self._capture(mot, store, key, static)
+                if entry is None:
+                    return None  # the eager step redoes the whole step: it rewrites whatever K/V this one wrote
+            self.replays += 1
+            self.replayed_shapes[(rows, bucket)] += 1
+            outputs = entry.replay()
+            if chain == 1:
+                # Clones: the next replay overwrites the graph's outputs.
+                return {name: out[:rows].clone() for name, out in outputs.items()}
+            if tokens is None:
+                tokens = torch.empty(bucket, chain, dtype=torch.long, device=device)
+                health = torch.zeros(bucket, dtype=torch.float32, device=device)
+            tokens[:, j] = outputs["token"]
+            health = health + logits_health(outputs["logits"])
+        assert tokens is not None and health is not None
+        return {"tokens": tokens[:rows], "health": health[:rows]}
+
+    def prefill(self, mot: Cosmos3MoT, pool: Any, weights_version: str, inputs: Mapping[str, torch.Tensor]) -> Tensors | None:
+        """An ``ar_prefill`` plan's outputs (``logits`` (B, V)) from captured prefills, one replay per row, each prompt
+        right-padded to its length bucket (``context_bucket`` from :data:`MIN_PREFILL`); None: the eager prefill."""
+        ids = inputs["ids"]
+        rows, length = ids.shape
+        cfg = pool.config
+        if not 1 <= length <= cfg.max_tokens_per_sequence:
+            self.eager_steps += 1
+            return None  # the eager prefill names the problem
+        store = pool.storage()
+        self._check_bound(mot, store, weights_version)
+        bucket = context_bucket(length, block_size=cfg.block_size, max_tokens=cfg.max_tokens_per_sequence,
+                                minimum=self.min_prefill)
+        key = PrefillGraphKey(weights_version, bucket, str(store[0].dtype).removeprefix("torch."))
         if key in self._failed:
             self.eager_steps += 1
             return None
-        host = _host_buffers(inputs, lengths_host, rows, bucket, -(-context // cfg.block_size), cfg.block_size, sampling)
-        entry = self._entries.get(key)
-        if entry is None:
-            device = store[0].device
-            # Owned copies: on the host ``to`` would hand back the caller's own tensors (a plan's token, length,
-            # ``seen``), and every later step's ``copy_`` into the static buffers would overwrite them.
-            static = {name: tensor.to(device, copy=True) for name, tensor in host.items()}
-            capture = device.type == "cuda" if self.capture is None else self.capture
+        table_host = inputs["table"].to("cpu", torch.long)
+        positions = torch.arange(length)
+        hosts = []
+        for row in range(rows):
+            pool.table_from_tensor(table_host[row], 0)  # a freed or foreign table raises, as in the eager prefill
+            blocks = table_host[row, positions // cfg.block_size]
+            if table_host.shape[1] * cfg.block_size < length or bool((blocks < 0).any()):
+                self.eager_steps += 1
+                return None  # the eager prefill grows the table
+            slot = blocks * cfg.block_size + positions % cfg.block_size
+            pad = bucket - length
+            hosts.append({
+                "ids": torch.cat([ids[row].to("cpu", torch.long), torch.zeros(pad, dtype=torch.long)]).view(1, -1),
+                "position": torch.arange(bucket).view(1, -1),
+                "slot": torch.cat([slot, slot[-1:].expand(pad)]),
+                "source": torch.cat([positions, positions[-1:].expand(pad)]),
+                "last": torch.tensor([length - 1]),
+            })
+        logits = []
+        for host in hosts:
+            entry = self._entries.get(key)
+            if entry is None:
+                static = {name: tensor.to(store[0].device, copy=True) for name, tensor in host.items()}
+                entry = self._capture(mot, store, key, static)
+                if entry is None:
+                    return None  # the eager prefill rewrites whatever K/V the rows before wrote
+            else:
+                for name, tensor in host.items():
+                    entry.static[name].copy_(tensor, non_blocking=True)
+            self.replays += 1
+            self.prefill_replays += 1
+            logits.append(entry.replay()["logits"].clone())  # the next replay overwrites the graph's output
+        return {"logits": torch.cat(logits)}
 
-            def fn(buffers: Tensors, mot: Cosmos3MoT = mot, plan: DecodePlan = DecodePlan.of(mot)) -> Tensors:
+    def _capture(self, mot: Cosmos3MoT, store: tuple[torch.Tensor, torch.Tensor], key: "DecodeGraphKey | PrefillGraphKey",
+                 static: Tensors) -> "_DecodeGraph | None":
+        """A new capture of ``key`` on ``static`` (None, and the key marked failed, if it cannot be captured)."""
+        capture = store[0].device.type == "cuda" if self.capture is None else self.capture
+        fn: Callable[[Tensors], Tensors]
+        if isinstance(key, PrefillGraphKey):
+            def fn(buffers: Tensors, mot: Cosmos3MoT = mot) -> Tensors:
+                return static_prefill_step(mot, store, buffers)
+        else:
+            def fn(buffers: Tensors, mot: Cosmos3MoT = mot, plan: DecodePlan = DecodePlan.of(mot),
+                   context: int = key.context, sampling: bool = key.sampling) -> Tensors:
                 return static_decode_step(mot, store, buffers, context=context, sampling=sampling, plan=plan)
 
-            try:
-                if capture and self._graph_pool is None:
-                    self._graph_pool = torch.cuda.graph_pool_handle()  # one memory pool for every capture
-                entry = _DecodeGraph(fn, static, capture=capture, pool=self._graph_pool)
-            except Exception:  # noqa: BLE001 - a kernel that cannot be captured: this shape decodes eagerly
-                log.warning("capturing the reasoner's decode step %s failed; it runs eagerly", key, exc_info=True)
-                self._failed.add(key)
-                self.eager_steps += 1
-                return None
-            self._entries[key] = entry
-            self.captures += 1
-        else:
-            for name, tensor in host.items():
-                entry.static[name].copy_(tensor, non_blocking=True)
-        self.replays += 1
-        self.replayed_shapes[(rows, bucket)] += 1
-        outputs = entry.replay()
-        # Clones: the next replay overwrites the graph's outputs.
-        return {name: out[:rows].clone() for name, out in outputs.items()}
+        try:
+            if capture and self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()  # one memory pool for every capture
+            entry = _DecodeGraph(fn, static, capture=capture, pool=self._graph_pool)
+        except Exception:  # noqa: BLE001 - a kernel that cannot be captured: this shape decodes eagerly
+            log.warning("capturing the reasoner's decode step %s failed; it runs eagerly", key, exc_info=True)
+            self._failed.add(key)
+            self.eager_steps += 1
+            return None
+        self._entries[key] = entry
+        self.captures += 1
+        return entry
+
+
+def chain_length(inputs: Mapping[str, torch.Tensor]) -> int:
+    """Tokens a decode step's inputs ask for: ``n`` when its ``uniform`` is (B, n), one draw per sub-step (a
+    chained step: each sub-step samples a token and feeds it to the next, on the device), else 1."""
+    uniform = inputs.get("uniform")
+    return int(uniform.shape[1]) if uniform is not None and uniform.ndim == 2 else 1
+
+
+def logits_health(logits: torch.Tensor) -> torch.Tensor:
+    """(B,) fp32: 0 where a row of ``logits`` is finite, NaN where it holds a NaN or an Inf (``x - x``). A chained
+    step returns the sum over its sub-steps, so the executor's NaN/Inf check sees every sub-step's logits."""
+    low, high = torch.aminmax(logits.float(), dim=-1)
+    return (low - low) + (high - high)
+
+
+def _advance_buffers(static: Tensors, previous: Tensors, sampled: torch.Tensor, uniform: torch.Tensor,
+                     seen_column: torch.Tensor, block_size: int) -> None:
+    """Fill ``static`` with the next sub-step's inputs, on the device: the token ``previous`` sampled, its position
+    plus one, that position's slot, the next uniform, and the sampled token recorded in ``seen`` (at each row's
+    ``seen_column``). ``static`` may be ``previous`` (the same capture) or another capture's buffers (a wider
+    context): its table and sampling parameters are already the step's."""
+    position = previous["position"] + 1
+    static["position"].copy_(position)
+    static["token"].copy_(sampled.view(-1, 1))
+    if "seen" in static:
+        if static is not previous:
+            static["seen"].copy_(previous["seen"])
+        static["seen"].scatter_(1, seen_column.view(-1, 1), sampled.view(-1, 1))
+    flat = position.view(-1)
+    slot = static["table"].gather(1, (flat // block_size).view(-1, 1)).view(-1) * block_size + flat % block_size
+    if "source" in static:
+        slot = slot.index_select(0, static["source"])  # a padded row stores row 0's K/V into row 0's slot
+    static["slot"].copy_(slot)
+    static["uniform"].copy_(uniform)
 
 
 def _host_buffers(inputs: Mapping[str, torch.Tensor], lengths: torch.Tensor, rows: int, bucket: int, blocks: int,

@@ -38,7 +38,7 @@ from fv_kernel.api import (
     read_safetensors,
     resolve_source,
 )
-from fv_cosmos3.graphed_decode import SAMPLING_INPUTS, GraphedDecode, sample_tokens
+from fv_cosmos3.graphed_decode import SAMPLING_INPUTS, GraphedDecode, chain_length, logits_health, sample_tokens
 from fv_cosmos3.models import Cosmos3Config, Cosmos3MoT, TextKV, from_unified_state_dict
 from fv_cosmos3.models.mot import GeneratorOutput
 from fv_cosmos3.models.audio_vae import Cosmos3AudioDecoder, Cosmos3AudioDecoderConfig
@@ -61,6 +61,9 @@ class Cosmos3Instance(ModelInstance):
     text_kv_pool: PagedKVPool | None = None
     #: The reasoner's CUDA-graphed decode steps (``compute.cuda_graphs`` on a CUDA device), else None: eager.
     graphed_decode: GraphedDecode | None = None
+    #: Tokens a decode loop that samples on the device runs per scheduled step (``compute.decode_tokens_per_step``
+    #: where the decode is graphed, else 1): a chained ``ar_token`` step.
+    decode_tokens_per_step: int = 1
 
     @property
     def samples_on_device(self) -> bool:
@@ -199,6 +202,11 @@ def cosmos3_ops(instance: ModelInstance) -> dict[str, StepOp]:
         assert pool is not None
 
         def ar_prefill(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            graphed = instance.graphed_decode
+            if graphed is not None:
+                replayed = graphed.prefill(mot, pool, instance.weights_version, inputs)
+                if replayed is not None:
+                    return replayed
             ids = inputs["ids"]
             logits, kv = mot.text_prefill(ids)
             keys, values = _text_kv_tensors(kv)
@@ -213,12 +221,39 @@ def cosmos3_ops(instance: ModelInstance) -> dict[str, StepOp]:
                 replayed = graphed.run(mot, pool, instance.weights_version, inputs)
                 if replayed is not None:
                     return replayed
+            chain = chain_length(inputs)
+            if chain > 1:
+                return _eager_chain(inputs, chain)
             out = _eager_ar_token(inputs)
             if all(name in inputs for name in SAMPLING_INPUTS):
                 # The graphed step's sampler, run eagerly: the same token for the same logits.
                 device = out["logits"].device
                 out["token"] = sample_tokens(out["logits"], *(inputs[name].to(device) for name in SAMPLING_INPUTS))
             return out
+
+        def _eager_chain(inputs: Mapping[str, torch.Tensor], chain: int) -> dict[str, torch.Tensor]:
+            """``chain`` one-token steps, each sampling at its column of ``uniform`` and feeding its token to the
+            next (what the graphed chain replays): ``tokens`` (B, chain) and the summed ``logits_health``."""
+            missing = [name for name in SAMPLING_INPUTS if name not in inputs]
+            if missing:
+                raise ValueError(f"a chained ar_token step (uniform of shape (B, {chain})) samples on the device and "
+                                 f"needs every sampling input; missing: {missing}")
+            step = dict(inputs)
+            tokens, health = [], None
+            for j in range(chain):
+                step["uniform"] = inputs["uniform"][:, j]
+                logits = _eager_ar_token(step)["logits"]
+                device = logits.device
+                token = sample_tokens(logits, *(step[name].to(device) for name in SAMPLING_INPUTS))
+                tokens.append(token)
+                row_health = logits_health(logits)
+                health = row_health if health is None else health + row_health
+                # The next sub-step: this token at the next position, and this token among those seen (a set: the
+                # presence penalty counts a token once however often it is listed).
+                step["token"] = token.view(-1, 1).to(inputs["token"].device)
+                step["length"] = inputs["length"] + (j + 1)
+                step["seen"] = torch.cat([step["seen"], token.view(-1, 1).to(step["seen"].device)], dim=1)
+            return {"tokens": torch.stack(tokens, dim=1), "health": health}
 
         def _eager_ar_token(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             tokens, lengths = inputs["token"], inputs["length"]
@@ -328,4 +363,5 @@ def build_cosmos3_instance(card: ModelCard, options: InstanceOptions) -> Cosmos3
     return Cosmos3Instance(
         card=card, options=options, component_loader=load, ops_builder=cosmos3_ops, weights_version=version,
         text_kv_pool=PagedKVPool(text_pool_config(card, options)), graphed_decode=graphed,
+        decode_tokens_per_step=compute.decode_tokens_per_step if graphed is not None and compute is not None else 1,
     )

@@ -126,6 +126,11 @@ class ARDecodeState(LoopState):
     device_sampling: bool = False
     #: Width of the ``seen`` row a device-sampled step carries (the pool's per-sequence token limit).
     seen_width: int = 0
+    #: Tokens one device-sampled step runs (a chained ``ar_token``: ``compute.decode_tokens_per_step``); set at
+    #: init from the instance. The tokens are those of one-token steps at the same uniforms.
+    tokens_per_step: int = 1
+    #: Tokens the last step sampled that no emitted chunk carried yet: the next plan (or the ``Done``) streams them.
+    unstreamed: int = 0
 
 
 class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
@@ -160,14 +165,15 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
         # Whole-life reservation, the same number the admission controller priced (estimate()).
         table = pool.allocate(request.request_id, tokens=total)
         stops = {tokenizer.eos_token_id, tokenizer.token_id("<|endoftext|>"), *params.stop_token_ids}
+        device_sampling = bool(getattr(model, "samples_on_device", False))
         return ARDecodeState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id, purpose=purpose,
             prompt_ids=prompt_ids, table=table, table_ids=pool.table_tensor(table).unsqueeze(0),
             rng_state=new_generator_state(params.seed), max_tokens=params.max_tokens, temperature=params.temperature,
             top_k=params.top_k, top_p=params.top_p, presence_penalty=params.presence_penalty, stop_ids=sorted(stops),
             model_id=model.model_id, weights_version=model.weights_version, seed=params.seed,
-            device_sampling=bool(getattr(model, "samples_on_device", False)),
-            seen_width=pool.config.max_tokens_per_sequence,
+            device_sampling=device_sampling, seen_width=pool.config.max_tokens_per_sequence,
+            tokens_per_step=_tokens_per_step(model) if device_sampling else 1,
         )
 
     def restore(self, state: ARDecodeState, model: ModelInstance, ctx: LoopContext) -> ARDecodeState:
@@ -189,9 +195,16 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
             return bool(state.generated)
         return state.table.length < len(state.prompt_ids) + len(state.generated) - 1
 
+    def _unstreamed_text(self, state: ARDecodeState) -> list[EmitSpec]:
+        """One text chunk per token sampled since the last chunks went out (stop tokens carry no text)."""
+        fresh = state.generated[len(state.generated) - state.unstreamed:] if state.unstreamed else []
+        tokenizer = self._bound_tokenizer()
+        return [EmitSpec(stream="text", modality="text", text=tokenizer.decode([token]))
+                for token in fresh if token not in state.stop_ids]
+
     def next(self, state: ARDecodeState) -> WorkPlan | Done:
         if state.finished:
-            return Done()
+            return Done(emits=tuple(self._unstreamed_text(state)))
         if not state.prefilled:
             return WorkPlan(
                 loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.AR_PREFILL, op="ar_prefill",
@@ -210,9 +223,7 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
                 shape_sig=ShapeSignature.of(tokens=1), tag="replay",
             )
         last = state.generated[-1]
-        emits = []
-        if last not in state.stop_ids:
-            emits = [EmitSpec(stream="text", modality="text", text=self._bound_tokenizer().decode([last]))]
+        emits = self._unstreamed_text(state)
         # The context length is an input, not part of the shape signature: requests at any
         # position group into one ar_token batch.
         inputs = {
@@ -221,32 +232,38 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
         }
         sig = ShapeSignature.of(tokens=1)
         if state.device_sampling:
-            inputs.update(self._sampling_inputs(state))
-            sig = ShapeSignature.of(tokens=1, sampler="device", seen=state.seen_width)  # never fused with host sampling
+            # Never more tokens than the request may still have: the pool holds blocks for max_tokens only.
+            chain = min(state.tokens_per_step, state.max_tokens - len(state.generated))
+            inputs.update(self._sampling_inputs(state, chain))
+            sig = _device_sampled_sig(state.seen_width, chain)  # never fused with host sampling
         return WorkPlan(
             loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.AR_TOKEN, op="ar_token",
             inputs=inputs, shape_sig=sig, emits=emits, tag="token",
         )
 
     @staticmethod
-    def _draw(state: ARDecodeState) -> tuple[float, torch.Tensor]:
-        """The uniform the next sampled token is drawn at, and the generator state after it (greedy: none)."""
-        generator = generator_from_state(state.rng_state)
+    def _draws(state: ARDecodeState, count: int) -> tuple[list[float], torch.Tensor]:
+        """The uniforms the next ``count`` sampled tokens are drawn at, one generator draw each in order, and the
+        generator state after them (greedy: zeros, no draw)."""
         if state.temperature == 0.0:
-            return 0.0, state.rng_state
-        return float(torch.rand(1, generator=generator, dtype=torch.float64)), generator.get_state()
+            return [0.0] * count, state.rng_state
+        generator = generator_from_state(state.rng_state)
+        draws = [float(torch.rand(1, generator=generator, dtype=torch.float64)) for _ in range(count)]
+        return draws, generator.get_state()
 
-    def _sampling_inputs(self, state: ARDecodeState) -> dict[str, torch.Tensor]:
-        """One row of ``fv_cosmos3.graphed_decode.SAMPLING_INPUTS``: the step samples the next token itself."""
+    def _sampling_inputs(self, state: ARDecodeState, chain: int = 1) -> dict[str, torch.Tensor]:
+        """One row of ``fv_cosmos3.graphed_decode.SAMPLING_INPUTS``: the step samples the next token itself
+        (``chain`` > 1: that many tokens, ``uniform`` (1, chain))."""
         seen = torch.full((1, state.seen_width), -1, dtype=torch.long)
         if state.presence_penalty != 0.0:
             ids = sorted(set(state.generated))
             seen[0, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        draws = self._draws(state, chain)[0]
         return {
             "temperature": torch.tensor([state.temperature], dtype=torch.float32),
             "top_k": torch.tensor([state.top_k], dtype=torch.long),
             "top_p": torch.tensor([state.top_p], dtype=torch.float32),
-            "uniform": torch.tensor([self._draw(state)[0]], dtype=torch.float32),
+            "uniform": torch.tensor([draws] if chain > 1 else draws, dtype=torch.float32),
             "penalty": torch.tensor([state.presence_penalty], dtype=torch.float32),
             "seen": seen,
         }
@@ -256,21 +273,29 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
             written = len(state.prompt_ids) if not state.prefilled else state.table.length + 1
             return state.model_copy(update={"prefilled": True, "table": state.table.model_copy(update={"length": written})})
         if state.device_sampling and state.prefilled:
-            # The step sampled at the uniform next() drew; advance the generator past that draw.
-            token = int(result.outputs["token"][0])
-            rng_state = self._draw(state)[1]
+            outputs = result.outputs
+            sampled = outputs["tokens"][0].tolist() if "tokens" in outputs else [int(outputs["token"][0])]
+            accepted: list[int] = []
+            for token in sampled:  # up to the first stop token (what a chain sampled after it is dropped)
+                accepted.append(int(token))
+                if token in state.stop_ids or len(state.generated) + len(accepted) >= state.max_tokens:
+                    break
+            # The step sampled at the uniforms next() drew; advance the generator past the accepted ones.
+            rng_state = self._draws(state, len(accepted))[1]
         else:
             logits = apply_presence_penalty(result.outputs["logits"][0], state.generated, state.presence_penalty)
             generator = generator_from_state(state.rng_state)
-            token = sample_next_token(logits, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
-                                      generator=generator)
+            accepted = [sample_next_token(logits, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p,
+                                          generator=generator)]
             rng_state = generator.get_state()
-        written = len(state.prompt_ids) if not state.prefilled else state.table.length + 1
-        generated = [*state.generated, token]
-        finished = token in state.stop_ids or len(generated) >= state.max_tokens
+        # A token step wrote the K/V of each input token: the last token, then each accepted one but the newest.
+        written = len(state.prompt_ids) if not state.prefilled else state.table.length + len(accepted)
+        generated = [*state.generated, *accepted]
+        finished = accepted[-1] in state.stop_ids or len(generated) >= state.max_tokens
         return state.model_copy(update={
             "generated": generated, "prefilled": True, "table": state.table.model_copy(update={"length": written}),
-            "rng_state": rng_state, "finished": finished, "step": state.step + 1,
+            "rng_state": rng_state, "finished": finished, "step": state.step + len(accepted),
+            "unstreamed": len(accepted),
         })
 
     def _text(self, state: ARDecodeState) -> str:
@@ -306,15 +331,34 @@ class Cosmos3ARDecodeLoop(Loop[ARDecodeState]):
         prefill = len(prompt_ids) * (_token_activation_bytes(config, e) + config.vocab_size * 4)
         steps = [StepEstimate(loop_id=self.loop_id, kind=WorkKind.AR_PREFILL, shape_sig=ShapeSignature.of(tokens=len(prompt_ids)))]
         if params.max_tokens > 1:
-            sig = ShapeSignature.of(tokens=1)
-            if getattr(model, "samples_on_device", False):  # as next() signs a device-sampled step
-                sig = ShapeSignature.of(tokens=1, sampler="device", seen=pool.config.max_tokens_per_sequence)
-            steps.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.AR_TOKEN, shape_sig=sig,
-                                      count=params.max_tokens - 1))
+            if getattr(model, "samples_on_device", False):
+                # As next() plans them: full chains of tokens_per_step, then the rest in one shorter chain.
+                per_step = _tokens_per_step(model)
+                full, rest = divmod(params.max_tokens - 1, per_step)
+                width = pool.config.max_tokens_per_sequence
+                for chain, count in ((per_step, full), (rest, 1)):
+                    if chain and count:
+                        steps.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.AR_TOKEN,
+                                                  shape_sig=_device_sampled_sig(width, chain), count=count))
+            else:
+                steps.append(StepEstimate(loop_id=self.loop_id, kind=WorkKind.AR_TOKEN,
+                                          shape_sig=ShapeSignature.of(tokens=1), count=params.max_tokens - 1))
         return ResourceRequest(
             steps=tuple(steps), pool_blocks={"text_kv": pool.blocks_for(total)},
             peak_bytes=max(prefill, gathered + _token_activation_bytes(config, e)),
         )
+
+
+def _tokens_per_step(model: ModelInstance) -> int:
+    """Tokens a device-sampled decode step of ``model`` runs (its ``decode_tokens_per_step``; 1 without one)."""
+    return max(1, int(getattr(model, "decode_tokens_per_step", 1)))
+
+
+def _device_sampled_sig(seen_width: int, chain: int) -> ShapeSignature:
+    """A device-sampled token step's signature; a chain of ``chain`` > 1 tokens is priced ``repeat`` times one."""
+    if chain == 1:
+        return ShapeSignature.of(tokens=1, sampler="device", seen=seen_width)
+    return ShapeSignature.of(tokens=1, sampler="device", seen=seen_width, repeat=chain)
 
 
 def _ar_sequence(request: Request, model: ModelInstance, purpose: str) -> tuple[list[int], ARParams, int]:

@@ -573,7 +573,12 @@ def test_the_graphed_tier_is_built_only_for_cuda_graphs_on_cuda():
         cuda_graphs=True, graph_batch_buckets=(1, 8))))
     assert on_cuda.graphed_decode is not None and on_cuda.graphed_decode.buckets == (1, 8)
     assert on_cuda.samples_on_device
-    assert build_cosmos3_instance(card, InstanceOptions(device="cuda")).graphed_decode is None
+    assert on_cuda.decode_tokens_per_step == ComputeOptions().decode_tokens_per_step == 8  # chained by default
+    eager_cuda = build_cosmos3_instance(card, InstanceOptions(device="cuda"))
+    assert eager_cuda.graphed_decode is None and eager_cuda.decode_tokens_per_step == 1  # host sampling: no chain
+    chained = build_cosmos3_instance(card, InstanceOptions(device="cuda", compute=ComputeOptions(
+        cuda_graphs=True, decode_tokens_per_step=3)))
+    assert chained.decode_tokens_per_step == 3
 
 
 # --------------------------------------------------------------------------- sampling
@@ -686,7 +691,9 @@ def test_the_decode_loop_on_the_graphed_tier_samples_in_the_step():
     state_g, result_g = drive_loop(graphed, "ar_decode", _chat(max_tokens=24), record=record)
     assert state_g.device_sampling and not state_e.device_sampling
     assert result_g.outputs["token_ids"] == result_e.outputs["token_ids"]
-    assert graphed.graphed_decode.replays == len(result_g.outputs["token_ids"]) - 1
+    # One replay per token step, and the prompt's prefill replayed too.
+    assert graphed.graphed_decode.prefill_replays == 1
+    assert graphed.graphed_decode.replays - 1 == len(result_g.outputs["token_ids"]) - 1
     token_plans = [plan for plan, _ in record if plan.tag == "token"]
     assert token_plans and all("uniform" in plan.inputs for plan in token_plans)
 

@@ -99,3 +99,61 @@ def test_packing_on_the_gpu_takes_no_memory_and_the_capture_follows_an_in_place_
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-4)
     assert (actual - before).abs().max() > 1e-2  # the change is visible: a stale copy would have failed above
     assert graphed.captures == 1 and all(entry.graph is not None for entry in graphed._entries.values())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_chained_steps_replay_the_captures_and_sample_the_one_token_steps_tokens(temperature):
+    """cosmos3-tiny on CUDA with graphs, through the Engine: 8 tokens per scheduled step give the tokens of one
+    token per step (the same captures, sub-steps fed on the device)."""
+    from fv_cosmos3.cards import cosmos3_card
+    from fv_kernel.api import (ARParams, ComputeOptions, Engine, InstanceOptions, Request, SchedulerConfig, TaskType,
+                               TextPart, build_instance, run_serially)
+
+    def tokens(chain: int) -> tuple[list[list[int]], int]:
+        instance = build_instance(cosmos3_card("cosmos3-tiny"), InstanceOptions(device="cuda", compute=ComputeOptions(
+            cuda_graphs=True, decode_tokens_per_step=chain)))
+        engine = Engine(SchedulerConfig(device_thread=False))
+        engine.add_instance(instance)
+        requests = [Request(request_id=f"r{i}", model="cosmos3-tiny", task=TaskType.TEXT_GENERATION,
+                            inputs=(TextPart(text=prompt),),
+                            ar=ARParams(max_tokens=40, temperature=temperature, top_k=16, presence_penalty=1.0,
+                                        seed=i, stop_token_ids=()))
+                    for i, prompt in enumerate(["a fox", "a boat drifting on a calm lake"])]
+        results = run_serially(engine, requests)
+        assert all(r.status == "completed" for r in results), [r.error for r in results]
+        ids = [next(list(a.token_ids) for a in r.artifacts if a.kind == "text") for r in results]
+        return ids, instance.graphed_decode.replays
+
+    one, one_replays = tokens(1)
+    chained, chained_replays = tokens(8)
+    assert chained == one
+    assert one_replays > 0 and chained_replays >= one_replays  # every sub-step a replay (past a stop token too)
+
+
+def test_the_prompt_prefill_is_captured_and_follows_the_eager_prefill():
+    """cosmos3-tiny on CUDA: with graphs the prefill replays a capture (a graph, not the eager fallback) and
+    its last logits follow the eager prefill's."""
+    from fv_cosmos3.cards import cosmos3_card
+    from fv_kernel.api import (ARParams, ComputeOptions, InstanceOptions, LoopContext, Request, TaskType, TextPart,
+                               build_instance, resolve_request)
+
+    def prefill(graphs: bool) -> tuple[torch.Tensor, object]:
+        instance = build_instance(cosmos3_card("cosmos3-tiny"), InstanceOptions(
+            device="cuda", compute=ComputeOptions(cuda_graphs=graphs)))
+        instance.load_for_task(TaskType.TEXT_GENERATION)
+        request = resolve_request(instance.card, Request(model="cosmos3-tiny", task=TaskType.TEXT_GENERATION,
+                                                         inputs=(TextPart(text="a red ball"),), ar=ARParams(max_tokens=4)))
+
+        async def never(plan):
+            raise AssertionError("unused")
+
+        loop = instance.loop("ar_decode")
+        plan = loop.next(loop.init(request, instance, LoopContext(request=request, executor=never)))
+        with torch.inference_mode():
+            return instance.op("ar_prefill").fn(plan.inputs, plan.params)["logits"], instance.graphed_decode
+
+    expected, _ = prefill(False)
+    actual, graphed = prefill(True)
+    assert graphed.prefill_replays == 1 and graphed.eager_steps == 0
+    assert all(graphed._entries[key].graph is not None for key in graphed.prefill_keys())
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-4)
