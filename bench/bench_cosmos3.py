@@ -432,17 +432,25 @@ def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
         out["measured_hbm_bytes_per_s"] = bandwidth
         out["bound_tokens_per_s_batch1"] = bandwidth / per_token
     buckets = instance.options.compute.graph_batch_buckets if instance.options.compute else (1, 2, 4, 8, 16, 32)
-    tiers = [("eager", None)] + ([("graphed", GraphedDecode(tuple(buckets)))] if b.cuda or b.smoke else [])
-    tiers = [(name, graphed) for name, graphed in tiers if name in getattr(b.args, "decode_tiers", ("eager", "graphed"))]
+    # The graphed tier once per chain length (``compute.decode_tokens_per_step``): "graphed" schedules every token,
+    # "graphed_xN" runs N tokens per scheduled step.
+    chains = getattr(b.args, "decode_tokens_per_step", None) or [1]
+    tiers = [("eager", None, 1)] + ([(f"graphed_x{n}" if n > 1 else "graphed", GraphedDecode(tuple(buckets)), n)
+                                     for n in chains] if b.cuda or b.smoke else [])
+    wanted = getattr(b.args, "decode_tiers", ("eager", "graphed"))
+    tiers = [tier for tier in tiers if tier[0].split("_x")[0] in wanted]
+    out["tiers"] = [name for name, _, _ in tiers]
     # Without a declaration at the instance's precision (cosmos3-nano/super in bf16) "batch8" runs each request's
     # token step alone, one call per row; "batch8_fused" is the same run under a declaring copy of the card.
     declared = _declares_batching(instance)
     out["batching_declared"] = declared
     runs = [("batch8", True, False), ("batch1", False, False)] + ([] if declared else [("batch8_fused", True, True)])
-    for tier, graphed in tiers:
+    split_done = False
+    for tier, graphed, chain in tiers:
         if graphed is not None and not b.cuda:
             graphed.capture = False  # --smoke on the CPU: the static step, run eagerly
         instance.graphed_decode = graphed
+        instance.decode_tokens_per_step = chain
         # Warm-up (captures every graph the timed runs replay: batch buckets 1 and 8, their context buckets).
         with contextlib.nullcontext() if declared else _batching_declared(instance):
             _engine_run(b, instance, requests(f"warm-{tier}-", min(b.decode_tokens, 4)), batched=True)
@@ -470,11 +478,14 @@ def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
         if graphed is not None:
             result["captures"], result["replays"], result["eager_steps"] = graphed.captures, graphed.replays, graphed.eager_steps
         result["one_step_fused_vs_alone"] = _step_fused_vs_alone(instance, prompts)
-        if graphed is not None:
+        if graphed is not None and not split_done:
+            split_done = True  # the first graphed tier's: the step is the same graph in every tier
             with torch.inference_mode():  # as the Engine's steps run (the pool's storage is an inference tensor)
                 result["step_split"] = _step_split(b, graphed, result["batch1"]["tokens_per_s"], replays=3 if b.smoke else 50)
+        result["tokens_per_step"] = chain
         out[tier] = result
     instance.graphed_decode = None
+    instance.decode_tokens_per_step = 1
     if "graphed" in out and "eager" in out:
         for name, _, _ in runs:
             if name != "batch1":
@@ -638,13 +649,22 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
         if not dec["batching_declared"]:
             rows.append(("decode: the card declares no parity.batched_vs_alone at this precision, so batch 8 runs "
                          "each request's token step alone; batch 8 fused: the same under a declaring copy", ""))
-        for tier in ("eager", "graphed"):
+        for tier in dec.get("tiers", ("eager", "graphed")):
             if tier not in dec:
                 continue
             t = dec[tier]
+            per_step = t.get("tokens_per_step", 1)
+            tier = f"{tier} ({per_step} tokens per scheduled step)" if per_step > 1 else tier
             rows.append((f"reasoner decode, {tier}: batch 1 / batch 8 ({dec['requests']} chat requests) (tok/s)",
                          f"{t['batch1']['tokens_per_s']:.1f} / {t['batch8']['tokens_per_s']:.1f} "
                          f"(batch 8's ar_token calls by rows {_calls(t['batch8'], 'ar_token')})"))
+            split = []
+            for name in ("batch1", "batch8"):
+                ops = t[name]["op_seconds"]
+                prefill, token = ops.get("ar_prefill", 0.0), ops.get("ar_token", 0.0)
+                split.append(f"{name}: prefill {prefill:.2f}, token steps {token:.2f}, "
+                             f"the rest {t[name]['seconds'] - prefill - token:.2f} of {t[name]['seconds']:.2f}")
+            rows.append((f"reasoner decode, {tier}: where the wall time went (s)", "; ".join(split)))
             if "batch8_fused" in t:
                 f = t["batch8_fused"]
                 rows.append((f"reasoner decode, {tier}: batch 8 fused (tok/s)",
@@ -727,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upsample-tokens", type=int, default=None, help="omni/concurrent: the rewrite's token "
                         "budget (default: the card's, 512; random weights never stop early)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="decode: tokens per chat request")
+    parser.add_argument("--decode-tokens-per-step", nargs="+", type=int, default=[1, 8], metavar="N",
+                        help="decode: run the graphed tier once per N, N tokens per scheduled step "
+                             "(compute.decode_tokens_per_step; 1: every token scheduled)")
     parser.add_argument("--decode-tiers", nargs="+", default=["eager", "graphed"], choices=["eager", "graphed"],
                         help="decode: which tiers to run (the eager one takes minutes at Nano size)")
     parser.add_argument("--sections", nargs="+", default=["step", "omni", "concurrent", "decode"],

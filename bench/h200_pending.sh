@@ -2,21 +2,25 @@
 # The H200 measurements the open issues still wait for, in two parts that each fit one device call
 # (10 minutes): `bash bench/h200_pending.sh 1` and `bash bench/h200_pending.sh 2`; part 3 is the FP8
 # kernels and precision paths (issue 34) with Cosmos 3's decode (issue 36), part 4 the 14B step and the
-# one-GPU parallel baselines (issue 37). Every bench runs
+# one-GPU parallel baselines (issue 37), part 5 the diagnostics of the three misses left open: where a
+# graphed Cosmos 3 token spends its time, the fp8 driver on cross-attention, the VAE under cuDNN's
+# autotuner; part 6 Cosmos 3's decode with chained steps beside one-token steps (and captured prefills),
+# part 7 realtime sessions on the fused ops. Every bench runs
 # under its own timeout, writes its JSON under $OUT (default out/h200) and its log beside it, so a
 # bench that fails or runs out of time costs only its own slot; the last lines of each log are
 # printed at the end. docs/benchmarks.md says which section records each figure.
 #
-# The device machine has torch and triton but not every package: wheels carried in .whlb/ (pydantic,
-# diffusers, stevedore, ...) are installed into /tmp/site first when that folder is present.
+# The device machine has torch and triton but not every package: wheels carried in $WHEELS (default
+# .whlb/: pydantic, diffusers, stevedore, ...) are installed into /tmp/site first when that folder is present.
 set -u
-part="${1:?usage: bash bench/h200_pending.sh 1|2|3|4}"
-case "$part" in 1|2|3|4) ;; *) echo "part must be 1, 2, 3 or 4, got $part" >&2; exit 2 ;; esac
+part="${1:?usage: bash bench/h200_pending.sh 1|2|3|4|5|6|7}"
+case "$part" in 1|2|3|4|5|6|7) ;; *) echo "part must be 1 to 7, got $part" >&2; exit 2 ;; esac
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if [ -d .whlb ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlb/*.whl
+wheels="${WHEELS:-.whlb}"
+if [ -d "$wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/fv-wan -e plugins/fv-rl \
@@ -62,6 +66,25 @@ case "$part" in
     # issue 34: the 14B 720p step on each path (needs about 100 GiB free: an H200); issue 37: one-GPU baselines
     run precision_14b 300 python3 bench/bench_precision.py "$out/precision_14b" --models 14b --iters 3
     run parallel_baselines 240 python3 bench/bench_parallel.py --baselines --iters 3 --warmup 1 --out "$out/parallel_baselines.json"
+    ;;
+5)
+    # issue 36 section 1: a graphed batch-1 token split into the captured step alone and the rest,
+    # with the step's kernels by device time (decode_kernels.txt)
+    run cosmos3_decode 200 python3 bench/bench_cosmos3.py "$out/cosmos3_decode.json" --card cosmos3-nano \
+        --sections decode --decode-tiers graphed
+    # issue 34: the fp8 driver on Wan's cross-attention shape beside self-attention
+    run fp8_kernels 150 python3 bench/bench_fp8_kernels.py --out "$out/fp8_kernels.json"
+    # issue 36 section 2: the VAE decode with the cuDNN autotuner row
+    run vae_decode 150 python3 bench/bench_vae_decode.py "$out/vae"
+    ;;
+6)
+    # issue 36 section 1: the graphed decode scheduling every token and 8 tokens per step (chained), one run
+    run cosmos3_decode 260 python3 bench/bench_cosmos3.py "$out/cosmos3_decode.json" --card cosmos3-nano \
+        --sections decode --decode-tiers graphed --decode-tokens-per-step 1 8
+    ;;
+7)
+    # issue 32: one, two and four sessions with the DiT's and the VAE's fused Triton ops
+    run realtime_fused 250 python3 bench/bench_realtime.py "$out/realtime_fused.json" --seconds 12 --fused-ops triton
     ;;
 esac
 for log in "$out"/*.log; do
