@@ -224,3 +224,12 @@ def test_streamed_text_carries_every_token_through_the_engine():
     tokenizer = instance.component("tokenizer")
     stops = {tokenizer.eos_token_id, tokenizer.token_id("<|endoftext|>")}
     assert chunks == [tokenizer.decode([t]) for t in ids if t not in stops]
+
+
+def test_a_chained_step_without_its_sampling_inputs_names_what_is_missing():
+    instance = _instance(4, buckets=(1,))
+    loop, states = _start(instance, [_chat(max_tokens=10, temperature=0.5)])
+    plan = loop.next(states[0])
+    inputs = {name: tensor for name, tensor in plan.inputs.items() if name != "top_p"}
+    with pytest.raises(ValueError, match=r"needs every sampling input; missing: \['top_p'\]"):
+        instance.op("ar_token").fn(inputs, plan.params)
