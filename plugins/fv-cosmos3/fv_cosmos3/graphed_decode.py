@@ -21,8 +21,10 @@ next token) once per shape and replays it:
   casts, q/k/v and gate/up as one linear each over weights packed into one tensor
   (``pack_weights``: the parameters become views of it, so in-place weight changes reach the
   graph and nothing is held twice), q's and k's norms and RoPE over their heads side by side,
-  one ``index_copy_`` per K/V store. At Nano's layer structure in bf16 that is 23 kernels a layer
-  and 851 a step at batch 1, from 42 and 1,530 (``bench/bench_ar_token.py --graphed``).
+  every layer's history gathered out of the pool once a step and every layer's new K/V stored once
+  after the last layer (each layer writes its own into its copy of the history). At Nano's layer
+  structure in bf16 that is 21 kernels a layer and 786 a step at batch 1, from 42 and 1,530
+  (``bench/bench_ar_token.py --graphed``).
 * Captures are keyed by :class:`DecodeGraphKey` (weights version, batch bucket, context
   bucket, dtype, sampling, padding) and all of them are dropped when the instance's
   ``weights_version`` changes (an RL weight sync), when the pool's storage is rebuilt, when
@@ -398,8 +400,10 @@ def static_decode_step(
       (one ``where`` a step builds every layer's table from the packed gains);
     * RoPE of q and k together: ``x cos + swap(x) sin'`` with ``sin'`` = sin with its first half negated, which is
       ``rotate_half(x) sin`` exactly (negation is exact, and is applied once per step, not per layer);
-    * the new K/V goes in with one ``index_copy_`` each (padded rows write row 0's K/V to row 0's slot: the same
-      bits, whatever order duplicates land in), where a read, a ``where`` and an ``index_put_`` were;
+    * the history of every layer is gathered once a step, each layer's new K/V written into its copy (the values
+      and layout a store, then a gather, gave), and the pool stores every layer's new K/V with one ``index_copy_``
+      each after the last layer (padded rows write row 0's K/V to row 0's slot: the same bits, whatever order
+      duplicates land in);
     * the attention mask is made additive once a step, where SDPA would convert it in every layer (on CUDA).
     """
     c = mot.config
@@ -426,6 +430,17 @@ def static_decode_step(
         # the same values (0 where a key may be attended, -inf elsewhere) in the queries' dtype.
         attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(mot._compute_dtype)
 
+    # Every layer's history, read out of the pool once a step: (layers, kv_heads, Bk, context, head_dim) for K and
+    # for V, two kernels where each layer ran two. Each layer writes its new K/V into its rows' copies at their
+    # positions (what storing, then gathering, gave: the same values in the same layout), and the pool gets every
+    # layer's new K/V once, after the last layer.
+    layers = store_k.shape[0]
+    history_k, history_v = (store.index_select(2, flat).view(layers, kv_heads, bucket, -1, dim)[:, :, :, :context]
+                            for store in (store_k, store_v))
+    every_row = torch.arange(bucket, device=token.device)
+    position = buffers["position"].view(-1)
+    new_keys: list[torch.Tensor] = []
+    new_values: list[torch.Tensor] = []
     hidden = mot.embed_tokens(token)
     for i, layer in enumerate(mot.layers):
         attn = layer.self_attn
@@ -436,19 +451,15 @@ def static_decode_step(
         qk = qk * cos + _swap_halves(qk) * sin
         q_rot, k_rot = qk[:, :q_heads], qk[:, q_heads:]
         v = heads[:, :, q_heads + kv_heads :].transpose(1, 2)
-        layer_k, layer_v = store_k[i], store_v[i]  # (kv_heads, blocks, block_size, head_dim)
-        for slots, new in ((layer_k, k_rot), (layer_v, v)):
-            rows = new[:, :, 0] if source is None else new[:, :, 0].index_select(0, source)
-            if rows.dtype != slots.dtype:
-                rows = rows.to(slots.dtype)
-            slots.view(kv_heads, -1, dim).index_copy_(1, slot, rows.transpose(0, 1))
-
-        def gathered(slots: torch.Tensor) -> torch.Tensor:
-            heads, _, size, dim = slots.shape
-            rows = slots.index_select(1, flat).view(heads, bucket, -1, dim)[:, :, :context]
-            return rows.transpose(0, 1)  # (Bk, kv_heads, context, head_dim)
-
-        out = mot.attention(q_rot, gathered(layer_k), gathered(layer_v), is_causal=False, attn_mask=attn_mask)
+        for history, new, kept in ((history_k[i], k_rot, new_keys), (history_v[i], v, new_values)):
+            rows = new[:, :, 0]  # (Bk, kv_heads, head_dim)
+            if rows.dtype != history.dtype:
+                rows = rows.to(history.dtype)
+            history[:, every_row, position] = rows.transpose(0, 1)
+            kept.append(rows)
+        # (Bk, kv_heads, context, head_dim) views, strided as a per-layer gather's.
+        out = mot.attention(q_rot, history_k[i].transpose(0, 1), history_v[i].transpose(0, 1), is_causal=False,
+                            attn_mask=attn_mask)
         hidden = hidden + attn.to_out(out.transpose(1, 2).reshape(bucket, 1, -1))
         x = _rms_norm(layer.post_attention_layernorm, hidden)
         mlp = layer.mlp
@@ -457,6 +468,11 @@ def static_decode_step(
             hidden = hidden + mlp.down_proj(F.silu(gate) * up)
         else:
             hidden = hidden + mlp(x)
+    for store, kept in ((store_k, new_keys), (store_v, new_values)):
+        rows = torch.stack(kept)  # (layers, Bk, kv_heads, head_dim)
+        if source is not None:
+            rows = rows.index_select(1, source)  # a padded row stores row 0's K/V into row 0's slot
+        store.view(layers, kv_heads, -1, dim).index_copy_(2, slot, rows.transpose(1, 2))
     logits = mot.lm_head(_rms_norm(mot.norm, hidden))[:, -1].float()
     result = {"logits": logits}
     if sampling:

@@ -312,18 +312,21 @@ def test_a_group_without_memory_to_pack_runs_unpacked(monkeypatch, caplog):
 
 def test_a_graphed_step_launches_the_pinned_kernels_per_layer(monkeypatch):
     """Counted on the CPU (every op that launches a kernel, what a CUDA graph of the step replays) at Nano's layer
-    structure in bf16: 23 kernels a layer and 23 more a step, 851 a step over Nano's 36 layers (the step before
-    these rewrites launched 42 and 18: 1,530). A change that adds a kernel fails here. Padded rows add the K/V
-    store's source selection; fp32 has no gain multiplies after its norms. (The additive attention mask built once
-    a step is 2 of the fixed 23: SDPA would build it inside every layer's call on CUDA, unseen by this counter.)
-    Negative control: with nothing packed (q/k/v, gate/up one linear each and a concatenation, a gain table per
-    layer) the counter sees 6 more a layer."""
+    structure in bf16: 21 kernels a layer and 30 more a step, 786 a step over Nano's 36 layers (1,530 before these
+    rewrites; 851 while each layer gathered its history out of the pool and stored its new K/V itself: 23 a layer).
+    A change that adds a kernel fails here. The history is gathered once a step and each layer's new K/V written
+    into it (one ``index_put_`` each for K and V), the pool stored once after the last layer; padded rows add the
+    store's source selection once a step, not per layer; fp32 has no gain multiplies after its norms. (The additive
+    attention mask built once a step is 2 of the fixed 30: SDPA would build it inside every layer's call on CUDA,
+    unseen by this counter.) Negative control: with nothing packed (q/k/v, gate/up one linear each and a
+    concatenation, a gain table per layer) the counter sees 6 more a layer."""
     per_layer, fixed = graphed_launches(NANO_SHAPE, 1, bucket=1, dtype=torch.bfloat16)
-    assert per_layer == Counter({"mul": 6, "linear": 4, "rms_norm": 3, "add": 3, "index_copy_": 2, "index_select": 2,
+    assert per_layer == Counter({"mul": 6, "linear": 4, "rms_norm": 3, "add": 3, "index_put_": 2,
                                  "flip": 1, "scaled_dot_product_attention": 1, "silu": 1})
-    assert sum(fixed.values()) == 23 and 36 * sum(per_layer.values()) + sum(fixed.values()) == 851
-    padded, _ = graphed_launches(NANO_SHAPE, 3, bucket=4, dtype=torch.bfloat16)
-    assert padded - per_layer == Counter({"index_select": 2}) and not per_layer - padded
+    assert sum(fixed.values()) == 30 and 36 * sum(per_layer.values()) + sum(fixed.values()) == 786
+    assert fixed["index_select"] == fixed["index_copy_"] == fixed["stack"] == 2  # K and V: gathered, stored once
+    padded, padded_fixed = graphed_launches(NANO_SHAPE, 3, bucket=4, dtype=torch.bfloat16)
+    assert padded == per_layer and padded_fixed - fixed == Counter({"index_select": 2})
     fp32, _ = graphed_launches(NANO_SHAPE, 1, bucket=1, dtype=torch.float32)
     assert per_layer - fp32 == Counter({"mul": 2}) and not fp32 - per_layer
     monkeypatch.setattr(graphed_decode, "pack_weights", lambda mot: [])
