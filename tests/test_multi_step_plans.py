@@ -124,3 +124,26 @@ def test_decode_tokens_per_step_is_validated():
         ComputeOptions(decode_tokens_per_step=0)
     with pytest.raises(ValidationError, match="decode_tokens_per_step"):
         ComputeOptions(decode_tokens_per_step=65)
+
+
+def test_the_toy_lm_streams_every_token_of_its_answer():
+    """The kernel's toy LM (what plugin authors read): its text chunks add up to the answer, the last token's
+    included (it comes with the loop's ``Done``)."""
+    from fv_kernel.api import ARParams, Engine, SchedulerConfig, build_instance
+    from fv_kernel.runtime.blocking import run_blocking
+    from fv_kernel.testing.toy import toy_card
+
+    engine = Engine(SchedulerConfig(device_thread=False))
+    engine.add_instance(build_instance(toy_card("toy-lm")))
+    request = Request(model="toy-lm", task=TaskType.TEXT_GENERATION, inputs=(TextPart(text="hello"),),
+                      ar=ARParams(max_tokens=12, temperature=0.0, stop_token_ids=()))
+
+    async def go() -> list[Any]:
+        async with engine.running():
+            handle = engine.submit(request)
+            return [event async for event in handle.events()]
+
+    events = run_blocking(go())
+    streamed = "".join(e.text for e in events if e.type == "media.chunk" and e.stream == "text")
+    answer = next(e.artifact for e in events if e.type == "artifact.ready" and e.artifact.kind == "text")
+    assert streamed == answer.text and len(answer.token_ids) == 12

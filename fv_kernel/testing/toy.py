@@ -511,7 +511,9 @@ class ToyARDecodeLoop(Loop[ARState]):
 
     def next(self, state: ARState) -> WorkPlan | Done:
         if state.finished:
-            return Done()
+            # The last token's text: each plan streams the token before it, and no plan follows this one.
+            text = ByteCodec().decode([state.generated[-1]]) if state.generated else ""
+            return Done(emits=(EmitSpec(stream="text", modality="text", text=text),) if text else ())
         if state.kv is None:
             ids = torch.tensor([state.prompt_ids], dtype=torch.long)
             return WorkPlan(
