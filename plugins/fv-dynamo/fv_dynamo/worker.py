@@ -130,8 +130,8 @@ class FvWorker:
 
     @property
     def serves_realtime(self) -> bool:
-        """The card streams sessions (it has a ``chunk_rollout`` loop)."""
-        return any(spec.kind == "chunk_rollout" for spec in self.instance.card.loops.values())
+        """The card streams sessions (``ModelCard.streams_sessions``: it has a ``chunk_rollout`` loop)."""
+        return self.instance.card.streams_sessions
 
     @property
     def serves_videos(self) -> bool:
