@@ -33,13 +33,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from random_weights import random_weight_card  # bench/, beside this script
 
 from fv_kernel.api import ComputeOptions, Engine, InstanceOptions, Observer, SessionClosed, SessionRequest, StepRecord, TaskType, build_instance
+from fv_kernel.compute.compile import FusedOpsMode
 
 CARD_1_3B = "wan2.1-t2v-1.3b-causal"
 CARD_SMOKE = "wan-toy-causal"
@@ -197,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update-every", type=float, default=None,
                         help="seconds between prompt updates in the one-session run (default: seconds / 4)")
     parser.add_argument("--smoke", action="store_true", help=f"{CARD_SMOKE} on CPU at 64x64, fp32")
-    parser.add_argument("--fused-ops", default="off", choices=["off", "torch", "triton"],
+    # Every mode but "auto", which picks by a parity record: the bench names the ops it times.
+    parser.add_argument("--fused-ops", default="off", choices=[m for m in get_args(FusedOpsMode) if m != "auto"],
                         help="the instance's fused ops (DiT and VAE; default off: eager, what a card without a "
                         "parity record runs)")
     args = parser.parse_args(argv)
