@@ -108,6 +108,8 @@ def test_the_floor_is_a_lower_confidence_bound_over_the_samples(card: ModelCard)
     assert not verdict(card, measured(card, psnrs=(44.4, 44.5, 44.3, 44.6), reference=45.0)).passed
     noisy = measured(card, psnrs=(47.0, 43.0, 46.5, 43.5), reference=45.0)  # mean 0, sd 2: bound -2.35 dB
     assert noisy.statistics().mean_db == pytest.approx(0.0) and not verdict(card, noisy).passed
+    # A failing verdict names the trajectory to rerun first: the sample furthest below its floor.
+    assert "worst sample -2.00 dB at seed 1, prompt 'prompt 1'" in verdict(card, noisy).reason
     # The bound by hand: mean - t(0.95, n-1) * sd / sqrt(n).
     diffs = [3.0, 3.2, 2.9, -0.6]
     mean = sum(diffs) / 4

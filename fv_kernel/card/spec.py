@@ -682,11 +682,15 @@ class TierParityContract(_Spec):
         stats = measurement.statistics()
         lower = stats.lower_bound_db
         if not lower >= -self.psnr_margin_db:  # NaN fails too
+            # The trajectory to rerun first: the sample furthest below its floor, by its seed and prompt where kept.
+            worst = min(measurement.samples, key=lambda s: (not math.isnan(s.difference_db), s.difference_db))
+            which = "" if worst.seed is None else f"; worst sample {worst.difference_db:+.2f} dB at seed {worst.seed}" + (
+                "" if worst.prompt is None else f", prompt {worst.prompt!r}")
             return verdict(False, (
                 f"{where}: below the floor (eager {precision} vs eager fp32, per sample) by more than the "
                 f"{self.psnr_margin_db:g} dB margin at 95% confidence: over {n} samples the tier is "
-                f"{stats.mean_db:+.2f} dB from its floor on average (sd {stats.sd_db:.2f}), lower bound {lower:+.2f} dB; "
-                f"{measurement.source}"))
+                f"{stats.mean_db:+.2f} dB from its floor on average (sd {stats.sd_db:.2f}), lower bound {lower:+.2f} dB"
+                f"{which}; {measurement.source}"))
         if self.max_step_error_ratio is not None:
             if measurement.step_rel_error is None or measurement.reference_step_rel_error is None:
                 return verdict(False, f"{where}: the contract bounds one forward's error, which the measurement does not record")
