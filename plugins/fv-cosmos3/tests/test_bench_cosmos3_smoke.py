@@ -110,10 +110,12 @@ def test_profile_sees_the_engines_ops_and_upsample_tokens_caps_the_rewrite(tmp_p
     # --profile: the model's matmuls show in the tables (the Engine's ops run where the profiler looks);
     # --upsample-tokens: each omni request rewrites its prompt to exactly that many tokens (random weights).
     out, folder = tmp_path / "cosmos3.json", tmp_path / "prof"
-    _run(str(out), "--smoke", "--sections", "omni", "decode", "--profile", str(folder), "--upsample-tokens", "3")
+    # The eager decode tier only: the graphed tiers (one per chain length) add enough ops that the host sampler's
+    # small self time can fall out of the table's 40 rows.
+    _run(str(out), "--smoke", "--sections", "omni", "decode", "--profile", str(folder), "--upsample-tokens", "3",
+         "--decode-tiers", "eager")
     tables = (folder / "decode_profile.txt").read_text()
-    # The matmuls themselves (aten::mm; the aten::linear wrappers' little self time can fall out of the 40 rows
-    # now that the section runs the eager and the graphed tier) and the host sampler.
+    # The matmuls themselves (aten::mm, or the aten::linear wrappers) and the host sampler.
     assert ("aten::mm" in tables or "aten::linear" in tables) and "aten::multinomial" in tables, tables[:2000]
     assert (folder / "omni_profile.txt").exists()
     assert json.loads(out.read_text())["omni"]["text_tokens"] == [3]
