@@ -30,6 +30,11 @@ next token) once per shape and replays it:
   ``weights_version`` changes (an RL weight sync), when the pool's storage is rebuilt, when
   the reasoner module is replaced, or when a packed weight is replaced by another tensor: a
   graph reads the tensors it was captured with.
+* A chained step (``uniform`` of shape (B, n): ``compute.decode_tokens_per_step``) replays n
+  times, each sampled token written into the next replay's buffers on the device
+  (``_advance_buffers``); each sub-step uses the capture of its own context bucket.
+* The prompt prefill is captured too, per prompt-length bucket (:class:`PrefillGraphKey`,
+  :func:`static_prefill_step`), and dropped with the decode captures.
 
 On CUDA the step is captured; elsewhere (and in the CPU tests) the same static-buffer
 function runs eagerly, so the capture logic is the code that is tested. Eager decode remains
