@@ -737,22 +737,26 @@ class GraphedDecode:
             self.eager_steps += 1
             return None
         table_host = inputs["table"].to("cpu", torch.long)
+        if table_host.shape[1] * cfg.block_size < length:
+            self.eager_steps += 1
+            return None  # the eager prefill grows the table
         positions = torch.arange(length)
+        pad = bucket - length
+        # The same for every row: positions, which position each slot takes its K/V from, the last real one.
+        shared = {"position": torch.arange(bucket).view(1, -1),
+                  "source": torch.cat([positions, positions[-1:].expand(pad)]), "last": torch.tensor([length - 1])}
         hosts = []
         for row in range(rows):
             pool.table_from_tensor(table_host[row], 0)  # a freed or foreign table raises, as in the eager prefill
             blocks = table_host[row, positions // cfg.block_size]
-            if table_host.shape[1] * cfg.block_size < length or bool((blocks < 0).any()):
+            if bool((blocks < 0).any()):
                 self.eager_steps += 1
                 return None  # the eager prefill grows the table
             slot = blocks * cfg.block_size + positions % cfg.block_size
-            pad = bucket - length
             hosts.append({
+                **shared,
                 "ids": torch.cat([ids[row].to("cpu", torch.long), torch.zeros(pad, dtype=torch.long)]).view(1, -1),
-                "position": torch.arange(bucket).view(1, -1),
                 "slot": torch.cat([slot, slot[-1:].expand(pad)]),
-                "source": torch.cat([positions, positions[-1:].expand(pad)]),
-                "last": torch.tensor([length - 1]),
             })
         logits = []
         for host in hosts:
@@ -788,7 +792,7 @@ class GraphedDecode:
                 self._graph_pool = torch.cuda.graph_pool_handle()  # one memory pool for every capture
             entry = _DecodeGraph(fn, static, capture=capture, pool=self._graph_pool)
         except Exception:  # noqa: BLE001 - a kernel that cannot be captured: this shape decodes eagerly
-            log.warning("capturing the reasoner's decode step %s failed; it runs eagerly", key, exc_info=True)
+            log.warning("capturing the reasoner's %s failed; it runs eagerly", key, exc_info=True)
             self._failed.add(key)
             self.eager_steps += 1
             return None

@@ -109,3 +109,23 @@ def test_a_new_weights_version_drops_the_prefill_captures():
     graphed.weights_version = "v-next"
     _prefill(graphed, "a red ball")
     assert [key.weights_version for key in graphed.graphed_decode.prefill_keys()] == ["v-next"]
+
+
+def test_a_table_narrower_than_the_prompt_is_left_to_the_eager_prefill():
+    """A table without a block for every prompt position: the captured prefill declines (the eager prefill grows
+    the table), before it reads a column that is not there."""
+    graphed = _instance(True)
+    request = resolve_request(graphed.card, Request(model="cosmos3-tiny", task=TaskType.TEXT_GENERATION,
+                                                    inputs=(TextPart(text="a red ball"),), ar=ARParams(max_tokens=8)))
+
+    async def never(plan):
+        raise AssertionError("unused")
+
+    loop = graphed.loop("ar_decode")
+    plan = loop.next(loop.init(request, graphed, LoopContext(request=request, executor=never)))
+    narrow = dict(plan.inputs, table=plan.inputs["table"][:, :1])  # one block: fewer slots than the prompt's tokens
+    assert plan.inputs["ids"].shape[1] > graphed.text_kv_pool.config.block_size
+    decode = graphed.graphed_decode
+    with torch.inference_mode():
+        assert decode.prefill(graphed.component("transformer"), graphed.text_kv_pool, graphed.weights_version, narrow) is None
+    assert decode.eager_steps == 1 and decode.prefill_replays == 0
