@@ -15,7 +15,7 @@ import math
 import re
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Literal, Sequence, get_args
+from typing import Any, Callable, Literal, Sequence, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -682,10 +682,8 @@ class TierParityContract(_Spec):
         stats = measurement.statistics()
         lower = stats.lower_bound_db
         if not lower >= -self.psnr_margin_db:  # NaN fails too
-            # The trajectory to rerun first: the sample furthest below its floor, by its seed and prompt where kept.
-            worst = min(measurement.samples, key=lambda s: (not math.isnan(s.difference_db), s.difference_db))
-            which = "" if worst.seed is None else f"; worst sample {worst.difference_db:+.2f} dB at seed {worst.seed}" + (
-                "" if worst.prompt is None else f", prompt {worst.prompt!r}")
+            # The trajectory to rerun first: the sample furthest below its floor.
+            which = _worst_sample(measurement.samples, lambda sample: sample.difference_db, "+.2f")
             return verdict(False, (
                 f"{where}: below the floor (eager {precision} vs eager fp32, per sample) by more than the "
                 f"{self.psnr_margin_db:g} dB margin at 95% confidence: over {n} samples the tier is "
@@ -741,6 +739,16 @@ class TierSampleStatistics(_Spec):
     #: One-sided 95% lower confidence bound of the mean: mean - t(0.95, n-1) * sd / sqrt(n).
     lower_bound_db: float
     worst_db: float
+
+
+def _worst_sample(samples: Sequence[Any], db: Callable[[Any], float], spec: str) -> str:
+    """``"; worst sample X dB at seed S, prompt P"`` for the sample of lowest ``db`` (a NaN one first), where the
+    record kept its seed (and prompt): the clip to reproduce first. Empty for a record without seeds."""
+    worst = min(samples, key=lambda sample: (not math.isnan(db(sample)), db(sample)))
+    if worst.seed is None:
+        return ""
+    prompt = "" if worst.prompt is None else f", prompt {worst.prompt!r}"
+    return f"; worst sample {format(db(worst), spec)} dB at seed {worst.seed}{prompt}"
 
 
 def _one_sided_statistics(values: list[float]) -> TierSampleStatistics:
@@ -962,10 +970,8 @@ class PrecisionPathContract(_Spec):
         stats = measurement.statistics()
         # Every sample at or above the floor passes however spread they are; below it, the mean must be held at 95%.
         if not (stats.worst_db >= self.min_psnr_db or stats.lower_bound_db >= self.min_psnr_db):  # NaN fails too
-            # The clip to look at first: the worst sample's seed and prompt, where the record kept them.
-            worst = min(measurement.samples, key=lambda sample: (not math.isnan(sample.psnr_db), sample.psnr_db))
-            which = "" if worst.seed is None else f"; worst sample {worst.psnr_db:.2f} dB at seed {worst.seed}" + (
-                "" if worst.prompt is None else f", prompt {worst.prompt!r}")
+            # The clip to look at first: the worst sample.
+            which = _worst_sample(measurement.samples, lambda sample: sample.psnr_db, ".2f")
             return fail(f"{where}: final videos {stats.mean_db:.2f} dB PSNR against the native path on average over "
                         f"{n} samples (sd {stats.sd_db:.2f}), 95% lower bound {stats.lower_bound_db:.2f} dB, below the "
                         f"contract's {self.min_psnr_db:g} dB{which}; {measurement.source}")
