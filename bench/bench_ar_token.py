@@ -122,8 +122,8 @@ class DecodeBench:
 
     @classmethod
     def build(cls, config: Cosmos3Config, rows: int, history: int, steps: int, *, seed: int = 0,
-              dtype: torch.dtype = torch.float32, stride: int = 3) -> "DecodeBench":
-        gen = torch.Generator().manual_seed(seed)
+              dtype: torch.dtype = torch.float32, stride: int = 3, device: str = "cpu") -> "DecodeBench":
+        gen = torch.Generator().manual_seed(seed)  # draws on the CPU, so every device gets the same weights
         mot = Cosmos3MoT(config).to(dtype).eval().requires_grad_(False)
         with torch.no_grad():
             for name, p in mot.named_parameters():
@@ -134,8 +134,9 @@ class DecodeBench:
         pool = PagedKVPool(PagedKVConfig(
             num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
             block_size=block, num_blocks=per_row * rows + 3, max_blocks_per_sequence=per_row,
-            dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype],
+            dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype], device=device,
         ))
+        mot.to(device)
         pool.allocate("someone-else", tokens=3 * block)  # rows' blocks do not start at block 0
         lengths = [max(history - stride * r, 1) for r in range(rows)]
         tables = []
@@ -143,13 +144,14 @@ class DecodeBench:
             table = pool.allocate(f"row{row}", tokens=history + steps + 1)
             shape = (config.num_hidden_layers, config.num_key_value_heads, length, config.head_dim)
             keys = torch.randn(shape, generator=gen).to(dtype)
-            tables.append(pool.write(table, 0, keys, torch.randn(shape, generator=gen).to(dtype)))
+            values = torch.randn(shape, generator=gen).to(dtype)
+            tables.append(pool.write(table, 0, keys.to(device), values.to(device)))
         instance = Cosmos3Instance(card=cosmos3_card("cosmos3-tiny"), options=InstanceOptions(),
                                    component_loader=lambda component_id: None, ops_builder=cosmos3_ops,
                                    components={"transformer": mot}, text_kv_pool=pool)
         return cls(config=config, mot=mot, pool=pool, ar_token=cosmos3_ops(instance)["ar_token"].fn,
                    table_ids=torch.stack([pool.table_tensor(t) for t in tables]), lengths=lengths,
-                   token=torch.randint(0, config.vocab_size, (rows, 1), generator=gen))
+                   token=torch.randint(0, config.vocab_size, (rows, 1), generator=gen).to(device))
 
     def step(self) -> torch.Tensor:
         """One ``ar_token`` over every row; feeds back the greedy token and returns the logits."""

@@ -57,6 +57,7 @@ import torch
 
 from fv_cosmos3.cards import cosmos3_card
 from fv_cosmos3.diffusers_reference import diffusers_forward_kwargs, diffusers_transformer
+from fv_cosmos3.decode_kernels import DecodeKernels
 from fv_cosmos3.graphed_decode import GraphedDecode
 from fv_cosmos3.instance import Cosmos3Instance, cosmos3_ops, text_pool_config
 from fv_cosmos3.loops import upsample_params
@@ -247,9 +248,10 @@ def bench_step(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
 # --------------------------------------------------------------------------- 2-4. requests through the Engine
 
 
-def _engine_run(b: Bench, instance: Cosmos3Instance, requests: list[Request], *, batched: bool) -> dict[str, Any]:
+def _engine_run(b: Bench, instance: Cosmos3Instance, requests: list[Request], *, batched: bool,
+                device_thread: bool | None = None) -> dict[str, Any]:
     # Under --profile the ops run on the event loop's thread: the profiler records only the threads it saw start.
-    thread = b.args.profile is None
+    thread = b.args.profile is None if device_thread is None else device_thread
     config = (SchedulerConfig(batching="throughput", max_queue=4096, device_thread=thread) if batched
               else SchedulerConfig(scheduling="request", max_queue=4096, device_thread=thread))
     times = OpTimes()
@@ -434,18 +436,22 @@ def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
     buckets = instance.options.compute.graph_batch_buckets if instance.options.compute else (1, 2, 4, 8, 16, 32)
     # The graphed tier once per chain length (``compute.decode_tokens_per_step``): "graphed" schedules every token,
     # "graphed_xN" runs N tokens per scheduled step.
+    # "+triton": the same with the Triton decode kernels in the captured step (compute.fused_ops: triton).
     chains = getattr(b.args, "decode_tokens_per_step", None) or [1]
-    tiers = [("eager", None, 1)] + ([(f"graphed_x{n}" if n > 1 else "graphed", GraphedDecode(tuple(buckets)), n)
-                                     for n in chains] if b.cuda or b.smoke else [])
+    kernel_modes = getattr(b.args, "decode_kernels", None) or ["off"]
+    tiers = [("eager", None, 1)] + ([
+        ((f"graphed_x{n}" if n > 1 else "graphed") + ("+triton" if mode == "triton" else ""),
+         GraphedDecode(tuple(buckets), kernels=DecodeKernels() if mode == "triton" else None), n)
+        for mode in kernel_modes for n in chains] if b.cuda or b.smoke else [])
     wanted = getattr(b.args, "decode_tiers", ("eager", "graphed"))
-    tiers = [tier for tier in tiers if tier[0].split("_x")[0] in wanted]
+    tiers = [tier for tier in tiers if tier[0].split("+")[0].split("_x")[0] in wanted]
     out["tiers"] = [name for name, _, _ in tiers]
     # Without a declaration at the instance's precision (cosmos3-nano/super in bf16) "batch8" runs each request's
     # token step alone, one call per row; "batch8_fused" is the same run under a declaring copy of the card.
     declared = _declares_batching(instance)
     out["batching_declared"] = declared
     runs = [("batch8", True, False), ("batch1", False, False)] + ([] if declared else [("batch8_fused", True, True)])
-    split_done = False
+    split_done: set[bool] = set()  # kernels on/off: the step is the same graph in every chain length
     for tier, graphed, chain in tiers:
         if graphed is not None and not b.cuda:
             graphed.capture = False  # --smoke on the CPU: the static step, run eagerly
@@ -473,13 +479,15 @@ def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
         for name, batched, _ in runs:
             if batched:  # the same prompts and seeds as batch1: rows that ran alone keep every text as it was
                 result[name]["same_text_as_batch1"] = _same_texts(tokens[name], tokens["batch1"])
+        if getattr(b.args, "host_profile", False) and graphed is not None:
+            result["host_profile"] = _host_profile(b, instance, requests(f"{tier}-host-", b.decode_tokens), tier)
         up = _engine_run(b, instance, upsampling(f"{tier}-"), batched=False)
         result["upsample"] = {"tokens": up["text_tokens"][0], "seconds": up["seconds"]}
         if graphed is not None:
             result["captures"], result["replays"], result["eager_steps"] = graphed.captures, graphed.replays, graphed.eager_steps
         result["one_step_fused_vs_alone"] = _step_fused_vs_alone(instance, prompts)
-        if graphed is not None and not split_done:
-            split_done = True  # the first graphed tier's: the step is the same graph in every tier
+        if graphed is not None and (graphed.kernels is not None) not in split_done:
+            split_done.add(graphed.kernels is not None)
             with torch.inference_mode():  # as the Engine's steps run (the pool's storage is an inference tensor)
                 result["step_split"] = _step_split(b, graphed, result["batch1"]["tokens_per_s"], replays=3 if b.smoke else 50)
         result["tokens_per_step"] = chain
@@ -493,6 +501,28 @@ def bench_decode(b: Bench, instance: Cosmos3Instance) -> dict[str, Any]:
                                                    / out["eager"][name]["tokens_per_s"])
         out["graphed_vs_eager_batch1"] = out["graphed"]["batch1"]["tokens_per_s"] / out["eager"]["batch1"]["tokens_per_s"]
     return out
+
+
+def _host_profile(b: Bench, instance: Cosmos3Instance, requests: list[Request], tier: str) -> dict[str, Any]:
+    """The batch-8 run again under cProfile, its ops on the event loop's thread (no device thread, so one profile
+    sees the loops, the scheduler and the ops' host side): the run's seconds and op seconds, and the functions by
+    own time, written in full beside the JSON as ``decode_host_<tier>.txt`` (issue 36 section 3: where the host's
+    share of a decode goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    with contextlib.nullcontext() if _declares_batching(instance) else _batching_declared(instance):
+        profiler.enable()
+        run = _engine_run(b, instance, requests, batched=True, device_thread=False)
+        profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    Path(b.args.output).with_name(f"decode_host_{tier.replace('+', '_')}.txt").write_text(text.getvalue())
+    return {"seconds": run["seconds"], "op_seconds": run["op_seconds"], "tokens": sum(run["text_tokens"])}
 
 
 def _step_split(b: Bench, graphed: GraphedDecode, tokens_per_s: float, replays: int = 50) -> dict[str, Any]:
@@ -525,7 +555,8 @@ def _step_split(b: Bench, graphed: GraphedDecode, tokens_per_s: float, replays: 
         split["eager_static_step_device_ms"] = total / 1000
         split["kernels"] = [{"name": e.key[:80], "ms_per_step": e.self_device_time_total / 3000,
                              "calls_per_step": e.count / 3} for e in averages[:15]]
-        Path(b.args.output).with_name("decode_kernels.txt").write_text(
+        name = "decode_kernels_triton.txt" if graphed.kernels is not None else "decode_kernels.txt"
+        Path(b.args.output).with_name(name).write_text(
             prof.key_averages().table(sort_by="self_device_time_total", row_limit=60) + "\n")
     return split
 
@@ -682,11 +713,12 @@ def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append(("  graphed / eager, batch 1 / batch 8" + (" / batch 8 fused" if fused else ""),
                          f"{dec['graphed_vs_eager_batch1']:.2f}x / {dec['graphed_vs_eager_batch8']:.2f}x{fused}"))
         if "bound_tokens_per_s_batch1" in dec:
-            split = dec.get("graphed", {}).get("step_split")
-            if split and split["replay_ms"]:
-                replays = ", ".join(f"{name} {ms:.2f}" for name, ms in split["replay_ms"].items())
-                rows.append(("graphed batch-1 token: engine wall vs the captured step replayed alone (ms)",
-                             f"{split['engine_ms_per_token_batch1']:.2f} vs {replays}"))
+            for tier in dec.get("tiers", ()):
+                split = dec.get(tier, {}).get("step_split")
+                if split and split["replay_ms"]:
+                    replays = ", ".join(f"{name} {ms:.2f}" for name, ms in split["replay_ms"].items())
+                    rows.append((f"{tier} batch-1 token: engine wall vs the captured step replayed alone (ms)",
+                                 f"{split['engine_ms_per_token_batch1']:.2f} vs {replays}"))
             rows.append((f"physical bound at batch 1: {dec['reasoner_bytes_per_token'] / 1e9:.2f} GB of reasoner weights "
                          f"per token at the measured {dec['measured_hbm_bytes_per_s'] / 1e12:.2f} TB/s (tok/s)",
                          f"{dec['bound_tokens_per_s_batch1']:.0f}"))
@@ -750,6 +782,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens-per-step", nargs="+", type=int, default=[1, 8], metavar="N",
                         help="decode: run the graphed tier once per N, N tokens per scheduled step "
                              "(compute.decode_tokens_per_step; 1: every token scheduled)")
+    parser.add_argument("--decode-kernels", nargs="+", default=["off"], choices=["off", "triton"],
+                        help="decode: run each graphed tier without and/or with the Triton decode kernels "
+                             "(compute.fused_ops: triton; fv_cosmos3.decode_kernels)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="decode: run each graphed tier's batch 8 once more under cProfile (no device thread) and "
+                             "write decode_host_<tier>.txt beside the output: where the host's time goes")
     parser.add_argument("--decode-tiers", nargs="+", default=["eager", "graphed"], choices=["eager", "graphed"],
                         help="decode: which tiers to run (the eager one takes minutes at Nano size)")
     parser.add_argument("--sections", nargs="+", default=["step", "omni", "concurrent", "decode"],

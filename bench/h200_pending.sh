@@ -5,7 +5,8 @@
 # one-GPU parallel baselines (issue 37), part 5 the diagnostics of the three misses left open: where a
 # graphed Cosmos 3 token spends its time, the fp8 driver on cross-attention, the VAE under cuDNN's
 # autotuner; part 6 Cosmos 3's decode with chained steps beside one-token steps (and captured prefills),
-# part 7 realtime sessions on the fused ops. Every bench runs
+# part 7 realtime sessions on the fused ops, part 8 the captured decode with the Triton decode kernels beside without
+# (their tests on the GPU first) and where the host's share of a decode goes. Every bench runs
 # under its own timeout, writes its JSON under $OUT (default out/h200) and its log beside it, so a
 # bench that fails or runs out of time costs only its own slot; the last lines of each log are
 # printed at the end. docs/benchmarks.md says which section records each figure.
@@ -13,8 +14,8 @@
 # The device machine has torch and triton but not every package: wheels carried in $WHEELS (default
 # .whlb/: pydantic, diffusers, stevedore, ...) are installed into /tmp/site first when that folder is present.
 set -u
-part="${1:?usage: bash bench/h200_pending.sh 1|2|3|4|5|6|7}"
-case "$part" in 1|2|3|4|5|6|7) ;; *) echo "part must be 1 to 7, got $part" >&2; exit 2 ;; esac
+part="${1:?usage: bash bench/h200_pending.sh 1|2|3|4|5|6|7|8}"
+case "$part" in 1|2|3|4|5|6|7|8) ;; *) echo "part must be 1 to 8, got $part" >&2; exit 2 ;; esac
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -85,6 +86,14 @@ case "$part" in
 7)
     # issue 32: one, two and four sessions with the DiT's and the VAE's fused Triton ops
     run realtime_fused 250 python3 bench/bench_realtime.py "$out/realtime_fused.json" --seconds 12 --fused-ops triton
+    ;;
+8)
+    # issue 36 sections 1 and 3: the decode kernels' tests on the GPU, then chains of 8 with and without the kernels
+    # (compute.fused_ops: triton), each tier's batch 8 once more under cProfile (decode_host_<tier>.txt)
+    run decode_kernel_tests 150 bash -c "cd plugins/fv-cosmos3 && python3 -m pytest -q -p no:cacheprovider \
+        tests/test_decode_kernels.py tests/test_graphed_decode_cuda.py"
+    run cosmos3_decode 330 python3 bench/bench_cosmos3.py "$out/cosmos3_decode.json" --card cosmos3-nano \
+        --sections decode --decode-tiers graphed --decode-tokens-per-step 8 --decode-kernels off triton --host-profile
     ;;
 esac
 for log in "$out"/*.log; do

@@ -59,6 +59,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fv_cosmos3.decode_kernels import DecodeKernels, DecodeKernelsUnavailable
 from fv_cosmos3.models.layers import RMSNorm, sdpa_attention
 from fv_cosmos3.models.mot import Cosmos3MoT
 
@@ -386,6 +387,7 @@ def static_decode_step(
     context: int,
     sampling: bool,
     plan: DecodePlan | None = None,
+    kernels: DecodeKernels | None = None,
 ) -> Tensors:
     """One decode step of ``buffers``' rows against the pool storage ``store``, with static shapes only.
 
@@ -410,6 +412,11 @@ def static_decode_step(
       each after the last layer (padded rows write row 0's K/V to row 0's slot: the same bits, whatever order
       duplicates land in);
     * the attention mask is made additive once a step, where SDPA would convert it in every layer (on CUDA).
+
+    ``kernels`` (``compute.fused_ops: triton``; :func:`decode_kernels_unsupported` says which models they cover):
+    each layer's residual adds with their RMSNorms, q/k's norm, gain and RoPE with the K/V writes, and SiLU with its
+    multiply run as three Triton kernels (:mod:`fv_cosmos3.decode_kernels`), rounding where these ops round: the
+    same values but for the order of a norm's fp32 sum (``tests/test_decode_kernels.py``).
     """
     c = mot.config
     plan = DecodePlan.of(mot) if plan is None else plan
@@ -421,8 +428,7 @@ def static_decode_step(
     q_heads, kv_heads, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     cos, sin = mot._rope_tables(mot._text_position_ids(buffers["position"], bucket, 1))  # (Bk, 1, D)
     half = dim // 2
-    cos = cos.unsqueeze(1)  # (Bk, 1, 1, D): every head of q and k
-    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
     # Each layer's q/k norm gains per head (its norm_q's for q's heads, norm_k's for k's): one op for every layer
     # when their gains are packed, else one op in each layer.
     is_q = (torch.arange(q_heads + kv_heads, device=token.device) < q_heads)[:, None]
@@ -442,11 +448,46 @@ def static_decode_step(
     layers = store_k.shape[0]
     history_k, history_v = (store.index_select(2, flat).view(layers, kv_heads, bucket, -1, dim)[:, :, :, :context]
                             for store in (store_k, store_v))
-    every_row = torch.arange(bucket, device=token.device)
     position = buffers["position"].view(-1)
+    hidden = mot.embed_tokens(token)
+    if kernels is None:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (Bk, 1, 1, D): every head of q and k
+        final, rows_k, rows_v = _composed_layers(mot, plan, hidden, (cos, sin), is_q, gains, (history_k, history_v),
+                                                 position, attn_mask)
+    else:
+        final, rows_k, rows_v = _fused_layers(mot, plan, kernels, hidden, (cos, sin), gains,
+                                              (history_k, history_v), position, attn_mask)
+    for store, rows in ((store_k, rows_k), (store_v, rows_v)):  # rows: (layers, Bk, kv_heads, head_dim)
+        if source is not None:
+            rows = rows.index_select(1, source)  # a padded row stores row 0's K/V into row 0's slot
+        store.view(layers, kv_heads, -1, dim).index_copy_(2, slot, rows.transpose(1, 2))
+    logits = mot.lm_head(final)[:, -1].float()
+    result = {"logits": logits}
+    if sampling:
+        result["token"] = sample_tokens(
+            logits, buffers["temperature"], buffers["top_k"], buffers["top_p"], buffers["uniform"],
+            buffers["penalty"], buffers["seen"],
+        )
+    return result
+
+
+Rotary = tuple[torch.Tensor, torch.Tensor]
+History = tuple[torch.Tensor, torch.Tensor]
+
+
+def _composed_layers(mot: Cosmos3MoT, plan: DecodePlan, hidden: torch.Tensor, rotary: Rotary, is_q: torch.Tensor,
+                     gains: torch.Tensor | None, history: History, position: torch.Tensor,
+                     attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every layer of :func:`static_decode_step` in torch ops: the final norm's output, and each layer's new K and
+    V rows (layers, Bk, kv_heads, head_dim)."""
+    c = mot.config
+    q_heads, kv_heads, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    bucket = hidden.shape[0]
+    cos, sin = rotary
+    history_k, history_v = history
+    every_row = torch.arange(bucket, device=hidden.device)
     new_keys: list[torch.Tensor] = []
     new_values: list[torch.Tensor] = []
-    hidden = mot.embed_tokens(token)
     for i, layer in enumerate(mot.layers):
         attn = layer.self_attn
         x = _rms_norm(layer.input_layernorm, hidden)
@@ -456,11 +497,11 @@ def static_decode_step(
         qk = qk * cos + _swap_halves(qk) * sin
         q_rot, k_rot = qk[:, :q_heads], qk[:, q_heads:]
         v = heads[:, :, q_heads + kv_heads :].transpose(1, 2)
-        for history, new, kept in ((history_k[i], k_rot, new_keys), (history_v[i], v, new_values)):
+        for layer_history, new, kept in ((history_k[i], k_rot, new_keys), (history_v[i], v, new_values)):
             rows = new[:, :, 0]  # (Bk, kv_heads, head_dim)
-            if rows.dtype != history.dtype:
-                rows = rows.to(history.dtype)
-            history[:, every_row, position] = rows.transpose(0, 1)
+            if rows.dtype != layer_history.dtype:
+                rows = rows.to(layer_history.dtype)
+            layer_history[:, every_row, position] = rows.transpose(0, 1)
             kept.append(rows)
         # (Bk, kv_heads, context, head_dim) views, strided as a per-layer gather's.
         out = mot.attention(q_rot, history_k[i].transpose(0, 1), history_v[i].transpose(0, 1), is_causal=False,
@@ -473,19 +514,71 @@ def static_decode_step(
             hidden = hidden + mlp.down_proj(F.silu(gate) * up)
         else:
             hidden = hidden + mlp(x)
-    for store, kept in ((store_k, new_keys), (store_v, new_values)):
-        rows = torch.stack(kept)  # (layers, Bk, kv_heads, head_dim)
-        if source is not None:
-            rows = rows.index_select(1, source)  # a padded row stores row 0's K/V into row 0's slot
-        store.view(layers, kv_heads, -1, dim).index_copy_(2, slot, rows.transpose(1, 2))
-    logits = mot.lm_head(_rms_norm(mot.norm, hidden))[:, -1].float()
-    result = {"logits": logits}
-    if sampling:
-        result["token"] = sample_tokens(
-            logits, buffers["temperature"], buffers["top_k"], buffers["top_p"], buffers["uniform"],
-            buffers["penalty"], buffers["seen"],
-        )
-    return result
+    return _rms_norm(mot.norm, hidden), torch.stack(new_keys), torch.stack(new_values)
+
+
+def decode_kernels_unsupported(mot: Cosmos3MoT, plan: DecodePlan) -> str | None:
+    """Why the decode kernels cannot run ``mot``'s step (None: they can). They cover RMSNorms whose weight has
+    the activations' dtype, joint q/k norms with packed gains, packed q/k/v and gate/up projections, and SiLU
+    MLPs: the released Cosmos 3 reasoners (Nano, Super) in bf16 or fp32."""
+    dtype = mot._compute_dtype
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"activations in {dtype}"
+    norms = [mot.norm] + [n for layer in mot.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    for norm in norms:
+        if not isinstance(norm, RMSNorm) or norm.weight.dtype != dtype:
+            return f"a norm that is not an RMSNorm with {dtype} weights ({type(norm).__name__})"
+    if plan.qk_gains is None:
+        return "q/k norms that are not one RMSNorm per head with packed gains"
+    if any(p is None for p in plan.qkv) or any(p is None for p in plan.gate_up):
+        return "unpacked q/k/v or gate/up projections, or an MLP that is not SiLU-gated"
+    if any(p[1] is not None for p in (*plan.qkv, *plan.gate_up) if p is not None):
+        return "biased q/k/v or gate/up projections"
+    dim = mot.config.head_dim
+    if dim & (dim - 1):
+        return f"head_dim {dim} (a power of two is needed)"
+    return None
+
+
+def _fused_layers(mot: Cosmos3MoT, plan: DecodePlan, kernels: DecodeKernels, hidden: torch.Tensor, rotary: Rotary,
+                  gains: torch.Tensor | None, history: History, position: torch.Tensor,
+                  attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_composed_layers` with the decode kernels: each residual add runs inside the next RMSNorm, q/k/v in
+    one kernel that also writes K/V into the history and the rows, SiLU with its multiply."""
+    reason = decode_kernels_unsupported(mot, plan)
+    if reason is not None or gains is None:
+        raise DecodeKernelsUnavailable(f"the decode kernels do not cover this reasoner: {reason}")
+    c = mot.config
+    q_heads, kv_heads, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    bucket = hidden.shape[0]
+    cos, sin = (t.reshape(bucket, dim).contiguous() for t in rotary)
+    history_k, history_v = history
+    layers = len(mot.layers)
+    rows_k = torch.empty(layers, bucket, kv_heads, dim, dtype=history_k.dtype, device=hidden.device)
+    rows_v = torch.empty(layers, bucket, kv_heads, dim, dtype=history_v.dtype, device=hidden.device)
+    position = position.contiguous()
+    delta: torch.Tensor | None = None  # the last block's output, added to the residual by the next norm
+    for i, layer in enumerate(mot.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        norm = layer.input_layernorm
+        hidden, x = kernels.add_rms_norm(hidden, delta, norm.weight, norm.eps, round_before_weight=_rounds_first(norm))
+        heads = F.linear(x, plan.qkv[i][0]).view(bucket, 1, -1, dim)  # type: ignore[index]
+        q = kernels.qk_norm_rope_store(heads, gains[i], cos, sin, attn.norm_q.eps, position, (history_k[i], history_v[i]),
+                                       (rows_k[i], rows_v[i]), q_heads=q_heads, kv_heads=kv_heads)
+        out = mot.attention(q, history_k[i].transpose(0, 1), history_v[i].transpose(0, 1), is_causal=False,
+                            attn_mask=attn_mask)
+        norm = layer.post_attention_layernorm
+        hidden, x = kernels.add_rms_norm(hidden, attn.to_out(out.transpose(1, 2).reshape(bucket, 1, -1)), norm.weight,
+                                         norm.eps, round_before_weight=_rounds_first(norm))
+        delta = mlp.down_proj(kernels.silu_mul(F.linear(x, plan.gate_up[i][0])))  # type: ignore[index]
+    _, final = kernels.add_rms_norm(hidden, delta, mot.norm.weight, mot.norm.eps, round_before_weight=_rounds_first(mot.norm))
+    return final, rows_k, rows_v
+
+
+def _rounds_first(norm: RMSNorm) -> bool:
+    """Whether ``norm`` rounds its normalised row before the weight multiplies it (the Qwen convention in bf16/fp16;
+    in fp32 the rounding is a no-op either way)."""
+    return not norm.multiply_in_fp32
 
 
 @dataclass(frozen=True)
@@ -563,11 +656,14 @@ class GraphedDecode:
     """
 
     def __init__(self, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, *, capture: bool | None = None,
-                 min_context: int = MIN_CONTEXT, min_prefill: int = MIN_PREFILL) -> None:
+                 min_context: int = MIN_CONTEXT, min_prefill: int = MIN_PREFILL,
+                 kernels: DecodeKernels | None = None) -> None:
         if not buckets or any(int(b) < 1 for b in buckets):
             raise ValueError(f"graph_batch_buckets must be positive batch sizes, got {buckets}")
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.capture = capture
+        #: The Triton decode kernels every decode step is captured with (``compute.fused_ops: triton``), or None.
+        self.kernels = kernels
         self.min_context = min_context
         self.min_prefill = min_prefill
         self.captures = 0
@@ -613,8 +709,13 @@ class GraphedDecode:
         bound = (weights_version, id(mot), store[0].data_ptr(), store[1].data_ptr(), store[0].shape)
         if bound != self._bound or not packing_intact(self._packed):
             self.invalidate()
-            self._bound = bound
             self._packed = pack_weights(mot)
+            if self.kernels is not None:
+                reason = decode_kernels_unsupported(mot, DecodePlan.of(mot))
+                if reason is not None:  # the request fails with the reason; nothing runs slower unasked
+                    raise DecodeKernelsUnavailable(f"compute.fused_ops='triton': the decode kernels do not cover "
+                                                   f"this reasoner ({reason}); use fused_ops 'off'")
+            self._bound = bound
 
     def run(self, mot: Cosmos3MoT, pool: Any, weights_version: str, inputs: Mapping[str, torch.Tensor]) -> Tensors | None:
         """The step's outputs for the live rows (``logits`` and, sampling, ``token``; a chained step, whose
@@ -785,7 +886,8 @@ class GraphedDecode:
         else:
             def fn(buffers: Tensors, mot: Cosmos3MoT = mot, plan: DecodePlan = DecodePlan.of(mot),
                    context: int = key.context, sampling: bool = key.sampling) -> Tensors:
-                return static_decode_step(mot, store, buffers, context=context, sampling=sampling, plan=plan)
+                return static_decode_step(mot, store, buffers, context=context, sampling=sampling, plan=plan,
+                                          kernels=self.kernels)
 
         try:
             if capture and self._graph_pool is None:
