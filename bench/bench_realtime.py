@@ -106,7 +106,8 @@ def make_engine(args: argparse.Namespace, *, batching: bool) -> tuple[Engine, St
     times = StepTimes()
     engine = Engine(observers=[times])
     compute = ComputeOptions(fused_ops=args.fused_ops)
-    instance = build_instance(card, InstanceOptions(device=args.device, precision=args.precision, compute=compute))
+    instance = build_instance(card, InstanceOptions(device=args.device, precision=args.precision, compute=compute,
+                                                    attention_backend=args.attention_backend))
     instance.load_for_task(TaskType.TEXT_TO_VIDEO)
     engine.add_instance(instance)
     return engine, times, float(card.capabilities.defaults.fps or 16.0)
@@ -202,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-ops", default="off", choices=[m for m in get_args(FusedOpsMode) if m != "auto"],
                         help="the instance's fused ops (DiT and VAE; default off: eager, what a card without a "
                         "parity record runs)")
+    parser.add_argument("--attention-backend", default="sdpa",
+                        help="the instance's attention driver (fv.attention_backends: sdpa lets PyTorch pick a kernel "
+                        "per call, sdpa_cudnn pins cuDNN's; default sdpa)")
     args = parser.parse_args(argv)
     if args.seconds <= 0:
         parser.error("--seconds must be > 0")
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "card": CARD_SMOKE if args.smoke else CARD_1_3B, "device": args.device, "precision": args.precision,
         "size": [args.height, args.width], "seconds": args.seconds, "torch": torch.__version__,
-        "fused_ops": args.fused_ops,
+        "fused_ops": args.fused_ops, "attention_backend": args.attention_backend,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
         "one_session": one,
         "faster_than_realtime": one["fps"] >= on["playback_fps"],
