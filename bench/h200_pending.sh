@@ -6,7 +6,8 @@
 # graphed Cosmos 3 token spends its time, the fp8 driver on cross-attention, the VAE under cuDNN's
 # autotuner; part 6 Cosmos 3's decode with chained steps beside one-token steps (and captured prefills),
 # part 7 realtime sessions on the fused ops, part 8 the captured decode with the Triton decode kernels beside without
-# (their tests on the GPU first) and where the host's share of a decode goes. Every bench runs
+# (their tests on the GPU first) and where the host's share of a decode goes, part 9 realtime sessions with the
+# attention kernel left to PyTorch beside cuDNN's pinned. Every bench runs
 # under its own timeout, writes its JSON under $OUT (default out/h200) and its log beside it, so a
 # bench that fails or runs out of time costs only its own slot; the last lines of each log are
 # printed at the end. docs/benchmarks.md says which section records each figure.
@@ -14,8 +15,8 @@
 # The device machine has torch and triton but not every package: wheels carried in $WHEELS (default
 # .whlb/: pydantic, diffusers, stevedore, ...) are installed into /tmp/site first when that folder is present.
 set -u
-part="${1:?usage: bash bench/h200_pending.sh 1|2|3|4|5|6|7|8}"
-case "$part" in 1|2|3|4|5|6|7|8) ;; *) echo "part must be 1 to 8, got $part" >&2; exit 2 ;; esac
+part="${1:?usage: bash bench/h200_pending.sh 1|2|3|4|5|6|7|8|9}"
+case "$part" in 1|2|3|4|5|6|7|8|9) ;; *) echo "part must be 1 to 9, got $part" >&2; exit 2 ;; esac
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -94,6 +95,13 @@ case "$part" in
         tests/test_decode_kernels.py tests/test_graphed_decode_cuda.py"
     run cosmos3_decode 330 python3 bench/bench_cosmos3.py "$out/cosmos3_decode.json" --card cosmos3-nano \
         --sections decode --decode-tiers graphed --decode-tokens-per-step 8 --decode-kernels off triton --host-profile
+    ;;
+9)
+    # issue 32: one and two sessions on the fused ops, SDPA's own kernel choice against cuDNN's attention pinned
+    run realtime_sdpa 220 python3 bench/bench_realtime.py "$out/realtime_sdpa.json" --seconds 10 --sessions 2 \
+        --fused-ops triton
+    run realtime_cudnn 220 python3 bench/bench_realtime.py "$out/realtime_cudnn.json" --seconds 10 --sessions 2 \
+        --fused-ops triton --attention-backend sdpa_cudnn
     ;;
 esac
 for log in "$out"/*.log; do
