@@ -21,11 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from fv_wan.models.transformer import (
+    FusedOps,
     WanBlockInputs,
     WanTransformer,
     WanTransformerBlock,
     _attend,
     _fp32_layer_norm,
+    _split_heads,
     apply_rotary,
 )
 
@@ -76,10 +78,12 @@ SelfAttentionCore = AttentionFn
 
 def _causal_block(
     block: WanTransformerBlock, x: torch.Tensor, inputs: WanBlockInputs, self_attention: SelfAttentionCore,
-    attention_fn: AttentionFn,
+    attention_fn: AttentionFn, fused_ops: FusedOps = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``WanTransformerBlock.forward`` (eager) with its self-attention core replaced by ``self_attention``
-    (the chunk's queries, K after RoPE and V -> attended values; it adds the history in front of K/V).
+    """``WanTransformerBlock.forward`` with its self-attention core replaced by ``self_attention``
+    (the chunk's queries, K after RoPE and V -> attended values; it adds the history in front of K/V);
+    with ``fused_ops`` (the model's, ``compute.fused_ops``) its elementwise glue runs in those fused passes,
+    as ``WanTransformerBlock._forward_fused`` does.
 
     Returns the block output and the chunk's K (after RoPE) and V for the cache.
     """
@@ -87,6 +91,9 @@ def _causal_block(
         block.scale_shift_table + inputs.timestep_proj.float()
     ).unbind(2)
     attn = block.attn1
+    if fused_ops is not None:
+        return _causal_block_fused(block, x, inputs, self_attention, attention_fn, fused_ops,
+                                   (shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff))
     normed = (_fp32_layer_norm(block.norm1, x) * (1 + scale_sa) + shift_sa).type_as(x)
     query = attn._query(normed)
     key, value = attn._key_value(normed)
@@ -101,6 +108,40 @@ def _causal_block(
 
     normed = (_fp32_layer_norm(block.norm3, x) * (1 + scale_ff) + shift_ff).type_as(x)
     return (x.float() + block.ffn(normed).float() * gate_ff).type_as(x), key, value
+
+
+def _causal_block_fused(
+    block: WanTransformerBlock, x: torch.Tensor, inputs: WanBlockInputs, self_attention: SelfAttentionCore,
+    attention_fn: AttentionFn, ops: FusedOps, modulation: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_causal_block` with the fused ops: the modulated norms, the residual adds with the next norm, and
+    q's and k's RMSNorm with their RoPE in one pass each (one table per row when rows start at different frames)."""
+    shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = modulation
+    attn = block.attn1
+    normed = ops.modulated_layer_norm(x, scale_sa, shift_sa, block.norm1.eps)
+    query = _rows_normed_heads(attn, attn.norm_q, attn.to_q(normed), ops, inputs.rotary)
+    key = _rows_normed_heads(attn, attn.norm_k, attn.to_k(normed), ops, inputs.rotary)
+    value = _split_heads(attn.to_v(normed), attn.heads)
+    attended = attn._project_out(self_attention(query, key, value), query)
+    if isinstance(block.norm2, torch.nn.LayerNorm):
+        x, normed = ops.residual_layer_norm(x, attended, gate_sa, block.norm2.eps, weight=block.norm2.weight,
+                                            bias=block.norm2.bias)
+    else:
+        x = normed = ops.gated_residual(x, attended, gate_sa)
+    crossed = block.attn2.cross_attention_fused(normed, inputs.context, inputs.context_image, attention_fn, ops)
+    x, normed = ops.residual_layer_norm(x, crossed, None, block.norm3.eps, scale=scale_ff, shift=shift_ff)
+    return ops.gated_residual(x, block.ffn(normed), gate_ff), key, value
+
+
+def _rows_normed_heads(attn: torch.nn.Module, norm: torch.nn.RMSNorm, projected: torch.Tensor, ops: FusedOps,
+                       rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RMSNorm + RoPE of (B, L, H*D) ``projected`` -> (B, L, H, D); a (B, L, 1, D/2) table (rows at different start
+    frames, :func:`_rows_rotary`) rotates each row by its own table."""
+    cos, sin = rotary
+    if cos.dim() == 3:
+        return attn._normed_heads(norm, projected, ops, rotary)
+    return torch.cat([attn._normed_heads(norm, projected[row : row + 1], ops, (cos[row], sin[row]))
+                      for row in range(projected.shape[0])])
 
 
 def _over_history(history: LayerKV | None, attention_fn: AttentionFn) -> SelfAttentionCore:
@@ -158,7 +199,7 @@ def causal_chunk_forward(
     x = inputs.x
     for index, block in enumerate(model.blocks):
         layer = history[index] if history is not None else None
-        x, key, value = _causal_block(block, x, inputs, _over_history(layer, attend), attend)
+        x, key, value = _causal_block(block, x, inputs, _over_history(layer, attend), attend, model.fused_ops)
         if kv_sink is not None:
             kv_sink(index, key, value)
     return model.finish(x, inputs)
@@ -207,7 +248,7 @@ def causal_batch_forward(
     x = inputs.x
     for index, block in enumerate(model.blocks):
         layer = [h[index] if h is not None else None for h in histories]
-        x, key, value = _causal_block(block, x, inputs, _per_row(layer, attend), attend)
+        x, key, value = _causal_block(block, x, inputs, _per_row(layer, attend), attend, model.fused_ops)
         if kv_sinks is not None:
             for row, sink in enumerate(kv_sinks):
                 if sink is not None:
