@@ -9,11 +9,13 @@ Per chunk (Self-Forcing's ``pipeline/causal_inference.py``):
    ``x0 = x_t - sigma_t * flow`` and, before the next step, re-noises ``x0`` with FRESH
    Gaussian noise to the next (warped) timestep; the chunk's queries attend to the
    committed K/V of the window (sink + local chunks) and to their own K/V;
-3. the KV refresh: one more forward of the clean ``x0`` at ``t = context_noise`` (0) whose
+3. the chunk decode: the VAE decodes the chunk's latent frames continuing its causal
+   feature cache (held in the state), giving a :class:`ReadyChunk`;
+4. the KV refresh: one more forward of the clean ``x0`` at ``t = context_noise`` (0) whose
    K/V (K after RoPE, V raw) are written into the chunk's slab of the instance's slab
-   chunk-KV pool: the chunk is committed;
-4. the chunk decode: the VAE decodes the chunk's latent frames continuing its causal
-   feature cache (held in the state), giving a :class:`ReadyChunk`.
+   chunk-KV pool: the chunk is committed. The refresh reads nothing the decode writes, so it
+   runs after it: the chunk's frames go out one forward earlier than Self-Forcing's order
+   gives, and a stream's last chunk skips it (no later chunk reads its K/V).
 
 Everything per session lives in :class:`CausalWanState` (serializable): the window of slab
 ids, the noise generator's state, the text context, the VAE cache. ``suspend`` copies the
@@ -372,6 +374,10 @@ class CausalWanState(ChunkRolloutState):
     previews: bool = False
     preview_x0: torch.Tensor | None = None
     recipe_overrides: tuple[str, ...] = ()
+    #: The current chunk's decode has run (its frames are in ``ready`` or emitted) / its KV refresh has run. A chunk
+    #: decodes, then refreshes; a state suspended by an fv-wan before 2026-12-06 refreshed first, and still resumes.
+    chunk_decoded: bool = False
+    kv_refreshed: bool = False
 
 
 def _decoded_frames(result: StepResult) -> torch.Tensor:
@@ -558,7 +564,7 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
                 if state.previews and state.chunk_step == 0:
                     update.update({"phase": "preview", "preview_x0": x0})
                 return state.model_copy(update=update)
-            return state.model_copy(update={"x0": x0, "phase": "commit", "step": step})
+            return state.model_copy(update={"x0": x0, "phase": "decode", "step": step})
         if state.phase == "preview":
             ready = ReadyChunk(chunk_index=state.chunk_index, frames=_decoded_frames(result), frame_start=state.frames_decoded,
                                prompt_version=state.prompt_version, preview=True)
@@ -568,17 +574,30 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
             rng = state.rng_state
             if self._recipe.context_noise > 0:  # the refresh drew its noise: advance the generator past it
                 _, rng = self._draw(state.rng_state, state.latent_shape)
-            return state.model_copy(update={"phase": "decode", "rng_state": rng, "step": step})
-        return self._next_chunk(state, result, step)
-
-    def _next_chunk(self, state: CausalWanState, result: StepResult, step: int) -> CausalWanState:
+            state = state.model_copy(update={"rng_state": rng, "step": step, "kv_refreshed": True})
+            return self._next_chunk(state) if state.chunk_decoded else state.model_copy(update={"phase": "decode"})
         frames = _decoded_frames(result)
         cache = {k[len("cache."):]: v for k, v in result.outputs.items() if k.startswith("cache.")}
         ready = ReadyChunk(chunk_index=state.chunk_index, frames=frames, frame_start=state.frames_decoded,
                            prompt_version=state.prompt_version)
         state = state.model_copy(update={
             "ready": [*state.ready, ready], "vae_cache": cache, "frames_decoded": state.frames_decoded + frames.shape[0],
-            "chunk_index": state.chunk_index + 1, "chunk_step": 0, "x0": None, "step": step,
+            "step": step, "chunk_decoded": True,
+        })
+        if state.kv_refreshed or self._last_chunk(state):
+            return self._next_chunk(state)  # refreshed already (an older state's order), or no chunk reads its K/V
+        return state.model_copy(update={"phase": "commit"})
+
+    def _last_chunk(self, state: CausalWanState) -> bool:
+        """Whether no chunk follows the current one (``max_chunks`` or the RoPE table's end)."""
+        following = state.chunk_index + 1
+        return (state.max_chunks is not None and following >= state.max_chunks) or following >= self._rope_chunks
+
+    def _next_chunk(self, state: CausalWanState) -> CausalWanState:
+        """The current chunk is decoded and committed: on to the next one (a queued prompt takes effect here)."""
+        state = state.model_copy(update={
+            "chunk_index": state.chunk_index + 1, "chunk_step": 0, "x0": None, "chunk_decoded": False,
+            "kv_refreshed": False,
         })
         state = self.apply_pending_prompt(state)  # a queued prompt takes effect from this boundary
         if self.finished(state) or state.chunk_index >= self._rope_chunks:
@@ -613,12 +632,14 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
 
     # -- the session runtime's hooks -----------------------------------------------------------
     def cancel_stream(self, state: CausalWanState) -> CausalWanState:
-        """Drop undelivered chunks and restart the current chunk from fresh noise (its slab is rewritten)."""
+        """Drop undelivered chunks and restart the current chunk from fresh noise (its slab is rewritten). A chunk
+        already decoded is not restarted (its frames were taken, and the VAE's cache has moved past them): its KV
+        refresh finishes it, and the stream goes on with the next chunk."""
         state = state.model_copy(update={"ready": []})
-        if state.phase in ("denoise", "preview", "commit", "decode") and not self.finished(state):
+        if state.phase in ("denoise", "preview", "commit", "decode") and not state.chunk_decoded and not self.finished(state):
             latents, rng = self._draw(state.rng_state, (1, *state.latent_shape))
             state = state.model_copy(update={"latents": latents, "rng_state": rng, "chunk_step": 0, "x0": None,
-                                             "preview_x0": None, "phase": "denoise"})
+                                             "preview_x0": None, "phase": "denoise", "kv_refreshed": False})
         return state
 
     def update_prompt(self, state: CausalWanState, prompt: str, version: int) -> CausalWanState:

@@ -118,13 +118,71 @@ def test_chunks_are_ready_in_order_with_frame_ranges_and_a_video_artifact() -> N
     assert [(c.chunk_index, c.frame_start, c.num_frames) for c in state.ready] == [(0, 0, 9), (1, 9, 12), (2, 21, 12)]
     assert all(0.0 <= float(c.frames.min()) and float(c.frames.max()) <= 1.0 for c in state.ready)
     ops = [p.op for p in plans]
-    # one text encode, then per chunk: 4 denoise forwards, the commit, the decode
-    assert ops == ["encode_text"] + ["causal_forward"] * 5 + ["vae_decode_chunk"] + (["causal_forward"] * 5 + ["vae_decode_chunk"]) * 2
-    assert [bool(p.inputs["commit"]) for p in plans if p.op == "causal_forward"][:5] == [False] * 4 + [True]
+    # one text encode, then per chunk: 4 denoise forwards, the decode, the commit (the last chunk's is skipped)
+    chunk = ["causal_forward"] * 4 + ["vae_decode_chunk"]
+    assert ops == ["encode_text"] + (chunk + ["causal_forward"]) * 2 + chunk
+    assert [bool(p.inputs["commit"]) for p in plans if p.op == "causal_forward"] == ([False] * 4 + [True]) * 2 + [False] * 4
     assert [p.inputs["timestep"].item() for p in plans if p.op == "causal_forward"][:5] == pytest.approx(
         [1000.0, 937.5, 833.3333, 625.0, 0.0], abs=1e-3)
     video = instance.loop("realtime").finalize(state).artifacts[0]
     assert video.frames.shape == (25, 3, SIZE, SIZE)
+
+
+def _refresh_first(instance: Any, request: Any, state: Any = None) -> tuple[Any, list[Any]]:
+    """The loop driven in Self-Forcing's order (each chunk's KV refresh before its decode), which a state
+    suspended by an earlier fv-wan resumes in: every fresh chunk is put at its refresh first."""
+    loop = instance.loop("realtime")
+    state = loop.init(request, instance, _ctx(request)) if state is None else state
+    plans = []
+    while True:
+        if state.phase == "decode" and not state.chunk_decoded and not state.kv_refreshed:
+            state = state.model_copy(update={"phase": "commit"})
+        plan = loop.next(state)
+        if not hasattr(plan, "op"):
+            return state, plans
+        plans.append(plan)
+        state = loop.advance(state, StepResult(outputs=instance.op(plan.op).fn(plan.inputs, plan.params)))
+
+
+def test_decoding_before_the_refresh_changes_no_frame_and_no_committed_kv() -> None:
+    """The chunk's decode reads nothing its KV refresh writes: run in either order (the refresh-first order is
+    what an older suspended state resumes in), the frames and every slab's K/V are the same bits."""
+    request = make_request(CARD, frames=25)
+    decode_first, refresh_first = tiny_instance(), tiny_instance()
+    state_a, plans_a = run_loop(decode_first, request)
+    state_b, plans_b = _refresh_first(refresh_first, request)
+    assert [p.op for p in plans_b][:7] == ["encode_text"] + ["causal_forward"] * 5 + ["vae_decode_chunk"]
+    assert len(plans_b) == len(plans_a) + 1  # the refresh-first order commits the last chunk too
+    assert [(c.chunk_index, c.frame_start) for c in state_a.ready] == [(c.chunk_index, c.frame_start) for c in state_b.ready]
+    assert all(torch.equal(a.frames, b.frames) for a, b in zip(state_a.ready, state_b.ready))
+    pool_a, pool_b = (instance.block_pools()["chunk_kv"] for instance in (decode_first, refresh_first))
+    assert state_a.chunk_index == state_b.chunk_index == 3
+    for layer in range(pool_a.config.num_layers):  # chunks 0 and 1: what chunk 2 attended to
+        (ka, va), (kb, vb) = pool_a.read(state_a.window, layer, upto=2), pool_b.read(state_b.window, layer, upto=2)
+        assert ka.shape[0] == 2 * pool_a.config.tokens_per_slab
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_the_last_chunk_skips_its_refresh_and_a_stream_cancel_after_a_decode_keeps_the_chunk() -> None:
+    instance = tiny_instance()
+    loop = instance.loop("realtime")
+    request = make_request(CARD, frames=25)
+    state, _ = run_loop(instance, request, until_chunk=1)
+    state, _ = _steps(instance, state, 5)  # chunk 1: four denoise steps and its decode
+    assert (state.phase, state.chunk_decoded, state.kv_refreshed) == ("commit", True, False)
+    state, taken = loop.take_ready(state)
+    assert [c.chunk_index for c in taken] == [0, 1]
+    decoded = state
+    state = loop.cancel_stream(state)  # chunk 1 was taken: its refresh finishes it, chunk 2 follows
+    assert state.phase == "commit" and state.chunk_index == 1
+    state, rest = run_loop(instance, request, state=state)
+    assert [(c.chunk_index, c.frame_start) for c in state.ready] == [(2, 21)]  # no gap, no repeat
+    # chunk 1's refresh, then chunk 2 (the last of 3): four denoise forwards and no refresh
+    assert [bool(p.inputs["commit"]) for p in rest if p.op == "causal_forward"] == [True] + [False] * 4
+    # Negative control: a state that does not know its chunk was decoded restarts it, and chunk 1 would be
+    # generated and emitted a second time, decoded from a VAE cache already past it.
+    restarted = loop.cancel_stream(decoded.model_copy(update={"chunk_decoded": False}))
+    assert (restarted.phase, restarted.chunk_index) == ("denoise", 1)
 
 
 def test_renoise_draws_fresh_noise_each_step() -> None:
@@ -132,9 +190,10 @@ def test_renoise_draws_fresh_noise_each_step() -> None:
     instance = tiny_instance()
     _, plans = run_loop(instance, make_request(CARD, frames=9))
     xs = [p.inputs["latents"] for p in plans if p.op == "causal_forward"]
+    x0 = next(p.inputs["z"] for p in plans if p.op == "vae_decode_chunk")  # the chunk's clean latents
     ts = [1.0, 0.9375, 0.8333333, 0.625]
     # x_t = (1 - s) x0 + s eps: the implied eps of consecutive steps are uncorrelated, not equal.
-    eps = [(xs[i] - (1 - ts[i]) * xs[4]) / ts[i] for i in (1, 2)]
+    eps = [(xs[i] - (1 - ts[i]) * x0) / ts[i] for i in (1, 2)]
     corr = torch.corrcoef(torch.stack([eps[0].flatten(), eps[1].flatten()]))[0, 1]
     assert abs(float(corr)) < 0.5
 
@@ -159,7 +218,8 @@ def test_prompt_update_applies_at_the_next_chunk_boundary() -> None:
     state, plans = run_loop(instance, request, state=state)
     assert [c.prompt_version for c in state.ready] == [0, 0, 1]  # chunk 1 was under way: it keeps version 0
     ops = [p.op for p in plans]
-    assert ops.count("encode_text") == 1 and ops.index("encode_text") == ops.index("vae_decode_chunk") + 1
+    # chunk 1 ends with its decode and its KV refresh; the new prompt is encoded before chunk 2
+    assert ops.count("encode_text") == 1 and ops.index("encode_text") == ops.index("vae_decode_chunk") + 2
     assert state.prompt == "a blue cube" and state.pending_prompt is None
     assert not torch.equal(state.context, context_before)
     with pytest.raises(InvalidRequest):
@@ -181,8 +241,9 @@ def test_prompt_update_restarts_a_chunk_part_way_through_its_denoise_steps() -> 
     state, rest = run_loop(instance, request, state=state)
     assert [c.prompt_version for c in state.ready] == [0, 1, 1]  # chunk 1 restarted under version 1
     ops = [p.op for p in rest]
-    assert ops[0] == "encode_text" and ops[1:7] == ["causal_forward"] * 5 + ["vae_decode_chunk"]
-    assert sum(bool(p.inputs["commit"]) for p in dropped + rest if p.op == "causal_forward") == 2  # chunks 1 and 2
+    assert ops[0] == "encode_text" and ops[1:7] == ["causal_forward"] * 4 + ["vae_decode_chunk", "causal_forward"]
+    # chunk 1 is committed once; chunk 2, the last, needs no refresh
+    assert sum(bool(p.inputs["commit"]) for p in dropped + rest if p.op == "causal_forward") == 1
     a, b = generated_latents(plain_plans), generated_latents(first + dropped + rest)
     assert torch.equal(a[0], b[0]) and not torch.allclose(a[1], b[1])
 
@@ -194,8 +255,11 @@ def test_under_restart_a_finished_chunk_keeps_its_prompt() -> None:
     request = make_request(CARD)
     state, _ = run_loop(instance, request, until_chunk=1)
     state, _ = _steps(instance, state, 4)
-    assert state.phase == "commit"
+    assert state.phase == "decode"
     state = loop.update_prompt(state, "a blue cube", 1)
+    assert state.prompt_version == 0 and state.pending_version == 1
+    state, _ = _steps(instance, state, 1)
+    assert state.phase == "commit"
     assert state.prompt_version == 0 and state.pending_version == 1
     state, _ = run_loop(instance, request, state=state)
     assert [c.prompt_version for c in state.ready] == [0, 0, 1]
