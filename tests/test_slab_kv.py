@@ -86,6 +86,29 @@ def test_a_short_chunk_reads_back_only_its_tokens() -> None:
     assert torch.equal(p.read(w, 0)[0], torch.cat([chunk_kv(5, 0)[0], chunk_kv(1, 0)[0]]))
 
 
+@pytest.mark.parametrize("short_first", [False, True])
+def test_read_with_room_holds_the_history_then_unwritten_rows(short_first: bool) -> None:
+    """``room`` (API 2.9): the same history, then rows for the caller's own K/V, written there, read as one."""
+    p = pool()
+    w, first = p.append(p.open("s", SlabWindowSpec(local_slabs=3)), 0)
+    p.write(first, 1, *chunk_kv(0, 1, tokens=2 if short_first else 4))
+    w, second = p.append(w, 1)
+    p.write(second, 1, *chunk_kv(1, 1))
+    w, _ = p.append(w, 2)  # the chunk being generated: not part of its own history
+    plain_k, plain_v = p.read(w, 1, upto=2)
+    k, v = p.read(w, 1, upto=2, room=4)
+    tokens = plain_k.shape[0]
+    assert tokens == (6 if short_first else 8) and k.shape == v.shape == (tokens + 4, 2, 3)
+    assert torch.equal(k[:tokens], plain_k) and torch.equal(v[:tokens], plain_v)
+    own_k, own_v = chunk_kv(2, 1)
+    k[tokens:], v[tokens:] = own_k, own_v
+    assert torch.equal(k, torch.cat([plain_k, own_k])) and torch.equal(v, torch.cat([plain_v, own_v]))
+    assert torch.equal(p.read(w, 1, upto=2)[0], plain_k)  # a copy: writing the room leaves the pool alone
+    assert p.read(w, 1, upto=0, room=4)[0].shape == (4, 2, 3)  # no history: the room alone
+    with pytest.raises(ValueError, match="room must be >= 0"):
+        p.read(w, 1, room=-1)
+
+
 def test_in_place_views_write_into_the_pool() -> None:
     p = pool()
     w, slab = p.append(p.open("s", SlabWindowSpec(local_slabs=1)), 0)

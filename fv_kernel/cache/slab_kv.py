@@ -339,30 +339,44 @@ class SlabKVPool:
             raise ValueError(f"tokens must be in [0, {self.config.tokens_per_slab}], got {tokens}")
         self._lengths[slab] = tokens
 
-    def read(self, window: SlabWindow, layer: int, *, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, window: SlabWindow, layer: int, *, upto: int | None = None,
+             room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``window`` for ``layer``, concatenated in window order: ``[tokens, num_heads, head_dim]``.
 
         ``upto`` (a chunk index, exclusive) keeps only slabs holding earlier chunks (a chunk's history
-        without itself). The result is a copy.
+        without itself). The result is a copy. ``room`` (API 2.9) adds that many rows after the window's
+        tokens, left unwritten: a caller that attends over the history followed by its own K/V writes
+        them there instead of concatenating (one copy of the history fewer).
         """
         c = self.config
+        if room < 0:
+            raise ValueError(f"room must be >= 0, got {room}")
         with self._lock:
             self._check_window(window)
             if not 0 <= layer < c.num_layers:
                 raise ValueError(f"layer must be in [0, {c.num_layers}), got {layer}")
             picked = [s for s, p in zip(window.slabs, window.positions) if upto is None or p < upto]
-            if not picked:
-                empty = torch.empty((0, c.num_heads, c.head_dim), dtype=c.torch_dtype, device=c.device)
-                return empty, empty.clone()
-            store_k, store_v = self._storage()
             lengths = [int(self._lengths[s, layer]) for s in picked]
-            index = torch.tensor(picked, dtype=torch.long, device=c.device)
-            k = store_k[:, layer].index_select(0, index)  # (slabs, T, H, D)
-            v = store_v[:, layer].index_select(0, index)
-        if all(n == c.tokens_per_slab for n in lengths):
-            return k.reshape(-1, c.num_heads, c.head_dim), v.reshape(-1, c.num_heads, c.head_dim)
-        return (torch.cat([k[i, :n] for i, n in enumerate(lengths)]),
-                torch.cat([v[i, :n] for i, n in enumerate(lengths)]))
+            tokens = sum(lengths)
+            shape = (tokens + room, c.num_heads, c.head_dim)
+            k = torch.empty(shape, dtype=c.torch_dtype, device=c.device)
+            v = torch.empty(shape, dtype=c.torch_dtype, device=c.device)
+            if not picked:
+                return k, v
+            store_k, store_v = self._storage()
+            if all(n == c.tokens_per_slab for n in lengths):
+                # Whole slabs: one gather each, straight into the result.
+                index = torch.tensor(picked, dtype=torch.long, device=c.device)
+                for store, out in ((store_k, k), (store_v, v)):
+                    torch.index_select(store[:, layer], 0, index, out=out[:tokens].view(len(picked), c.tokens_per_slab,
+                                                                                       c.num_heads, c.head_dim))
+                return k, v
+            start = 0
+            for slab, n in zip(picked, lengths):
+                k[start : start + n] = store_k[slab, layer, :n]
+                v[start : start + n] = store_v[slab, layer, :n]
+                start += n
+        return k, v
 
     # -- windows as tensors (for WorkPlan inputs) ------------------------------------------
     def window_tensors(self, window: SlabWindow) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,7 +66,7 @@ from fv_kernel.api import (
     WorkPlan,
     generator_from_state,
 )
-from fv_wan.models.causal_transformer import causal_batch_forward
+from fv_wan.models.causal_transformer import LayerHistory, causal_batch_forward
 from fv_wan.models.encoders import clean_prompt
 from fv_wan.models.transformer import TEXT_CONTEXT_LENGTH, WanTransformerConfig
 from fv_wan.models.vae import CausalCache, WanVAEConfig
@@ -220,8 +220,24 @@ class _PoolHistory(Sequence):
     def __len__(self) -> int:
         return self.pool.config.num_layers
 
-    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        k, v = self.pool.read(self.window, layer, upto=self.upto)
+    def __getitem__(self, layer: int) -> "_PooledLayer":  # type: ignore[override]
+        return _PooledLayer(self.pool, self.window, layer, self.upto)
+
+
+class _PooledLayer(LayerHistory):
+    """One layer of a window's committed K/V, read from the pool with room for the chunk's own K/V after it
+    (``SlabKVPool.read(room=...)``, kernel API 2.9): the attention's keys in one copy, no concatenation."""
+
+    def __init__(self, pool: SlabKVPool, window: SlabWindow, layer: int, upto: int) -> None:
+        self.pool, self.window, self.layer, self.upto = pool, window, layer, upto
+
+    def with_chunk(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = key.shape[1]
+        k, v = self.pool.read(self.window, self.layer, upto=self.upto, room=tokens)
+        if k.dtype != key.dtype or k.device != key.device:  # a pool in another dtype: the history converted, then joined
+            history = k.shape[0] - tokens
+            return (torch.cat([k[None, :history].to(key), key], dim=1), torch.cat([v[None, :history].to(value), value], dim=1))
+        k[k.shape[0] - tokens :], v[v.shape[0] - tokens :] = key[0], value[0]
         return k.unsqueeze(0), v.unsqueeze(0)
 
 

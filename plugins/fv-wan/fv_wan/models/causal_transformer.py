@@ -31,7 +31,7 @@ from fv_wan.models.transformer import (
     apply_rotary,
 )
 
-__all__ = ["LayerKV", "KVSink", "chunk_rotary", "causal_chunk_forward", "causal_batch_forward", "tokens_per_frame"]
+__all__ = ["LayerKV", "LayerHistory", "KVSink", "chunk_rotary", "causal_chunk_forward", "causal_batch_forward", "tokens_per_frame"]
 
 #: One layer's committed K/V: ``k`` after RoPE and ``v`` raw, both (B, tokens, heads, head_dim).
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -144,11 +144,22 @@ def _rows_normed_heads(attn: torch.nn.Module, norm: torch.nn.RMSNorm, projected:
                       for row in range(projected.shape[0])])
 
 
-def _over_history(history: LayerKV | None, attention_fn: AttentionFn) -> SelfAttentionCore:
+class LayerHistory:
+    """One layer's committed K/V that can be read with room for the chunk's own K/V after it: a history kept
+    elsewhere (the slab pool) gives the attention its keys in one copy instead of a read and a concatenation."""
+
+    def with_chunk(self, key: torch.Tensor, value: torch.Tensor) -> LayerKV:
+        """[history, ``key``] and [history, ``value``], each (1, history + tokens, heads, head_dim)."""
+        raise NotImplementedError
+
+
+def _over_history(history: LayerKV | LayerHistory | None, attention_fn: AttentionFn) -> SelfAttentionCore:
     """Every row's queries over [``history``, its own K/V] (one history for all rows: same length)."""
 
     def core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        if history is not None and history[0].shape[1] > 0:
+        if isinstance(history, LayerHistory):
+            key, value = history.with_chunk(key, value)
+        elif history is not None and history[0].shape[1] > 0:
             key = torch.cat([history[0].to(key.dtype), key], dim=1)
             value = torch.cat([history[1].to(value.dtype), value], dim=1)
         return _attend(attention_fn, query, key, value)
