@@ -78,6 +78,8 @@ __all__ = [
     "sample_tokens",
     "static_decode_step",
     "static_prefill_step",
+    "bounded_top_k",
+    "TOP_K_BOUND",
 ]
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,9 @@ MIN_CONTEXT = 256
 MIN_PREFILL = 32
 #: The per-row inputs of graph-safe sampling, as a decode plan carries them (see ``sample_tokens``).
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "uniform", "penalty", "seen")
+#: A sampling step whose every sampled row keeps at most this many tokens by top-k (chat's 20, the upsampling
+#: sampler's 20) takes the top ``TOP_K_BOUND`` logits (``torch.topk``) instead of sorting the whole vocabulary.
+TOP_K_BOUND = 64
 
 Tensors = dict[str, torch.Tensor]
 
@@ -126,6 +131,8 @@ class DecodeGraphKey:
     #: Fewer live rows than the bucket: the K/V store picks each row's source (``source``); a full bucket stores
     #: every row's own K/V with two kernels a layer fewer.
     padded: bool = False
+    #: ``TOP_K_BOUND`` when every sampled row's top-k is within it (the sampler sorts only that many logits), else 0.
+    top_k_bound: int = 0
 
 
 # --------------------------------------------------------------------------- graph-safe sampling
@@ -139,6 +146,8 @@ def sample_tokens(
     uniform: torch.Tensor,
     penalty: torch.Tensor | None = None,
     seen: torch.Tensor | None = None,
+    *,
+    top_k_bound: int = 0,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` (B, V), with no host sync: every parameter is a (B,) tensor.
 
@@ -149,6 +158,11 @@ def sample_tokens(
     ``torch.multinomial``; here the token is the inverse CDF of the kept distribution at ``uniform``
     (B,) in [0, 1), drawn beforehand from the request's generator. Both sample the same distribution
     (up to fp32 rounding of the probabilities), but one seed gives different tokens in the two.
+
+    ``top_k_bound`` (> 0): every sampled row has 1 <= top_k <= it (the caller checks), so only the
+    ``top_k_bound`` largest logits can be kept and they alone are sorted (``torch.topk``) instead of the whole
+    vocabulary: the same kept tokens in the same order, the same draw (up to the fp32 rounding of a shorter
+    softmax sum). A sampled row with top-k off or above the bound would lose tokens it may draw.
     """
     logits = logits.float()
     rows, vocab = logits.shape
@@ -160,10 +174,14 @@ def sample_tokens(
     greedy = logits.argmax(dim=-1)
     hot = temperature > 0
     scaled = logits / torch.where(hot, temperature.float(), 1.0)[:, None]
-    ordered, order = torch.sort(scaled, dim=-1, descending=True)
+    if top_k_bound:
+        ordered, order = torch.topk(scaled, min(top_k_bound, vocab), dim=-1)  # sorted, largest first
+    else:
+        ordered, order = torch.sort(scaled, dim=-1, descending=True)
+    width = ordered.shape[-1]
     k = top_k.to(torch.long)
     use_k = (k > 0) & (k < vocab)
-    kth = ordered.gather(1, (k - 1).clamp(0, vocab - 1)[:, None])
+    kth = ordered.gather(1, (k - 1).clamp(0, width - 1)[:, None])
     ordered = ordered.masked_fill(use_k[:, None] & (ordered < kth), float("-inf"))
     probs = torch.softmax(ordered, dim=-1)
     drop = (torch.cumsum(probs, dim=-1) - probs > top_p.float()[:, None]) & (top_p < 1.0)[:, None]
@@ -171,7 +189,7 @@ def sample_tokens(
     cdf = torch.cumsum(probs, dim=-1)
     # The first sorted token whose cumulative mass exceeds u: never one of zero probability.
     target = (uniform.float().clamp(0.0, 1.0) * cdf[:, -1])[:, None]
-    index = torch.searchsorted(cdf, target, right=True).clamp(max=vocab - 1)
+    index = torch.searchsorted(cdf, target, right=True).clamp(max=width - 1)
     kept = (probs > 0).sum(dim=-1, keepdim=True) - 1  # rounding of u * total past the last kept token
     sampled = order.gather(1, torch.minimum(index, kept)).squeeze(1)
     return torch.where(hot, sampled, greedy)
@@ -388,6 +406,7 @@ def static_decode_step(
     sampling: bool,
     plan: DecodePlan | None = None,
     kernels: DecodeKernels | None = None,
+    top_k_bound: int = 0,
 ) -> Tensors:
     """One decode step of ``buffers``' rows against the pool storage ``store``, with static shapes only.
 
@@ -466,7 +485,7 @@ def static_decode_step(
     if sampling:
         result["token"] = sample_tokens(
             logits, buffers["temperature"], buffers["top_k"], buffers["top_p"], buffers["uniform"],
-            buffers["penalty"], buffers["seen"],
+            buffers["penalty"], buffers["seen"], top_k_bound=top_k_bound,
         )
     return result
 
@@ -756,8 +775,9 @@ class GraphedDecode:
                 return None
         seen_width = int(inputs["seen"].shape[-1]) if sampling else 0
         dtype = str(store[0].dtype).removeprefix("torch.")
-        keys = [DecodeGraphKey(weights_version, bucket, context, dtype, sampling, seen_width, padded=rows < bucket)
-                for context in contexts]
+        bound = bounded_top_k(inputs) if sampling else 0
+        keys = [DecodeGraphKey(weights_version, bucket, context, dtype, sampling, seen_width, padded=rows < bucket,
+                               top_k_bound=bound) for context in contexts]
         if any(key in self._failed for key in keys):
             self.eager_steps += 1
             return None
@@ -885,9 +905,9 @@ class GraphedDecode:
                 return static_prefill_step(mot, store, buffers)
         else:
             def fn(buffers: Tensors, mot: Cosmos3MoT = mot, plan: DecodePlan = DecodePlan.of(mot),
-                   context: int = key.context, sampling: bool = key.sampling) -> Tensors:
+                   context: int = key.context, sampling: bool = key.sampling, bound: int = key.top_k_bound) -> Tensors:
                 return static_decode_step(mot, store, buffers, context=context, sampling=sampling, plan=plan,
-                                          kernels=self.kernels)
+                                          kernels=self.kernels, top_k_bound=bound)
 
         try:
             if capture and self._graph_pool is None:
@@ -901,6 +921,14 @@ class GraphedDecode:
         self._entries[key] = entry
         self.captures += 1
         return entry
+
+
+def bounded_top_k(inputs: Mapping[str, torch.Tensor]) -> int:
+    """:data:`TOP_K_BOUND` when every row that samples (temperature > 0) keeps at most that many tokens by top-k,
+    else 0 (the step sorts the whole vocabulary); greedy rows take the argmax either way."""
+    hot = inputs["temperature"].reshape(-1).to("cpu") > 0
+    k = inputs["top_k"].reshape(-1).to("cpu", torch.long)[hot]
+    return TOP_K_BOUND if bool(((k >= 1) & (k <= TOP_K_BOUND)).all()) else 0
 
 
 def chain_length(inputs: Mapping[str, torch.Tensor]) -> int:

@@ -22,7 +22,9 @@ from bench_ar_token import CONFIGS, NANO_SHAPE, DecodeBench, graphed_launches  #
 from fv_cosmos3 import graphed_decode
 from fv_cosmos3.cards import cosmos3_card
 from fv_cosmos3.graphed_decode import (
+    TOP_K_BOUND,
     GraphedDecode,
+    bounded_top_k,
     _host_buffers,
     batch_bucket,
     context_bucket,
@@ -654,6 +656,55 @@ def test_graph_safe_sampling_draws_the_eager_samplers_distribution(params):
     if params["top_p"] < 1.0:
         unfiltered = _frequencies(logits, grid, **{**params, "top_p": 1.0})
         assert (unfiltered - reference).abs().max() > 2.0 / grid
+
+
+def _sampling_rows(rows: int, vocab: int, top_k: torch.Tensor, seed: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    seen = torch.randint(-1, vocab, (rows, 6), generator=gen)
+    return {"logits": torch.randn(rows, vocab, generator=gen) * 3,
+            "temperature": torch.tensor([0.0, 0.7, 1.0, 1.3])[torch.arange(rows) % 4], "top_k": top_k,
+            "top_p": torch.tensor([1.0, 0.9, 0.5])[torch.arange(rows) % 3], "uniform": torch.rand(rows, generator=gen),
+            "penalty": torch.tensor([0.0, 1.5])[torch.arange(rows) % 2], "seen": seen}
+
+
+def _sampled(rows: dict[str, torch.Tensor], bound: int) -> torch.Tensor:
+    return sample_tokens(rows["logits"], rows["temperature"], rows["top_k"], rows["top_p"], rows["uniform"],
+                         rows["penalty"], rows["seen"], top_k_bound=bound)
+
+
+def test_a_bounded_top_k_sorts_only_the_kept_logits_and_draws_the_same_tokens():
+    """Every sampled row with 1 <= top_k <= TOP_K_BOUND: ``torch.topk`` of the bound instead of a full sort gives the
+    same token for the same uniform (1,024 rows over penalties, temperatures, top-p, greedy rows). Negative control:
+    rows with top-k off sampled under the bound lose the tail they may draw, and the tokens change."""
+    rows, vocab = 1024, 5000
+    gen = torch.Generator().manual_seed(4)
+    bounded = _sampling_rows(rows, vocab, torch.randint(1, TOP_K_BOUND + 1, (rows,), generator=gen))
+    assert bounded_top_k(bounded) == TOP_K_BOUND
+    assert torch.equal(_sampled(bounded, TOP_K_BOUND), _sampled(bounded, 0))
+    unbounded = dict(bounded, top_k=torch.zeros(rows, dtype=torch.long), top_p=torch.ones(rows),
+                     uniform=torch.full((rows,), 0.999))
+    assert bounded_top_k(unbounded) == 0
+    assert not torch.equal(_sampled(unbounded, TOP_K_BOUND), _sampled(unbounded, 0))
+
+
+def test_the_bound_applies_only_when_every_sampled_row_is_within_it():
+    def rows(temperature: list[float], top_k: list[int]) -> dict[str, torch.Tensor]:
+        return {"temperature": torch.tensor(temperature), "top_k": torch.tensor(top_k)}
+
+    assert bounded_top_k(rows([0.7, 0.7], [20, TOP_K_BOUND])) == TOP_K_BOUND
+    assert bounded_top_k(rows([0.7, 0.0], [20, 0])) == TOP_K_BOUND  # a greedy row takes the argmax either way
+    assert bounded_top_k(rows([0.7, 0.7], [20, 0])) == 0  # top-k off: the whole vocabulary may be drawn
+    assert bounded_top_k(rows([0.7, 0.7], [20, TOP_K_BOUND + 1])) == 0
+    # A graphed step's capture is keyed by it: chat's top-k 20 and top-k off replay different graphs.
+    bench = DecodeBench.build(CONFIGS["tiny"], 1, history=40, steps=4, seed=11)
+    graphed = GraphedDecode((1,), capture=False, min_context=64)
+    with torch.inference_mode():
+        for top_k in (20, 0):
+            graphed.run(bench.mot, bench.pool, "v1", {
+                "token": bench.token, "table": bench.table_ids, "length": torch.tensor(bench.lengths),
+                "temperature": torch.tensor([0.7]), "top_k": torch.tensor([top_k]), "top_p": torch.tensor([0.9]),
+                "uniform": torch.tensor([0.5]), "penalty": torch.tensor([0.0]), "seen": torch.full((1, 8), -1)})
+    assert sorted(key.top_k_bound for key in graphed.keys()) == [0, TOP_K_BOUND]
 
 
 def test_graph_safe_sampling_is_greedy_at_temperature_zero_and_rows_are_independent():
