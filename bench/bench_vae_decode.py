@@ -162,6 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fused_video = vae.decode(z)
         out["fv_fused"] = _time(device, lambda: vae.decode(z), iters)
         out["fused_max_abs_diff_vs_eager"] = float((fused_video.float() - eager_video.float()).abs().max())
+        if args.profile and device.type == "cuda":
+            out["fv_fused_profile"] = _profile(vae, z, args.output / "vae_decode_kernels.txt")
         if device.type == "cuda":
             # cuDNN's autotuner picks each conv's algorithm by timing them (first call per shape), instead of its
             # heuristics; other algorithms may sum in another order.
@@ -234,6 +236,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _profile(vae: Any, z: torch.Tensor, path: Path) -> dict[str, float]:
+    """One decode under torch.profiler: its kernels by device time written to ``path``, and the ms of each kind
+    (convolutions, the fused norm, copies and concatenations, other elementwise kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        vae.decode(z)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(events.table(sort_by="self_device_time_total", row_limit=50) + "\n")
+    kinds = {"conv": ("conv", "implicit_gemm", "xmma", "cutlass", "nvjet", "gemm", "fprop", "dgrad"),
+             "fused_norm": ("channel_rms_silu",), "copy_cat": ("copy", "cat", "concat", "pad"),
+             "upsample": ("upsample", "nearest")}
+    out = {name: 0.0 for name in (*kinds, "other")}
+    for e in events:
+        key = e.key.lower()
+        kind = next((name for name, words in kinds.items() if any(w in key for w in words)), "other")
+        out[kind] += e.self_device_time_total / 1000
+    out["total"] = sum(out.values())
+    return {name: round(ms, 2) for name, ms in out.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output", type=Path)
@@ -243,6 +268,8 @@ def main() -> int:
     parser.add_argument("--latent", type=int, nargs=3, default=None, metavar=("T", "H", "W"),
                         help="default 21 60 104 on CUDA, 3 16 16 with --cpu")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: one fused decode under torch.profiler, its kernels in OUTPUT/vae_decode_kernels.txt")
     parser.add_argument("--frame-chunk", type=int, default=1,
                         help="frames per chunk for the chunked rows (the decoder's full-resolution stages)")
     args = parser.parse_args()
