@@ -241,12 +241,17 @@ def _profile(vae: Any, z: torch.Tensor, path: Path) -> dict[str, float]:
     (convolutions, the fused norm, copies and concatenations, other elementwise kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         vae.decode(z)
         torch.cuda.synchronize()
     events = prof.key_averages()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(events.table(sort_by="self_device_time_total", row_limit=50) + "\n")
+    # The kernels, then the aten ops that launched them by input shape (which copy, add or conv it was).
+    by_shape = prof.key_averages(group_by_input_shape=True)
+    path.write_text(events.table(sort_by="self_device_time_total", row_limit=40) + "\n"
+                    + by_shape.table(sort_by="device_time_total", row_limit=60, max_name_column_width=40,
+                                     max_shapes_column_width=120) + "\n")
+    events = [e for e in events if not e.key.startswith("aten::") and e.self_device_time_total > 0]  # the kernels
     kinds = {"conv": ("conv", "implicit_gemm", "xmma", "cutlass", "nvjet", "gemm", "fprop", "dgrad"),
              "fused_norm": ("channel_rms_silu",), "copy_cat": ("copy", "cat", "concat", "pad"),
              "upsample": ("upsample", "nearest")}
