@@ -9,7 +9,6 @@ different latent frames (their own RoPE tables) and attend to histories of diffe
 from __future__ import annotations
 
 import json
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -19,31 +18,9 @@ from fv_kernel.compute.fused import TorchFusedOps, TritonFusedOps
 from fv_kernel.testing.triton_checks import run_kernel_checks
 from fv_wan.models import causal_transformer
 from fv_wan.models.causal_transformer import causal_batch_forward, causal_chunk_forward
-from fv_wan.models.transformer import WanTransformer, WanTransformerConfig, cast_for_inference
+from fv_wan.models.transformer import WanTransformer
 
-KERNEL_OPS = ("modulated_layer_norm", "residual_layer_norm", "gated_residual", "qk_rms_norm_rope")
-
-
-def _counting(ops: Any) -> Counter[str]:
-    """Count each fused op ``ops`` runs (a comparison means something only if the forward went through them)."""
-    calls: Counter[str] = Counter()
-    for name in KERNEL_OPS:
-        def counted(*args: Any, _run: Any = getattr(ops, name), _name: str = name, **kwargs: Any) -> Any:
-            calls[_name] += 1
-            return _run(*args, **kwargs)
-
-        setattr(ops, name, counted)
-    return calls
-
-
-def _model(dtype: torch.dtype, device: str = "cpu") -> WanTransformer:
-    torch.manual_seed(0)
-    model = WanTransformer(WanTransformerConfig.tiny()).to(device).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # no zero-initialised term may hide a wrong path
-            p.copy_(torch.randn_like(p) * 0.3)
-    return cast_for_inference(model, dtype)
-
+from test_compute_fused_wan import KERNEL_OPS, _model, counting
 
 def _case(model: WanTransformer, device: str, rows: int = 2) -> dict[str, Any]:
     """Rows starting at latent frames 0, 3, ... over histories of 0, 1, ... chunks of random committed K/V."""
@@ -88,7 +65,7 @@ def test_reference_fused_causal_forward_is_bitwise_the_eager_one(dtype: torch.dt
     eager = _batched(model, case)
     eager_one, eager_keys = _one_stream(model, case, 1)
     ops = TorchFusedOps()
-    calls = _counting(ops)
+    calls = counting(ops)
     model.set_fused_ops(ops)
     assert torch.equal(_batched(model, case), eager)
     assert set(calls) == set(KERNEL_OPS), calls
@@ -119,7 +96,7 @@ def test_each_row_is_rotated_by_its_own_table(monkeypatch: pytest.MonkeyPatch) -
 def triton_causal_check(device: str) -> dict[str, Any]:
     """The tiny causal forward (3 rows, different starts and histories) with the Triton kernels against eager."""
     ops = TritonFusedOps()
-    calls = _counting(ops)
+    calls = counting(ops)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = _model(dtype, device)
     case = _case(model, device, rows=3)

@@ -56,9 +56,9 @@ def test_reference_fused_path_is_bitwise_the_eager_model(dtype: torch.dtype) -> 
     assert torch.equal(eager, fused)
 
 
-def triton_model_check(device: str) -> dict[str, Any]:
-    """The tiny Wan DiT with the Triton kernels against eager: relative error, and how often each kernel ran."""
-    ops = TritonFusedOps()
+def counting(ops: Any) -> Counter[str]:
+    """Count each of ``KERNEL_OPS`` that ``ops`` runs (a comparison means something only if the forward went
+    through them)."""
     calls: Counter[str] = Counter()
     for name in KERNEL_OPS:
         def counted(*args: Any, _run: Any = getattr(ops, name), _name: str = name, **kwargs: Any) -> Any:
@@ -66,6 +66,13 @@ def triton_model_check(device: str) -> dict[str, Any]:
             return _run(*args, **kwargs)
 
         setattr(ops, name, counted)
+    return calls
+
+
+def triton_model_check(device: str) -> dict[str, Any]:
+    """The tiny Wan DiT with the Triton kernels against eager: relative error, and how often each kernel ran."""
+    ops = TritonFusedOps()
+    calls = counting(ops)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = _model(dtype, device)
     inputs = _inputs(device)
