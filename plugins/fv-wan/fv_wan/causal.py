@@ -650,8 +650,10 @@ class CausalWanRolloutLoop(ChunkRolloutLoop[CausalWanState]):
     def cancel_stream(self, state: CausalWanState) -> CausalWanState:
         """Drop undelivered chunks and restart the current chunk from fresh noise (its slab is rewritten). A chunk
         already decoded is not restarted (its frames were taken, and the VAE's cache has moved past them): its KV
-        refresh finishes it, and the stream goes on with the next chunk."""
-        state = state.model_copy(update={"ready": []})
+        refresh finishes it, and the stream goes on with the next chunk (its frames, if not yet taken, stay ready:
+        dropping them would leave a gap)."""
+        keep = [c for c in state.ready if state.chunk_decoded and c.chunk_index == state.chunk_index and not c.preview]
+        state = state.model_copy(update={"ready": keep})
         if state.phase in ("denoise", "preview", "commit", "decode") and not state.chunk_decoded and not self.finished(state):
             latents, rng = self._draw(state.rng_state, (1, *state.latent_shape))
             state = state.model_copy(update={"latents": latents, "rng_state": rng, "chunk_step": 0, "x0": None,

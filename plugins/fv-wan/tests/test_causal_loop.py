@@ -183,6 +183,8 @@ def test_the_last_chunk_skips_its_refresh_and_a_stream_cancel_after_a_decode_kee
     # generated and emitted a second time, decoded from a VAE cache already past it.
     restarted = loop.cancel_stream(decoded.model_copy(update={"chunk_decoded": False}))
     assert (restarted.phase, restarted.chunk_index) == ("denoise", 1)
+    # A decoded chunk not yet taken stays ready (it is not generated again: dropping it would leave a gap).
+    assert [c.chunk_index for c in loop.cancel_stream(decoded.model_copy(update={"ready": taken})).ready] == [1]
 
 
 def test_renoise_draws_fresh_noise_each_step() -> None:
