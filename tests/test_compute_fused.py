@@ -82,7 +82,20 @@ def _mismatches(fused: FusedOps, ref: FusedOps, device: str, *, per_token: bool)
         got = fused.qk_rms_norm_rope(x, qk_weight, eps, heads, rotary)
         assert got.shape == (batch, tokens, heads, head_dim)
         errors[f"qk_rms_norm_rope[{label}]"] = _rel(got, ref.qk_rms_norm_rope(x, qk_weight, eps, heads, rotary))
+    video = torch.randn(2, 6, 3, 4, 5, generator=g).to(device, dtype)
+    channel_bias = torch.randn(6, generator=g).to(device, dtype)
+    for label, layout in (("channels_last", torch.channels_last_3d), ("contiguous", torch.contiguous_format)):
+        x = video.contiguous(memory_format=layout)
+        got = fused.channel_bias_add_(x.clone(memory_format=layout), channel_bias)
+        errors[f"channel_bias_add_[{label}]"] = _rel(got, ref.channel_bias_add_(x.clone(memory_format=layout), channel_bias))
     return {name: err for name, err in errors.items() if not err < tol}
+
+
+class _BiasOfTheNextChannel(TorchFusedOps):
+    """A wrong reference: each channel gets the next channel's bias."""
+
+    def channel_bias_add_(self, x, bias):  # type: ignore[no-untyped-def]
+        return super().channel_bias_add_(x, bias.roll(1))
 
 
 class _RopeTheOtherWay(TorchFusedOps):
@@ -104,6 +117,7 @@ def kernel_checks(device: str) -> dict[str, Any]:
     out["per_sample"] = _mismatches(fused, TorchFusedOps(), device, per_token=False)
     out["per_token"] = _mismatches(fused, TorchFusedOps(), device, per_token=True)
     out["wrong_rope_reference"] = _mismatches(fused, _RopeTheOtherWay(), device, per_token=False)
+    out["wrong_bias_reference"] = _mismatches(fused, _BiasOfTheNextChannel(), device, per_token=False)
     broadcast = fused_module._broadcast_rows
     fused_module._broadcast_rows = _first_token_modulation
     try:
@@ -135,8 +149,10 @@ def test_kernel_comparison_catches_per_token_modulation_read_as_per_sample(kerne
 
 
 def test_kernel_comparison_catches_a_wrong_reference(kernels: dict[str, Any]) -> None:
-    """Negative control: a reference whose RoPE turns the other way differs from the kernels exactly there."""
+    """Negative controls: a reference whose RoPE turns the other way, or that adds each channel its neighbour's
+    bias, differs from the kernels exactly there."""
     assert set(kernels["wrong_rope_reference"]) == {"qk_rms_norm_rope[rope]"}
+    assert set(kernels["wrong_bias_reference"]) == {"channel_bias_add_[channels_last]", "channel_bias_add_[contiguous]"}
 
 
 # --------------------------------------------------------------------------- typed errors

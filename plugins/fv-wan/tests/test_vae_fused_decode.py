@@ -193,6 +193,13 @@ def kernel_checks(device: str) -> dict[str, Any]:
         return run(*args, **kwargs)
 
     triton_ops.channel_rms_norm_silu = counted  # type: ignore[method-assign]
+    add_bias = triton_ops.channel_bias_add_
+
+    def counted_bias(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["channel_bias_add_"] += 1
+        return add_bias(*args, **kwargs)
+
+    triton_ops.channel_bias_add_ = counted_bias  # type: ignore[method-assign]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for label, cfg in (("2.1", CFG21), ("2.2", CFG22)):
         vae = _vae(cfg, dtype, device)
@@ -202,8 +209,11 @@ def kernel_checks(device: str) -> dict[str, Any]:
             vae.set_fused_ops(triton_ops)
             calls.clear()
             fused = vae.decode(z)
+        biased_convs = sum(1 for m in vae.decoder.modules() if isinstance(m, torch.nn.Conv3d | torch.nn.Conv2d)
+                           and m.bias is not None)
         out[f"decoder[{label}]"] = {"rel": _rel(fused, eager), "calls": calls["channel_rms_norm_silu"],
                                     "expected_calls": _norm_calls(cfg, z.shape[2]),
+                                    "bias_calls": calls["channel_bias_add_"], "biased_convs": biased_convs,
                                     "tol": 2e-2 if dtype == torch.bfloat16 else 1e-5}  # fmt: skip
     return out
 
@@ -230,8 +240,10 @@ def test_kernel_comparison_catches_a_wrong_formula(kernels: dict[str, Any], wron
 def test_triton_fused_decoder_matches_eager(kernels: dict[str, Any], label: str) -> None:
     result = kernels[f"decoder[{label}]"]
     assert result["rel"] < result["tol"], result
-    # Meaningful only if every norm + SiLU of the decode really went through the kernel.
+    # Meaningful only if every norm + SiLU of the decode really went through the kernel, and every conv's bias
+    # through the bias kernel (each biased conv of the decoder runs at least once).
     assert result["calls"] == result["expected_calls"], result
+    assert result["bias_calls"] >= result["biased_convs"] > 0, result
 
 
 # --------------------------------------------------------------------------- compiled for sm_90 (no GPU)

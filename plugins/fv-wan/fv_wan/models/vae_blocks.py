@@ -22,7 +22,9 @@ from the reference, not copied, and differs in *how* it computes:
   norm writes straight into conv_out's padded input. All exact (same ops, same
   values), only lifetimes change.
 * With fused ops (``Decoder3d.set_fused_ops``, the DiT's ``FusedOps`` switch) each
-  norm + SiLU of the decoder is one fused pass (``channel_rms_norm_silu``).
+  norm + SiLU of the decoder is one fused pass (``channel_rms_norm_silu``), and on CUDA each
+  conv's bias is added in memory order (``channel_bias_add_``) where cuDNN's bias-free
+  convolution was followed by PyTorch's strided broadcast add.
 
 Slot semantics (``CACHE_T = 2``): a slot holds the last two (time-padded) input
 frames of a causal conv, which stand in for its left zero padding on the next
@@ -87,6 +89,25 @@ def conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, ..
     return F.conv3d(x, weight, bias, stride, padding)
 
 
+def _splits_bias(x: Tensor, fused_ops: FusedOps, *params: Tensor | None) -> bool:
+    """Whether a conv of ``x`` adds its bias through ``fused_ops.channel_bias_add_``: on CUDA (where a conv with a
+    bias already runs as a bias-free convolution, then a broadcast add) or in Triton's interpreter, never while
+    autograd records (the fused kernels record no gradient). On the CPU oneDNN adds the bias inside the conv."""
+    if fused_ops is None or not hasattr(fused_ops, "channel_bias_add_"):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
+        return False
+    return x.device.type == "cuda" or bool(getattr(fused_ops, "interpreted", False))
+
+
+def _conv_with_bias(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, ...], padding: tuple[int, ...],
+                    fused_ops: FusedOps) -> Tensor:
+    """:func:`conv3d`, its bias added by the fused ops where :func:`_splits_bias` says so."""
+    if bias is None or not _splits_bias(x, fused_ops, weight, bias):
+        return conv3d(x, weight, bias, stride, padding)
+    return fused_ops.channel_bias_add_(conv3d(x, weight, None, stride, padding), bias)
+
+
 def _empty_activation(shape: tuple[int, ...], like: Tensor) -> Tensor:
     """Activations are kept channels-last (NDHWC): cuDNN's 3D convs run ~20-30% faster on it."""
     return torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=torch.channels_last_3d)
@@ -109,6 +130,8 @@ class CausalConv3d(nn.Conv3d):
         padding: int | tuple[int, int, int] = 0,
     ) -> None:
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding)
+        #: The decoder's fused ops (``Decoder3d.set_fused_ops``): the bias is then added by them.
+        self.fused_ops: FusedOps = None
         pad_t, pad_h, pad_w = self.padding  # normalised to a triple by nn.Conv3d
         self.causal_time_pad = 2 * pad_t
         self.spatial_padding = (0, pad_h, pad_w)
@@ -131,7 +154,7 @@ class CausalConv3d(nn.Conv3d):
         return buffer, buffer[:, :, pad:]
 
     def conv_padded(self, buffer: Tensor) -> Tensor:
-        return conv3d(buffer, self.weight, self.bias, self.stride, self.spatial_padding)
+        return _conv_with_bias(buffer, self.weight, self.bias, self.stride, self.spatial_padding, self.fused_ops)
 
     def forward(self, x: Tensor, history: Tensor | None = None) -> Tensor:  # type: ignore[override]
         if self.causal_time_pad == 0:
@@ -206,9 +229,9 @@ class RMSNorm(nn.Module):
         return F.silu(self(x, out=out), inplace=True)
 
 
-def _frame_conv2d(x: Tensor, conv: nn.Conv2d) -> Tensor:
+def _frame_conv2d(x: Tensor, conv: nn.Conv2d, fused_ops: FusedOps = None) -> Tensor:
     """Apply a 2D conv to every frame of a 5D tensor without folding time into batch."""
-    return conv3d(x, conv.weight.unsqueeze(2), conv.bias, (1, *conv.stride), (0, *conv.padding))
+    return _conv_with_bias(x, conv.weight.unsqueeze(2), conv.bias, (1, *conv.stride), (0, *conv.padding), fused_ops)
 
 
 def _nearest_up2x(x: Tensor, channel_halves_are_frames: bool = False) -> Tensor:
@@ -301,6 +324,8 @@ class Resample(nn.Module):
         # Upsampling: same-size conv. Downsampling: stride 2 after a right/bottom pad of one.
         conv = nn.Conv2d(dim, out_dim, 3, padding=1) if self.upsample else nn.Conv2d(dim, dim, 3, stride=2)
         self.resample = nn.ModuleList([nn.Identity(), conv])
+        #: The decoder's fused ops (``Decoder3d.set_fused_ops``): the frame conv's bias is then added by them.
+        self.fused_ops: FusedOps = None
         self.time_slot: int | None = None
         if mode == "upsample3d":
             # Doubles channels; the two halves become two consecutive output frames.
@@ -336,7 +361,7 @@ class Resample(nn.Module):
 
     def frame_conv(self, x: Tensor, conv: nn.Conv2d) -> Tensor:
         """The frame-wise 2D conv after upsampling (a parallel decode swaps in a halo-exchanging one)."""
-        return _frame_conv2d(x, conv)
+        return _frame_conv2d(x, conv, self.fused_ops)
 
     def forward(self, x: Tensor, cache: SlotList) -> Tensor:
         conv = self.resample[1]
@@ -643,10 +668,11 @@ class Decoder3d(nn.Module):
         self.framewise_from = temporal[-1] + 1 if temporal else 0
 
     def set_fused_ops(self, fused_ops: FusedOps) -> None:
-        """Fuse every norm + SiLU of the decoder (a ``FusedOps`` with ``channel_rms_norm_silu``); None: eager."""
+        """Fuse every norm + SiLU of the decoder (a ``FusedOps`` with ``channel_rms_norm_silu``), and on CUDA add
+        its convs' biases through ``channel_bias_add_``; None: eager."""
         self.fused_ops = fused_ops
         for module in self.modules():
-            if isinstance(module, ResidualBlock):
+            if isinstance(module, (ResidualBlock, CausalConv3d, Resample)):
                 module.fused_ops = fused_ops
 
     def set_frame_chunk(self, frames: int | None) -> None:
