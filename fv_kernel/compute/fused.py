@@ -514,12 +514,13 @@ class TritonFusedOps(FusedOps):
         )  # fmt: skip
         return out
 
-
     def channel_bias_add_(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         if x.dim() < 3 or bias.numel() != x.shape[1]:
             raise ValueError(f"bias must hold one value per channel of a (B, C, ...) tensor: x {tuple(x.shape)}, "
                              f"bias {tuple(bias.shape)}")
         self._require_device(x)
+        if x.numel() == 0:
+            return x
         channels = x.shape[1]
         if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and channels > 1:
             channels_last, inner = True, 1
