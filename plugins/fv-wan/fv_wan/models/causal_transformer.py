@@ -14,6 +14,7 @@ The forward is a function over the bidirectional model's modules, so the bidirec
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -144,13 +145,13 @@ def _rows_normed_heads(attn: torch.nn.Module, norm: torch.nn.RMSNorm, projected:
                       for row in range(projected.shape[0])])
 
 
-class LayerHistory:
+class LayerHistory(abc.ABC):
     """One layer's committed K/V that can be read with room for the chunk's own K/V after it: a history kept
     elsewhere (the slab pool) gives the attention its keys in one copy instead of a read and a concatenation."""
 
+    @abc.abstractmethod
     def with_chunk(self, key: torch.Tensor, value: torch.Tensor) -> LayerKV:
         """[history, ``key``] and [history, ``value``], each (1, history + tokens, heads, head_dim)."""
-        raise NotImplementedError
 
 
 def _over_history(history: LayerKV | LayerHistory | None, attention_fn: AttentionFn) -> SelfAttentionCore:
