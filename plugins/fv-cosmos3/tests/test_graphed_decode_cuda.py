@@ -134,21 +134,14 @@ def test_the_prompt_prefill_is_captured_and_follows_the_eager_prefill():
     """cosmos3-tiny on CUDA: with graphs the prefill replays a capture (a graph, not the eager fallback) and
     its last logits follow the eager prefill's."""
     from fv_cosmos3.cards import cosmos3_card
-    from fv_kernel.api import (ARParams, ComputeOptions, InstanceOptions, LoopContext, Request, TaskType, TextPart,
-                               build_instance, resolve_request)
+    from fv_kernel.api import ComputeOptions, InstanceOptions, TaskType, build_instance
+    from test_graphed_prefill import prefill_plan
 
     def prefill(graphs: bool) -> tuple[torch.Tensor, object]:
         instance = build_instance(cosmos3_card("cosmos3-tiny"), InstanceOptions(
             device="cuda", compute=ComputeOptions(cuda_graphs=graphs)))
         instance.load_for_task(TaskType.TEXT_GENERATION)
-        request = resolve_request(instance.card, Request(model="cosmos3-tiny", task=TaskType.TEXT_GENERATION,
-                                                         inputs=(TextPart(text="a red ball"),), ar=ARParams(max_tokens=4)))
-
-        async def never(plan):
-            raise AssertionError("unused")
-
-        loop = instance.loop("ar_decode")
-        plan = loop.next(loop.init(request, instance, LoopContext(request=request, executor=never)))
+        plan, _ = prefill_plan(instance, "a red ball", max_tokens=4)
         with torch.inference_mode():
             return instance.op("ar_prefill").fn(plan.inputs, plan.params)["logits"], instance.graphed_decode
 

@@ -21,17 +21,22 @@ def _instance(graphed: bool):
     return instance
 
 
-def _prefill(instance, prompt: str):
-    """The prefill plan of a chat request and its outputs; the request's block table."""
+def prefill_plan(instance, prompt: str, max_tokens: int = 8):
+    """The first plan (the prefill) of a chat request on ``instance``, and the loop state it came from."""
     request = resolve_request(instance.card, Request(model="cosmos3-tiny", task=TaskType.TEXT_GENERATION,
-                                                     inputs=(TextPart(text=prompt),), ar=ARParams(max_tokens=8)))
+                                                     inputs=(TextPart(text=prompt),), ar=ARParams(max_tokens=max_tokens)))
 
     async def never(plan):
         raise AssertionError("unused")
 
     loop = instance.loop("ar_decode")
     state = loop.init(request, instance, LoopContext(request=request, executor=never))
-    plan = loop.next(state)
+    return loop.next(state), state
+
+
+def _prefill(instance, prompt: str):
+    """The prefill plan of a chat request and its outputs; the request's block table."""
+    plan, state = prefill_plan(instance, prompt)
     with torch.inference_mode():
         outputs = instance.op("ar_prefill").fn(plan.inputs, plan.params)
     return plan, outputs, state.table
@@ -115,14 +120,7 @@ def test_a_table_narrower_than_the_prompt_is_left_to_the_eager_prefill():
     """A table without a block for every prompt position: the captured prefill declines (the eager prefill grows
     the table), before it reads a column that is not there."""
     graphed = _instance(True)
-    request = resolve_request(graphed.card, Request(model="cosmos3-tiny", task=TaskType.TEXT_GENERATION,
-                                                    inputs=(TextPart(text="a red ball"),), ar=ARParams(max_tokens=8)))
-
-    async def never(plan):
-        raise AssertionError("unused")
-
-    loop = graphed.loop("ar_decode")
-    plan = loop.next(loop.init(request, graphed, LoopContext(request=request, executor=never)))
+    plan, _ = prefill_plan(graphed, "a red ball")
     narrow = dict(plan.inputs, table=plan.inputs["table"][:, :1])  # one block: fewer slots than the prompt's tokens
     assert plan.inputs["ids"].shape[1] > graphed.text_kv_pool.config.block_size
     decode = graphed.graphed_decode
