@@ -24,26 +24,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from random_weights import random_weight_card  # noqa: E402
+from bench_realtime import CARD_1_3B as CARD, CARD_SMOKE as SMOKE, card_for  # noqa: E402  (the sessions' cards)
 
 from fv_kernel.api import ComputeOptions, InstanceOptions, TaskType, build_instance  # noqa: E402
 from fv_wan.models.causal_transformer import causal_batch_forward  # noqa: E402
-
-CARD = "wan2.1-t2v-1.3b-causal"
-SMOKE = "wan-toy-causal"
-
-
-def _card(smoke: bool) -> Any:
-    if smoke:
-        from fv_wan.toy_card import wan_toy_causal_card
-
-        card = wan_toy_causal_card()
-        if card is None:
-            raise SystemExit(f"--smoke: {SMOKE}'s weights are not installed (fv_wan package data)")
-        return card
-    from fv_wan.cards import causal_wan_cards
-
-    return random_weight_card(next(c for c in causal_wan_cards() if c.model_id == CARD))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {CARD} at real size needs CUDA (run with --smoke for the CPU toy)")
         return 0
     device, precision, height, width = ("cpu", "fp32", 64, 64) if args.smoke else ("cuda", "bf16", 480, 832)
-    card = _card(args.smoke)
+    card = card_for(args, batching=True)
     instance = build_instance(card, InstanceOptions(device=device, precision=precision, attention_backend=args.attention_backend,
                                                     compute=ComputeOptions(fused_ops=args.fused_ops)))
     instance.load_for_task(TaskType.TEXT_TO_VIDEO)
