@@ -93,7 +93,7 @@ def _splits_bias(x: Tensor, fused_ops: FusedOps, *params: Tensor | None) -> bool
     """Whether a conv of ``x`` adds its bias through ``fused_ops.channel_bias_add_``: on CUDA (where a conv with a
     bias already runs as a bias-free convolution, then a broadcast add) or in Triton's interpreter, never while
     autograd records (the fused kernels record no gradient). On the CPU oneDNN adds the bias inside the conv."""
-    if fused_ops is None or not hasattr(fused_ops, "channel_bias_add_"):
+    if fused_ops is None:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
         return False
