@@ -359,19 +359,19 @@ def build_cosmos3_instance(card: ModelCard, options: InstanceOptions) -> Cosmos3
     version = ("seeded:" + ",".join(seeds)) if seeds else f"source:{options.source or card.checkpoint.source}"
     compute = options.compute
     graphed = None
-    on_cuda = torch.device(options.device).type == "cuda"
+    captured = compute is not None and compute.cuda_graphs and torch.device(options.device).type == "cuda"
     # fused_ops (the transformer's, "dit"): 'triton' runs the reasoner's captured decode step through the decode
     # kernels; 'off', 'torch' (the same ops composed) and 'auto' (nothing measured to choose them by) do not.
     kernels = None
     if compute is not None and compute.fused_ops_for("dit") == "triton":
-        if not (compute.cuda_graphs and on_cuda):
+        if not captured:
             raise DecodeKernelsUnavailable(
                 "compute.fused_ops='triton' runs the reasoner's captured decode step through Triton kernels: it needs "
                 f"compute.cuda_graphs=true on a CUDA device; got cuda_graphs={compute.cuda_graphs}, "
                 f"device={options.device!r}"
             )
         kernels = DecodeKernels()
-    if compute is not None and compute.cuda_graphs and on_cuda:
+    if captured:
         graphed = GraphedDecode(tuple(compute.graph_batch_buckets), kernels=kernels)  # off CUDA the decode stays eager
     return Cosmos3Instance(
         card=card, options=options, component_loader=load, ops_builder=cosmos3_ops, weights_version=version,
