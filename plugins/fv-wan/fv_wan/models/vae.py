@@ -7,7 +7,9 @@ argument, so one resident VAE can serve interleaved requests:
 * ``CausalCache`` is the explicit, serialisable decoder history of one stream.
 * ``decode_step`` decodes one latent frame (first -> 1 pixel frame, later ->
   ``temporal_compression`` frames); ``decode`` is the loop over it.
-* ``TilingConfig`` turns on spatial tiling with linear blending per call.
+* ``TilingConfig`` turns on spatial tiling with linear blending per call (diffusers' tiling: approximate).
+* ``HaloTiling`` decodes a whole video tile by tile with margins instead (exact: no blending), so
+  only one tile's causal history and activations are alive at a time.
 
 See ``vae_blocks`` for the layers and the cache-slot contract.
 """
@@ -22,11 +24,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
-from fv_wan.models.vae_blocks import CausalConv3d, Decoder3d, Encoder3d, SlotAllocator, SlotList
+from fv_wan.models.vae_blocks import CausalConv3d, Decoder3d, EdgeCrop, Encoder3d, SlotAllocator, SlotList
 
 __all__ = [
     "CausalCache",
+    "HaloTile",
+    "HaloTiling",
     "TilingConfig",
+    "halo_reach",
     "WanVAE",
     "WanVAEConfig",
 ]
@@ -204,6 +209,95 @@ class TilingConfig(BaseModel):
         for name, value in self.model_dump().items():
             if value % unit:
                 raise ValueError(f"TilingConfig.{name}={value} must be a multiple of {unit} for {what}")
+
+
+class HaloTiling(BaseModel):
+    """Exact spatial tiling of a whole-video :meth:`WanVAE.decode`: ``rows`` x ``columns`` tiles.
+
+    The decoder's input conv and mid block (whose attention mixes a frame's pixels) run on whole
+    frames first; then each tile runs the up stages through all frames with a margin as wide as
+    those stages reach (``Decoder3d.halo_geometry``), dropped stage by stage as soon as nothing
+    later reads it. Every output pixel is computed from the same inputs by the same layers as
+    untiled, so nothing is blended; only one tile's causal history and activations are alive at
+    a time, which is what lowers the peak. The margins cost extra compute at tile seams.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rows: int = Field(1, ge=1)
+    columns: int = Field(1, ge=1)
+
+    @property
+    def count(self) -> int:
+        return self.rows * self.columns
+
+    def owned(self, height: int, width: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """Each tile's (rows, columns) of a ``height`` x ``width`` latent, row-major; refuses a grid finer
+        than the latent."""
+        if self.rows > height or self.columns > width:
+            raise ValueError(
+                f"halo tiling of {self.rows} rows x {self.columns} columns needs at least one latent pixel "
+                f"per tile; the latents are {height} x {width}"
+            )
+        return [(rows, columns) for rows in _even_split(height, self.rows) for columns in _even_split(width, self.columns)]
+
+
+def halo_reach(config: WanVAEConfig) -> int:
+    """``Decoder3d.halo_geometry()``'s reach at the decoder's first up stage, from the config alone (for
+    admission estimates, which build no module): every up stage has ``num_res_blocks + 1`` residual blocks
+    of two 3x3 convs, all but the last end in a 2x upsampler with a 3x3 conv, and a 3x3 conv closes."""
+    stages = len(config.dim_mult)
+    reach = 1
+    for stage in reversed(range(stages)):
+        if stage != stages - 1:
+            reach = -(-(reach + 1) // 2)
+        reach += 2 * (config.num_res_blocks + 1)
+    return reach
+
+
+@dataclass(frozen=True)
+class HaloTile:
+    """One tile of a :class:`HaloTiling`: the latent ``rows`` and ``columns`` it owns, the latent ``region``
+    (top, bottom, left, right) it reads with its margins, and the crops ``Decoder3d.upper`` applies."""
+
+    rows: tuple[int, int]
+    columns: tuple[int, int]
+    region: tuple[int, int, int, int]
+    crops: tuple[EdgeCrop, ...]
+    #: Video pixels per latent pixel.
+    scale: int
+
+    @property
+    def output_top(self) -> int:
+        return self.rows[0] * self.scale
+
+    @property
+    def output_left(self) -> int:
+        return self.columns[0] * self.scale
+
+
+def _even_split(size: int, parts: int) -> list[tuple[int, int]]:
+    edges = [round(i * size / parts) for i in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _halo_axis(
+    owned: tuple[int, int], size: int, scales: list[int], reaches: list[int]
+) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+    """One axis of a halo tile: the latent range it reads, and the (low, high) cuts before each up
+    stage, before the output conv and from the output (``Decoder3d.upper``'s ``crops``)."""
+    lo, hi = owned
+    regions = [(max(0, lo * s - r), min(size * s, hi * s + r)) for s, r in zip(scales, reaches)]
+    cuts = [(0, 0)]
+    for b in range(1, len(regions)):
+        ratio = scales[b] // scales[b - 1]
+        (prev_lo, prev_hi), (cur_lo, cur_hi) = regions[b - 1], regions[b]
+        cuts.append((cur_lo - prev_lo * ratio, prev_hi * ratio - cur_hi))
+    last_lo, last_hi = regions[-1]
+    cuts.append((lo * scales[-1] - last_lo, last_hi - hi * scales[-1]))
+    if any(a < 0 or b < 0 for a, b in cuts):  # a reach that grows faster than the upsampling
+        raise ValueError(f"halo tiling: the decoder's reaches {reaches} at scales {scales} leave no margin to cut")
+    return regions[0], cuts
 
 
 @dataclass
@@ -570,22 +664,88 @@ class WanVAE(nn.Module):
         s = self.spatial_compression
         return z.new_empty((z.shape[0], self.config.video_channels, frames, z.shape[-2] * s, z.shape[-1] * s))
 
-    def decode(self, z: Tensor, *, tiling: TilingConfig | None = None, slicing: bool = False) -> Tensor:
+    def decode(
+        self, z: Tensor, *, tiling: TilingConfig | None = None, slicing: bool = False, halo: HaloTiling | None = None
+    ) -> Tensor:
         """Raw latents (B, z, T, h, w) -> video (B, 3, 1 + 4(T-1), h*s, w*s), clamped to [-1, 1].
 
         Untiled, this is exactly the loop over :meth:`decode_step`. Tiled, tiles
         are decoded one after another through all frames (one tile's cache alive
-        at a time) and blended straight into the output.
+        at a time) and blended straight into the output. With ``halo`` the tiles
+        are exact instead (:class:`HaloTiling`); it excludes ``tiling``.
         """
         self._check_latents(z, "z")
+        if halo is not None:
+            if tiling is not None:
+                raise ValueError("decode: tiling (blended tiles) and halo (exact tiles) exclude each other; pass one")
+            self.halo_tiles(z.shape[-2], z.shape[-1], halo)  # refuses a grid finer than the latents
         out = self._new_video(z, self.num_frames_for(z.shape[2]))
         batches = z.split(1) if slicing and z.shape[0] > 1 else [z]
         start = 0
         for zb in batches:
-            self._decode_into(zb, out[start : start + zb.shape[0]], self._decode_tiling(zb, tiling))
+            target = out[start : start + zb.shape[0]]
+            if halo is not None:
+                self._decode_halo(zb, target, halo)
+            else:
+                self._decode_into(zb, target, self._decode_tiling(zb, tiling))
             start += zb.shape[0]
         if self.config.clip_output:
             out.clamp_(-1.0, 1.0)
+        return out
+
+    def _decode_halo(self, z: Tensor, out: Tensor, halo: HaloTiling) -> None:
+        lower = self.decode_lower(z)
+        for tile in self.halo_tiles(z.shape[-2], z.shape[-1], halo):
+            strip = self.decode_halo_tile(lower, tile)
+            out[..., tile.output_top : tile.output_top + strip.shape[-2],
+                tile.output_left : tile.output_left + strip.shape[-1]].copy_(strip)  # fmt: skip
+
+    def decode_lower(self, z: Tensor) -> Tensor:
+        """The decoder's whole-frame part (post-quant conv, input conv, mid block) for every latent frame:
+        (B, C, T, h, w), what :meth:`decode_halo_tile` decodes tile by tile."""
+        self._check_latents(z, "z")
+        cache: SlotList = [None] * self.num_decoder_slots
+        out: Tensor | None = None
+        for k in range(z.shape[2]):
+            x = self.decoder.lower(self.post_quant_conv(z[:, :, k : k + 1]), cache)
+            if out is None:
+                out = torch.empty((*x.shape[:2], z.shape[2], *x.shape[3:]), dtype=x.dtype, device=x.device,
+                                  memory_format=torch.channels_last_3d)
+            out[:, :, k : k + 1].copy_(x)
+        assert out is not None
+        return out
+
+    def halo_tiles(self, height: int, width: int, halo: HaloTiling) -> list[HaloTile]:
+        """The tiles of a ``height`` x ``width`` latent in row-major order, each with its margins."""
+        scales, reaches = self.decoder.halo_geometry()
+        tiles = []
+        for rows, columns in halo.owned(height, width):
+            (top, bottom), row_cuts = _halo_axis(rows, height, scales, reaches)
+            (left, right), column_cuts = _halo_axis(columns, width, scales, reaches)
+            tiles.append(HaloTile(
+                rows=rows, columns=columns, region=(top, bottom, left, right), scale=scales[-1] * self._patch,
+                crops=tuple(EdgeCrop(r[0], r[1], c[0], c[1]) for r, c in zip(row_cuts, column_cuts)),
+            ))  # fmt: skip
+        return tiles
+
+    def decode_halo_tile(self, lower: Tensor, tile: HaloTile) -> Tensor:
+        """One halo tile through all frames from :meth:`decode_lower`'s output: the video of the tile's own
+        pixels (B, C, F, H_tile, W_tile), not clamped, decoded with a fresh causal history for the tile."""
+        top, bottom, left, right = tile.region
+        cache: SlotList = [None] * self.num_decoder_slots
+        out: Tensor | None = None
+        frame0 = 0
+        for k in range(lower.shape[2]):
+            region = lower[:, :, k : k + 1, top:bottom, left:right].contiguous(memory_format=torch.channels_last_3d)
+            y = self.decoder.upper(region, cache, k == 0, tile.crops)
+            del region
+            if out is None:
+                p = self._patch
+                out = y.new_empty((y.shape[0], self.config.video_channels, self.num_frames_for(lower.shape[2]),
+                                   y.shape[3] * p, y.shape[4] * p))  # fmt: skip
+            self._write_video(out, y, frame0)
+            frame0 += y.shape[2]
+        assert out is not None
         return out
 
     def _decode_into(self, z: Tensor, out: Tensor, tiling: TilingConfig | None) -> None:

@@ -37,6 +37,8 @@ reference's ``"Rep"`` marker with a serialisable value.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -620,6 +622,38 @@ class Encoder3d(nn.Module):
         return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
 
 
+@dataclass(frozen=True)
+class EdgeCrop:
+    """Pixels to drop from each spatial edge of an activation (a halo-tiled decode's margins)."""
+
+    top: int = 0
+    bottom: int = 0
+    left: int = 0
+    right: int = 0
+
+
+def _crop_edges(x: Tensor, crops: Sequence[EdgeCrop] | None, index: int, *, copy: bool = True) -> Tensor:
+    """``x`` without ``crops[index]``'s edges; with ``copy`` as a fresh channels-last tensor (the next
+    layers' views and convs need one), so the uncropped activation is freed."""
+    if crops is None:
+        return x
+    crop = crops[index]
+    if crop == EdgeCrop():
+        return x
+    h, w = x.shape[-2:]
+    view = x[..., crop.top : h - crop.bottom, crop.left : w - crop.right]
+    return view.contiguous(memory_format=torch.channels_last_3d) if copy else view
+
+
+def _spatial_radius(conv: nn.Module) -> int:
+    """How many pixels on each side a conv reads (its padding; the causal convs pad space symmetrically)."""
+    if isinstance(conv, nn.Identity):
+        return 0
+    assert isinstance(conv, CausalConv3d)
+    _, pad_h, pad_w = conv.spatial_padding
+    return max(pad_h, pad_w)
+
+
 def _upsamples_time(stage: nn.Module) -> bool:
     if isinstance(stage, UpBlock):
         return stage.upsamplers is not None and stage.upsamplers[0].mode == "upsample3d"
@@ -686,37 +720,85 @@ class Decoder3d(nn.Module):
         self.frame_chunk = frames
 
     def forward(self, x: Tensor, cache: SlotList, first_chunk: bool) -> Tensor:
-        x = self.conv_in(x, cache)
-        x = self.mid_block(x, cache)
+        return self.upper(self.lower(x, cache), cache, first_chunk)
+
+    def lower(self, x: Tensor, cache: SlotList) -> Tensor:
+        """The input conv and the mid block: the decoder's only layers that mix a frame's pixels
+        globally (the mid block's attention). Everything after them (:meth:`upper`) is local in space."""
+        return self.mid_block(self.conv_in(x, cache), cache)
+
+    def upper(self, x: Tensor, cache: SlotList, first_chunk: bool, crops: Sequence[EdgeCrop] | None = None) -> Tensor:
+        """The up stages and the output conv on :meth:`lower`'s output.
+
+        ``crops`` (one per boundary of :meth:`halo_geometry`, then one for the output) trims the
+        spatial edges before each stage, before the output conv and from the output: a halo-tiled
+        decode (``WanVAE.decode(halo=...)``) runs a tile with a margin and drops the margin as soon
+        as no later layer reads it.
+        """
         for index, up_block in enumerate(self.up_blocks):
             if index == self.framewise_from and self.frame_chunk is not None and x.shape[2] > self.frame_chunk:
-                return self._framewise_chunked(x, cache, first_chunk)
+                return self._framewise_chunked(x, cache, first_chunk, crops)
+            x = _crop_edges(x, crops, index)
             for step in self._stage_steps(up_block, cache, first_chunk):
                 x = step(x)
-        buffer = self._output_buffer(x, cache)
-        del x  # only conv_out's padded input lives through conv_out
-        return self.conv_out.run_buffer(buffer, cache)
+        return self._output(x, cache, crops)
 
-    def _framewise_chunked(self, x: Tensor, cache: SlotList, first_chunk: bool) -> Tensor:
+    def _output(self, x: Tensor, cache: SlotList, crops: Sequence[EdgeCrop] | None) -> Tensor:
+        buffer = self._output_buffer(_crop_edges(x, crops, len(self.up_blocks)), cache)
+        del x  # only conv_out's padded input lives through conv_out
+        return _crop_edges(self.conv_out.run_buffer(buffer, cache), crops, len(self.up_blocks) + 1, copy=False)
+
+    def _framewise_chunked(
+        self, x: Tensor, cache: SlotList, first_chunk: bool, crops: Sequence[EdgeCrop] | None = None
+    ) -> Tensor:
         """The frame-wise stages and the output conv over ``frame_chunk`` frames at a time."""
         assert self.frame_chunk is not None
         out: Tensor | None = None
         start = 0
         for chunk in x.split(self.frame_chunk, dim=2):
             y = chunk
-            for up_block in self.up_blocks[self.framewise_from :]:
-                for step in self._stage_steps(up_block, cache, first_chunk):
+            for index in range(self.framewise_from, len(self.up_blocks)):
+                y = _crop_edges(y, crops, index)
+                for step in self._stage_steps(self.up_blocks[index], cache, first_chunk):
                     y = step(y)
-            buffer = self._output_buffer(y, cache)
-            del y
-            y = self.conv_out.run_buffer(buffer, cache)
-            del buffer
+            y = self._output(y, cache, crops)
             if out is None:  # the output has few channels: one small buffer for the step
                 out = _empty_activation((y.shape[0], y.shape[1], x.shape[2], *y.shape[3:]), y)
             out[:, :, start : start + y.shape[2]].copy_(y)
             start += y.shape[2]
         assert out is not None
         return out
+
+    def halo_geometry(self) -> tuple[list[int], list[int]]:
+        """(scale, reach) at each boundary of :meth:`upper`: before each up stage, then before the output conv.
+
+        ``scale`` is that boundary's pixels per latent pixel; ``reach`` how many of its pixels on each
+        side an output pixel depends on, through every later layer (rounded up at each upsampler).
+        A tile that carries ``reach`` pixels of margin at a boundary computes its own output exactly.
+        """
+        reach = _spatial_radius(self.conv_out)
+        reaches, factors = [reach], []
+        for stage in reversed(self.up_blocks):
+            resnets, upsampler = (
+                (stage.resnets, stage.upsamplers[0] if stage.upsamplers is not None else None)
+                if isinstance(stage, UpBlock) else (stage.resnets, stage.upsampler)
+            )
+            if upsampler is not None:
+                if not upsampler.upsample:
+                    raise ValueError("halo_geometry: a decoder stage downsamples")
+                conv = upsampler.resample[1]
+                assert isinstance(conv, nn.Conv2d)
+                # The frame conv runs at twice the resolution; nearest upsampling halves the reach (rounded up).
+                reach = -(-(reach + max(conv.padding)) // 2)
+            for resnet in resnets:
+                reach += _spatial_radius(resnet.conv1) + _spatial_radius(resnet.conv2)
+            reaches.append(reach)
+            factors.append(2 if upsampler is not None else 1)
+        reaches.reverse()
+        scales = [1]
+        for factor in reversed(factors):
+            scales.append(scales[-1] * factor)
+        return scales, reaches
 
     @staticmethod
     def _stage_steps(stage: nn.Module, cache: SlotList, first_chunk: bool) -> list[Callable[[Tensor], Tensor]]:

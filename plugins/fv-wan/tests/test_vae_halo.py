@@ -1,0 +1,141 @@
+"""Exact halo tiling of the Wan VAE decode (``WanVAE.decode(halo=HaloTiling(...))``, issue 36 §2).
+
+- A halo-tiled decode equals the untiled decode within fp32 rounding (the tiles' convs see other shapes,
+  so oneDNN may sum in another order), for Wan 2.1 and 2.2 decoders, several grids, eager and fused
+  ops, frame chunks and batch slicing.
+- The margins are what makes it exact: margins one pixel short at the last up stage, or none at all,
+  change the video at the seams (negative controls).
+- The decoder's reach is derived from its layers; for the released Wan 2.1 decoder it equals a count
+  by hand.
+- Only one tile's history and activations are alive at a time: the activation peak falls.
+- Bad combinations are refused by name.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from fv_kernel.compute.fused import TorchFusedOps
+from fv_wan.models import vae_blocks
+from fv_wan.models.vae import HaloTiling, TilingConfig, WanVAE, WanVAEConfig
+from tiny_vae_configs import CFG21, CFG22
+
+BENCH = Path(__file__).resolve().parents[3] / "bench"
+
+
+def _vae(cfg: WanVAEConfig) -> WanVAE:
+    torch.manual_seed(0)
+    vae = WanVAE(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # non-trivial gammas and biases (defaults are ones / zeros)
+        for name, p in vae.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if name.endswith("gamma") else 0.1 * noise if name.endswith("bias") else p)
+    return vae
+
+
+def _latent(cfg: WanVAEConfig, batch: int = 1, frames: int = 3, height: int = 20, width: int = 24) -> torch.Tensor:
+    return torch.randn(batch, cfg.z_dim, frames, height, width, generator=torch.Generator().manual_seed(3))
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("cfg", [CFG21, CFG22], ids=["2.1", "2.2"])
+@pytest.mark.parametrize("grid", [(1, 2), (2, 3), (3, 1)], ids=lambda g: f"{g[0]}x{g[1]}")
+def test_halo_tiles_decode_what_the_untiled_decode_does(cfg: WanVAEConfig, grid: tuple[int, int]) -> None:
+    vae = _vae(cfg)
+    z = _latent(cfg)
+    halo = HaloTiling(rows=grid[0], columns=grid[1])
+    with torch.no_grad():
+        whole = vae.decode(z)
+        assert _max_diff(vae.decode(z, halo=halo), whole) < 1e-5
+        vae.set_fused_ops(TorchFusedOps())
+        assert _max_diff(vae.decode(z, halo=halo), whole) < 1e-5
+
+
+def test_halo_tiles_with_frame_chunks_and_batch_slicing() -> None:
+    vae = _vae(CFG21)
+    z = _latent(CFG21, batch=2, frames=4)
+    halo = HaloTiling(rows=2, columns=2)
+    with torch.no_grad():
+        whole = vae.decode(z)
+        vae.set_decode_frame_chunk(1)
+        assert _max_diff(vae.decode(z, halo=halo), whole) < 1e-5
+        assert _max_diff(vae.decode(z, halo=halo, slicing=True), whole) < 1e-5
+
+
+def test_one_tile_is_the_untiled_decode_bit_for_bit() -> None:
+    vae = _vae(CFG22)
+    z = _latent(CFG22)
+    with torch.no_grad():
+        assert torch.equal(vae.decode(z, halo=HaloTiling()), vae.decode(z))
+
+
+def _shortened(reaches_of: object) -> object:
+    original = vae_blocks.Decoder3d.halo_geometry
+
+    def geometry(self: vae_blocks.Decoder3d) -> tuple[list[int], list[int]]:
+        scales, reaches = original(self)
+        return scales, reaches_of(reaches)  # type: ignore[operator]
+
+    return geometry
+
+
+@pytest.mark.parametrize(
+    "shorten",
+    [lambda r: [*r[:3], r[3] - 1, r[4]], lambda r: [0] * len(r)],
+    ids=["last-stage-one-short", "no-margins"],
+)
+def test_short_margins_change_the_seams(monkeypatch: pytest.MonkeyPatch, shorten: object) -> None:
+    """Negative control: the margins, not luck, make the tiles exact."""
+    vae = _vae(CFG21)
+    z = _latent(CFG21)
+    with torch.no_grad():
+        whole = vae.decode(z)
+        monkeypatch.setattr(vae_blocks.Decoder3d, "halo_geometry", _shortened(shorten))
+        assert _max_diff(vae.decode(z, halo=HaloTiling(rows=2, columns=2)), whole) > 1e-3
+
+
+def test_the_wan21_decoders_reach_matches_a_count_by_hand() -> None:
+    """Counted from the released decoder (3 residual blocks a stage, two 3x3 convs each; 2x upsamplers
+    with a 3x3 conv after the nearest upsampling; a 3x3 output conv), from the output backwards in
+    each boundary's own pixels: before conv_out 1; stage 3 adds 6 -> 7; stage 2's upsampler gives
+    ceil((7 + 1) / 2) = 4, its blocks 6 -> 10; stage 1: ceil(11 / 2) + 6 = 12; stage 0: ceil(13 / 2) + 6 = 13."""
+    with torch.device("meta"):
+        decoder = WanVAE(WanVAEConfig.wan21()).decoder
+    assert decoder.halo_geometry() == ([1, 2, 4, 8, 8], [13, 12, 10, 7, 1])
+
+
+def test_halo_tiles_lower_the_activation_peak() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from bench_vae_decode import activation_peak_bytes
+    finally:
+        sys.path.remove(str(BENCH))
+    vae = _vae(CFG21)
+    z = _latent(CFG21, frames=3, height=8, width=48)
+    with torch.no_grad():
+        whole = activation_peak_bytes(lambda: vae.decode(z))
+        tiled = activation_peak_bytes(lambda: vae.decode(z, halo=HaloTiling(columns=3)))
+    assert tiled < 0.7 * whole, (tiled, whole)
+
+
+def test_bad_halo_requests_are_refused_by_name() -> None:
+    vae = _vae(CFG21)
+    z = _latent(CFG21, height=4, width=6)
+    with pytest.raises(ValueError, match="tiling .* and halo .* exclude each other"):
+        vae.decode(z, halo=HaloTiling(columns=2), tiling=TilingConfig())
+    with pytest.raises(ValueError, match="needs at least one latent pixel per tile; the latents are 4 x 6"):
+        vae.decode(z, halo=HaloTiling(rows=5))
+    with pytest.raises(ValidationError, match="columns"):
+        HaloTiling(columns=0)
+    with pytest.raises(ValidationError, match="extra"):
+        HaloTiling(cols=2)  # type: ignore[call-arg]
