@@ -341,6 +341,21 @@ def wan_ops(
             return out
 
         ops["vae_decode_frame"] = StepOp("vae_decode_frame", vae_decode_frame)
+
+        def vae_decode_lower(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            ref = next(vae_dec.parameters())
+            z = vae_dec.denormalize_latents(inputs["z"].to(device=ref.device, dtype=torch.float32)).to(ref.dtype)
+            return {"lower": vae_dec.decode_lower(z)}
+
+        def vae_decode_halo_tile(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            lower = inputs["lower"].to(next(vae_dec.parameters()).device)
+            tile = vae_dec.halo_tiles(lower.shape[-2], lower.shape[-1], params["halo"])[int(params["tile"])]
+            video = (vae_dec.decode_halo_tile(lower, tile).float() / 2 + 0.5).clamp(0, 1)
+            # Off the device as it is decoded, as vae_decode_frame's frames.
+            return {"frames": video.to("cpu", non_blocking=True) if video.is_cuda else video}
+
+        ops["vae_decode_lower"] = StepOp("vae_decode_lower", vae_decode_lower)
+        ops["vae_decode_halo_tile"] = StepOp("vae_decode_halo_tile", vae_decode_halo_tile)
     return ops
 
 

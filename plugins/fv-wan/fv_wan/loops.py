@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 
 from fv_kernel.api import (
     BehaviorRecord,
@@ -50,7 +51,7 @@ from fv_kernel.api import (
 from fv_wan import footprint
 from fv_wan.models.encoders import clean_prompt
 from fv_wan.models.transformer import TEXT_CONTEXT_LENGTH, WanTransformerConfig
-from fv_wan.models.vae import TilingConfig, WanVAEConfig
+from fv_wan.models.vae import HaloTiling, TilingConfig, WanVAEConfig, halo_reach
 
 __all__ = [
     "text_context_length",
@@ -646,6 +647,14 @@ class WanDecodeState(LoopState):
     cache: dict[str, torch.Tensor] = {}
     fps: float
     tiling: dict[str, int] | None = None
+    #: Loop config ``halo`` (``HaloTiling``): exact tiles, decoded one after another through all frames.
+    halo: dict[str, int] | None = None
+    #: Halo mode: the decoder's whole-frame part for every latent frame (until the last tile is decoded).
+    lower: torch.Tensor | None = None
+    #: Halo mode: each decoded tile's video (C, F, H_tile, W_tile), in tile order.
+    strips: list[torch.Tensor] = []
+    #: Video pixels per latent pixel (where halo mode places each strip).
+    spatial_scale: int = 8
 
 
 class WanDecodeLoop(Loop[WanDecodeState]):
@@ -654,20 +663,64 @@ class WanDecodeLoop(Loop[WanDecodeState]):
     The causal conv history lives in the state (``cache``), so two requests decoding at
     once never share it and a half-decoded video resumes exactly. Loop config
     ``tiling`` (tile sizes/strides in pixels) turns on spatial tiling for large frames.
+    Loop config ``halo`` (``{"rows": R, "columns": C}``) decodes in exact halo tiles instead
+    (``WanVAE.decode(halo=...)``): one step for the decoder's whole-frame part, then one step
+    per tile through all frames, so only one tile's history is alive. The video comes whole
+    at the end: halo mode streams no preview chunks and keeps no partial video.
     """
 
     kind = "vae_decode"
     state_type = WanDecodeState
 
+    def _halo(self) -> HaloTiling | None:
+        """Loop config ``halo``, validated; it excludes ``tiling``."""
+        config = self.spec.config.get("halo")
+        if config is None:
+            return None
+        if self.spec.config.get("tiling"):
+            raise ValueError(f"loop {self.loop_id!r}: config 'tiling' (blended tiles) and 'halo' (exact tiles) "
+                             "exclude each other; set one")
+        if not isinstance(config, dict):
+            raise ValueError(f"loop {self.loop_id!r}: config 'halo' must be a mapping {{rows, columns}}, got {config!r}")
+        try:
+            return HaloTiling(**config)
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+            raise ValueError(f"loop {self.loop_id!r}: config 'halo' is invalid ({problems}); "
+                             "allowed keys: rows, columns (integers >= 1)") from None
+
     def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> WanDecodeState:
         tiling = self.spec.config.get("tiling")
+        halo = self._halo()
+        latents = ctx.upstream["latents"]
+        if halo is not None:
+            halo.owned(latents.shape[-2], latents.shape[-1])  # a grid finer than the latents is refused here
         return WanDecodeState(
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
             model_id=model.model_id, weights_version=model.weights_version, seed=request.diffusion.seed,
-            recipe_overrides=model.recipe_overrides, latents=ctx.upstream["latents"], fps=float(request.diffusion.fps or 16.0), tiling=tiling,
+            recipe_overrides=model.recipe_overrides, latents=latents, fps=float(request.diffusion.fps or 16.0), tiling=tiling,
+            halo=halo.model_dump() if halo is not None else None, spatial_scale=_vae_config(model).spatial_compression,
+        )
+
+    def _next_halo(self, state: WanDecodeState, halo: HaloTiling) -> WorkPlan | Done:
+        index = len(state.strips)
+        if index >= halo.count:
+            return Done()
+        signature = str(tuple(state.latents.shape[-2:]))
+        if state.lower is None:
+            return WorkPlan(
+                loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.VAE_TILE, op="vae_decode_lower",
+                inputs={"z": state.latents}, shape_sig=ShapeSignature.of(latent=signature, halo="lower"), batchable=False,
+            )
+        return WorkPlan(
+            loop_id=self.loop_id, instance_id=state.instance_id, kind=WorkKind.VAE_TILE, op="vae_decode_halo_tile",
+            inputs={"lower": state.lower}, params={"halo": halo, "tile": index},
+            shape_sig=ShapeSignature.of(latent=signature, halo=f"{halo.rows}x{halo.columns}"), batchable=False,
         )
 
     def next(self, state: WanDecodeState) -> WorkPlan | Done:
+        if state.halo is not None:
+            return self._next_halo(state, HaloTiling(**state.halo))
         index = len(state.frames)
         if index >= state.latents.shape[2]:
             return Done()
@@ -689,6 +742,13 @@ class WanDecodeLoop(Loop[WanDecodeState]):
         )
 
     def advance(self, state: WanDecodeState, result: StepResult) -> WanDecodeState:
+        if state.halo is not None:
+            if "lower" in result.outputs:
+                return state.model_copy(update={"lower": result.outputs["lower"], "step": state.step + 1})
+            strips = [*state.strips, result.outputs["frames"][0]]
+            done = len(strips) == HaloTiling(**state.halo).count
+            # The whole-frame activations go with the last tile: nothing reads them after it.
+            return state.model_copy(update={"strips": strips, "lower": None if done else state.lower, "step": state.step + 1})
         frames = result.outputs["frames"][0].transpose(0, 1)  # (k, 3, H, W)
         cache = {k[len("cache."):]: v for k, v in result.outputs.items() if k.startswith("cache.")}
         return state.model_copy(update={"frames": [*state.frames, frames], "cache": cache, "step": state.step + 1})
@@ -697,13 +757,25 @@ class WanDecodeLoop(Loop[WanDecodeState]):
         return LoopResult(loop_id=self.loop_id, artifacts=[self._artifact(state, partial=False)])
 
     def partial(self, state: WanDecodeState) -> LoopResult | None:
-        if not state.frames:
+        if not state.frames:  # halo mode never has frames before its last tile
             return None
         return LoopResult(loop_id=self.loop_id, artifacts=[self._artifact(state, partial=True)])
 
+    def _frames(self, state: WanDecodeState) -> torch.Tensor:
+        """The decoded video (F, 3, H, W): the frames in order, or in halo mode the strips put in place."""
+        if state.halo is None:
+            return torch.cat(state.frames).float().cpu()
+        h, w = state.latents.shape[-2:]
+        s = state.spatial_scale
+        first = state.strips[0]
+        video = torch.empty((first.shape[1], first.shape[0], h * s, w * s), dtype=torch.float32)
+        for (rows, columns), strip in zip(HaloTiling(**state.halo).owned(h, w), state.strips, strict=True):
+            video[:, :, rows[0] * s : rows[1] * s, columns[0] * s : columns[1] * s].copy_(strip.transpose(0, 1))
+        return video
+
     def _artifact(self, state: WanDecodeState, *, partial: bool) -> VideoArtifact:
         return VideoArtifact(
-            frames=torch.cat(state.frames).float().cpu(), fps=state.fps,
+            frames=self._frames(state), fps=state.fps,
             provenance=Provenance(
                 model_id=state.model_id, loop_id=self.loop_id, request_id=state.request_id, node=state.instance_id,
                 seed=state.seed, weights_version=state.weights_version, partial=partial,
@@ -712,6 +784,8 @@ class WanDecodeLoop(Loop[WanDecodeState]):
         )
 
     def progress(self, state: WanDecodeState) -> tuple[int, int | None]:
+        if state.halo is not None:
+            return state.step, 1 + HaloTiling(**state.halo).count
         return state.step, int(state.latents.shape[2])
 
     def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:
@@ -722,6 +796,9 @@ class WanDecodeLoop(Loop[WanDecodeState]):
         s, t = vae.spatial_compression, vae.temporal_compression
         latent_frames, h, w = (d.frames - 1) // t + 1, d.height // s, d.width // s
         element = _element_bytes(model, "vae_decoder")
+        halo = self._halo()
+        if halo is not None:
+            return self._estimate_halo(halo, vae, latent_frames, h, w, element, model)
         height, width = h, w
         tiles = 1
         if self.spec.config.get("tiling"):
@@ -747,5 +824,31 @@ class WanDecodeLoop(Loop[WanDecodeState]):
             # next to the history the step reads: its activations while it writes the new history (handed
             # back as it is, not repacked), and its frames in the VAE's dtype and as fp32 in [0, 1]
             peak_bytes=step.activation_bytes + history + out_frame * t * (element + 2 * 4),
+        )
+
+    def _estimate_halo(
+        self, halo: HaloTiling, vae: WanVAEConfig, latent_frames: int, h: int, w: int, element: int, model: ModelInstance
+    ) -> ResourceRequest:
+        """The whole-frame step, then one step per tile; a tile step holds the whole-frame activations, its
+        own history and one frame step's activations at the tile's size with margins."""
+        reach = halo_reach(vae)
+        tile_h = min(h, -(-h // halo.rows) + 2 * reach)
+        tile_w = min(w, -(-w // halo.columns) + 2 * reach)
+        step = footprint.vae_decode_step(vae, tile_h, tile_w, element=element)
+        lower_bytes = latent_frames * h * w * element * (vae.decoder_base_dim or vae.base_dim) * vae.dim_mult[-1]
+        pixel_frames = 1 + vae.temporal_compression * (latent_frames - 1)
+        video = vae.video_channels * pixel_frames * h * w * vae.spatial_compression**2
+        # The tile's video (fp32 in [0, 1] and in the VAE's dtype) is made on the device, then leaves it on CUDA.
+        tile_video = -(-video // halo.count) * (element + 2 * 4)
+        signature = str((h, w))
+        steps = (
+            StepEstimate(loop_id=self.loop_id, kind=WorkKind.VAE_TILE, shape_sig=ShapeSignature.of(latent=signature, halo="lower")),
+            StepEstimate(loop_id=self.loop_id, kind=WorkKind.VAE_TILE, count=halo.count,
+                         shape_sig=ShapeSignature.of(latent=signature, halo=f"{halo.rows}x{halo.columns}")),
+        )
+        return ResourceRequest(
+            steps=steps,
+            resident_bytes=lower_bytes + (0 if model.device.type == "cuda" else 4 * video),
+            peak_bytes=lower_bytes + step.activation_bytes + step.cache_bytes + tile_video,
         )
 
