@@ -7,7 +7,8 @@
 # autotuner; part 6 Cosmos 3's decode with chained steps beside one-token steps (and captured prefills),
 # part 7 realtime sessions on the fused ops, part 8 the captured decode with the Triton decode kernels beside without
 # (their tests on the GPU first) and where the host's share of a decode goes, part 9 realtime sessions with the
-# attention kernel left to PyTorch beside cuDNN's pinned. Every bench runs
+# attention kernel left to PyTorch beside cuDNN's pinned, part 10 the VAE decode with its conv biases fused and in
+# exact halo tiles, then FastWan end to end on its default path. Every bench runs
 # under its own timeout, writes its JSON under $OUT (default out/h200) and its log beside it, so a
 # bench that fails or runs out of time costs only its own slot; the last lines of each log are
 # printed at the end. docs/benchmarks.md says which section records each figure.
@@ -15,8 +16,8 @@
 # The device machine has torch and triton but not every package: wheels carried in $WHEELS (default
 # .whlb/: pydantic, diffusers, stevedore, ...) are installed into /tmp/site first when that folder is present.
 set -u
-part="${1:?usage: bash bench/h200_pending.sh 1|2|3|4|5|6|7|8|9}"
-case "$part" in 1|2|3|4|5|6|7|8|9) ;; *) echo "part must be 1 to 9, got $part" >&2; exit 2 ;; esac
+part="${1:?usage: bash bench/h200_pending.sh 1|2|3|4|5|6|7|8|9|10}"
+case "$part" in 1|2|3|4|5|6|7|8|9|10) ;; *) echo "part must be 1 to 10, got $part" >&2; exit 2 ;; esac
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -102,6 +103,16 @@ case "$part" in
         --fused-ops triton
     run realtime_cudnn 220 python3 bench/bench_realtime.py "$out/realtime_cudnn.json" --seconds 10 --sessions 2 \
         --fused-ops triton --attention-backend sdpa_cudnn
+    ;;
+10)
+    # issue 36 section 2: the VAE's tests on the GPU, the decode (biases fused; exact halo tiles 1x2 and 1x3),
+    # then FastWan end to end on the default path
+    run vae_tests 120 bash -c "cd plugins/fv-wan && python3 -m pytest -q -p no:cacheprovider \
+        tests/test_vae_fused_decode.py tests/test_vae_halo.py"
+    run vae_decode 200 python3 bench/bench_vae_decode.py "$out/vae" --halo 1 2
+    run vae_decode_halo3 150 python3 bench/bench_vae_decode.py "$out/vae_halo3" --halo 1 3 --iters 2
+    run gpu_e2e 150 python3 bench/bench_gpu.py "$out/gpu" --skip matmul dit diffusers graphs step_parts vae step_batching \
+        compiled --concurrency 1 8 --budget-s 140
     ;;
 esac
 for log in "$out"/*.log; do
