@@ -35,7 +35,7 @@ from fv_kernel.compute.fused import FusedOps, TorchFusedOps, TritonFusedOps
 from fv_kernel.testing.triton_checks import compile_for_sm90, run_kernel_checks
 from fv_wan.models import vae_blocks
 from fv_wan.models.vae import WanVAE, WanVAEConfig
-from tiny_vae_configs import CFG21, CFG22
+from tiny_vae_configs import CFG21, CFG22, seeded_vae
 
 BENCH = Path(__file__).resolve().parents[3] / "bench"
 
@@ -46,15 +46,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _vae(cfg: WanVAEConfig, dtype: torch.dtype = torch.float32, device: str = "cpu") -> WanVAE:
-    torch.manual_seed(0)
-    vae = WanVAE(cfg).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # non-trivial gammas and biases (defaults are ones / zeros)
-        for name, p in vae.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.2 * noise if name.endswith("gamma") else 0.1 * noise if name.endswith("bias") else p)
-    return vae.to(device, dtype)
+_vae = seeded_vae
 
 
 def _latent(cfg: WanVAEConfig, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -23,20 +23,13 @@ from pydantic import ValidationError
 from fv_kernel.compute.fused import TorchFusedOps
 from fv_wan.models import vae_blocks
 from fv_wan.models.vae import HaloTiling, TilingConfig, WanVAE, WanVAEConfig
-from tiny_vae_configs import CFG21, CFG22
+from tiny_vae_configs import CFG21, CFG22, seeded_vae
 
 BENCH = Path(__file__).resolve().parents[3] / "bench"
 
 
 def _vae(cfg: WanVAEConfig) -> WanVAE:
-    torch.manual_seed(0)
-    vae = WanVAE(cfg).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # non-trivial gammas and biases (defaults are ones / zeros)
-        for name, p in vae.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.2 * noise if name.endswith("gamma") else 0.1 * noise if name.endswith("bias") else p)
-    return vae
+    return seeded_vae(cfg)
 
 
 def _latent(cfg: WanVAEConfig, batch: int = 1, frames: int = 3, height: int = 20, width: int = 24) -> torch.Tensor:

@@ -696,9 +696,7 @@ class WanVAE(nn.Module):
     def _decode_halo(self, z: Tensor, out: Tensor, halo: HaloTiling) -> None:
         lower = self.decode_lower(z)
         for tile in self.halo_tiles(z.shape[-2], z.shape[-1], halo):
-            strip = self.decode_halo_tile(lower, tile)
-            out[..., tile.output_top : tile.output_top + strip.shape[-2],
-                tile.output_left : tile.output_left + strip.shape[-1]].copy_(strip)  # fmt: skip
+            self.decode_halo_tile(lower, tile, out=out)  # straight into the video: no tile-sized copy is alive
 
     def decode_lower(self, z: Tensor) -> Tensor:
         """The decoder's whole-frame part (post-quant conv, input conv, mid block) for every latent frame:
@@ -728,22 +726,23 @@ class WanVAE(nn.Module):
             ))  # fmt: skip
         return tiles
 
-    def decode_halo_tile(self, lower: Tensor, tile: HaloTile) -> Tensor:
+    def decode_halo_tile(self, lower: Tensor, tile: HaloTile, *, out: Tensor | None = None) -> Tensor:
         """One halo tile through all frames from :meth:`decode_lower`'s output: the video of the tile's own
-        pixels (B, C, F, H_tile, W_tile), not clamped, decoded with a fresh causal history for the tile."""
+        pixels (B, C, F, H_tile, W_tile), not clamped, decoded with a fresh causal history for the tile.
+        With ``out`` (the whole video) the tile is written into its place there, and ``out`` is returned."""
         top, bottom, left, right = tile.region
+        p = self._patch
+        offset = (tile.output_top // p, tile.output_left // p) if out is not None else (0, 0)
         cache: SlotList = [None] * self.num_decoder_slots
-        out: Tensor | None = None
         frame0 = 0
         for k in range(lower.shape[2]):
             region = lower[:, :, k : k + 1, top:bottom, left:right].contiguous(memory_format=torch.channels_last_3d)
             y = self.decoder.upper(region, cache, k == 0, tile.crops)
             del region
             if out is None:
-                p = self._patch
                 out = y.new_empty((y.shape[0], self.config.video_channels, self.num_frames_for(lower.shape[2]),
                                    y.shape[3] * p, y.shape[4] * p))  # fmt: skip
-            self._write_video(out, y, frame0)
+            self._write_video(out, y, frame0, *offset)
             frame0 += y.shape[2]
         assert out is not None
         return out
