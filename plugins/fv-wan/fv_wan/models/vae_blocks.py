@@ -632,17 +632,16 @@ class EdgeCrop:
     right: int = 0
 
 
-def _crop_edges(x: Tensor, crops: Sequence[EdgeCrop] | None, index: int, *, copy: bool = True) -> Tensor:
-    """``x`` without ``crops[index]``'s edges; with ``copy`` as a fresh channels-last tensor (the next
-    layers' views and convs need one), so the uncropped activation is freed."""
+def _crop_edges(x: Tensor, crops: Sequence[EdgeCrop] | None, index: int) -> Tensor:
+    """``x`` without ``crops[index]``'s edges, as a view: the layers after a crop read their input through its
+    strides (the norms, the nearest upsampling) or write it into fresh buffers, so no cropped copy is made."""
     if crops is None:
         return x
     crop = crops[index]
     if crop == EdgeCrop():
         return x
     h, w = x.shape[-2:]
-    view = x[..., crop.top : h - crop.bottom, crop.left : w - crop.right]
-    return view.contiguous(memory_format=torch.channels_last_3d) if copy else view
+    return x[..., crop.top : h - crop.bottom, crop.left : w - crop.right]
 
 
 def _spatial_radius(conv: nn.Module) -> int:
@@ -746,7 +745,7 @@ class Decoder3d(nn.Module):
     def _output(self, x: Tensor, cache: SlotList, crops: Sequence[EdgeCrop] | None) -> Tensor:
         buffer = self._output_buffer(_crop_edges(x, crops, len(self.up_blocks)), cache)
         del x  # only conv_out's padded input lives through conv_out
-        return _crop_edges(self.conv_out.run_buffer(buffer, cache), crops, len(self.up_blocks) + 1, copy=False)
+        return _crop_edges(self.conv_out.run_buffer(buffer, cache), crops, len(self.up_blocks) + 1)
 
     def _framewise_chunked(
         self, x: Tensor, cache: SlotList, first_chunk: bool, crops: Sequence[EdgeCrop] | None = None
