@@ -9,7 +9,9 @@ included), the fused path's max abs difference to eager and fv's to diffusers, a
 ratios fv/diffusers the issue's targets are stated in (time <= 0.6x, peak <= 0.5x). What
 fv's peak is made of: the resident part (weights, output video, the causal cache at its
 largest, each counted from the tensors) and the rest, transient activations and conv
-workspace, by difference.
+workspace, by difference. Each row's peak holds only its own weights, input and output: the
+videos kept for the comparisons wait on the host (before 2026-12-06 they stayed on the device
+and counted in the later rows' peaks), and fv's weights leave the device before diffusers runs.
 
 ``--cpu`` runs the same rows on the CPU with the real Wan 2.1 decoder in fp32 at a small latent
 (default 3x16x16: 9 frames at 128x128): fv's 3D convs go through oneDNN there, diffusers' through
@@ -157,10 +159,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     with torch.no_grad():
         vae.set_fused_ops(None)
-        eager_video = vae.decode(z)
+        # Every video kept for a comparison goes to the host: one left on the device would count in the
+        # peaks of the rows timed after it.
+        eager_video = vae.decode(z).cpu()
         out["fv_eager"] = _time(device, lambda: vae.decode(z), iters)
         vae.set_fused_ops(fused)
-        fused_video = vae.decode(z)
+        fused_video = vae.decode(z).cpu()
         out["fv_fused"] = _time(device, lambda: vae.decode(z), iters)
         out["fused_max_abs_diff_vs_eager"] = float((fused_video.float() - eager_video.float()).abs().max())
         if args.profile and device.type == "cuda":
@@ -169,7 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # cuDNN's autotuner picks each conv's algorithm by timing them (first call per shape), instead of its
             # heuristics; other algorithms may sum in another order.
             with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False):
-                tuned_video = vae.decode(z)
+                tuned_video = vae.decode(z).cpu()
                 out["fv_fused_cudnn_benchmark"] = _time(device, lambda: vae.decode(z), iters)
             out["cudnn_benchmark_max_abs_diff_vs_fused"] = float((tuned_video.float() - fused_video.float()).abs().max())
             del tuned_video
@@ -182,7 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vae.set_decode_frame_chunk(args.frame_chunk)
         out[f"fv_fused_{chunk}"] = _time(device, lambda: vae.decode(z), iters)
         vae.set_fused_ops(None)
-        chunked_video = vae.decode(z)
+        chunked_video = vae.decode(z).cpu()
         out[f"fv_eager_{chunk}"] = _time(device, lambda: vae.decode(z), iters)
         out[f"eager_{chunk}_max_abs_diff_vs_eager"] = float((chunked_video.float() - eager_video.float()).abs().max())
         if device.type == "cpu":
@@ -195,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vae.set_fused_ops(fused)
         for frames, label in ((None, f"fv_fused_{tiles}"), (args.frame_chunk, f"fv_fused_{tiles}_{chunk}")):
             vae.set_decode_frame_chunk(frames)
-            halo_video = vae.decode(z, halo=halo)
+            halo_video = vae.decode(z, halo=halo).cpu()
             out[label] = _time(device, lambda: vae.decode(z, halo=halo), iters)
             out[f"{label}_max_abs_diff_vs_fused"] = float((halo_video.float() - fused_video.float()).abs().max())
             if device.type == "cpu":
@@ -225,6 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001
             out["diffusers"] = f"skipped: {type(exc).__name__}: {exc}"
             return out
+        vae.cpu()  # fv's weights leave the device: diffusers' peak counts its own weights only
         with torch.device(device):
             ref = AutoencoderKLWan(**config.to_diffusers_config())
         ref.encoder = None
@@ -233,7 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if unexpected or any(not k.startswith(("encoder.", "quant_conv.")) for k in missing):
             raise RuntimeError(f"diffusers decoder keys differ: missing {missing}, unexpected {unexpected}")
         ref = ref.to(dtype).eval()
-        ref_video = ref.decode(z, return_dict=False)[0]
+        ref_video = ref.decode(z, return_dict=False)[0].cpu()
         out["diffusers"] = _time(device, lambda: ref.decode(z, return_dict=False), iters)
         out["fv_max_abs_diff_vs_diffusers"] = float((eager_video.float() - ref_video.float()).abs().max())
         if device.type == "cpu":
