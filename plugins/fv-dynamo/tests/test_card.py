@@ -45,3 +45,12 @@ def test_a_worker_serves_exactly_one_card() -> None:
     engine = build_engine(DeployConfig.model_validate({"cards": ["wan-tiny", "fastwan-tiny"]}))
     with pytest.raises(WorkerConfigError, match="exactly one card"):
         FvWorker(engine, WorkerOptions())
+
+
+@pytest.mark.parametrize("model_id", ["wan-toy", "wan-toy-causal"])
+def test_a_card_with_a_prompt_vocabulary_gets_its_prices(model_id: str) -> None:
+    """The price requests' prompt is outside a toy card's vocabulary; the prices do not depend on it
+    (``fv worker`` with wan-toy-causal exited at start before this)."""
+    engine = build_engine(DeployConfig.model_validate({"cards": [model_id]}))
+    card = build_deployment_card(engine, fleet_endpoint="fv.fv.fleet")
+    assert card.model_cards == [model_id] and card.cost_model[0].prices
