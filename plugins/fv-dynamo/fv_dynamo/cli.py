@@ -1,4 +1,5 @@
-"""``fv worker``: the command fv-dynamo's manifest declares (the kernel's CLI runs it, importing this only then)."""
+"""``fv worker`` and ``fv realtime-gateway``: the commands fv-dynamo's manifest declares (the kernel's CLI runs
+them, importing this only then)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import typer
 
 from fv_dynamo.worker import options_from_values, serve
 
-__all__ = ["worker"]
+__all__ = ["realtime_gateway", "worker"]
 
 
 def worker(
@@ -30,5 +31,22 @@ def worker(
                                   slo_p95_video_s=slo_p95_video_s, slo_p95_image_s=slo_p95_image_s,
                                   slo_max_queued_gpu_s=slo_max_queued_gpu_s)
     code = serve(str(config), options)
+    if code:
+        raise typer.Exit(code)
+
+
+def realtime_gateway(
+    namespace: Annotated[str, typer.Option(help="Dynamo namespace of the workers.", envvar="DYN_NAMESPACE")] = "fv",
+    component: Annotated[str, typer.Option(help="Dynamo component name of the workers.")] = "fv",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8100,
+    api_key: Annotated[Optional[str], typer.Option(help="Require this key on the WebSocket (Bearer or ?api_key=).",
+                                                   envvar="FV_API_KEY")] = None,
+) -> None:
+    """Serve WS /v1/realtime/video in front of the fleet's workers, each session kept on the worker that holds it."""
+    from fv_dynamo.gateway import serve_gateway
+
+    logging.basicConfig(level=os.environ.get("FV_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    code = serve_gateway(namespace, component, host, port, api_key)
     if code:
         raise typer.Exit(code)

@@ -1,4 +1,5 @@
-"""A Dynamo frontend and N fv workers on this machine, on 127.0.0.1 only, with file discovery.
+"""A Dynamo frontend, N fv workers and optionally fv's realtime gateway on this machine, on 127.0.0.1 only, with
+file discovery.
 
 For tests, benchmarks and trying the fleet on one box. Every process is started here and
 stopped by its own PID (SIGTERM, then SIGKILL after a grace period); the discovery store is
@@ -106,6 +107,26 @@ class LocalFleet:
             time.sleep(0.2)
         raise TimeoutError(f"fleet not ready in {timeout_s} s:\n" + "\n".join(
             f"--- {n}\n{self.log(n)[-2000:]}" for n in self.processes))
+
+    def start_gateway(self, name: str = "gateway", *, timeout_s: float = 60.0, args: Sequence[str] = ()) -> int:
+        """Start ``fv realtime-gateway`` over this fleet's workers on a free port; its port, once ``/health``
+        answers 200 (a worker serves sessions)."""
+        port = free_port()
+        fv = Path(sys.executable).with_name("fv")
+        self._spawn(name, [str(fv), "realtime-gateway", "--namespace", self.namespace, "--port", str(port), *args])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self.processes[name]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return port
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{name} not ready in {timeout_s} s:\n{self.log(name)[-2000:]}")
 
     def models(self) -> list[str]:
         try:

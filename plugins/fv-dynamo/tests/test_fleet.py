@@ -193,3 +193,42 @@ def test_sigterm_deregisters_cleanly(fleet: LocalFleet) -> None:
         statuses = [client.post("/v1/videos", json=_video(steps=2)).status_code for _ in range(4)]
     assert statuses == [200] * 4
     assert len(_accepted(fleet, "worker1")) == 4
+
+
+def test_a_realtime_session_through_the_gateway_and_dynamo(tmp_path: Path) -> None:
+    """``fv realtime-gateway`` in front of a real ``fv worker`` serving wan-toy-causal, over Dynamo's request
+    plane: a vLLM-Omni-style client gets fMP4 chunks, a prompt update is acknowledged, and stop ends it."""
+    websockets_sync = pytest.importorskip("websockets.sync.client")
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("cards: [wan-toy-causal]\n")
+    fleet = LocalFleet(tmp_path / "fleet", deploy, workers=1, frontend=False, extra_env={"OMP_NUM_THREADS": "1"})
+    try:
+        fleet.start()
+        port = fleet.start_gateway()
+        with websockets_sync.connect(f"ws://127.0.0.1:{port}/v1/realtime/video") as ws:
+            def until(kind: str) -> dict:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    message = ws.recv(timeout=60)
+                    if isinstance(message, str):
+                        data = json.loads(message)
+                        assert data["type"] != "error", data
+                        if data["type"] == kind:
+                            return data
+                raise AssertionError(f"no {kind}")
+
+            ws.send(json.dumps({"type": "session.start", "prompt": PROMPT, "seed": 1}))  # the card's 64x64 at 8 fps
+            sid = until("video.start")["request_id"]
+            meta = until("video.chunk_metadata")
+            payload = ws.recv(timeout=60)
+            assert isinstance(payload, bytes) and len(payload) == meta["byte_length"] and payload[4:8] == b"ftyp"
+            ws.send(json.dumps({"type": "session.interaction", "interaction": {"event_id": "e1",
+                                                                               "event": {"prompt": "moves right"}}}))
+            queued = until("session.interaction.queued")
+            assert queued["event_id"] == "e1" and queued["request_id"] == sid
+            ws.send(json.dumps({"type": "session.stop"}))
+            done = until("session.done")
+            assert done["request_id"] == sid and done["stopped"] is True
+    finally:
+        codes = fleet.stop()
+        assert all(p.poll() is not None for p in fleet.processes.values()), codes

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fake_dynamo import FakeEndpointClient, Item
 from fv_dynamo.sessions import SessionRouter
 from fv_dynamo.worker import FvWorker, WorkerOptions
 
@@ -15,43 +16,6 @@ from fv_kernel.api import Engine, SchedulerConfig, build_instance
 from fv_kernel.testing.chunk_kit import chunk_toy_card
 
 FPS = 100  # chunks are paced to playback: a high rate keeps the test fast
-
-
-class _Item:
-    def __init__(self, data: dict[str, Any]) -> None:
-        self._data = data
-
-    def data(self) -> dict[str, Any]:
-        return self._data
-
-
-class FakeEndpointClient:
-    """Dynamo's Client over in-process workers: direct routing, and workers that can die."""
-
-    def __init__(self, workers: dict[int, FvWorker]) -> None:
-        self.workers = workers
-        self.dead: set[int] = set()
-        self.calls: list[tuple[int, str | None, str | None]] = []
-
-    def instance_ids(self) -> list[int]:
-        return [i for i in self.workers if i not in self.dead]
-
-    async def direct(self, payload: dict[str, Any], instance_id: int) -> AsyncIterator[_Item]:
-        if instance_id in self.dead:
-            raise ConnectionError(f"instance {instance_id}: connection refused")
-        self.calls.append((instance_id, payload.get("type"), payload.get("session_id")))
-        worker = self.workers[instance_id]
-
-        async def stream() -> AsyncIterator[_Item]:
-            async for data in worker.realtime(payload):
-                if instance_id in self.dead:
-                    raise ConnectionError(f"instance {instance_id}: connection reset")
-                yield _Item(data)
-
-        return stream()
-
-    def kill(self, instance_id: int) -> None:
-        self.dead.add(instance_id)
 
 
 async def _collect(stream: AsyncIterator[dict[str, Any]], into: list[dict[str, Any]]) -> None:
@@ -132,7 +96,7 @@ def test_messages_follow_the_session_and_a_dead_worker_ends_its_sessions() -> No
     asyncio.run(scenario())
 
 
-async def _data(stream: AsyncIterator[_Item]) -> AsyncIterator[dict[str, Any]]:
+async def _data(stream: AsyncIterator[Item]) -> AsyncIterator[dict[str, Any]]:
     async for item in stream:
         yield item.data()
 
