@@ -288,11 +288,14 @@ _SERVING_EXPORTS = {
     "parse_size": "fv_kernel.serving.schemas",
     # Realtime sessions' protocol, for workers that carry it over another transport (fv-dynamo).
     "ProtocolError": "fv_kernel.serving.realtime",
+    "RealtimeConnection": "fv_kernel.serving.realtime",
     "RealtimeLimits": "fv_kernel.serving.realtime",
     "RealtimeSession": "fv_kernel.serving.realtime",
     "chunk_as_json": "fv_kernel.serving.realtime",
     "open_realtime_session": "fv_kernel.serving.realtime",
+    "parse_client_message": "fv_kernel.serving.realtime",
     "parse_interaction": "fv_kernel.serving.realtime",
+    "realtime_authorized": "fv_kernel.serving.realtime",
 }
 __all__ += list(_SERVING_EXPORTS)
 

@@ -40,8 +40,8 @@ from fv_kernel.serving.fmp4 import FragmentedMP4Writer
 from fv_kernel.serving.media import preview_png
 
 __all__ = [
-    "ProtocolError", "RealtimeLimits", "RealtimeSession", "SessionStart", "chunk_as_json", "mount_realtime",
-    "open_realtime_session", "parse_interaction",
+    "ProtocolError", "RealtimeConnection", "RealtimeLimits", "RealtimeSession", "SessionStart", "chunk_as_json",
+    "mount_realtime", "open_realtime_session", "parse_client_message", "parse_interaction", "realtime_authorized",
 ]
 
 log = logging.getLogger("fv.serving.realtime")
@@ -424,7 +424,9 @@ class RealtimeSession:
                 "image": base64.b64encode(png).decode() if png is not None else None}
 
 
-def _parse_message(text: str, limits: RealtimeLimits) -> dict[str, Any]:
+def parse_client_message(text: str, limits: RealtimeLimits) -> dict[str, Any]:
+    """A client's text message as a dict with a known ``type``, or a :class:`ProtocolError` saying what is wrong
+    (too large, not JSON, not an object, an unknown type)."""
     if len(text.encode()) > limits.max_message_bytes:
         raise ProtocolError("message_too_large", f"a message is at most {limits.max_message_bytes} bytes", "message")
     try:
@@ -440,7 +442,8 @@ def _parse_message(text: str, limits: RealtimeLimits) -> dict[str, Any]:
     return data
 
 
-def _authorized(api_key: str | None, headers: Any, query: Any) -> bool:
+def realtime_authorized(api_key: str | None, headers: Any, query: Any) -> bool:
+    """Whether a WebSocket handshake carries ``api_key`` (``Authorization: Bearer`` or ``?api_key=``); True without one."""
     if api_key is None:
         return True
     scheme, _, token = (headers.get("authorization") or "").partition(" ")
@@ -449,16 +452,30 @@ def _authorized(api_key: str | None, headers: Any, query: Any) -> bool:
 
 
 # -- the WebSocket endpoint ----------------------------------------------------------------------
-class _Connection:
-    def __init__(self, ws: WebSocket, open_session: OpenSession, default_model: Callable[[], str | None],
-                 limits: RealtimeLimits) -> None:
+class RealtimeConnection:
+    """One WebSocket connection of the realtime protocol: reads the client's messages, answers each mistake
+    with a typed ``error`` event (the connection lives on), and sends a chunk's metadata and its binary frame
+    adjacent. Subclasses act on valid messages (:meth:`handle`), name their session (:attr:`request_id`) and
+    clean up when the client goes (:meth:`closed`): ``fv serve``'s connection over the engine, or a
+    gateway's over workers elsewhere."""
+
+    def __init__(self, ws: WebSocket, limits: RealtimeLimits) -> None:
         self.ws = ws
-        self.open_session = open_session
-        self.default_model = default_model
         self.limits = limits
-        self.session: RealtimeSession | None = None
-        self.pump: asyncio.Task[None] | None = None
         self.send_lock = asyncio.Lock()
+
+    @property
+    def request_id(self) -> str | None:
+        """The connection's session id, once known (error events carry it)."""
+        return None
+
+    async def handle(self, data: dict[str, Any]) -> None:
+        """Act on one valid client message (its ``type`` is one of ``CLIENT_TYPES``); raise :class:`ProtocolError`
+        for a client mistake."""
+        raise NotImplementedError
+
+    def closed(self) -> None:
+        """The client has gone (or the loop ended): release what the connection holds."""
 
     async def send(self, message: dict[str, Any], binary: bytes | None = None) -> None:
         async with self.send_lock:  # a chunk's metadata and its binary frame stay adjacent
@@ -475,16 +492,33 @@ class _Connection:
                 try:
                     if message.get("text") is None:
                         raise ProtocolError("invalid_request", "binary frames are not accepted; send JSON text", "message")
-                    await self.handle(_parse_message(message["text"], self.limits))
+                    await self.handle(parse_client_message(message["text"], self.limits))
                 except ProtocolError as exc:
-                    await self.send(exc.event(self.session.request_id if self.session else None))
+                    await self.send(exc.event(self.request_id))
         except WebSocketDisconnect:
             return
         finally:
-            if self.session is not None:
-                self.session.disconnect()
-            if self.pump is not None:
-                self.pump.cancel()
+            self.closed()
+
+
+class _Connection(RealtimeConnection):
+    def __init__(self, ws: WebSocket, open_session: OpenSession, default_model: Callable[[], str | None],
+                 limits: RealtimeLimits) -> None:
+        super().__init__(ws, limits)
+        self.open_session = open_session
+        self.default_model = default_model
+        self.session: RealtimeSession | None = None
+        self.pump: asyncio.Task[None] | None = None
+
+    @property
+    def request_id(self) -> str | None:
+        return self.session.request_id if self.session is not None else None
+
+    def closed(self) -> None:
+        if self.session is not None:
+            self.session.disconnect()
+        if self.pump is not None:
+            self.pump.cancel()
 
     async def handle(self, data: dict[str, Any]) -> None:
         kind = data["type"]
@@ -581,7 +615,7 @@ def mount_realtime(
 
     @router.websocket(WS_PATH)
     async def realtime_video(ws: WebSocket) -> None:
-        if not _authorized(api_key, ws.headers, ws.query_params):
+        if not realtime_authorized(api_key, ws.headers, ws.query_params):
             await ws.close(code=1008, reason="missing or invalid API key")
             return
         await ws.accept()

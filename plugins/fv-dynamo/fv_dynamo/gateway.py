@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hmac
-import json
 import logging
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -35,68 +33,27 @@ log = logging.getLogger("fv.dynamo.gateway")
 
 #: The realtime protocol's path, as ``fv serve`` serves it.
 WS_PATH = "/v1/realtime/video"
-CLIENT_TYPES = ("session.start", "session.interaction", "session.stop", "session.ping")
-
 #: Opens the gateway's router inside the server's event loop, and closes it at shutdown.
 RouterFactory = Callable[[], AbstractAsyncContextManager[SessionRouter]]
 
 
-def _parse(text: str, limits: api.RealtimeLimits) -> dict[str, Any]:
-    if len(text.encode()) > limits.max_message_bytes:
-        raise api.ProtocolError("message_too_large", f"a message is at most {limits.max_message_bytes} bytes", "message")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise api.ProtocolError("invalid_json", f"message: not JSON ({exc.msg})", "message") from None
-    if not isinstance(data, dict):
-        raise api.ProtocolError("invalid_json", "message: a JSON object is required", "message")
-    if data.get("type") not in CLIENT_TYPES:
-        raise api.ProtocolError("unknown_message_type", f"type: unknown message type {data.get('type')!r}; allowed: "
-                                + ", ".join(CLIENT_TYPES), "type")
-    return data
-
-
-def _authorized(api_key: str | None, headers: Any, query: Any) -> bool:
-    if api_key is None:
-        return True
-    scheme, _, token = (headers.get("authorization") or "").partition(" ")
-    supplied = token.strip() if scheme.lower() == "bearer" else (query.get("api_key") or "")
-    return hmac.compare_digest(supplied.encode(), api_key.encode())
-
-
-class _Connection:
+class _Connection(api.RealtimeConnection):
     """One client connection: at most one session, its stream pumped from the router to the client."""
 
     def __init__(self, ws: WebSocket, router: SessionRouter, limits: api.RealtimeLimits) -> None:
-        self.ws, self.router, self.limits = ws, router, limits
+        super().__init__(ws, limits)
+        self.router = router
         self.session_id: str | None = None
         self.pump: asyncio.Task[None] | None = None
-        self.send_lock = asyncio.Lock()
 
-    async def send(self, message: dict[str, Any], binary: bytes | None = None) -> None:
-        async with self.send_lock:  # a chunk's metadata and its binary frame stay adjacent
-            await self.ws.send_text(json.dumps(message, separators=(",", ":")))
-            if binary is not None:
-                await self.ws.send_bytes(binary)
+    @property
+    def request_id(self) -> str | None:
+        return self.session_id
 
-    async def run(self) -> None:
-        try:
-            while True:
-                message = await self.ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                try:
-                    if message.get("text") is None:
-                        raise api.ProtocolError("invalid_request", "binary frames are not accepted; send JSON text", "message")
-                    await self.handle(_parse(message["text"], self.limits))
-                except api.ProtocolError as exc:
-                    await self.send(exc.event(self.session_id))
-        except WebSocketDisconnect:
-            return
-        finally:
-            if self.pump is not None:
-                # Dropping the worker's stream ends the session there (Dynamo stops the call's context).
-                self.pump.cancel()
+    def closed(self) -> None:
+        if self.pump is not None:
+            # Dropping the worker's stream ends the session there (Dynamo stops the call's context).
+            self.pump.cancel()
 
     async def handle(self, data: dict[str, Any]) -> None:
         kind = data["type"]
@@ -170,7 +127,7 @@ def create_gateway(
 
     @app.websocket(WS_PATH)
     async def realtime_video(ws: WebSocket) -> None:
-        if not _authorized(api_key, ws.headers, ws.query_params):
+        if not api.realtime_authorized(api_key, ws.headers, ws.query_params):
             await ws.close(code=1008, reason="missing or invalid API key")
             return
         await ws.accept()
