@@ -31,7 +31,7 @@ from fv_kernel.serving import (
     create_app,
     fmp4,
 )
-from fv_kernel.testing.serving import read_sse
+from fv_kernel.testing.serving import RealtimeClient, read_sse
 from fv_kernel.testing.chunk_kit import chunk_toy_card
 
 MODEL = "toy-chunk"
@@ -72,36 +72,7 @@ def decode(data: bytes) -> list[tuple[int, Any]]:
         return [(frame.pts, frame.to_ndarray(format="rgb24")) for frame in container.decode(video=0)]
 
 
-class Client:
-    """A vLLM-Omni-style client: JSON text messages, a binary frame after each chunk_metadata."""
-
-    def __init__(self, url: str, **kwargs: Any) -> None:
-        self._connect = websockets_sync.connect(url, **kwargs)
-        self.ws = self._connect.__enter__()
-
-    def send(self, message: dict[str, Any]) -> None:
-        self.ws.send(json.dumps(message))
-
-    def recv(self, timeout: float = 20.0) -> Any:
-        message = self.ws.recv(timeout=timeout)
-        return json.loads(message) if isinstance(message, str) else message
-
-    def until(self, kind: str, seen: list[Any] | None = None) -> dict[str, Any]:
-        while True:
-            message = self.recv()
-            if seen is not None:
-                seen.append(message)
-            if isinstance(message, dict) and message["type"] == kind:
-                return message
-
-    def chunk(self, seen: list[Any] | None = None) -> tuple[dict[str, Any], bytes]:
-        meta = self.until("video.chunk_metadata", seen)
-        binary = self.recv()
-        assert isinstance(binary, bytes), "the frame after video.chunk_metadata must be binary"
-        return meta, binary
-
-    def close(self) -> None:
-        self._connect.__exit__(None, None, None)
+Client = RealtimeClient
 
 
 def start(client: Client, **fields: Any) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Following a video job of ``fv serve`` from a test, over its HTTP API (needs the serve extra);
-``free_port`` for the server a test starts (the one fv's own launcher uses)."""
+``free_port`` for the server a test starts (the one fv's own launcher uses); ``RealtimeClient``, a
+realtime WebSocket client as vLLM-Omni's clients speak the protocol."""
 
 from __future__ import annotations
 
@@ -13,7 +14,46 @@ if TYPE_CHECKING:  # pragma: no cover
 
 from fv_kernel.parallel.launch import free_port
 
-__all__ = ["wait_for_job", "job_progress", "read_sse", "free_port", "recording_loop_use"]
+__all__ = ["RealtimeClient", "wait_for_job", "job_progress", "read_sse", "free_port", "recording_loop_use"]
+
+
+class RealtimeClient:
+    """A vLLM-Omni-style realtime client for tests (``websockets``' sync client): JSON text messages out; in, JSON
+    messages and one binary fMP4 frame after each ``video.chunk_metadata``."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        from websockets.sync.client import connect
+
+        self._connect = connect(url, **kwargs)
+        self.ws = self._connect.__enter__()
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.ws.send(json.dumps(message))
+
+    def recv(self, timeout: float = 20.0) -> Any:
+        message = self.ws.recv(timeout=timeout)
+        return json.loads(message) if isinstance(message, str) else message
+
+    def until(self, kind: str, seen: list[Any] | None = None, timeout: float = 60.0, **match: Any) -> dict[str, Any]:
+        """The next message of type ``kind`` whose fields equal ``match`` (earlier ones appended to ``seen``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            message = self.recv()
+            if seen is not None:
+                seen.append(message)
+            if isinstance(message, dict) and message["type"] == kind and all(message.get(k) == v for k, v in match.items()):
+                return message
+        raise AssertionError(f"no {kind} {match} within {timeout} s")
+
+    def chunk(self, seen: list[Any] | None = None, **match: Any) -> tuple[dict[str, Any], bytes]:
+        """The next ``video.chunk_metadata`` matching ``match``, and the binary frame after it."""
+        meta = self.until("video.chunk_metadata", seen, **match)
+        binary = self.recv()
+        assert isinstance(binary, bytes), "the frame after video.chunk_metadata must be binary"
+        return meta, binary
+
+    def close(self) -> None:
+        self._connect.__exit__(None, None, None)
 
 
 def wait_for_job(client: "httpx.Client", job_id: str, statuses: set[str], timeout_s: float = 600.0) -> dict[str, Any]:

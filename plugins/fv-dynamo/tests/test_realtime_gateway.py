@@ -28,6 +28,7 @@ from fv_dynamo.worker import FvWorker, WorkerOptions  # noqa: E402
 from fv_kernel.api import Engine, SchedulerConfig, build_instance  # noqa: E402
 from fv_kernel.serving import ServerThread  # noqa: E402
 from fv_kernel.testing.chunk_kit import chunk_toy_card  # noqa: E402
+from fv_kernel.testing.serving import RealtimeClient  # noqa: E402
 
 FPS = 100  # chunks are paced to playback: a high rate keeps the tests fast
 API_KEY = "gw-key"
@@ -63,34 +64,7 @@ def gateway() -> Iterator[Gateway]:
     g.stop()
 
 
-class Client:
-    def __init__(self, url: str, **kwargs: Any) -> None:
-        self._connect = websockets_sync.connect(url, **kwargs)
-        self.ws = self._connect.__enter__()
-
-    def send(self, message: dict[str, Any]) -> None:
-        self.ws.send(json.dumps(message))
-
-    def recv(self, timeout: float = 20.0) -> Any:
-        message = self.ws.recv(timeout=timeout)
-        return json.loads(message) if isinstance(message, str) else message
-
-    def until(self, kind: str, timeout: float = 30.0, **match: Any) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            message = self.recv()
-            if isinstance(message, dict) and message["type"] == kind and all(message.get(k) == v for k, v in match.items()):
-                return message
-        raise AssertionError(f"no {kind} {match} within {timeout} s")
-
-    def chunk(self, **match: Any) -> tuple[dict[str, Any], bytes]:
-        meta = self.until("video.chunk_metadata", **match)
-        binary = self.recv()
-        assert isinstance(binary, bytes), "the frame after video.chunk_metadata must be binary"
-        return meta, binary
-
-    def close(self) -> None:
-        self._connect.__exit__(None, None, None)
+Client = RealtimeClient
 
 
 def _start(client: Client, prompt: str = "a red kite") -> dict[str, Any]:
@@ -215,14 +189,11 @@ def test_the_api_key_guards_the_websocket() -> None:
             Client(g.url)
         with pytest.raises(websockets_exceptions.InvalidStatus):
             Client(g.url, additional_headers={"Authorization": "Bearer wrong"})
-        client = Client(g.url, additional_headers={"Authorization": f"Bearer {API_KEY}"})
-        client.send({"type": "session.ping"})
-        assert client.until("session.pong")
-        client.close()
-        client = Client(f"{g.url}?api_key={API_KEY}")
-        client.send({"type": "session.ping"})
-        assert client.until("session.pong")
-        client.close()
+        for url, headers in ((g.url, {"Authorization": f"Bearer {API_KEY}"}), (f"{g.url}?api_key={API_KEY}", {})):
+            client = Client(url, additional_headers=headers)
+            client.send({"type": "session.ping"})
+            assert client.until("session.pong")
+            client.close()
     finally:
         g.stop()
 
