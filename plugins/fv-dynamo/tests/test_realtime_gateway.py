@@ -72,6 +72,16 @@ def _start(client: Client, prompt: str = "a red kite") -> dict[str, Any]:
     return client.until("video.start")
 
 
+def _streaming(gateway: Gateway) -> tuple[Client, str, int]:
+    """A client whose session has sent its first chunk; the session id and the worker it was placed on."""
+    client = Client(gateway.url)
+    sid = _start(client)["request_id"]
+    client.chunk()
+    assert gateway.client is not None
+    placed = next(i for i, kind, _ in gateway.client.calls if kind == "session.start")
+    return client, sid, placed
+
+
 def _box_types(data: bytes) -> list[bytes]:
     kinds, offset = [], 0
     while offset < len(data):
@@ -111,11 +121,8 @@ def test_a_session_streams_through_the_gateway_and_is_steered_on_its_worker(gate
 
 
 def test_a_dead_worker_ends_its_session_with_a_clear_event_and_others_go_on(gateway: Gateway) -> None:
-    client = Client(gateway.url)
-    sid = _start(client)["request_id"]
-    client.chunk()
+    client, sid, placed = _streaming(gateway)
     assert gateway.client is not None
-    placed = next(i for i, kind, _ in gateway.client.calls if kind == "session.start")
     gateway.client.kill(placed)
     lost = client.until("error")
     assert lost["error"]["type"] == "worker_lost" and lost["request_id"] == sid
@@ -132,11 +139,10 @@ def test_a_dead_worker_ends_its_session_with_a_clear_event_and_others_go_on(gate
 
 
 def test_a_client_that_leaves_ends_its_session_on_the_worker(gateway: Gateway) -> None:
-    client = Client(gateway.url)
-    sid = _start(client)["request_id"]
-    client.chunk()
+    client, sid, placed = _streaming(gateway)
     assert gateway.client is not None
-    worker = next(w for w in gateway.client.workers.values() if sid in w.sessions)
+    worker = gateway.client.workers[placed]
+    assert sid in worker.sessions
     client.close()
     deadline = time.monotonic() + 20
     while sid in worker.sessions and time.monotonic() < deadline:  # the worker drops it when its stream ends
