@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +26,8 @@ class FakeEndpointClient:
         self.workers = workers
         self.dead: set[int] = set()
         self.calls: list[tuple[int, str | None, str | None]] = []
+        #: Seconds a session.start's stream waits before the worker sees it (a slow network to the worker).
+        self.start_delay_s = 0.0
 
     def instance_ids(self) -> list[int]:
         return [i for i in self.workers if i not in self.dead]
@@ -36,6 +39,8 @@ class FakeEndpointClient:
         worker = self.workers[instance_id]
 
         async def stream() -> AsyncIterator[Item]:
+            if payload.get("type") == "session.start" and self.start_delay_s:
+                await asyncio.sleep(self.start_delay_s)
             async for data in worker.realtime(payload):
                 if instance_id in self.dead:
                     raise ConnectionError(f"instance {instance_id}: connection reset")

@@ -177,6 +177,20 @@ def test_bad_messages_get_typed_errors_and_the_connection_lives(gateway: Gateway
     client.close()
 
 
+def test_a_message_before_video_start_is_told_to_wait(gateway: Gateway) -> None:
+    assert gateway.client is not None
+    gateway.client.start_delay_s = 1.0  # the worker answers session.start only after this
+    client = Client(gateway.url)
+    client.send({"type": "session.start", "prompt": "a kite", "width": 16, "height": 16, "fps": FPS})
+    client.send({"type": "session.ping"})
+    error = client.until("error")
+    assert error["error"]["type"] == "session_starting" and error["request_id"] is None
+    sid = client.until("video.start")["request_id"]
+    client.send({"type": "session.ping"})
+    assert client.until("session.pong")["request_id"] == sid
+    client.close()
+
+
 def test_a_bad_session_start_is_answered_by_the_worker() -> None:
     g = Gateway()
     try:
