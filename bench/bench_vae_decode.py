@@ -194,8 +194,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 vae.set_fused_ops(ops)
                 out[label]["activation_peak_mib"] = round(activation_peak_bytes(lambda: vae.decode(z)) / 2**20, 3)
         # Exact halo tiles (``HaloTiling``): one tile's causal history and activations alive at a time.
-        halo = HaloTiling(rows=args.halo[0], columns=args.halo[1])
-        tiles = f"halo{halo.rows}x{halo.columns}"
+        halo = HaloTiling(rows=args.halo[0], columns=args.halo[1], align=args.halo_align)
+        tiles = _halo_label(args)
         vae.set_fused_ops(fused)
         for frames, label in ((None, f"fv_fused_{tiles}"), (args.frame_chunk, f"fv_fused_{tiles}_{chunk}")):
             vae.set_decode_frame_chunk(frames)
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cpu":
             out["diffusers"]["activation_peak_mib"] = round(
                 activation_peak_bytes(lambda: ref.decode(z, return_dict=False)) / 2**20, 3)
-    tiles = f"halo{args.halo[0]}x{args.halo[1]}"
+    tiles = _halo_label(args)
     for label in ("fv_eager", "fv_fused", f"fv_eager_chunk{args.frame_chunk}", f"fv_fused_chunk{args.frame_chunk}",
                   "fv_fused_cudnn_benchmark", f"fv_fused_{tiles}", f"fv_fused_{tiles}_chunk{args.frame_chunk}"):
         if label not in out:
@@ -256,6 +256,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out[f"{label}_activation_peak_ratio"] = round(
                 out[label]["activation_peak_mib"] / out["diffusers"]["activation_peak_mib"], 3)
     return out
+
+
+def _halo_label(args: argparse.Namespace) -> str:
+    return f"halo{args.halo[0]}x{args.halo[1]}" + (f"_align{args.halo_align}" if args.halo_align != 16 else "")
 
 
 def _profile(vae: Any, z: torch.Tensor, path: Path, halo: HaloTiling | None = None) -> dict[str, float]:
@@ -300,6 +304,8 @@ def main() -> int:
                              "and one halo-tiled decode in OUTPUT/vae_decode_halo<R>x<C>_kernels.txt")
     parser.add_argument("--halo", type=int, nargs=2, default=(1, 2), metavar=("ROWS", "COLUMNS"),
                         help="the exact halo-tiled rows (WanVAE.decode(halo=HaloTiling(...)))")
+    parser.add_argument("--halo-align", type=int, default=16,
+                        help="HaloTiling.align: widen the tiles' ranges below full resolution to this multiple")
     parser.add_argument("--frame-chunk", type=int, default=1,
                         help="frames per chunk for the chunked rows (the decoder's full-resolution stages)")
     args = parser.parse_args()

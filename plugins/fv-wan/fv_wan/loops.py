@@ -663,7 +663,7 @@ class WanDecodeLoop(Loop[WanDecodeState]):
     The causal conv history lives in the state (``cache``), so two requests decoding at
     once never share it and a half-decoded video resumes exactly. Loop config
     ``tiling`` (tile sizes/strides in pixels) turns on spatial tiling for large frames.
-    Loop config ``halo`` (``{"rows": R, "columns": C}``) decodes in exact halo tiles instead
+    Loop config ``halo`` (``{"rows": R, "columns": C}``, optionally ``"align"``) decodes in exact halo tiles instead
     (``WanVAE.decode(halo=...)``): one step for the decoder's whole-frame part, then one step
     per tile through all frames, so only one tile's history is alive. The video comes whole
     at the end: halo mode streams no preview chunks and keeps no partial video.
@@ -687,7 +687,7 @@ class WanDecodeLoop(Loop[WanDecodeState]):
         except ValidationError as err:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
             raise ValueError(f"loop {self.loop_id!r}: config 'halo' is invalid ({problems}); "
-                             "allowed keys: rows, columns (integers >= 1)") from None
+                             "allowed keys: rows, columns (integers >= 1), align (1 to 256)") from None
 
     def init(self, request: Request, model: ModelInstance, ctx: LoopContext) -> WanDecodeState:
         tiling = self.spec.config.get("tiling")
@@ -832,8 +832,9 @@ class WanDecodeLoop(Loop[WanDecodeState]):
         """The whole-frame step, then one step per tile; a tile step holds the whole-frame activations, its
         own history and one frame step's activations at the tile's size with margins."""
         reach = halo_reach(vae)
-        tile_h = min(h, -(-h // halo.rows) + 2 * reach)
-        tile_w = min(w, -(-w // halo.columns) + 2 * reach)
+        # The alignment widens a tile's ranges by less than ``align`` pixels at the stages it touches.
+        tile_h = min(h, -(-h // halo.rows) + 2 * reach + halo.align)
+        tile_w = min(w, -(-w // halo.columns) + 2 * reach + halo.align)
         step = footprint.vae_decode_step(vae, tile_h, tile_w, element=element)
         lower_bytes = latent_frames * h * w * element * (vae.decoder_base_dim or vae.base_dim) * vae.dim_mult[-1]
         pixel_frames = 1 + vae.temporal_compression * (latent_frames - 1)

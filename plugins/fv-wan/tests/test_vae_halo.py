@@ -147,3 +147,37 @@ def test_halo_tiles_on_cuda_with_the_triton_kernels() -> None:
         tiled = vae.decode(z, halo=HaloTiling(rows=2, columns=3)).float()
     # Other conv shapes sum in other orders: a few bf16 roundings of values in [-1, 1].
     assert (tiled - whole).abs().max().item() < 0.05
+
+
+@pytest.mark.parametrize("cfg", [CFG21, CFG22], ids=["2.1", "2.2"])
+def test_aligned_halo_tiles_stay_exact(cfg: WanVAEConfig) -> None:
+    vae = _vae(cfg)
+    z = _latent(cfg, height=12, width=40)
+    with torch.no_grad():
+        whole = vae.decode(z)
+        for align in (1, 8, 16):
+            assert _max_diff(vae.decode(z, halo=HaloTiling(rows=2, columns=3, align=align)), whole) < 1e-5, align
+
+
+def test_align_widens_the_ranges_below_full_resolution_to_its_multiple() -> None:
+    """At the released decoder's 480x832 latent (60x104), 1x2 tiles: the ranges before the 2x and 4x stages
+    become multiples of 16 (116 -> 128, 218 -> 224 columns; 16 is the default); the full-resolution stage's is
+    left alone."""
+    with torch.device("meta"):
+        vae = WanVAE(WanVAEConfig.wan21())
+
+    def widths(align: int) -> list[int]:
+        tile = vae.halo_tiles(60, 104, HaloTiling(columns=2, align=align))[1]
+        left, right = tile.region[2:]
+        out = [right - left]
+        scales = vae.decoder.halo_geometry()[0]
+        for b, crop in enumerate(tile.crops[1:-1], start=1):
+            ratio = scales[b] // scales[b - 1]
+            left, right = left * ratio + crop.left, right * ratio - crop.right
+            out.append(right - left)
+        return out
+
+    assert widths(1) == [65, 116, 218, 423, 417]
+    aligned = widths(16)
+    assert HaloTiling().align == 16 and aligned == widths(HaloTiling().align)
+    assert aligned[1] % 16 == 0 and aligned[2] % 16 == 0 and aligned[3:] == [423, 417]
