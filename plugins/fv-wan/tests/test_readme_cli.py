@@ -42,6 +42,8 @@ def skip_reason(command: str, comment: str) -> str | None:
         return "a server that runs until stopped (tests/test_serving*.py run it)"
     if command.startswith("fv worker"):
         return "a Dynamo worker that runs until stopped (plugins/fv-dynamo/tests run it)"
+    if command.startswith("fv realtime-gateway"):
+        return "a gateway that runs until stopped, in front of Dynamo workers (plugins/fv-dynamo/tests run it)"
     if command.startswith("fv comfy"):
         return "needs a ComfyUI workflow and its model mapping (plugins/fv-comfyui/tests run the command)"
     if "cosmos3" in command and importlib.util.find_spec("fv_cosmos3") is None:
