@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -397,3 +398,33 @@ def test_bench_skips_without_cuda_and_its_smoke_run_compares_all_three(tmp_path:
     # fv keeps less alive at once than diffusers (the figure docs/performance.md quotes)
     assert result["fv_eager"]["activation_peak_mib"] < result["diffusers"]["activation_peak_mib"]
     assert 0 < result["resident_mib"]["causal_cache"] < result["fv_eager"]["activation_peak_mib"]
+
+
+@pytest.mark.parametrize("chunk", [None, 1], ids=["whole-step", "frame-chunked"])
+@pytest.mark.parametrize("halo", [False, True], ids=["untiled", "halo"])
+def test_only_conv_outs_input_lives_through_conv_out(monkeypatch: pytest.MonkeyPatch, chunk: int | None, halo: bool) -> None:
+    """The last stage's output is freed once the output norm has written conv_out's padded input: while
+    conv_out runs, no caller frame still holds it (the untiled, frame-chunked and halo-tiled decodes)."""
+    vae = _vae(CFG21)
+    vae.set_decode_frame_chunk(chunk)
+    stage_outputs: list[weakref.ref[torch.Tensor]] = []
+    alive_during_conv_out: list[bool] = []
+    real_buffer, real_run = vae_blocks.Decoder3d._output_buffer, vae_blocks.CachedCausalConv3d.run_buffer
+
+    def output_buffer(self: vae_blocks.Decoder3d, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        stage_outputs.append(weakref.ref(x))
+        return real_buffer(self, x, *args)
+
+    def run_buffer(self: vae_blocks.CachedCausalConv3d, buffer: torch.Tensor, cache: Any) -> torch.Tensor:
+        if self is vae.decoder.conv_out:
+            alive_during_conv_out.append(stage_outputs[-1]() is not None)
+        return real_run(self, buffer, cache)
+
+    monkeypatch.setattr(vae_blocks.Decoder3d, "_output_buffer", output_buffer)
+    monkeypatch.setattr(vae_blocks.CachedCausalConv3d, "run_buffer", run_buffer)
+    from fv_wan.models.vae import HaloTiling
+
+    with torch.no_grad():
+        vae.decode(torch.randn(1, CFG21.z_dim, 3, 8, 12, generator=torch.Generator().manual_seed(3)),
+                   halo=HaloTiling(columns=2) if halo else None)
+    assert alive_during_conv_out and not any(alive_during_conv_out)

@@ -740,11 +740,12 @@ class Decoder3d(nn.Module):
             x = _crop_edges(x, crops, index)
             for step in self._stage_steps(up_block, cache, first_chunk):
                 x = step(x)
-        return self._output(x, cache, crops)
-
-    def _output(self, x: Tensor, cache: SlotList, crops: Sequence[EdgeCrop] | None) -> Tensor:
-        buffer = self._output_buffer(_crop_edges(x, crops, len(self.up_blocks)), cache)
+        buffer = self._output_buffer(x, cache, crops)
         del x  # only conv_out's padded input lives through conv_out
+        return self._conv_out(buffer, cache, crops)
+
+    def _conv_out(self, buffer: Tensor, cache: SlotList, crops: Sequence[EdgeCrop] | None) -> Tensor:
+        """The output conv over its filled input buffer, the output's crop dropped."""
         return _crop_edges(self.conv_out.run_buffer(buffer, cache), crops, len(self.up_blocks) + 1)
 
     def _framewise_chunked(
@@ -760,7 +761,10 @@ class Decoder3d(nn.Module):
                 y = _crop_edges(y, crops, index)
                 for step in self._stage_steps(self.up_blocks[index], cache, first_chunk):
                     y = step(y)
-            y = self._output(y, cache, crops)
+            buffer = self._output_buffer(y, cache, crops)
+            del y
+            y = self._conv_out(buffer, cache, crops)
+            del buffer
             if out is None:  # the output has few channels: one small buffer for the step
                 out = _empty_activation((y.shape[0], y.shape[1], x.shape[2], *y.shape[3:]), y)
             out[:, :, start : start + y.shape[2]].copy_(y)
@@ -808,8 +812,9 @@ class Decoder3d(nn.Module):
             return [functools.partial(layer, cache=cache) for layer in stage.layers()]
         return [functools.partial(stage, cache=cache, first_chunk=first_chunk)]
 
-    def _output_buffer(self, x: Tensor, cache: SlotList) -> Tensor:
-        """conv_out's padded input with the output norm + SiLU of ``x`` written straight into it."""
+    def _output_buffer(self, x: Tensor, cache: SlotList, crops: Sequence[EdgeCrop] | None = None) -> Tensor:
+        """conv_out's padded input with the output norm + SiLU of ``x`` (its crop dropped) written straight into it."""
+        x = _crop_edges(x, crops, len(self.up_blocks))
         buffer, new_frames = self.conv_out.input_buffer(x, cache)
         self.norm_out.silu_into(x, new_frames, self.fused_ops)
         return buffer
