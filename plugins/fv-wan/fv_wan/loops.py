@@ -647,8 +647,8 @@ class WanDecodeState(LoopState):
     cache: dict[str, torch.Tensor] = {}
     fps: float
     tiling: dict[str, int] | None = None
-    #: Loop config ``halo`` (``HaloTiling``): exact tiles, decoded one after another through all frames.
-    halo: dict[str, int] | None = None
+    #: Loop config ``halo``: exact tiles, decoded one after another through all frames.
+    halo: HaloTiling | None = None
     #: Halo mode: the decoder's whole-frame part for every latent frame (until the last tile is decoded).
     lower: torch.Tensor | None = None
     #: Halo mode: each decoded tile's video (C, F, H_tile, W_tile), in tile order.
@@ -699,7 +699,7 @@ class WanDecodeLoop(Loop[WanDecodeState]):
             request_id=request.request_id, loop_id=self.loop_id, instance_id=model.instance_id,
             model_id=model.model_id, weights_version=model.weights_version, seed=request.diffusion.seed,
             recipe_overrides=model.recipe_overrides, latents=latents, fps=float(request.diffusion.fps or 16.0), tiling=tiling,
-            halo=halo.model_dump() if halo is not None else None, spatial_scale=_vae_config(model).spatial_compression,
+            halo=halo, spatial_scale=_vae_config(model).spatial_compression,
         )
 
     def _next_halo(self, state: WanDecodeState, halo: HaloTiling) -> WorkPlan | Done:
@@ -720,7 +720,7 @@ class WanDecodeLoop(Loop[WanDecodeState]):
 
     def next(self, state: WanDecodeState) -> WorkPlan | Done:
         if state.halo is not None:
-            return self._next_halo(state, HaloTiling(**state.halo))
+            return self._next_halo(state, state.halo)
         index = len(state.frames)
         if index >= state.latents.shape[2]:
             return Done()
@@ -746,7 +746,7 @@ class WanDecodeLoop(Loop[WanDecodeState]):
             if "lower" in result.outputs:
                 return state.model_copy(update={"lower": result.outputs["lower"], "step": state.step + 1})
             strips = [*state.strips, result.outputs["frames"][0]]
-            done = len(strips) == HaloTiling(**state.halo).count
+            done = len(strips) == state.halo.count
             # The whole-frame activations go with the last tile: nothing reads them after it.
             return state.model_copy(update={"strips": strips, "lower": None if done else state.lower, "step": state.step + 1})
         frames = result.outputs["frames"][0].transpose(0, 1)  # (k, 3, H, W)
@@ -769,7 +769,7 @@ class WanDecodeLoop(Loop[WanDecodeState]):
         s = state.spatial_scale
         first = state.strips[0]
         video = torch.empty((first.shape[1], first.shape[0], h * s, w * s), dtype=torch.float32)
-        for (rows, columns), strip in zip(HaloTiling(**state.halo).owned(h, w), state.strips, strict=True):
+        for (rows, columns), strip in zip(state.halo.owned(h, w), state.strips, strict=True):
             video[:, :, rows[0] * s : rows[1] * s, columns[0] * s : columns[1] * s].copy_(strip.transpose(0, 1))
         return video
 
@@ -785,7 +785,7 @@ class WanDecodeLoop(Loop[WanDecodeState]):
 
     def progress(self, state: WanDecodeState) -> tuple[int, int | None]:
         if state.halo is not None:
-            return state.step, 1 + HaloTiling(**state.halo).count
+            return state.step, 1 + state.halo.count
         return state.step, int(state.latents.shape[2])
 
     def estimate(self, request: Request, model: ModelInstance) -> ResourceRequest:

@@ -117,3 +117,19 @@ def test_the_configs_reach_is_the_modules(config: WanVAEConfig) -> None:
     with torch.device("meta"):
         decoder = WanVAE(config).decoder
     assert halo_reach(config) == decoder.halo_geometry()[1][0]
+
+
+def test_a_halo_decode_state_survives_serialization() -> None:
+    """Mid-way (the whole-frame part done, one strip decoded) the state reads back as it was."""
+    from fv_wan.loops import WanDecodeState
+    from fv_wan.models.vae import HaloTiling
+
+    g = torch.Generator().manual_seed(0)
+    state = WanDecodeState(
+        request_id="r", loop_id="decode", instance_id="i", model_id="wan-tiny", weights_version="v", seed=1,
+        latents=torch.randn(1, 4, 3, 4, 8, generator=g), fps=16.0, halo=HaloTiling(columns=2, align=8),
+        lower=torch.randn(1, 8, 3, 4, 8, generator=g), strips=[torch.rand(3, 9, 32, 32, generator=g)], step=2,
+    )
+    back = WanDecodeState.from_bytes(state.to_bytes())
+    assert back.halo == HaloTiling(columns=2, align=8) and back.step == 2
+    assert torch.equal(back.lower, state.lower) and torch.equal(back.strips[0], state.strips[0])

@@ -706,28 +706,27 @@ class WanVAE(nn.Module):
         are exact instead (:class:`HaloTiling`); it excludes ``tiling``.
         """
         self._check_latents(z, "z")
+        tiles: list[HaloTile] | None = None
         if halo is not None:
             if tiling is not None:
                 raise ValueError("decode: tiling (blended tiles) and halo (exact tiles) exclude each other; pass one")
-            self.halo_tiles(z.shape[-2], z.shape[-1], halo)  # refuses a grid finer than the latents
+            tiles = self.halo_tiles(z.shape[-2], z.shape[-1], halo)  # refuses a grid finer than the latents
         out = self._new_video(z, self.num_frames_for(z.shape[2]))
         batches = z.split(1) if slicing and z.shape[0] > 1 else [z]
         start = 0
         for zb in batches:
             target = out[start : start + zb.shape[0]]
-            if halo is not None:
-                self._decode_halo(zb, target, halo)
+            if tiles is not None:
+                lower = self.decode_lower(zb)
+                for tile in tiles:  # straight into the video: no tile-sized copy is alive
+                    self.decode_halo_tile(lower, tile, out=target)
+                del lower
             else:
                 self._decode_into(zb, target, self._decode_tiling(zb, tiling))
             start += zb.shape[0]
         if self.config.clip_output:
             out.clamp_(-1.0, 1.0)
         return out
-
-    def _decode_halo(self, z: Tensor, out: Tensor, halo: HaloTiling) -> None:
-        lower = self.decode_lower(z)
-        for tile in self.halo_tiles(z.shape[-2], z.shape[-1], halo):
-            self.decode_halo_tile(lower, tile, out=out)  # straight into the video: no tile-sized copy is alive
 
     def decode_lower(self, z: Tensor) -> Tensor:
         """The decoder's whole-frame part (post-quant conv, input conv, mid block) for every latent frame:
