@@ -408,3 +408,14 @@ def test_sse_heartbeats_reader_leaving_and_forgetting_ended_sessions(tmp_path: P
             assert http.post(urls["stop_url"]).status_code == 404  # forgotten once the retention passed
     finally:
         s.server.stop()
+
+
+def test_a_chunk_survives_the_text_transport_round_trip() -> None:
+    """``chunk_from_json`` undoes ``chunk_as_json`` (what a gateway relaying a worker's chunks relies on)."""
+    from fv_kernel.api import chunk_as_json, chunk_from_json
+
+    meta = {"type": "video.chunk_metadata", "request_id": "s1", "transport_chunk_index": 3, "byte_length": 5}
+    payload = bytes(range(250, 255))
+    wire = chunk_as_json(meta, payload)
+    assert wire["type"] == "video.chunk" and isinstance(wire["data"], str)
+    assert chunk_from_json(wire) == (meta, payload)

@@ -16,6 +16,7 @@ Both sit on the engine's :class:`~fv_kernel.runtime.sessions.SessionHandle` only
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import base64
 import hmac
@@ -40,8 +41,8 @@ from fv_kernel.serving.fmp4 import FragmentedMP4Writer
 from fv_kernel.serving.media import preview_png
 
 __all__ = [
-    "ProtocolError", "RealtimeConnection", "RealtimeLimits", "RealtimeSession", "SessionStart", "chunk_as_json",
-    "mount_realtime", "open_realtime_session", "parse_client_message", "parse_interaction", "realtime_authorized",
+    "ProtocolError", "RealtimeConnection", "RealtimeLimits", "RealtimeSession", "SessionStart", "WS_PATH",
+    "chunk_as_json", "chunk_from_json", "mount_realtime", "open_realtime_session", "parse_client_message", "parse_interaction", "realtime_authorized",
 ]
 
 log = logging.getLogger("fv.serving.realtime")
@@ -227,6 +228,14 @@ def parse_interaction(data: dict[str, Any]) -> Interaction:
 def chunk_as_json(meta: dict[str, Any], binary: bytes) -> dict[str, Any]:
     """A chunk for text-only transports (SSE, Dynamo): ``video.chunk`` = the metadata plus ``data`` (base64 fMP4)."""
     return {**meta, "type": "video.chunk", "data": base64.b64encode(binary).decode()}
+
+
+def chunk_from_json(message: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """:func:`chunk_as_json` undone: the ``video.chunk_metadata`` message and the fMP4 bytes, as the WebSocket
+    sends them (a gateway that relays chunks from a text-only transport)."""
+    meta = {k: v for k, v in message.items() if k != "data"}
+    meta["type"] = "video.chunk_metadata"
+    return meta, base64.b64decode(message["data"])
 
 
 # -- one session's protocol state --------------------------------------------------------------
@@ -452,7 +461,7 @@ def realtime_authorized(api_key: str | None, headers: Any, query: Any) -> bool:
 
 
 # -- the WebSocket endpoint ----------------------------------------------------------------------
-class RealtimeConnection:
+class RealtimeConnection(abc.ABC):
     """One WebSocket connection of the realtime protocol: reads the client's messages, answers each mistake
     with a typed ``error`` event (the connection lives on), and sends a chunk's metadata and its binary frame
     adjacent. Subclasses act on valid messages (:meth:`handle`), name their session (:attr:`request_id`) and
@@ -469,10 +478,10 @@ class RealtimeConnection:
         """The connection's session id, once known (error events carry it)."""
         return None
 
+    @abc.abstractmethod
     async def handle(self, data: dict[str, Any]) -> None:
         """Act on one valid client message (its ``type`` is one of ``CLIENT_TYPES``); raise :class:`ProtocolError`
         for a client mistake."""
-        raise NotImplementedError
 
     def closed(self) -> None:
         """The client has gone (or the loop ended): release what the connection holds."""

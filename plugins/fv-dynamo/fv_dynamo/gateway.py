@@ -14,7 +14,6 @@ What ``fv serve`` adds beside the WebSocket (the SSE fallback, the ``/realtime``
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +31,7 @@ __all__ = ["WS_PATH", "create_gateway", "dynamo_session_router"]
 log = logging.getLogger("fv.dynamo.gateway")
 
 #: The realtime protocol's path, as ``fv serve`` serves it.
-WS_PATH = "/v1/realtime/video"
+WS_PATH = api.WS_PATH
 #: Opens the gateway's router inside the server's event loop, and closes it at shutdown.
 RouterFactory = Callable[[], AbstractAsyncContextManager[SessionRouter]]
 
@@ -79,11 +78,8 @@ class _Connection(api.RealtimeConnection):
                 kind = data.get("type")
                 if kind == "video.start" and self.session_id is None:
                     self.session_id = data.get("request_id")
-                if kind == "video.chunk":
-                    # Back to the WebSocket form: the metadata, then the fMP4 as one binary frame.
-                    meta = {k: v for k, v in data.items() if k != "data"}
-                    meta["type"] = "video.chunk_metadata"
-                    await self.send(meta, base64.b64decode(data["data"]))
+                if kind == "video.chunk":  # back to the WebSocket form: the metadata, then the fMP4 as one binary frame
+                    await self.send(*api.chunk_from_json(data))
                 else:
                     await self.send(data)
             await self.ws.close(1000)
