@@ -49,6 +49,8 @@ from fv_kernel.compute.fused import FusedOps, TorchFusedOps, TritonFusedOps
 from fv_wan.models.vae import HaloTiling, WanVAE, WanVAEConfig
 
 GiB = 2**30
+#: ``HaloTiling``'s own default: the rows at it carry no ``_align`` suffix.
+DEFAULT_ALIGN: int = HaloTiling.model_fields["align"].default
 
 #: Structurally the Wan 2.1 decoder (2 temporal and 3 spatial upsamplings, channel halving,
 #: 1x1x1 shortcuts, mid attention) at small widths.
@@ -259,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _halo_label(args: argparse.Namespace) -> str:
-    return f"halo{args.halo[0]}x{args.halo[1]}" + (f"_align{args.halo_align}" if args.halo_align != 16 else "")
+    return f"halo{args.halo[0]}x{args.halo[1]}" + (f"_align{args.halo_align}" if args.halo_align != DEFAULT_ALIGN else "")
 
 
 def _profile(vae: Any, z: torch.Tensor, path: Path, halo: HaloTiling | None = None) -> dict[str, float]:
@@ -304,7 +306,7 @@ def main() -> int:
                              "and one halo-tiled decode in OUTPUT/vae_decode_halo<R>x<C>_kernels.txt")
     parser.add_argument("--halo", type=int, nargs=2, default=(1, 2), metavar=("ROWS", "COLUMNS"),
                         help="the exact halo-tiled rows (WanVAE.decode(halo=HaloTiling(...)))")
-    parser.add_argument("--halo-align", type=int, default=16,
+    parser.add_argument("--halo-align", type=int, default=DEFAULT_ALIGN,
                         help="HaloTiling.align: widen the tiles' ranges below full resolution to this multiple")
     parser.add_argument("--frame-chunk", type=int, default=1,
                         help="frames per chunk for the chunked rows (the decoder's full-resolution stages)")
