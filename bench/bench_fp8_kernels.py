@@ -2,7 +2,8 @@
 tokens): the linears (``scaled_mm`` fp8_dynamic = Triton row quantization + ``torch._scaled_mm``,
 its parts alone, the old eager quantization, fp8_weights as dequantize + bf16 GEMM, the Triton GEMMs)
 against bf16 ``F.linear``; the Triton e4m3 attention (statistics, K/V quantization, attention) against
-SDPA-cuDNN bf16, also at Wan-14B 720p's 40 heads x 75,600 tokens. ``--sweep`` times the GEMM's
+SDPA-cuDNN bf16, also at Wan-14B 720p's 40 heads x 75,600 tokens; the fused norm/GELU ops that write
+e4m3 rows (``FusedOps.*_fp8``) against the op plus a separate row quantization. ``--sweep`` times the GEMM's
 tiles and every attention autotune candidate. Prints one JSON object; ``--out`` writes it too.
 
     python bench/bench_fp8_kernels.py --out bench/records/fp8_kernels_h200.json
@@ -171,6 +172,38 @@ def bench_attention(sweep: bool, heads: int = 12, length: int = 32760, keys: int
     return out
 
 
+def bench_fused_quantization() -> dict[str, Any]:
+    """The ops feeding fp8_dynamic linears at Wan-1.3B's widths: each ``*_fp8`` fused op against the op in
+    bf16 followed by the linear's own row quantization (what runs without it), and the bf16 op alone."""
+    from fv_kernel.compute.fp8_triton import fp8_quantize_rows
+    from fv_kernel.compute.fused import TritonFusedOps
+
+    ops = TritonFusedOps()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(1, 32760, 1536, device="cuda", generator=g).bfloat16()
+    y = torch.randn(1, 32760, 1536, device="cuda", generator=g).bfloat16()
+    scale, shift = (torch.randn(1, 1, 1536, device="cuda", generator=g) * 0.1 for _ in range(2))
+    hidden = torch.randn(1, 32760, 8960, device="cuda", generator=g).bfloat16()
+
+    def rows(t: torch.Tensor) -> Any:
+        return fp8_quantize_rows(t.reshape(-1, t.shape[-1]))
+
+    cases = {
+        "modulated_norm 32760x1536": (lambda: ops.modulated_layer_norm(x, scale, shift, 1e-6),
+                                      lambda: rows(ops.modulated_layer_norm(x, scale, shift, 1e-6)),
+                                      lambda: ops.modulated_layer_norm_fp8(x, scale, shift, 1e-6)),
+        "residual_modulated_norm 32760x1536": (
+            lambda: ops.residual_layer_norm(x, y, None, 1e-6, scale=scale, shift=shift),
+            lambda: rows(ops.residual_layer_norm(x, y, None, 1e-6, scale=scale, shift=shift)[1]),
+            lambda: ops.residual_layer_norm_fp8(x, y, None, 1e-6, scale=scale, shift=shift)),
+        "gelu_tanh 32760x8960": (lambda: F.gelu(hidden, approximate="tanh"),
+                                 lambda: rows(F.gelu(hidden, approximate="tanh")),
+                                 lambda: ops.gelu_tanh_fp8(hidden)),
+    }
+    return {label: {"bf16 op alone": _ms(op), "bf16 op + row quantization": _ms(composed), "fused *_fp8": _ms(fused)}
+            for label, (op, composed, fused) in cases.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -180,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "fused_quantization": bench_fused_quantization(),
               "linear": bench_linear(args.sweep), "attention": bench_attention(args.sweep),
               # Wan's cross-attention (512 text tokens) runs through the same driver on the fp8 paths.
               "cross_attention_1.3b": bench_attention(False, heads=12, length=32760, keys=512),

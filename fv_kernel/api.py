@@ -117,10 +117,12 @@ from fv_kernel.compute.fp8 import (
     Fp8Kernel,
     Fp8Linear,
     Fp8Mode,
+    QuantizedRows,
     dequantize_e4m3,
     quantize_e4m3,
     quantize_linears,
     quantize_rows_e4m3,
+    takes_quantized_rows,
 )
 from fv_kernel.compute.lora import (
     AdapterError,

@@ -219,7 +219,7 @@ def test_fp8_linear_auto_kernel_on_cuda(
     called: list[str] = []
     for name in ("scaled_mm", "triton", "torch"):
         monkeypatch.setattr(fp8, f"_{name}_kernel", lambda *a, name=name: called.append(name) or a[0])
-    monkeypatch.setattr("fv_kernel.compute.fused.triton_available", lambda: has_triton)
+    monkeypatch.setattr(fp8, "triton_available", lambda: has_triton)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     x = torch.randn(2, in_features).as_subclass(_Cuda)
     fp8._auto_kernel(x, torch.zeros(16, in_features, dtype=torch.float8_e4m3fn), torch.ones(16), None, "fp8_dynamic",

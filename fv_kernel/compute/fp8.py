@@ -17,16 +17,24 @@ one-pass Triton per-token quantization for ``fp8_dynamic``; dequantize-then-GEMM
 sm_89+ or the interpreter), ``"auto"`` (the default) takes ``scaled_mm`` on Hopper and later where
 the sizes divide by 16, Triton on other CUDA devices, and torch elsewhere; a callable replaces them all.
 Quantization is done once, at load (:func:`quantize_linears`).
+
+An ``fp8_dynamic`` linear also takes its activation already quantized, as :class:`QuantizedRows`:
+the fused norm and GELU kernels (:class:`fv_kernel.compute.fused.FusedOps`, the ``*_fp8`` ops) write
+e4m3 rows and their scales in the pass that computes them, so the bf16 activation is never written
+and read back, and the three projections that share an input (q, k, v) quantize it once.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
+from fv_kernel.compute.triton_support import triton_available
 from fv_kernel.errors import FvError
 
 __all__ = [
@@ -35,10 +43,12 @@ __all__ = [
     "Fp8Kernel",
     "Fp8Linear",
     "Fp8Mode",
+    "QuantizedRows",
     "dequantize_e4m3",
     "quantize_e4m3",
     "quantize_linears",
     "quantize_rows_e4m3",
+    "takes_quantized_rows",
 ]
 
 #: The largest finite e4m3 value (``torch.finfo(torch.float8_e4m3fn).max``).
@@ -47,8 +57,11 @@ E4M3_MAX = 448.0
 _MIN_SCALE = 1e-12
 
 Fp8Mode = Literal["fp8_weights", "fp8_dynamic"]
-#: ``kernel(x2d, weight_e4m3, weight_scale, bias, mode, out_dtype) -> y2d``.
-Fp8Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", str, torch.dtype], torch.Tensor]
+#: ``kernel(x2d, weight_e4m3, weight_scale, bias, mode, out_dtype) -> y2d``; ``x2d`` is a tensor, or
+#: (``fp8_dynamic`` only) a 2-D :class:`QuantizedRows`.
+Fp8Kernel = Callable[
+    ["torch.Tensor | QuantizedRows", torch.Tensor, torch.Tensor, "torch.Tensor | None", str, torch.dtype], torch.Tensor
+]
 
 
 class Fp8Error(FvError, ValueError):
@@ -87,13 +100,62 @@ def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_e4m3(x, axis=0)
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """An activation quantized per token, standing for a tensor of ``shape`` and ``dtype``.
+
+    ``data`` is e4m3 ``[M, K]`` and ``scale`` fp32 ``[M, 1]`` (``activation ≈ data.float() · scale``),
+    with ``M`` the product of ``shape[:-1]`` and ``K = shape[-1]``; ``dtype`` is what the activation
+    was (the dtype an :class:`Fp8Linear` given these rows returns).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        rows = math.prod(self.shape[:-1]) if len(self.shape) else -1
+        if (self.data.dtype != torch.float8_e4m3fn or tuple(self.data.shape) != (rows, *self.shape[-1:])
+                or self.scale.dtype != torch.float32 or tuple(self.scale.shape) != (rows, 1)):
+            raise Fp8Error(
+                f"QuantizedRows needs e4m3 data [M, K] and fp32 scale [M, 1] for an activation of shape (..., K) "
+                f"with M rows; got data {tuple(self.data.shape)} {self.data.dtype}, scale {tuple(self.scale.shape)} "
+                f"{self.scale.dtype}, shape {tuple(self.shape)}"
+            )
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor) -> QuantizedRows:
+        """``x (..., K)`` quantized per row: one Triton pass on CUDA (when triton imports), else torch."""
+        data, scale = _quantize_rows_fast(x.reshape(-1, x.shape[-1]).contiguous())
+        return cls(data, scale, x.shape, x.dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The activation these rows stand for, ``data · scale`` in ``dtype``, shaped as ``shape``."""
+        return dequantize_e4m3(self.data, self.scale, dtype).reshape(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+def _quantized(x: torch.Tensor | QuantizedRows, mode: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``x``'s e4m3 rows and scales when it arrives quantized (``fp8_dynamic`` only), else None."""
+    if not isinstance(x, QuantizedRows):
+        return None
+    if mode != "fp8_dynamic":
+        raise Fp8Error(f"a quantized activation runs only on an fp8_dynamic linear, this one is {mode!r}", param="mode")
+    return x.data, x.scale
+
+
 def _torch_kernel(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, mode: str, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The reference: dequantize, then one fp32 matmul (what ``_scaled_mm`` computes, to rounding)."""
+    prequantized = _quantized(x, mode)
     w = dequantize_e4m3(weight, scale.reshape(-1, 1) if scale.dim() else scale)
     if mode == "fp8_dynamic":
-        xq, xs = quantize_rows_e4m3(x)
+        xq, xs = prequantized or quantize_rows_e4m3(x)
         x32 = dequantize_e4m3(xq, xs)
     else:
         x32 = x.float()
@@ -105,8 +167,6 @@ def _torch_kernel(
 
 def _quantize_rows_fast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token quantization in one Triton pass on CUDA (when triton imports), else in torch."""
-    from fv_kernel.compute.fused import triton_available
-
     if x.device.type == "cuda" and triton_available():
         from fv_kernel.compute.fp8_triton import fp8_quantize_rows
 
@@ -122,15 +182,16 @@ def _scaled_mm_kernel(
     the weight dequantized to the activation's dtype for this call, then a bf16/fp16 GEMM (a mixed
     e4m3 x bf16 tensor-core GEMM does not exist on Hopper; widening in a Triton GEMM's registers ran
     2.3-3.3x slower than cuBLAS, docs/benchmarks.md)."""
+    prequantized = _quantized(x, mode)
     if mode != "fp8_dynamic":
         w = dequantize_e4m3(weight, scale.reshape(-1, 1) if scale.dim() else scale, x.dtype)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype)).to(out_dtype)
-    if x.shape[1] % 16 or weight.shape[0] % 16:  # cuBLASLt's rule; caught here, not deep inside torch
+    if weight.shape[1] % 16 or weight.shape[0] % 16:  # cuBLASLt's rule; caught here, not deep inside torch
         raise Fp8Error(
-            f"kernel 'scaled_mm' needs in_features and out_features divisible by 16, got {x.shape[1]} and "
+            f"kernel 'scaled_mm' needs in_features and out_features divisible by 16, got {weight.shape[1]} and "
             f"{weight.shape[0]}; use kernel='triton' (any size) or 'torch'", param="kernel",
         )
-    xq, xs = _quantize_rows_fast(x.contiguous())
+    xq, xs = prequantized or _quantize_rows_fast(x.contiguous())
     w_scale = (scale.reshape(1, -1) if scale.dim() else scale.reshape(1, 1).expand(1, weight.shape[0])).float().contiguous()
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=w_scale, out_dtype=torch.bfloat16,
                          bias=None if bias is None else bias.to(torch.bfloat16))
@@ -141,8 +202,6 @@ def _triton_kernel(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, mode: str, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The Triton kernel, imported on first use (triton is optional)."""
-    from fv_kernel.compute.fused import triton_available
-
     if not triton_available():
         raise Fp8Error("kernel 'triton' needs the triton package, which is not installed; use kernel='torch'",
                        param="kernel")
@@ -150,6 +209,9 @@ def _triton_kernel(
 
     if mode not in ("fp8_weights", "fp8_dynamic"):
         raise Fp8Error(f"mode must be 'fp8_weights' or 'fp8_dynamic', got {mode!r}", param="mode")
+    prequantized = _quantized(x, mode)
+    if prequantized is not None:
+        return fp8_linear_triton(prequantized[0], weight, scale, bias, mode, out_dtype, x_scale=prequantized[1])
     return fp8_linear_triton(x, weight, scale, bias, mode, out_dtype)
 
 
@@ -162,12 +224,10 @@ def _auto_kernel(
 ) -> torch.Tensor:
     """The fastest kernel that can run: cuBLASLt (``scaled_mm``) on Hopper and later when the sizes
     divide by 16, else Triton on CUDA when importable, else the torch reference."""
-    from fv_kernel.compute.fused import triton_available
-
     if x.device.type != "cuda":
         kernel = _torch_kernel
     elif (torch.cuda.get_device_capability(x.device) >= _ROWWISE_SCALED_MM_CAPABILITY
-          and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0):
+          and weight.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0):
         kernel = _scaled_mm_kernel
     else:
         kernel = _triton_kernel if triton_available() else _torch_kernel
@@ -233,16 +293,29 @@ class Fp8Linear(nn.Module):
         scale = self.weight_scale.reshape(-1, 1) if self.weight_scale.dim() else self.weight_scale
         return dequantize_e4m3(self.weight, scale, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """``x`` (..., in_features), or (``fp8_dynamic``) its :class:`QuantizedRows`; returns (..., out_features)
+        in the activation's dtype."""
         if x.shape[-1] != self.in_features:
             raise Fp8Error(f"Fp8Linear takes {self.in_features} input features, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        y = self._kernel(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, self.mode, x.dtype)
+        rows = x if isinstance(x, QuantizedRows) else x.reshape(-1, self.in_features)
+        if isinstance(x, QuantizedRows) and self.mode != "fp8_dynamic":
+            raise Fp8Error(f"a quantized activation runs only on an fp8_dynamic linear, this one is {self.mode!r}",
+                           param="mode")
+        y = self._kernel(rows, self.weight, self.weight_scale, self.bias, self.mode, x.dtype)
         return y.reshape(*lead, self.out_features)
+
 
     def extra_repr(self) -> str:
         scales = "per-channel" if self.weight_scale.dim() else "per-tensor"
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, {scales} scales"
+
+
+def takes_quantized_rows(*modules: nn.Module) -> bool:
+    """Whether every module given takes :class:`QuantizedRows` (each an ``fp8_dynamic`` :class:`Fp8Linear`),
+    so that their shared input may be quantized once, in the op that computes it."""
+    return bool(modules) and all(isinstance(m, Fp8Linear) and m.mode == "fp8_dynamic" for m in modules)
 
 
 def quantize_linears(

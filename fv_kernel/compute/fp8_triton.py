@@ -220,14 +220,19 @@ def _block(n: int, largest: int) -> int:
 
 def fp8_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, mode: str,
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype, *, x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [M, K] · dequant(weight [N, K], scale)ᵀ + bias`` as :class:`~fv_kernel.compute.fp8.Fp8Linear`
     computes it (``mode``: ``"fp8_weights"`` or ``"fp8_dynamic"``; the latter quantizes ``x`` per
-    token with :func:`fp8_quantize_rows` first). ``scale`` is fp32 ``[N]`` (per output channel) or
+    token with :func:`fp8_quantize_rows` first, unless ``x`` arrives quantized: e4m3 rows with their
+    fp32 scales ``x_scale [M, 1]``). ``scale`` is fp32 ``[N]`` (per output channel) or
     0-dim (per tensor); the output is ``out_dtype``."""
     if mode not in ("fp8_weights", "fp8_dynamic"):
         raise Fp8KernelError(f"mode must be 'fp8_weights' or 'fp8_dynamic', got {mode!r}", param="mode")
+    prequantized = x_scale is not None
+    if prequantized and (mode != "fp8_dynamic" or x.dtype != torch.float8_e4m3fn or tuple(x_scale.shape) != (x.shape[0], 1)):
+        raise Fp8KernelError(f"x_scale goes with e4m3 rows x [M, K] and fp32 scales [M, 1] in mode 'fp8_dynamic'; got mode "
+                             f"{mode!r}, x {tuple(x.shape)} {x.dtype}, x_scale {tuple(x_scale.shape)}", param="mode")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.dtype != torch.float8_e4m3fn:
         raise Fp8KernelError(f"fp8 linear: x {tuple(x.shape)} and e4m3 weight [N, K] {tuple(weight.shape)} ({weight.dtype}) do not fit")
     m, k = x.shape
@@ -242,7 +247,9 @@ def fp8_linear_triton(
         return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
     w_scale = scale.float().reshape(-1).expand(n).contiguous()
     dynamic = mode == "fp8_dynamic"
-    if dynamic:
+    if prequantized:
+        a, a_scale = x.contiguous(), x_scale.contiguous()
+    elif dynamic:
         a, a_scale = fp8_quantize_rows(x.contiguous())
     else:
         a, a_scale = x.contiguous(), w_scale  # a_scale unread without A_E4M3

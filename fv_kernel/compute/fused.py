@@ -22,11 +22,14 @@ H200 (4.8 TB/s datasheet, about 4 TB/s achievable), counted as bytes moved per e
 from __future__ import annotations
 
 import abc
-import importlib.util
+import os
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from fv_kernel.compute.fp8 import QuantizedRows, takes_quantized_rows
+from fv_kernel.compute.triton_support import triton_available
 
 __all__ = [
     "FusedOps",
@@ -40,11 +43,6 @@ __all__ = [
 
 class FusedOpsUnavailable(RuntimeError):
     """The requested fused-op implementation cannot run here (no Triton, no CUDA)."""
-
-
-def triton_available() -> bool:
-    """Whether Triton can be imported (it is not a hard dependency of the kernel)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def _broadcast_rows(mod: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -160,6 +158,51 @@ class FusedOps(abc.ABC):
         """
         return x.add_(bias.to(x.dtype).reshape(-1, *([1] * (x.dim() - 2))))
 
+    # -- the same ops feeding fp8_dynamic linears (docs/precision.md, "The activation quantization")
+
+    def takes_quantized_rows(self, *consumers: torch.nn.Module) -> bool:
+        """Whether an input read only by ``consumers`` should come from a ``*_fp8`` op: each consumer is an
+        ``fp8_dynamic`` :class:`~fv_kernel.compute.fp8.Fp8Linear`, which would quantize it anyway. A model
+        asks this per site, so a site with any other consumer keeps its activation-dtype input."""
+        return takes_quantized_rows(*consumers)
+
+    def modulated_layer_norm_fp8(
+        self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float
+    ) -> QuantizedRows:
+        """:meth:`modulated_layer_norm`'s rows quantized per token to e4m3, for ``fp8_dynamic`` linears.
+
+        Each row is rounded to ``x.dtype`` first and then quantized (scale = row absmax / 448), as the
+        linear would quantize :meth:`modulated_layer_norm`'s output: the same e4m3 rows and scales. The
+        default composes the two; a fused kernel never writes the ``x.dtype`` rows (at 32,760 x 1536 bf16,
+        100 MB written and read back per call).
+        """
+        return QuantizedRows.quantize(self.modulated_layer_norm(x, scale, shift, eps))
+
+    def residual_layer_norm_fp8(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        gate: torch.Tensor | None,
+        eps: float,
+        *,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, QuantizedRows]:
+        """:meth:`residual_layer_norm` with its ``normed`` output quantized as in :meth:`modulated_layer_norm_fp8`."""
+        x_new, normed = self.residual_layer_norm(x, y, gate, eps, weight=weight, bias=bias, scale=scale, shift=shift)
+        return x_new, QuantizedRows.quantize(normed)
+
+    def gelu_tanh_fp8(self, h: torch.Tensor) -> QuantizedRows:
+        """``F.gelu(h, approximate="tanh")`` rounded to ``h.dtype``, then quantized per token to e4m3.
+
+        The FFN's second linear takes the GELU's output; fused, the (tokens x ffn_dim) activation is
+        read once and written once in e4m3 (at Wan-1.3B's 32,760 x 8960, bf16: 587 MB read, 294 MB
+        written, instead of the GELU's read and write and the quantization's two reads).
+        """
+        return QuantizedRows.quantize(F.gelu(h, approximate="tanh"))
+
 
 class TorchFusedOps(FusedOps):
     """The reference: exactly the eager model's formulas (bitwise equal to the unfused code)."""
@@ -240,6 +283,10 @@ def _check_video(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor | None)
         )
 
 
+#: The widest row :meth:`TritonFusedOps.gelu_tanh_fp8` quantizes in one program (Wan-14B's FFN is 13,824 wide).
+_GELU_QUANTIZE_WIDEST = 16384
+
+
 def _row_block(width: int) -> int:
     return max(16, 1 << (width - 1).bit_length())
 
@@ -248,123 +295,13 @@ def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def _build_kernels() -> tuple[object, object, object, object]:
-    """Compile-on-first-use Triton kernels (imported lazily: Triton is optional)."""
-    import triton
-    import triton.language as tl
+def _build_kernels() -> tuple[object, object, object, object, object]:
+    """The Triton kernels, imported on first use (Triton is optional); decorated when first imported,
+    so under Triton's interpreter when ``TRITON_INTERPRET=1`` was set before."""
+    from fv_kernel.compute import fused_kernels as k
 
-    @triton.jit
-    def residual_norm_kernel(
-        x_ptr, y_ptr, x_out_ptr, out_ptr,
-        gate_ptr, scale_ptr, shift_ptr, weight_ptr, bias_ptr,
-        tokens, width, eps,
-        stride_gate_b, stride_gate_l, stride_mod_b, stride_mod_l, stride_shift_b, stride_shift_l,
-        HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
-        HAS_AFFINE: tl.constexpr, HAS_MOD: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        batch = row // tokens
-        token = row % tokens
-        cols = tl.arange(0, BLOCK)
-        mask = cols < width
-        base = row * width
-        h = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            y = tl.load(y_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_GATE:
-                g = tl.load(gate_ptr + batch * stride_gate_b + token * stride_gate_l + cols, mask=mask, other=0.0)
-                y = y * g
-            # Round the new residual to the stream dtype, as the eager model stores it.
-            h_low = (h + y).to(x_out_ptr.dtype.element_ty)
-            tl.store(x_out_ptr + base + cols, h_low, mask=mask)
-            h = h_low.to(tl.float32)
-        if HAS_NORM:
-            mean = tl.sum(h, axis=0) / width
-            centered = tl.where(mask, h - mean, 0.0)
-            var = tl.sum(centered * centered, axis=0) / width
-            n = centered * tl.rsqrt(var + eps)
-            if HAS_AFFINE:
-                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                n = n * w + b
-            if HAS_MOD:
-                s = tl.load(scale_ptr + batch * stride_mod_b + token * stride_mod_l + cols, mask=mask, other=0.0)
-                t = tl.load(shift_ptr + batch * stride_shift_b + token * stride_shift_l + cols, mask=mask, other=0.0)
-                n = n * (1.0 + s) + t
-            tl.store(out_ptr + base + cols, n.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def rms_rope_kernel(
-        x_ptr, out_ptr, weight_ptr, cos_ptr, sin_ptr,
-        tokens, width, half_head, eps,
-        HAS_ROPE: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        token = row % tokens
-        pairs = tl.arange(0, BLOCK_PAIRS)
-        mask = pairs < width // 2
-        base = row * width
-        even = tl.load(x_ptr + base + 2 * pairs, mask=mask, other=0.0).to(tl.float32)
-        odd = tl.load(x_ptr + base + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32)
-        mean_sq = (tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / width
-        rstd = tl.rsqrt(mean_sq + eps)
-        # As torch's rms_norm: normalise in fp32, round to the input dtype, then apply the weight.
-        low = out_ptr.dtype.element_ty
-        w_even = tl.load(weight_ptr + 2 * pairs, mask=mask, other=0.0).to(tl.float32)
-        w_odd = tl.load(weight_ptr + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32)
-        even = ((even * rstd).to(low).to(tl.float32) * w_even).to(low).to(tl.float32)
-        odd = ((odd * rstd).to(low).to(tl.float32) * w_odd).to(low).to(tl.float32)
-        if HAS_ROPE:
-            angle = token * half_head + pairs % half_head
-            c = tl.load(cos_ptr + angle, mask=mask, other=0.0)
-            s = tl.load(sin_ptr + angle, mask=mask, other=0.0)
-            even, odd = even * c - odd * s, even * s + odd * c
-        tl.store(out_ptr + base + 2 * pairs, even.to(low), mask=mask)
-        tl.store(out_ptr + base + 2 * pairs + 1, odd.to(low), mask=mask)
-
-    @triton.jit
-    def channel_rms_silu_kernel(
-        x_ptr, out_ptr, gain_ptr,
-        voxels, channels, frames, height, width,
-        sx_b, sx_c, sx_t, sx_h, sx_w, so_b, so_c, so_t, so_h, so_w,
-        BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):  # fmt: skip
-        # A block of voxels x all channels: channels-last activations read each voxel's
-        # channels contiguously; any strides work (the output is often a padded buffer's view).
-        v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-        v_mask = v < voxels
-        w = v % width
-        rest = v // width
-        h = rest % height
-        rest = rest // height
-        t = rest % frames
-        b = rest // frames
-        c = tl.arange(0, BLOCK_C)
-        c_mask = c < channels
-        mask = v_mask[:, None] & c_mask[None, :]
-        x_at = b * sx_b + t * sx_t + h * sx_h + w * sx_w
-        x = tl.load(x_ptr + x_at[:, None] + c[None, :] * sx_c, mask=mask, other=0.0).to(tl.float32)
-        norm = tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)
-        # The eager passes' roundings: quotient, gain product and SiLU each land in the activation dtype.
-        low = out_ptr.dtype.element_ty
-        n = (x / norm[:, None]).to(low).to(tl.float32)
-        gain = tl.load(gain_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-        n = (n * gain[None, :]).to(low).to(tl.float32)
-        n = n / (1.0 + tl.exp(-n))
-        out_at = b * so_b + t * so_t + h * so_h + w * so_w
-        tl.store(out_ptr + out_at[:, None] + c[None, :] * so_c, n.to(low), mask=mask)
-
-    @triton.jit
-    def channel_bias_kernel(x_ptr, bias_ptr, numel, channels, inner, CHANNELS_LAST: tl.constexpr, BLOCK: tl.constexpr):
-        # Memory order, one flat block per program: channels innermost (channels-last) or ``inner`` elements a channel.
-        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = at < numel
-        c = at % channels if CHANNELS_LAST else (at // inner) % channels
-        x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
-        tl.store(x_ptr + at, (x + b).to(x_ptr.dtype.element_ty), mask=mask)
-
-    return residual_norm_kernel, rms_rope_kernel, channel_rms_silu_kernel, channel_bias_kernel
+    return (k.residual_norm_kernel, k.rms_rope_kernel, k.channel_rms_silu_kernel, k.channel_bias_kernel,
+            k.gelu_quantize_kernel)
 
 
 class TritonFusedOps(FusedOps):
@@ -375,14 +312,16 @@ class TritonFusedOps(FusedOps):
     def __init__(self) -> None:
         if not triton_available():
             raise FusedOpsUnavailable("fused_ops='triton' needs the triton package, which is not importable")
-        self._residual_norm, self._rms_rope, self._channel_rms_silu, self._channel_bias = _build_kernels()
+        (self._residual_norm, self._rms_rope, self._channel_rms_silu, self._channel_bias,
+         self._gelu_quantize) = _build_kernels()
         import triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
 
-        #: Built under ``TRITON_INTERPRET=1`` (Triton decides when the kernels are decorated, so
-        #: at construction): the kernels then run in Triton's interpreter and take CPU tensors.
+        #: Built under ``TRITON_INTERPRET=1`` (Triton decides when the kernels are decorated, at the
+        #: first import of ``fused_kernels``): the kernels then run in Triton's interpreter and take CPU tensors.
         self.interpreted = isinstance(self._residual_norm, InterpretedFunction)
-        if self.interpreted and not isinstance(tl.sum, InterpretedFunction):
+        interpret_asked = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        if (self.interpreted and not isinstance(tl.sum, InterpretedFunction)) or (interpret_asked and not self.interpreted):
             # Triton's own jit helpers (tl.sum) were decorated when triton.language was first
             # imported; without the interpreter then, interpreted kernels fail when they call them.
             raise FusedOpsUnavailable(
@@ -416,12 +355,16 @@ class TritonFusedOps(FusedOps):
         bias: torch.Tensor | None = None,
         scale: torch.Tensor | None = None,
         shift: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        quantize: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | QuantizedRows]:
         batch, tokens, width = self._rows(x)
         x = x.contiguous()
         y = y.contiguous() if y is not None else None
         x_out = torch.empty_like(x) if y is not None else x
-        out = torch.empty_like(x) if norm else x_out
+        out = torch.empty_like(x) if norm and not quantize else x_out
+        if quantize:
+            q = torch.empty(batch * tokens, width, dtype=torch.float8_e4m3fn, device=x.device)
+            q_scale = torch.empty(batch * tokens, 1, dtype=torch.float32, device=x.device)
         if (scale is None) != (shift is None):
             raise ValueError("scale and shift must be given together")
         gate_b = _broadcast_rows(gate, x) if gate is not None else None
@@ -438,13 +381,17 @@ class TritonFusedOps(FusedOps):
             gate_b if gate_b is not None else x, scale_b if scale_b is not None else x,
             shift_b if shift_b is not None else x,
             weight.contiguous() if weight is not None else x, bias.contiguous() if bias is not None else x,
+            q if quantize else x, q_scale if quantize else x,
             tokens, width, eps,
             gate_b.stride(0) if gate_b is not None else 0, gate_b.stride(1) if gate_b is not None else 0,
             scale_b.stride(0) if scale_b is not None else 0, scale_b.stride(1) if scale_b is not None else 0,
             shift_b.stride(0) if shift_b is not None else 0, shift_b.stride(1) if shift_b is not None else 0,
             HAS_RESIDUAL=y is not None, HAS_GATE=gate is not None, HAS_NORM=norm,
-            HAS_AFFINE=weight is not None, HAS_MOD=scale is not None, BLOCK=block, num_warps=_warps(block),
+            HAS_AFFINE=weight is not None, HAS_MOD=scale is not None, QUANTIZE=quantize, EMULATE=self.interpreted,
+            BLOCK=block, num_warps=_warps(block),
         )  # fmt: skip
+        if quantize:
+            return x_out, QuantizedRows(q, q_scale, x.shape, x.dtype)
         return x_out, out
 
     def modulated_layer_norm(
@@ -470,6 +417,42 @@ class TritonFusedOps(FusedOps):
 
     def gated_residual(self, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self._launch_residual_norm(x, y, gate, 0.0, norm=False)[0]
+
+    def modulated_layer_norm_fp8(
+        self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float
+    ) -> QuantizedRows:
+        return self._launch_residual_norm(x, None, None, eps, norm=True, scale=scale, shift=shift, quantize=True)[1]
+
+    def residual_layer_norm_fp8(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        gate: torch.Tensor | None,
+        eps: float,
+        *,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, QuantizedRows]:
+        return self._launch_residual_norm(
+            x, y, gate, eps, norm=True, weight=weight, bias=bias, scale=scale, shift=shift, quantize=True
+        )
+
+    def gelu_tanh_fp8(self, h: torch.Tensor) -> QuantizedRows:
+        self._require_device(h)
+        width = h.shape[-1]
+        block = _row_block(width)
+        if block > _GELU_QUANTIZE_WIDEST:  # wider rows than one program holds: the composed ops
+            return super().gelu_tanh_fp8(h)
+        rows = h.contiguous().reshape(-1, width)
+        q = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=h.device)
+        q_scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=h.device)
+        if rows.shape[0]:
+            self._gelu_quantize[(rows.shape[0],)](  # type: ignore[index]
+                rows, q, q_scale, width, EMULATE=self.interpreted, BLOCK=block, num_warps=_warps(block),
+            )  # fmt: skip
+        return QuantizedRows(q, q_scale, h.shape, h.dtype)
 
     def qk_rms_norm_rope(
         self,

@@ -119,19 +119,15 @@ def _causal_block_fused(
     q's and k's RMSNorm with their RoPE in one pass each (one table per row when rows start at different frames)."""
     shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = modulation
     attn = block.attn1
-    normed = ops.modulated_layer_norm(x, scale_sa, shift_sa, block.norm1.eps)
+    normed = block.fused_norm1(ops, x, scale_sa, shift_sa)
     query = _rows_normed_heads(attn, attn.norm_q, attn.to_q(normed), ops, inputs.rotary)
     key = _rows_normed_heads(attn, attn.norm_k, attn.to_k(normed), ops, inputs.rotary)
     value = _split_heads(attn.to_v(normed), attn.heads)
     attended = attn._project_out(self_attention(query, key, value), query)
-    if isinstance(block.norm2, torch.nn.LayerNorm):
-        x, normed = ops.residual_layer_norm(x, attended, gate_sa, block.norm2.eps, weight=block.norm2.weight,
-                                            bias=block.norm2.bias)
-    else:
-        x = normed = ops.gated_residual(x, attended, gate_sa)
+    x, normed = block.fused_norm2(ops, x, attended, gate_sa)
     crossed = block.attn2.cross_attention_fused(normed, inputs.context, inputs.context_image, attention_fn, ops)
-    x, normed = ops.residual_layer_norm(x, crossed, None, block.norm3.eps, scale=scale_ff, shift=shift_ff)
-    return ops.gated_residual(x, block.ffn(normed), gate_ff), key, value
+    x, normed = block.fused_norm3(ops, x, crossed, scale_ff, shift_ff)
+    return ops.gated_residual(x, block.ffn.forward_fused(normed, ops), gate_ff), key, value
 
 
 def _rows_normed_heads(attn: torch.nn.Module, norm: torch.nn.RMSNorm, projected: torch.Tensor, ops: FusedOps,

@@ -308,6 +308,14 @@ class _FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net[2](self.net[0](x))
 
+    def forward_fused(self, x: Any, ops: FusedOps) -> torch.Tensor:
+        """:meth:`forward` with the GELU's output quantized for an fp8 ``net.2`` in the GELU's pass (``ops.gelu_tanh_fp8``).
+        ``x``: a tensor, or the quantized rows an fp8 ``net.0.proj`` takes."""
+        hidden = self.net[0].proj(x)
+        if self.net[0].approximate == "tanh" and ops.takes_quantized_rows(self.net[2]):
+            return self.net[2](ops.gelu_tanh_fp8(hidden))
+        return self.net[2](F.gelu(hidden, approximate=self.net[0].approximate))
+
 
 class WanImageEmbedder(nn.Module):
     """CLIP features -> model width: fp32 LayerNorm, GELU FFN, fp32 LayerNorm (+ FLF2V position table)."""
@@ -556,18 +564,39 @@ class WanTransformerBlock(nn.Module):
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
             self.scale_shift_table + inputs.timestep_proj.float()
         ).unbind(2)
-        normed = ops.modulated_layer_norm(x, scale_sa, shift_sa, self.norm1.eps)
         video = inputs.video(self_attention_fn)
+        normed = self.fused_norm1(ops, x, scale_sa, shift_sa, gate_read=video is not None)
         attended = self.attn1.self_attention_fused(normed, inputs.rotary, self_attention_fn or attention_fn, ops, video)
-        if isinstance(self.norm2, nn.LayerNorm):
-            x, normed = ops.residual_layer_norm(
-                x, attended, gate_sa, self.norm2.eps, weight=self.norm2.weight, bias=self.norm2.bias
-            )
-        else:
-            x = normed = ops.gated_residual(x, attended, gate_sa)
+        x, normed = self.fused_norm2(ops, x, attended, gate_sa)
         crossed = self.attn2.cross_attention_fused(normed, inputs.context, inputs.context_image, attention_fn, ops)
-        x, normed = ops.residual_layer_norm(x, crossed, None, self.norm3.eps, scale=scale_ff, shift=shift_ff)
-        return ops.gated_residual(x, self.ffn(normed), gate_ff)
+        x, normed = self.fused_norm3(ops, x, crossed, scale_ff, shift_ff)
+        return ops.gated_residual(x, self.ffn.forward_fused(normed, ops), gate_ff)
+
+    # The fused block's norms. Each writes its output as e4m3 rows (``ops.*_fp8``) when every linear that
+    # reads it is an fp8_dynamic one, which would quantize it anyway (docs/precision.md); the causal block
+    # shares them.
+
+    def fused_norm1(self, ops: FusedOps, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                    gate_read: bool = False) -> Any:
+        """norm1, modulated; ``gate_read``: the video attention's compression gate reads it too."""
+        readers = (self.attn1.to_q, self.attn1.to_k, self.attn1.to_v, *((self.attn1.to_gate_compress,) if gate_read else ()))
+        if ops.takes_quantized_rows(*readers):
+            return ops.modulated_layer_norm_fp8(x, scale, shift, self.norm1.eps)
+        return ops.modulated_layer_norm(x, scale, shift, self.norm1.eps)
+
+    def fused_norm2(self, ops: FusedOps, x: torch.Tensor, attended: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The self-attention's gated residual, then norm2 (affine) when the block has one."""
+        if not isinstance(self.norm2, nn.LayerNorm):
+            x = ops.gated_residual(x, attended, gate)
+            return x, x
+        norm = ops.residual_layer_norm_fp8 if ops.takes_quantized_rows(self.attn2.to_q) else ops.residual_layer_norm
+        return norm(x, attended, gate, self.norm2.eps, weight=self.norm2.weight, bias=self.norm2.bias)
+
+    def fused_norm3(self, ops: FusedOps, x: torch.Tensor, crossed: torch.Tensor, scale: torch.Tensor,
+                    shift: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The cross-attention's residual, then norm3, modulated."""
+        norm = ops.residual_layer_norm_fp8 if ops.takes_quantized_rows(self.ffn.net[0].proj) else ops.residual_layer_norm
+        return norm(x, crossed, None, self.norm3.eps, scale=scale, shift=shift)
 
 
 class WanTransformer(nn.Module):

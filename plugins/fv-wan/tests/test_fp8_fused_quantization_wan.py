@@ -1,0 +1,153 @@
+"""The Wan DiT's fused block on the fp8_dynamic path: its norms and GELU hand e4m3 rows to the fp8 linears.
+
+Where every linear reading a norm's (or the GELU's) output is an ``fp8_dynamic`` ``Fp8Linear``, the
+fused block asks the ops for that output already quantized (``FusedOps.*_fp8``), instead of writing
+it in the activation dtype for each linear to quantize again. With the reference ops the two routes
+compute the same numbers, bit for bit; with the Triton kernels (on CUDA, or in Triton's interpreter
+in a fresh Python) within the quantization's rounding ties. A negative control hands the linears
+row 0's scale for every row and must be caught.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from fv_kernel.compute.fp8 import QuantizedRows, quantize_linears
+from fv_kernel.compute.fused import TorchFusedOps, TritonFusedOps
+from fv_kernel.testing.triton_checks import run_kernel_checks
+from fv_wan.fp8 import WAN_FP8_TARGETS
+from fv_wan.models.transformer import WanTransformer, WanTransformerConfig, cast_for_inference
+
+FP8_OPS = ("modulated_layer_norm_fp8", "residual_layer_norm_fp8", "gelu_tanh_fp8")
+
+
+def _model(dtype: torch.dtype, *, mode: str = "fp8_dynamic", targets: tuple[str, ...] = WAN_FP8_TARGETS,
+           device: str = "cpu") -> WanTransformer:
+    torch.manual_seed(0)
+    model = WanTransformer(WanTransformerConfig.tiny()).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # no zero-initialised term may hide a wrong path
+            p.copy_(torch.randn_like(p) * 0.3)
+    model = cast_for_inference(model, dtype).to(device)
+    paths = [n for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and any(fnmatch.fnmatchcase(n, g) for g in targets)]
+    quantize_linears(model, paths, mode=mode, kernel="torch" if device == "cpu" else "auto")
+    return model.requires_grad_(False)
+
+
+def _inputs(device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(2, 16, 3, 8, 6, generator=g).to(device)
+    return latents, torch.tensor([999.0, 17.5], device=device), torch.randn(2, 10, 32, generator=g).to(device)
+
+
+def counting(ops: Any) -> Counter[str]:
+    calls: Counter[str] = Counter()
+    for name in FP8_OPS:
+        def counted(*args: Any, _run: Any = getattr(ops, name), _name: str = name, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _run(*args, **kwargs)
+
+        setattr(ops, name, counted)
+    return calls
+
+
+class _EachLinearQuantizes(TorchFusedOps):
+    """The route without the fp8 ops: every fp8 linear quantizes its own activation-dtype input."""
+
+    def takes_quantized_rows(self, *consumers: torch.nn.Module) -> bool:
+        return False
+
+
+class _RowZerosScale(TorchFusedOps):
+    """Negative control: the fused norm hands every row row 0's scale."""
+
+    def modulated_layer_norm_fp8(self, *args: Any, **kwargs: Any) -> QuantizedRows:
+        rows = super().modulated_layer_norm_fp8(*args, **kwargs)
+        return QuantizedRows(rows.data, rows.scale[:1].expand_as(rows.scale).contiguous(), rows.shape, rows.dtype)
+
+
+def _run(model: WanTransformer, ops: Any, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    model.set_fused_ops(ops)
+    with torch.no_grad():
+        return model(*inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fp8_ops_are_bitwise_each_linear_quantizing_its_own_input(dtype: torch.dtype) -> None:
+    model, inputs = _model(dtype), _inputs()
+    ops = TorchFusedOps()
+    calls = counting(ops)
+    fused = _run(model, ops, inputs)
+    # Per block: norm1 for q/k/v, norm2 (cross-attention's affine norm) and norm3 for the FFN, the GELU for net.2.
+    blocks = len(model.blocks)
+    assert calls == {"modulated_layer_norm_fp8": blocks, "residual_layer_norm_fp8": 2 * blocks, "gelu_tanh_fp8": blocks}
+    assert torch.equal(fused, _run(model, _EachLinearQuantizes(), inputs))
+
+
+def test_a_wrong_scale_from_the_fused_norm_is_caught() -> None:
+    model, inputs = _model(torch.float32), _inputs()
+    right = _run(model, _EachLinearQuantizes(), inputs)
+    wrong = _run(model, _RowZerosScale(), inputs)
+    assert ((wrong - right).norm() / right.norm()).item() > 1e-2
+
+
+def test_a_norm_read_by_any_other_linear_stays_in_the_activation_dtype() -> None:
+    # Only attn1's q is fp8: k and v need norm1's bf16 rows, so norm1 is not quantized (q quantizes itself);
+    # fp8_weights linears take no quantized rows at all.
+    for model in (_model(torch.float32, targets=("blocks.*.attn1.to_q",)), _model(torch.float32, mode="fp8_weights")):
+        ops = TorchFusedOps()
+        calls = counting(ops)
+        assert torch.equal(_run(model, ops, _inputs()), _run(model, _EachLinearQuantizes(), _inputs()))
+        assert sum(calls.values()) == 0, calls
+
+
+def test_the_causal_block_hands_its_fp8_linears_quantized_rows_too() -> None:
+    from test_causal_fused import _batched, _case
+
+    model = _model(torch.float32)
+    case = _case(model, "cpu", rows=2)  # rows at different start frames over histories of different lengths
+    ops = TorchFusedOps()
+    calls = counting(ops)
+    model.set_fused_ops(ops)
+    fused = _batched(model, case)
+    blocks = len(model.blocks)
+    assert calls == {"modulated_layer_norm_fp8": blocks, "residual_layer_norm_fp8": 2 * blocks, "gelu_tanh_fp8": blocks}
+    model.set_fused_ops(_EachLinearQuantizes())
+    assert torch.equal(fused, _batched(model, case))
+
+
+def triton_fp8_block_check(device: str) -> dict[str, Any]:
+    """The tiny DiT on fp8_dynamic with the Triton ops, fused quantization against each linear quantizing."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter truncates bf16 casts
+    model, inputs = _model(dtype, device=device), _inputs(device)
+    ops = TritonFusedOps()
+    calls = counting(ops)
+    fused = _run(model, ops, inputs).float()
+
+    class Unfused(TritonFusedOps):
+        def takes_quantized_rows(self, *consumers: torch.nn.Module) -> bool:
+            return False
+
+    composed = _run(model, Unfused(), inputs).float()
+    return {"rel": ((fused - composed).norm() / composed.norm()).item(), "calls": dict(calls),
+            "finite": bool(torch.isfinite(fused).all())}
+
+
+def test_triton_fused_quantization_matches_the_composed_route() -> None:
+    result = run_kernel_checks(__file__, lambda: triton_fp8_block_check("cuda"), what="the Triton kernels")
+    assert result["finite"] and set(result["calls"]) == set(FP8_OPS), result
+    # The norms are bitwise; the GELU's tanh differs from torch's in the last fp32 bits, which can move a
+    # value on an e4m3 rounding boundary to the neighbouring code (docs/precision.md).
+    assert result["rel"] < 5e-3, result
+
+
+if __name__ == "__main__":  # the test's fresh-process run (TRITON_INTERPRET=1 set by the caller)
+    torch.set_num_threads(1)
+    print(json.dumps(triton_fp8_block_check("cpu")))

@@ -1,0 +1,250 @@
+"""The fused ops that write e4m3 rows for fp8_dynamic linears (``FusedOps.*_fp8``, docs/precision.md).
+
+Three things are checked, on CUDA compiled or on CPU in Triton's interpreter (a fresh Python, see
+fv_kernel.testing.triton_checks):
+
+- against references written here in fp64 (LayerNorm, modulation, residual, the tanh GELU, then
+  per-row absmax/448 e4m3 quantization), sharing nothing with fv_kernel's code: the dequantized rows
+  are compared by relative Frobenius error;
+- against the composed path an fp8_dynamic linear takes without them (the Triton norm, then
+  ``fp8_quantize_rows``): the norms' e4m3 bytes and scales are bitwise those, so fusing them does
+  not change what the precision path computes;
+- negative controls, each a bug in what the kernel hands the linear: the scale dropped, row 0's
+  scale used for every row, and a reference that scales per column (the wrong axis). Each must fail
+  the same comparison.
+
+The linear's side (``Fp8Linear`` taking ``QuantizedRows``) is checked on CPU with the torch kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from fv_kernel.compute.fp8 import Fp8Error, Fp8Linear, QuantizedRows, takes_quantized_rows
+from fv_kernel.compute.fused import TorchFusedOps
+from fv_kernel.testing.triton_checks import run_kernel_checks
+
+E4M3 = torch.float8_e4m3fn
+#: Relative Frobenius error between the kernel's dequantized rows and the fp64 reference's, per dtype.
+#: fp32: the same e4m3 codes (the scales differ in their last bits). bf16: the two round the row to bf16
+#: from fp32 and fp64 statistics, so a value on a rounding boundary may land one e4m3 step apart; the
+#: quantization error itself is about 3e-2. Triton's interpreter truncates fp32 -> bf16 casts (half the
+#: values one bf16 ulp off torch's round-to-nearest-even), so the bf16 comparisons with torch run on CUDA only.
+TOL = {"float32": 1e-6, "bfloat16": 2e-3}
+WIDTH = 96
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape or not torch.isfinite(a).all():
+        return float("inf")
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def _ref_quantized(v: torch.Tensor, *, axis: str = "row") -> torch.Tensor:
+    """Quantize-dequantize (M, K) fp64 values: absmax / 448 per row (or, the broken reference, per column)."""
+    amax = v.abs().amax(dim=1 if axis == "row" else 0, keepdim=True)
+    s = (amax / 448.0).clamp(min=1e-12)
+    return (v / s).clamp(-448, 448).float().to(E4M3).double() * s
+
+
+def _ref_layer_norm(h: torch.Tensor, eps: float) -> torch.Tensor:
+    mean = h.mean(dim=-1, keepdim=True)
+    var = ((h - mean) ** 2).mean(dim=-1, keepdim=True)
+    return (h - mean) / torch.sqrt(var + eps)
+
+
+def _ref_gelu_tanh(h: torch.Tensor) -> torch.Tensor:
+    return 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h**3)))
+
+
+def _inputs(dtype: torch.dtype, g: torch.Generator) -> dict[str, torch.Tensor]:
+    # Rows of very different sizes and per-token modulation, so a scale from the wrong row shows.
+    x = torch.randn(2, 9, WIDTH, generator=g) * torch.logspace(-2, 2, 9).reshape(1, 9, 1)
+    return {
+        "x": x.to(dtype), "y": torch.randn(2, 9, WIDTH, generator=g).to(dtype),
+        "gate": torch.randn(2, 1, WIDTH, generator=g), "scale": torch.randn(2, 9, WIDTH, generator=g) * 0.5,
+        "shift": torch.randn(2, 9, WIDTH, generator=g) * 0.5, "weight": torch.randn(WIDTH, generator=g),
+        "bias": torch.randn(WIDTH, generator=g), "hidden": (torch.randn(3, 7, 4 * WIDTH, generator=g) * 3).to(dtype),
+    }
+
+
+def _cases(ops: Any, t: dict[str, torch.Tensor], eps: float) -> dict[str, tuple[QuantizedRows, torch.Tensor, Any]]:
+    """Each fused op's rows, its fp64 reference values (before quantization, rounded to the activation
+    dtype as the op rounds them), and the composed op's rows (norm then the linear's own quantization)."""
+    from fv_kernel.compute.fp8_triton import fp8_quantize_rows
+
+    dtype = t["x"].dtype
+    x64, y64 = t["x"].double(), t["y"].double()
+    residual = (x64 + y64 * t["gate"].double()).to(dtype).double()
+    plain = (x64 + y64).to(dtype).double()
+
+    def composed(normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8_quantize_rows(normed.reshape(-1, normed.shape[-1]))
+
+    out: dict[str, tuple[QuantizedRows, torch.Tensor, Any]] = {}
+    rows = ops.modulated_layer_norm_fp8(t["x"], t["scale"], t["shift"], eps)
+    ref = _ref_layer_norm(x64, eps) * (1 + t["scale"].double()) + t["shift"].double()
+    out["modulated_norm"] = (rows, ref, composed(ops.modulated_layer_norm(t["x"], t["scale"], t["shift"], eps)))
+
+    x_new, rows = ops.residual_layer_norm_fp8(t["x"], t["y"], t["gate"], eps, weight=t["weight"], bias=t["bias"])
+    ref = _ref_layer_norm(residual, eps) * t["weight"].double() + t["bias"].double()
+    x_composed, normed = ops.residual_layer_norm(t["x"], t["y"], t["gate"], eps, weight=t["weight"], bias=t["bias"])
+    assert torch.equal(x_new, x_composed), "the residual stream must not change when its norm is quantized"
+    out["gated_residual_affine_norm"] = (rows, ref, composed(normed))
+
+    _, rows = ops.residual_layer_norm_fp8(t["x"], t["y"], None, eps, scale=t["scale"], shift=t["shift"])
+    ref = _ref_layer_norm(plain, eps) * (1 + t["scale"].double()) + t["shift"].double()
+    out["residual_modulated_norm"] = (
+        rows, ref, composed(ops.residual_layer_norm(t["x"], t["y"], None, eps, scale=t["scale"], shift=t["shift"])[1]))
+
+    rows = ops.gelu_tanh_fp8(t["hidden"])
+    out["gelu_tanh"] = (rows, _ref_gelu_tanh(t["hidden"].double()), composed(
+        torch.nn.functional.gelu(t["hidden"], approximate="tanh")))
+    for name, (rows, ref, want) in out.items():
+        out[name] = (rows, ref.to(dtype).double().reshape(-1, ref.shape[-1]), want)
+    return out
+
+
+def fused_quantization_checks(device: str) -> dict[str, Any]:
+    from fv_kernel.compute.fused import TritonFusedOps
+
+    ops = TritonFusedOps()
+    g = torch.Generator().manual_seed(11)
+    result: dict[str, Any] = {"interpreted": ops.interpreted, "errors": {}, "bitwise_composed": {},
+                              "code_mismatch_fraction": {}, "controls": {}}
+    for dtype in (torch.float32, torch.bfloat16):
+        t = {k: v.to(device) for k, v in _inputs(dtype, g).items()}
+        for name, (rows, ref, (q, s)) in _cases(ops, t, 1e-6).items():
+            key = f"{name}[{str(dtype).removeprefix('torch.')}]"
+            got = rows.data.cpu().double() * rows.scale.cpu().double()
+            want = _ref_quantized(ref.cpu())
+            result["errors"][key] = _rel(got, want)
+            same_codes = torch.equal(rows.data.view(torch.uint8), q.view(torch.uint8))
+            result["bitwise_composed"][key] = same_codes and torch.equal(rows.scale, s)
+            result["code_mismatch_fraction"][key] = (rows.data.view(torch.uint8) != q.view(torch.uint8)).float().mean().item()
+            scale = rows.scale.cpu().double()
+            data = rows.data.cpu().double()
+            result["controls"][key] = {
+                "scale_dropped": _rel(data, want),
+                "row0_scale_for_every_row": _rel(data * scale[:1], want),
+                "reference_scaled_per_column": _rel(got, _ref_quantized(ref.cpu(), axis="column")),
+            }
+    return result
+
+
+@pytest.fixture(scope="module")
+def checks() -> dict[str, Any]:
+    results = run_kernel_checks(__file__, lambda: fused_quantization_checks("cuda"), what="the fused fp8 quantization")
+    assert torch.cuda.is_available() or results["interpreted"]
+    return results
+
+
+def _dtype(case: str) -> str:
+    return case.rsplit("[", 1)[1].rstrip("]")
+
+
+def _compared_with_torch(checks: dict[str, Any], table: str) -> dict[str, Any]:
+    """The cases of ``table`` whose comparison with torch's rounding is meaningful here (see ``TOL``)."""
+    return {k: v for k, v in checks[table].items() if not (checks["interpreted"] and _dtype(k) == "bfloat16")}
+
+
+def test_fused_ops_write_the_references_e4m3_rows(checks: dict[str, Any]) -> None:
+    errors = _compared_with_torch(checks, "errors")
+    assert len(errors) == (4 if checks["interpreted"] else 8)
+    assert all(err < TOL[_dtype(case)] for case, err in errors.items()), errors
+
+
+def test_fused_norms_are_bitwise_the_norm_then_the_linears_own_quantization(checks: dict[str, Any]) -> None:
+    norms = {k: v for k, v in checks["bitwise_composed"].items() if not k.startswith("gelu")}
+    assert len(norms) == 6 and all(norms.values()), norms
+
+
+def test_fused_gelu_matches_torchs_gelu_then_quantization_code_for_code_but_for_rounding_ties(checks: dict[str, Any]) -> None:
+    # The kernel's tanh (through exp) and torch's differ in the last fp32 bits; after rounding to the
+    # activation dtype a value on an e4m3 boundary can take the neighbouring code.
+    gelu = {k: v for k, v in _compared_with_torch(checks, "code_mismatch_fraction").items() if k.startswith("gelu")}
+    assert gelu and all(v <= 0.01 for v in gelu.values()), gelu
+
+
+@pytest.mark.parametrize("control", ["scale_dropped", "row0_scale_for_every_row", "reference_scaled_per_column"])
+def test_the_comparison_catches_a_broken_scale(checks: dict[str, Any], control: str) -> None:
+    errors = {case: controls[control] for case, controls in checks["controls"].items()}
+    assert len(errors) == 8 and all(err > 10 * TOL[_dtype(case)] for case, err in errors.items()), errors
+
+
+# --------------------------------------------------------------------------- code generated for Hopper (no GPU needed)
+
+
+@pytest.mark.parametrize("kernel", ["residual_norm_kernel", "gelu_quantize_kernel"])
+def test_the_fused_quantizing_kernels_build_a_saturating_e4m3_cast_for_sm90(kernel: str) -> None:
+    """At Wan-1.3B's widths (1536 for the norms, 8960 for the GELU): the hardware's round-to-nearest
+    saturating e4m3 cast, and no register spills."""
+    from fv_kernel.compute.fused import triton_available
+
+    if not triton_available():
+        pytest.skip("needs triton")
+    from fv_kernel.compute import fused_kernels
+    from fv_kernel.testing.triton_checks import compile_for_sm90
+
+    if kernel == "residual_norm_kernel":
+        pointers = ("x_ptr", "y_ptr", "x_out_ptr", "out_ptr", "weight_ptr", "bias_ptr")
+        values = {**dict.fromkeys(pointers, "*bf16"), **dict.fromkeys(("gate_ptr", "scale_ptr", "shift_ptr"), "*fp32"),
+                  "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "tokens": 32760, "width": 1536, "eps": "fp32",
+                  **dict.fromkeys(("stride_gate_b", "stride_gate_l", "stride_mod_b", "stride_mod_l", "stride_shift_b",
+                                   "stride_shift_l"), 0)}
+        constexprs = {"HAS_RESIDUAL": True, "HAS_GATE": False, "HAS_NORM": True, "HAS_AFFINE": False, "HAS_MOD": True,
+                      "QUANTIZE": True, "EMULATE": False, "BLOCK": 2048}
+        warps = 8
+    else:
+        values = {"h_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "width": 8960}
+        constexprs, warps = {"EMULATE": False, "BLOCK": 16384}, 16
+    build = compile_for_sm90(getattr(fused_kernels, kernel), values, constexprs, num_warps=warps)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in build.ptx
+    assert build.spill_bytes == 0, build.spill_bytes
+
+
+# --------------------------------------------------------------------------- the linear's side (CPU, torch kernel)
+
+
+def _linear(mode: str = "fp8_dynamic") -> Fp8Linear:
+    g = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(WIDTH, 32)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(32, WIDTH, generator=g) * torch.logspace(-2, 1, 32)[:, None])
+    return Fp8Linear.from_linear(linear, mode=mode, kernel="torch")
+
+
+def test_an_fp8_dynamic_linear_given_quantized_rows_computes_what_it_computes_from_the_tensor() -> None:
+    linear = _linear()
+    x = torch.randn(2, 5, WIDTH) * torch.logspace(-2, 2, 5).reshape(1, 5, 1)
+    rows = QuantizedRows.quantize(x)
+    assert rows.shape == x.shape and rows.dtype == x.dtype
+    assert torch.equal(linear(rows), linear(x))
+    assert torch.equal(TorchFusedOps().gelu_tanh_fp8(x).data.view(torch.uint8),
+                       QuantizedRows.quantize(torch.nn.functional.gelu(x, approximate="tanh")).data.view(torch.uint8))
+
+
+def test_quantized_rows_are_refused_where_they_cannot_run() -> None:
+    rows = QuantizedRows.quantize(torch.randn(3, WIDTH))
+    with pytest.raises(Fp8Error, match="only on an fp8_dynamic linear"):
+        _linear("fp8_weights")(rows)
+    with pytest.raises(Fp8Error, match="fp32 scale"):
+        QuantizedRows(rows.data, rows.scale[:2], rows.shape, rows.dtype)
+    with pytest.raises(Fp8Error, match="e4m3 data"):
+        QuantizedRows(rows.data.float(), rows.scale, rows.shape, rows.dtype)
+
+
+def test_only_fp8_dynamic_linears_take_quantized_rows() -> None:
+    assert takes_quantized_rows(_linear(), _linear())
+    assert not takes_quantized_rows(_linear(), _linear("fp8_weights"))
+    assert not takes_quantized_rows(_linear(), torch.nn.Linear(WIDTH, 32))
+    assert not takes_quantized_rows()
+
+
+if __name__ == "__main__":  # the fixture's fresh-process run (TRITON_INTERPRET=1 set by the caller)
+    print(json.dumps(fused_quantization_checks("cpu")))
