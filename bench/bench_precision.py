@@ -7,8 +7,10 @@ weights, bf16, SDPA) timed in the same process, each fv path as a ratio of the d
 - ``native``: bf16 linears, the native attention driver (``--attention``, SDPA-cuDNN by default);
 - ``fp8_weights``: the fp8 target linears as ``Fp8Linear`` mode ``fp8_weights`` (e4m3 weights,
   per-channel scales; activations bf16);
-- ``fp8_dynamic``: the targets as mode ``fp8_dynamic`` (activations quantized per token by one Triton
-  pass, then cuBLASLt's rowwise-scaled e4m3 GEMM on Hopper: ``Fp8Linear``'s ``auto`` kernel);
+- ``fp8_dynamic``: the targets as mode ``fp8_dynamic`` (cuBLASLt's rowwise-scaled e4m3 GEMM on Hopper:
+  ``Fp8Linear``'s ``auto`` kernel), the activations quantized per token in the fused norm and GELU
+  kernels that compute them (``FusedOps.*_fp8``), else (the attention outputs) by one Triton pass;
+- ``fp8_dynamic_unfused_quantization``: the same, every linear quantizing its own bf16 input;
 - ``fp8_attention``: bf16 linears, attention through the ``fp8`` driver;
 - ``fp8_all``: ``fp8_dynamic`` and ``fp8_attention``.
 
@@ -17,7 +19,9 @@ block; embedders, modulation and proj_out stay bf16). Per path: step ms, the rat
 weights' bytes, the step's peak allocated memory, and the step output's relative error and PSNR
 against the native path (one step; full-trajectory PSNR is the parity contract's measurement).
 ``--with-14b`` adds Wan2.1-14B at 720x1280x81 (75,600 tokens) when the GPU has the memory;
-``--models 14b`` runs that size alone (it takes most of one 10-minute device call).
+``--models 14b`` runs that size alone (it takes most of one 10-minute device call; use ``--iters 2``).
+One model is on the device at a time (the weights wait on the host between rows), so the 14B case
+fits an 80 GB card.
 
     python bench/bench_precision.py bench/records/precision_h200 [--with-14b | --models 14b]
     python bench/bench_precision.py /tmp/p --smoke   # tiny config on CPU (fp32, torch kernels)
@@ -47,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, beside th
 from timing import timed_calls_ms
 
 GiB = 2**30
-PATHS = ("native", "fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all")
+PATHS = ("native", "fp8_weights", "fp8_dynamic", "fp8_dynamic_unfused_quantization", "fp8_attention", "fp8_all")
 #: Wan's fp8 targets (fnmatch over the transformer's module names).
 FP8_TARGETS = ("blocks.*.attn1.to_[qkv]", "blocks.*.attn1.to_out.0", "blocks.*.attn2.to_[qkv]",
                "blocks.*.attn2.to_out.0", "blocks.*.ffn.net.0.proj", "blocks.*.ffn.net.2")
@@ -129,20 +133,44 @@ class Run:
             torch.cuda.empty_cache()
 
 
-def model_case(run: Run, label: str, config: Any, latent: tuple[int, int, int], text_len: int) -> dict[str, Any]:
-    """Every path and diffusers for one model size; returns its rows."""
+def unfused_quantization(fused: Any) -> Any:
+    """``fused``'s ops, but every fp8 linear quantizing its own input (the norms and the GELU not writing e4m3
+    rows): the fp8_dynamic path as it ran before the fused quantization, for the side-by-side row."""
+    if fused is None:
+        return None
+
+    class EachLinearQuantizes(type(fused)):  # type: ignore[misc, valid-type]
+        def takes_quantized_rows(self, *consumers: torch.nn.Module) -> bool:
+            return False
+
+    return EachLinearQuantizes()
+
+
+def fv_model(config: Any, dtype: torch.dtype, device: torch.device, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """fv's transformer holding ``weights``, materialised straight at ``dtype`` (built on meta, so a
+    14B model never exists in fp32 on the device beside another)."""
     from fv_wan.models.transformer import WanTransformer, cast_for_inference
+
+    with torch.device("meta"):
+        model = WanTransformer(config)
+    model = cast_for_inference(model, dtype).to_empty(device=device)
+    model.load_state_dict(weights, strict=True)
+    model.rope.build_tables(device)
+    return model.eval().requires_grad_(False)
+
+
+def model_case(run: Run, label: str, config: Any, latent: tuple[int, int, int], text_len: int) -> dict[str, Any]:
+    """Every path and diffusers for one model size; returns its rows.
+
+    One model is on the device at a time: the weights are drawn once (on diffusers' twin, whose
+    state-dict keys are fv's), kept on the host, and loaded into each row's model."""
+    from fv_wan.models.transformer import cast_for_inference
 
     from fv_kernel.compute.attention_backends import attention_callable
     from fv_kernel.compute.fp8 import quantize_linears
     from fv_kernel.compute.fused import select_fused_ops
 
     device, dtype = run.device, run.dtype
-    with torch.device(device):
-        model = WanTransformer(config)
-    randomise_(model, 0)
-    model.rope.build_tables(device)
-    model = cast_for_inference(model, dtype).eval().requires_grad_(False)
     g = torch.Generator(device=device).manual_seed(1)
     f, h, w = latent
     inputs = (torch.randn(1, config.in_channels, f, h, w, generator=g, device=device).to(dtype),
@@ -155,40 +183,40 @@ def model_case(run: Run, label: str, config: Any, latent: tuple[int, int, int], 
     out: dict[str, Any] = {"tokens": f * (h // 2) * (w // 2), "native_attention": native_attention,
                            "fused_ops": None if fused is None else fused.name, "rows": {}}
 
+    from diffusers import WanTransformer3DModel
+
+    log(f"[{label}] diffusers bf16")
+    with torch.device(device):
+        twin = WanTransformer3DModel(**config.to_diffusers_config())
+    randomise_(twin, 0)
+    twin = cast_for_inference(twin, dtype).eval().requires_grad_(False)
+    weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in twin.state_dict().items()}
+    run.free()
     twin_out: torch.Tensor | None = None
     try:
-        from diffusers import WanTransformer3DModel
-
-        with torch.device(device):
-            twin = WanTransformer3DModel(**config.to_diffusers_config())
-        twin.load_state_dict(model.state_dict(), strict=True)
-        twin = cast_for_inference(twin, dtype).eval().requires_grad_(False)
         with torch.no_grad():
             twin_out = twin(*inputs, return_dict=False)[0].float()
             timing = run.time_step(functools.partial(twin, *inputs, return_dict=False))
         out["rows"]["diffusers bf16"] = {**timing, "weight_bytes": weight_bytes(twin),
                                          "weight_gib": round(weight_bytes(twin) / GiB, 3)}
-        del twin
     except Exception as exc:  # noqa: BLE001 - recorded, the fv paths still run
         out["diffusers_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    del twin
     run.free()
 
     reference: torch.Tensor | None = None
     for path in PATHS:
         log(f"[{label}] {path}")
-        mode = {"fp8_weights": "fp8_weights", "fp8_dynamic": "fp8_dynamic", "fp8_all": "fp8_dynamic"}.get(path)
-        subject = model
+        mode = {"fp8_weights": "fp8_weights", "fp8_dynamic": "fp8_dynamic", "fp8_dynamic_unfused_quantization": "fp8_dynamic",
+                "fp8_all": "fp8_dynamic"}.get(path)
+        # A fresh module per row: the attention driver and fused ops set on one hold locks, and a
+        # quantized copy beside the bf16 one would not fit at 14B.
+        subject = fv_model(config, dtype, device, weights)
         if mode is not None:
-            # A fresh module with the same weights: the native path's attention driver and fused ops
-            # (set on ``model`` by the first row) hold locks that deepcopy cannot copy.
-            with torch.device(device):
-                subject = WanTransformer(config)
-            subject.load_state_dict(model.state_dict(), strict=True)
-            subject.rope.build_tables(device)
-            subject = cast_for_inference(subject, dtype).eval().requires_grad_(False)
             quantize_linears(subject, fp8_targets(subject), mode=mode)  # kernel="auto": cuBLASLt on Hopper
         subject.set_attention_fn(fp8_fn if path in ("fp8_attention", "fp8_all") else native_fn)
-        subject.set_fused_ops(fused)
+        subject.set_fused_ops(unfused_quantization(fused) if path == "fp8_dynamic_unfused_quantization" else fused)
+        run.free()
         with torch.no_grad():
             y = subject(*inputs).float()
             timing = run.time_step(functools.partial(subject, *inputs))
@@ -203,9 +231,9 @@ def model_case(run: Run, label: str, config: Any, latent: tuple[int, int, int], 
         if "diffusers bf16" in out["rows"]:
             row["ratio_vs_diffusers"] = round(row["ms"] / out["rows"]["diffusers bf16"]["ms"], 3)
         out["rows"][path] = row
+        out.setdefault("fp8_targets", len(fp8_targets(subject)))  # the first row is native: its targets are linears
         del subject, y
         run.free()
-    out["fp8_targets"] = len(fp8_targets(model))
     return out
 
 
@@ -261,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, config, latent, text_len in cases:
         if "14b" in label:
             free, _ = torch.cuda.mem_get_info()
-            need = 100 * GiB  # bf16 model (28 GB), its diffusers twin, an fp8 copy, and 720p activations
+            need = 60 * GiB  # diffusers' twin built in fp32 (57 GB) before its cast; then one bf16 model at a time
             if free < need:
                 results["errors"][label] = f"skipped: {free / GiB:.0f} GiB free, about {need / GiB:.0f} GiB needed"
                 continue

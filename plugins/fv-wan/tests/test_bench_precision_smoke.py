@@ -12,7 +12,7 @@ import pytest
 import torch
 
 BENCH_DIR = Path(__file__).resolve().parents[3] / "bench"
-PATHS = ("native", "fp8_weights", "fp8_dynamic", "fp8_attention", "fp8_all")
+PATHS = ("native", "fp8_weights", "fp8_dynamic", "fp8_dynamic_unfused_quantization", "fp8_attention", "fp8_all")
 
 
 def test_bench_precision_runs_every_path_beside_diffusers(tmp_path: Path) -> None:
