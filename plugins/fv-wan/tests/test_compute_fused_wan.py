@@ -56,11 +56,11 @@ def test_reference_fused_path_is_bitwise_the_eager_model(dtype: torch.dtype) -> 
     assert torch.equal(eager, fused)
 
 
-def counting(ops: Any) -> Counter[str]:
-    """Count each of ``KERNEL_OPS`` that ``ops`` runs (a comparison means something only if the forward went
+def counting(ops: Any, names: tuple[str, ...] = KERNEL_OPS) -> Counter[str]:
+    """Count each op of ``names`` that ``ops`` runs (a comparison means something only if the forward went
     through them)."""
     calls: Counter[str] = Counter()
-    for name in KERNEL_OPS:
+    for name in names:
         def counted(*args: Any, _run: Any = getattr(ops, name), _name: str = name, **kwargs: Any) -> Any:
             calls[_name] += 1
             return _run(*args, **kwargs)

@@ -24,6 +24,8 @@ from fv_kernel.testing.triton_checks import run_kernel_checks
 from fv_wan.fp8 import WAN_FP8_TARGETS
 from fv_wan.models.transformer import WanTransformer, WanTransformerConfig, cast_for_inference
 
+from test_compute_fused_wan import counting as count_ops
+
 FP8_OPS = ("modulated_layer_norm_fp8", "residual_layer_norm_fp8", "gelu_tanh_fp8")
 
 
@@ -48,14 +50,7 @@ def _inputs(device: str = "cpu") -> tuple[torch.Tensor, ...]:
 
 
 def counting(ops: Any) -> Counter[str]:
-    calls: Counter[str] = Counter()
-    for name in FP8_OPS:
-        def counted(*args: Any, _run: Any = getattr(ops, name), _name: str = name, **kwargs: Any) -> Any:
-            calls[_name] += 1
-            return _run(*args, **kwargs)
-
-        setattr(ops, name, counted)
-    return calls
+    return count_ops(ops, FP8_OPS)
 
 
 class _EachLinearQuantizes(TorchFusedOps):
