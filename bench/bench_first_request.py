@@ -104,7 +104,7 @@ def timed(self, *a, **k):
         loads.append(time.perf_counter() - t)
         loaded_at.append(time.time())
 ModelInstance.load_for_task = timed
-from fv_kernel.cli.app import main
+from fv_kernel.cli.app import exit_now, main
 sys.argv = ["fv", *sys.argv[1:]]
 try:
     main()
@@ -113,7 +113,7 @@ except SystemExit as exc:
 else:
     code = 0
 print(json.dumps({"fv_cold_start_load_s": sum(loads), "loaded_at": max(loaded_at, default=None)}))
-sys.exit(code)
+exit_now(code)  # as the fv console script ends
 """
 
 _IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
