@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+SECTIONS = ("fused_quantization", "linear", "attention", "cross_attention_1.3b", "attention_14b_720p")
 LINEAR_SHAPES = {"qkvo 32760x1536x1536": (32760, 1536, 1536), "ffn_up 32760x1536x8960": (32760, 1536, 8960),
                  "ffn_down 32760x8960x1536": (32760, 8960, 1536)}
 
@@ -208,16 +209,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--sweep", action="store_true", help="also time several block-size configurations")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to time (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
+    benches = {
+        "fused_quantization": bench_fused_quantization,
+        "linear": lambda: bench_linear(args.sweep), "attention": lambda: bench_attention(args.sweep),
+        # Wan's cross-attention (512 text tokens) runs through the same driver on the fp8 paths.
+        "cross_attention_1.3b": lambda: bench_attention(False, heads=12, length=32760, keys=512),
+        "attention_14b_720p": lambda: bench_attention(False, heads=40, length=75600),
+    }
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "fused_quantization": bench_fused_quantization(),
-              "linear": bench_linear(args.sweep), "attention": bench_attention(args.sweep),
-              # Wan's cross-attention (512 text tokens) runs through the same driver on the fp8 paths.
-              "cross_attention_1.3b": bench_attention(False, heads=12, length=32760, keys=512),
-              "attention_14b_720p": bench_attention(False, heads=40, length=75600)}
+              **{name: benches[name]() for name in args.sections}}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

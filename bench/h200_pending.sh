@@ -8,7 +8,8 @@
 # part 7 realtime sessions on the fused ops, part 8 the captured decode with the Triton decode kernels beside without
 # (their tests on the GPU first) and where the host's share of a decode goes, part 9 realtime sessions with the
 # attention kernel left to PyTorch beside cuDNN's pinned, part 10 the VAE decode with its conv biases fused and in
-# exact halo tiles, then FastWan end to end on its default path. Every bench runs
+# exact halo tiles, then FastWan end to end on its default path, part 11 the fused fp8 quantization (tests, kernels,
+# the 1.3B step's paths), part 12 the aligned halo tiles again and 2D forms of the VAE's 3D convs. Every bench runs
 # under its own timeout, writes its JSON under $OUT (default out/h200) and its log beside it, so a
 # bench that fails or runs out of time costs only its own slot; the last lines of each log are
 # printed at the end. docs/benchmarks.md says which section records each figure.
@@ -16,8 +17,8 @@
 # The device machine has torch and triton but not every package: wheels carried in $WHEELS (default
 # .whlb/: pydantic, diffusers, stevedore, ...) are installed into /tmp/site first when that folder is present.
 set -u
-part="${1:?usage: bash bench/h200_pending.sh 1|2|3|4|5|6|7|8|9|10}"
-case "$part" in 1|2|3|4|5|6|7|8|9|10) ;; *) echo "part must be 1 to 10, got $part" >&2; exit 2 ;; esac
+part="${1:?usage: bash bench/h200_pending.sh 1|2|...|12}"
+case "$part" in 1|2|3|4|5|6|7|8|9|10|11|12) ;; *) echo "part must be 1 to 12, got $part" >&2; exit 2 ;; esac
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -62,7 +63,7 @@ case "$part" in
     # issue 34: the fp8 kernels (every tile candidate) and the precision paths' Wan-1.3B step beside diffusers;
     # issue 36 section 1: Cosmos 3's decode, with the rows each token step really ran (and fused, measured)
     run fp8_kernels 240 python3 bench/bench_fp8_kernels.py --sweep --out "$out/fp8_kernels.json"
-    run precision 200 python3 bench/bench_precision.py "$out/precision"
+    run precision 200 python3 bench/bench_precision.py "$out/precision" --iters 3
     run cosmos3_decode 150 python3 bench/bench_cosmos3.py "$out/cosmos3_decode.json" --card cosmos3-nano --sections decode
     ;;
 4)
@@ -76,7 +77,7 @@ case "$part" in
     run cosmos3_decode 200 python3 bench/bench_cosmos3.py "$out/cosmos3_decode.json" --card cosmos3-nano \
         --sections decode --decode-tiers graphed
     # issue 34: the fp8 driver on Wan's cross-attention shape beside self-attention
-    run fp8_kernels 150 python3 bench/bench_fp8_kernels.py --out "$out/fp8_kernels.json"
+    run fp8_kernels 100 python3 bench/bench_fp8_kernels.py --out "$out/fp8_kernels.json" --sections fused_quantization linear
     # issue 36 section 2: the VAE decode with the cuDNN autotuner row
     run vae_decode 150 python3 bench/bench_vae_decode.py "$out/vae"
     ;;
@@ -113,6 +114,20 @@ case "$part" in
     run vae_decode_halo3 150 python3 bench/bench_vae_decode.py "$out/vae_halo3" --halo 1 3 --iters 2
     run gpu_e2e 150 python3 bench/bench_gpu.py "$out/gpu" --skip matmul dit diffusers graphs step_parts vae step_batching \
         compiled --concurrency 1 8 --budget-s 140
+    ;;
+11)
+    # issue 34: the fused fp8 quantization's tests on the GPU, the kernels, and the 1.3B step's paths (with the
+    # fp8_dynamic row's quantization unfused beside it)
+    run fp8_tests 130 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_compute_fp8_fused_quantization.py \
+        tests/test_compute_fp8_kernels.py && cd plugins/fv-wan && python3 -m pytest -q -p no:cacheprovider \
+        tests/test_fp8_fused_quantization_wan.py tests/test_compute_fused_wan.py"
+    run fp8_kernels 100 python3 bench/bench_fp8_kernels.py --out "$out/fp8_kernels.json" --sections fused_quantization linear
+    run precision 200 python3 bench/bench_precision.py "$out/precision" --iters 3
+    ;;
+12)
+    # issue 36 section 2: the exact halo tiles (aligned, the default) after the lifetime fix, and 2D forms of the 3D convs
+    run vae_decode 220 python3 bench/bench_vae_decode.py "$out/vae" --halo 1 2
+    run conv_forms 100 python3 bench/probe_conv_forms.py "$out/conv_forms.json"
     ;;
 esac
 for log in "$out"/*.log; do
