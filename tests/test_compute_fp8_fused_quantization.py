@@ -134,7 +134,23 @@ def fused_quantization_checks(device: str) -> dict[str, Any]:
                 "row0_scale_for_every_row": _rel(data * scale[:1], want),
                 "reference_scaled_per_column": _rel(got, _ref_quantized(ref.cpu(), axis="column")),
             }
+    # The Triton linear given the rows (x_scale) computes what it computes quantizing the tensor itself.
+    from fv_kernel.compute.fp8_triton import fp8_linear_triton
+
+    linear = _linear()
+    x = (torch.randn(37, WIDTH, generator=g) * torch.logspace(-2, 2, 37)[:, None]).to(device)
+    rows = QuantizedRows.quantize(x) if device == "cuda" else _triton_rows(x)
+    weight, scale, bias = linear.weight.to(device), linear.weight_scale.to(device), linear.bias.to(device)
+    given = fp8_linear_triton(rows.data, weight, scale, bias, "fp8_dynamic", torch.float32, x_scale=rows.scale)
+    result["linear_given_rows_equals_linear"] = torch.equal(
+        given, fp8_linear_triton(x, weight, scale, bias, "fp8_dynamic", torch.float32))
     return result
+
+
+def _triton_rows(x: torch.Tensor) -> QuantizedRows:
+    from fv_kernel.compute.fp8_triton import fp8_quantize_rows
+
+    return QuantizedRows(*fp8_quantize_rows(x), x.shape, x.dtype)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +167,10 @@ def _dtype(case: str) -> str:
 def _compared_with_torch(checks: dict[str, Any], table: str) -> dict[str, Any]:
     """The cases of ``table`` whose comparison with torch's rounding is meaningful here (see ``TOL``)."""
     return {k: v for k, v in checks[table].items() if not (checks["interpreted"] and _dtype(k) == "bfloat16")}
+
+
+def test_the_triton_linear_given_quantized_rows_computes_what_it_computes_from_the_tensor(checks: dict[str, Any]) -> None:
+    assert checks["linear_given_rows_equals_linear"]
 
 
 def test_fused_ops_write_the_references_e4m3_rows(checks: dict[str, Any]) -> None:
