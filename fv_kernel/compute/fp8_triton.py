@@ -113,6 +113,15 @@ def _to_e4m3(x, EMULATE_ROUNDING: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_rows(x, EMULATE_ROUNDING: tl.constexpr):
+    """Each row of ``x [R, K]`` (fp32, padding entries 0) as e4m3, with its fp32 scale ``[R]``: absmax / 448
+    (at least 1e-12), the quotient clamped to ±448 and rounded to nearest even. The one definition of a
+    row's quantization, for the kernel below and the fused norm and GELU kernels (``fused_kernels``)."""
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, 1e-12)
+    return _to_e4m3(tl.clamp(x / scale[:, None], -448.0, 448.0), EMULATE_ROUNDING), scale
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, xq_ptr, xs_ptr, M, K, stride_xm,
     EMULATE_ROUNDING: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROWS: tl.constexpr,
@@ -123,9 +132,8 @@ def _quantize_rows_kernel(
     if WHOLE_ROWS:  # a row fits one tile: read it once
         ok = m_ok[:, None] & (rk < K)[None, :]
         xt = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=ok, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(xt), 1) / 448.0, 1e-12)
+        xq, scale = _e4m3_rows(xt, EMULATE_ROUNDING)
         tl.store(xs_ptr + rm, scale, mask=m_ok)
-        xq = _to_e4m3(tl.clamp(xt / scale[:, None], -448.0, 448.0), EMULATE_ROUNDING)
         tl.store(xq_ptr + rm[:, None] * K + rk[None, :], xq, mask=ok)
     else:  # wider rows: the absmax pass, then the quantizing pass (its reads mostly from L2)
         amax = tl.zeros([ROWS], dtype=tl.float32)

@@ -8,18 +8,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fv_kernel.compute.fp8_triton import _to_e4m3
+from fv_kernel.compute.fp8_triton import _e4m3_rows
 
 __all__ = ["channel_bias_kernel", "channel_rms_silu_kernel", "gelu_quantize_kernel", "residual_norm_kernel", "rms_rope_kernel"]
 
 
 @triton.jit
 def _quantize_row(v, mask, q_ptr, qs_ptr, row, base, cols, EMULATE: tl.constexpr):
-    """One row (fp32 holding values already rounded to the activation dtype) as e4m3 and its scale,
-    as ``fp8_quantize_rows`` computes them."""
-    scale = tl.maximum(tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0) / 448.0, 1e-12)
-    tl.store(qs_ptr + row, scale)
-    tl.store(q_ptr + base + cols, _to_e4m3(tl.clamp(v / scale, -448.0, 448.0), EMULATE), mask=mask)
+    """Store one row (fp32 holding values already rounded to the activation dtype) as e4m3 and its scale,
+    quantized as ``fp8_quantize_rows`` quantizes (``_e4m3_rows``)."""
+    codes, scale = _e4m3_rows(tl.where(mask, v, 0.0)[None, :], EMULATE)
+    tl.store(qs_ptr + row + tl.arange(0, 1), scale)
+    tl.store(q_ptr + base + cols[None, :], codes, mask=mask[None, :])
 
 
 @triton.jit
