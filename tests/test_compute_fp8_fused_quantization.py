@@ -3,9 +3,9 @@
 Three things are checked, on CUDA compiled or on CPU in Triton's interpreter (a fresh Python, see
 fv_kernel.testing.triton_checks):
 
-- against references written here in fp64 (LayerNorm, modulation, residual, the tanh GELU, then
-  per-row absmax/448 e4m3 quantization), sharing nothing with fv_kernel's code: the dequantized rows
-  are compared by relative Frobenius error;
+- against references in fp64 (LayerNorm, modulation, residual and the tanh GELU written here, then the
+  fp8 kernel tests' per-row absmax/448 e4m3 quantization), sharing nothing with fv_kernel's code: the
+  dequantized rows are compared by relative Frobenius error;
 - against the composed path an fp8_dynamic linear takes without them (the Triton norm, then
   ``fp8_quantize_rows``): the norms' e4m3 bytes and scales are bitwise those, so fusing them does
   not change what the precision path computes;
@@ -29,7 +29,8 @@ from fv_kernel.compute.fp8 import Fp8Error, Fp8Linear, QuantizedRows, takes_quan
 from fv_kernel.compute.fused import TorchFusedOps
 from fv_kernel.testing.triton_checks import run_kernel_checks
 
-E4M3 = torch.float8_e4m3fn
+from test_compute_fp8_kernels import _ref_rows_e4m3
+
 #: Relative Frobenius error between the kernel's dequantized rows and the fp64 reference's, per dtype.
 #: fp32: the same e4m3 codes (the scales differ in their last bits). bf16: the two round the row to bf16
 #: from fp32 and fp64 statistics, so a value on a rounding boundary may land one e4m3 step apart; the
@@ -46,10 +47,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _ref_quantized(v: torch.Tensor, *, axis: str = "row") -> torch.Tensor:
-    """Quantize-dequantize (M, K) fp64 values: absmax / 448 per row (or, the broken reference, per column)."""
-    amax = v.abs().amax(dim=1 if axis == "row" else 0, keepdim=True)
-    s = (amax / 448.0).clamp(min=1e-12)
-    return (v / s).clamp(-448, 448).float().to(E4M3).double() * s
+    """Quantize-dequantize (M, K) values per row, as the fp8 kernel tests' reference does (or, the broken
+    reference, per column)."""
+    return _ref_rows_e4m3(v) if axis == "row" else _ref_rows_e4m3(v.t()).t()
 
 
 def _ref_layer_norm(h: torch.Tensor, eps: float) -> torch.Tensor:
