@@ -53,11 +53,14 @@ def counting(ops: Any) -> Counter[str]:
     return count_ops(ops, FP8_OPS)
 
 
-class _EachLinearQuantizes(TorchFusedOps):
-    """The route without the fp8 ops: every fp8 linear quantizes its own activation-dtype input."""
+def _each_linear_quantizes(ops_class: type = TorchFusedOps) -> Any:
+    """``ops_class``'s ops on the route without the fp8 ops: every fp8 linear quantizes its own activation-dtype input."""
 
-    def takes_quantized_rows(self, *consumers: torch.nn.Module) -> bool:
-        return False
+    class EachLinearQuantizes(ops_class):  # type: ignore[misc, valid-type]
+        def takes_quantized_rows(self, *consumers: torch.nn.Module) -> bool:
+            return False
+
+    return EachLinearQuantizes()
 
 
 class _RowZerosScale(TorchFusedOps):
@@ -83,12 +86,12 @@ def test_the_fp8_ops_are_bitwise_each_linear_quantizing_its_own_input(dtype: tor
     # Per block: norm1 for q/k/v, norm2 (cross-attention's affine norm) and norm3 for the FFN, the GELU for net.2.
     blocks = len(model.blocks)
     assert calls == {"modulated_layer_norm_fp8": blocks, "residual_layer_norm_fp8": 2 * blocks, "gelu_tanh_fp8": blocks}
-    assert torch.equal(fused, _run(model, _EachLinearQuantizes(), inputs))
+    assert torch.equal(fused, _run(model, _each_linear_quantizes(), inputs))
 
 
 def test_a_wrong_scale_from_the_fused_norm_is_caught() -> None:
     model, inputs = _model(torch.float32), _inputs()
-    right = _run(model, _EachLinearQuantizes(), inputs)
+    right = _run(model, _each_linear_quantizes(), inputs)
     wrong = _run(model, _RowZerosScale(), inputs)
     assert ((wrong - right).norm() / right.norm()).item() > 1e-2
 
@@ -99,7 +102,7 @@ def test_a_norm_read_by_any_other_linear_stays_in_the_activation_dtype() -> None
     for model in (_model(torch.float32, targets=("blocks.*.attn1.to_q",)), _model(torch.float32, mode="fp8_weights")):
         ops = TorchFusedOps()
         calls = counting(ops)
-        assert torch.equal(_run(model, ops, _inputs()), _run(model, _EachLinearQuantizes(), _inputs()))
+        assert torch.equal(_run(model, ops, _inputs()), _run(model, _each_linear_quantizes(), _inputs()))
         assert sum(calls.values()) == 0, calls
 
 
@@ -114,7 +117,7 @@ def test_the_causal_block_hands_its_fp8_linears_quantized_rows_too() -> None:
     fused = _batched(model, case)
     blocks = len(model.blocks)
     assert calls == {"modulated_layer_norm_fp8": blocks, "residual_layer_norm_fp8": 2 * blocks, "gelu_tanh_fp8": blocks}
-    model.set_fused_ops(_EachLinearQuantizes())
+    model.set_fused_ops(_each_linear_quantizes())
     assert torch.equal(fused, _batched(model, case))
 
 
@@ -126,11 +129,7 @@ def triton_fp8_block_check(device: str) -> dict[str, Any]:
     calls = counting(ops)
     fused = _run(model, ops, inputs).float()
 
-    class Unfused(TritonFusedOps):
-        def takes_quantized_rows(self, *consumers: torch.nn.Module) -> bool:
-            return False
-
-    composed = _run(model, Unfused(), inputs).float()
+    composed = _run(model, _each_linear_quantizes(TritonFusedOps), inputs).float()
     return {"rel": ((fused - composed).norm() / composed.norm()).item(), "calls": dict(calls),
             "finite": bool(torch.isfinite(fused).all())}
 
