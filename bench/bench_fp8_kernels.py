@@ -201,8 +201,21 @@ def bench_fused_quantization() -> dict[str, Any]:
                                  lambda: rows(F.gelu(hidden, approximate="tanh")),
                                  lambda: ops.gelu_tanh_fp8(hidden)),
     }
-    return {label: {"bf16 op alone": _ms(op), "bf16 op + row quantization": _ms(composed), "fused *_fp8": _ms(fused)}
-            for label, (op, composed, fused) in cases.items()}
+    out = {label: {"bf16 op alone": _ms(op), "bf16 op + row quantization": _ms(composed), "fused *_fp8": _ms(fused)}
+           for label, (op, composed, fused) in cases.items()}
+    # The fused GELU's launch forms (fp8_gelu_quantize_rows picks one by GELU_WHOLE_ROW_LIMIT): whole rows in
+    # one pass, or two passes over chunks of a row (the GELU recomputed in the second), by chunk, tile, warps.
+    from fv_kernel.compute.fp8_triton import _launch_quantize_rows
+
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    forms = {"one pass, whole rows, 8 warps": dict(whole_row_limit=16384, num_warps=8),
+             "one pass, whole rows, 16 warps": dict(whole_row_limit=16384, num_warps=16)}
+    for block_k, tile, warps in ((1024, 4096, 4), (1024, 4096, 8), (2048, 4096, 8), (1024, 8192, 8), (512, 2048, 4)):
+        forms[f"two passes, chunk {block_k}, tile {tile}, {warps} warps"] = dict(
+            whole_row_limit=0, block_k=block_k, tile=tile, num_warps=warps)
+    out["gelu_tanh 32760x8960 forms"] = {label: _ms(lambda kw=kw: _launch_quantize_rows(flat, gelu=True, **kw))
+                                         for label, kw in forms.items()}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,8 @@
 # (their tests on the GPU first) and where the host's share of a decode goes, part 9 realtime sessions with the
 # attention kernel left to PyTorch beside cuDNN's pinned, part 10 the VAE decode with its conv biases fused and in
 # exact halo tiles, then FastWan end to end on its default path, part 11 the fused fp8 quantization (tests, kernels,
-# the 1.3B step's paths), part 12 the aligned halo tiles again and 2D forms of the VAE's 3D convs. Every bench runs
+# the 1.3B step's paths), part 12 the aligned halo tiles again and 2D forms of the VAE's 3D convs, part 13 part 11
+# again after its first run's fixes (each test suite on its own, the fused GELU's launch forms) with the conv probe. Every bench runs
 # under its own timeout, writes its JSON under $OUT (default out/h200) and its log beside it, so a
 # bench that fails or runs out of time costs only its own slot; the last lines of each log are
 # printed at the end. docs/benchmarks.md says which section records each figure.
@@ -17,8 +18,8 @@
 # The device machine has torch and triton but not every package: wheels carried in $WHEELS (default
 # .whlb/: pydantic, diffusers, stevedore, ...) are installed into /tmp/site first when that folder is present.
 set -u
-part="${1:?usage: bash bench/h200_pending.sh 1|2|...|12}"
-case "$part" in 1|2|3|4|5|6|7|8|9|10|11|12) ;; *) echo "part must be 1 to 12, got $part" >&2; exit 2 ;; esac
+part="${1:?usage: bash bench/h200_pending.sh 1|2|...|13}"
+case "$part" in 1|2|3|4|5|6|7|8|9|10|11|12|13) ;; *) echo "part must be 1 to 13, got $part" >&2; exit 2 ;; esac
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -127,6 +128,18 @@ case "$part" in
 12)
     # issue 36 section 2: the exact halo tiles (aligned, the default) after the lifetime fix, and 2D forms of the 3D convs
     run vae_decode 220 python3 bench/bench_vae_decode.py "$out/vae" --halo 1 2
+    run conv_forms 100 python3 bench/probe_conv_forms.py "$out/conv_forms.json"
+    ;;
+13)
+    # issue 34 after part 11's H100 run (QuantizedRows on the auto kernel, bf16 judged code by code, the GELU's
+    # two-pass form): the tests suite by suite, the fused ops and the GELU's launch forms, the 1.3B step's
+    # paths; issue 36: 2D forms of the VAE's 3D convs
+    run fp8_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_compute_fp8_fused_quantization.py \
+        tests/test_compute_fp8_kernels.py
+    run fp8_tests_wan 90 bash -c "cd plugins/fv-wan && python3 -m pytest -q -p no:cacheprovider \
+        tests/test_fp8_fused_quantization_wan.py tests/test_compute_fused_wan.py"
+    run fp8_kernels 60 python3 bench/bench_fp8_kernels.py --out "$out/fp8_kernels.json" --sections fused_quantization
+    run precision 170 python3 bench/bench_precision.py "$out/precision" --iters 3
     run conv_forms 100 python3 bench/probe_conv_forms.py "$out/conv_forms.json"
     ;;
 esac

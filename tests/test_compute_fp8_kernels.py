@@ -292,7 +292,7 @@ def test_row_quantization_builds_a_saturating_e4m3_cast_for_sm90() -> None:
     for k, rows, block_k, whole, warps in ((1536, 2, 2048, True, 4), (8960, 1, 16384, True, 8), (20480, 4, 1024, False, 4)):
         build = compile_for_sm90(_quantize_rows_kernel, {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32",
                                                          "M": 32760, "K": k, "stride_xm": k},
-                                 {"EMULATE_ROUNDING": False, "ROWS": rows, "BLOCK_K": block_k, "WHOLE_ROWS": whole},
+                                 {"EMULATE_ROUNDING": False, "ROWS": rows, "BLOCK_K": block_k, "WHOLE_ROWS": whole, "GELU": False},
                                  num_warps=warps)
         assert "cvt.rn.satfinite.e4m3x2.f32" in build.ptx, k
         assert build.spill_bytes == 0, (k, build.spill_bytes)

@@ -220,9 +220,10 @@ def _auto_kernel(
 ) -> torch.Tensor:
     """The fastest kernel that can run: cuBLASLt (``scaled_mm``) on Hopper and later when the sizes
     divide by 16, else Triton on CUDA when importable, else the torch reference."""
-    if x.device.type != "cuda":
+    device = x.data.device if isinstance(x, QuantizedRows) else x.device  # rows quantized by the op before
+    if device.type != "cuda":
         kernel = _torch_kernel
-    elif (torch.cuda.get_device_capability(x.device) >= _ROWWISE_SCALED_MM_CAPABILITY
+    elif (torch.cuda.get_device_capability(device) >= _ROWWISE_SCALED_MM_CAPABILITY
           and weight.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0):
         kernel = _scaled_mm_kernel
     else:

@@ -283,8 +283,6 @@ def _check_video(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor | None)
         )
 
 
-#: The widest row :meth:`TritonFusedOps.gelu_tanh_fp8` quantizes in one program (Wan-14B's FFN is 13,824 wide).
-_GELU_QUANTIZE_WIDEST = 16384
 
 
 def _row_block(width: int) -> int:
@@ -295,13 +293,12 @@ def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def _build_kernels() -> tuple[object, object, object, object, object]:
+def _build_kernels() -> tuple[object, object, object, object]:
     """The Triton kernels, imported on first use (Triton is optional); decorated when first imported,
     so under Triton's interpreter when ``TRITON_INTERPRET=1`` was set before."""
     from fv_kernel.compute import fused_kernels as k
 
-    return (k.residual_norm_kernel, k.rms_rope_kernel, k.channel_rms_silu_kernel, k.channel_bias_kernel,
-            k.gelu_quantize_kernel)
+    return k.residual_norm_kernel, k.rms_rope_kernel, k.channel_rms_silu_kernel, k.channel_bias_kernel
 
 
 class TritonFusedOps(FusedOps):
@@ -312,8 +309,7 @@ class TritonFusedOps(FusedOps):
     def __init__(self) -> None:
         if not triton_available():
             raise FusedOpsUnavailable("fused_ops='triton' needs the triton package, which is not importable")
-        (self._residual_norm, self._rms_rope, self._channel_rms_silu, self._channel_bias,
-         self._gelu_quantize) = _build_kernels()
+        self._residual_norm, self._rms_rope, self._channel_rms_silu, self._channel_bias = _build_kernels()
         import triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -441,17 +437,9 @@ class TritonFusedOps(FusedOps):
 
     def gelu_tanh_fp8(self, h: torch.Tensor) -> QuantizedRows:
         self._require_device(h)
-        width = h.shape[-1]
-        block = _row_block(width)
-        if block > _GELU_QUANTIZE_WIDEST:  # wider rows than one program holds: the composed ops
-            return super().gelu_tanh_fp8(h)
-        rows = h.contiguous().reshape(-1, width)
-        q = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=h.device)
-        q_scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=h.device)
-        if rows.shape[0]:
-            self._gelu_quantize[(rows.shape[0],)](  # type: ignore[index]
-                rows, q, q_scale, width, EMULATE=self.interpreted, BLOCK=block, num_warps=_warps(block),
-            )  # fmt: skip
+        from fv_kernel.compute.fp8_triton import fp8_gelu_quantize_rows  # the row quantization, a GELU prologue
+
+        q, q_scale = fp8_gelu_quantize_rows(h.contiguous().reshape(-1, h.shape[-1]))
         return QuantizedRows(q, q_scale, h.shape, h.dtype)
 
     def qk_rms_norm_rope(

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from fv_kernel.compute.fp8_triton import _e4m3_rows
 
-__all__ = ["channel_bias_kernel", "channel_rms_silu_kernel", "gelu_quantize_kernel", "residual_norm_kernel", "rms_rope_kernel"]
+__all__ = ["channel_bias_kernel", "channel_rms_silu_kernel", "residual_norm_kernel", "rms_rope_kernel"]
 
 
 @triton.jit
@@ -65,20 +65,6 @@ def residual_norm_kernel(
             _quantize_row(n.to(out_ptr.dtype.element_ty).to(tl.float32), mask, q_ptr, qs_ptr, row, base, cols, EMULATE)
         else:
             tl.store(out_ptr + base + cols, n.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def gelu_quantize_kernel(h_ptr, q_ptr, qs_ptr, width, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < width
-    base = row * width
-    h = tl.load(h_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-    # torch's tanh GELU in fp32: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (e^2u + 1)
-    inner = 0.7978845608028654 * (h + 0.044715 * h * h * h)
-    # e^2u clamped below fp32's overflow: past 60 the quotient is 0 in fp32 either way
-    g = 0.5 * h * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * inner, 60.0)) + 1.0))
-    _quantize_row(g.to(h_ptr.dtype.element_ty).to(tl.float32), mask, q_ptr, qs_ptr, row, base, cols, EMULATE)
 
 
 @triton.jit

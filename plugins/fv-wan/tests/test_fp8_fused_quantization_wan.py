@@ -39,7 +39,8 @@ def _model(dtype: torch.dtype, *, mode: str = "fp8_dynamic", targets: tuple[str,
     model = cast_for_inference(model, dtype).to(device)
     paths = [n for n, m in model.named_modules()
              if isinstance(m, torch.nn.Linear) and any(fnmatch.fnmatchcase(n, g) for g in targets)]
-    quantize_linears(model, paths, mode=mode, kernel="torch" if device == "cpu" else "auto")
+    # "auto", the kernel a loaded card's linears get (on CPU it runs the torch reference).
+    quantize_linears(model, paths, mode=mode, kernel="auto")
     return model.requires_grad_(False)
 
 
