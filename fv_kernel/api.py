@@ -19,6 +19,7 @@ from fv_kernel.model.buildcheck import BuildProblem, InvalidCard, check_card_bui
 from fv_kernel.model.catalog import CardCatalog, ResolvedModel
 from fv_kernel.card.checkpoint import apply_key_map, dtype_for_key, load_into, read_safetensors, resolve_source
 from fv_kernel.model.options import InstanceOptions
+from fv_kernel.model.component_sources import check_component_sources, component_source, component_sources_version
 from fv_kernel.model.instance import ModelInstance, build_instance
 from fv_kernel.loop.plan import StepOp
 from fv_kernel.card.refs import import_object

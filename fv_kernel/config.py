@@ -46,6 +46,9 @@ class CardDeployment(BaseModel):
     attention_backend: str = "sdpa"
     compute: ComputeOptions | None = None
     local_files_only: bool = False
+    #: Component id -> one ``.safetensors`` file that component loads from instead of the card's checkpoint
+    #: (docs/cards.md, "Component sources"): ``{transformer: models/diffusion_models/wan2.1_t2v_1.3B_fp8_scaled.safetensors}``.
+    component_sources: dict[str, Path] = Field(default_factory=dict)
     #: Deploy in a ``precision`` or ``precision_path`` the card's recipe excludes (``recipe.assumes_precision``)
     #: instead of refusing with ``recipe_mismatch``; logged when the card is loaded.
     override_recipe: bool = False

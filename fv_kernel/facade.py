@@ -27,7 +27,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal, Sequence, TypedDict, Union, overload
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal, Mapping, Sequence, TypedDict, Union, overload
 
 import torch
 from pydantic import ValidationError
@@ -192,6 +192,7 @@ def load(
     override_recipe: bool = False,
     host: PluginHost | None = None,
     precision_path: str | None = None,
+    component_sources: Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> "VideoGenerator":
     """A generator for ``model``, its weights loaded: what ``fv generate --model`` takes.
 
@@ -203,7 +204,9 @@ def load(
     ``device``, ``precision``, ``precision_path`` and ``override_recipe`` win over it.
     ``precision_path``: what runs in fp8 (docs/precision.md): ``native``, a path the card lists
     (``fp8_weights``, ``fp8_dynamic``, ``fp8_attention``, ``fp8_all``), or ``auto``; None: the
-    card's own. The generator's instance reports the resolved path. ``host``: a plugin host to
+    card's own. The generator's instance reports the resolved path. ``component_sources``: component id
+    -> one ``.safetensors`` file it loads from instead of the card's checkpoint (a component the card marks
+    ``single_file``, as ComfyUI's ``diffusion_models`` files; docs/cards.md), over the config entry's. ``host``: a plugin host to
     use instead of the one the config selects. Every problem is a typed error naming its
     field, raised before weights load where it can be.
     """
@@ -212,7 +215,8 @@ def load(
         host = PluginHost(deploy.plugins)
     host.start()
     choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe,
-                           precision_path=precision_path)
+                           precision_path=precision_path,
+                           component_sources={k: Path(v) for k, v in (component_sources or {}).items()})
     if deploy.adapters is None:  # generate(loras=...) works without a config: adapters on, default settings
         deploy = deploy.model_copy(update={"adapters": AdapterSettings()})
     engine = engine_for(deploy, host, adapters=adapter_registry(deploy, [choice.card]))

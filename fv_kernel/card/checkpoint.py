@@ -82,8 +82,12 @@ def resolve_source(source: str, *, subfolder: str = "", local_files_only: bool =
 
 
 def read_safetensors(folder: Path, *, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of a folder: a sharded index if present, else every ``*.safetensors`` file."""
+    """All tensors of a folder (a sharded index if present, else every ``*.safetensors`` file), or of
+    one ``.safetensors`` file (a component source)."""
     from safetensors.torch import load_file
+
+    if folder.is_file():
+        return load_file(str(folder), device=device)
 
     for index_name in _INDEX_NAMES:
         index = folder / index_name

@@ -200,6 +200,9 @@ class ComponentCheckpoint(_Spec):
     key_maps: dict[str, tuple[KeyMapRule, ...]] = Field(default_factory=dict)
     #: Seeded random weights instead of a file (embedded tiny cards).
     random_init_seed: int | None = None
+    #: The family's loader can read this component from one ``.safetensors`` file with the card's own
+    #: config: a deployment may name one (``component_sources``; ComfyUI's ``diffusion_models`` files).
+    single_file: bool = False
 
 
 class CheckpointManifest(_Spec):

@@ -100,6 +100,12 @@ def generate(
         help="A LoRA adapter file (.safetensors, any common format the card reads) and its strength, FILE[:SCALE] "
              "(default 1.0); repeat to stack several, applied in order after the card's default stack.",
     ),
+    component_source: list[str] = typer.Option(
+        [], "--component-source",
+        help="COMPONENT=FILE: load that component's weights from one .safetensors file (e.g. "
+             "transformer=wan2.1_t2v_1.3B_fp8_scaled.safetensors, ComfyUI's diffusion_models files) with the card's "
+             "config; repeat for several components. Only components the card marks single_file take one.",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     config: Optional[Path] = ConfigOption,
 ) -> None:
@@ -108,7 +114,7 @@ def generate(
     With --config, the deploy config applies as it does to ``fv serve``: its ``plugins``
     select the plugins, its ``limits``, ``scheduler`` and ``extensions`` apply, and its
     ``cards`` entry for --model (if any) gives the instance options (device, precision,
-    attention_backend, compute, local_files_only, override_recipe; flags win). Other
+    attention_backend, compute, local_files_only, override_recipe, component_sources; flags win). Other
     cards it lists are not loaded.
     """
     try:  # before any compute: the suffix, and that a file can be created there
@@ -120,6 +126,7 @@ def generate(
         _fail(f"precision: {precision!r} is not a precision; allowed: {', '.join(PRECISIONS)}")
     try:
         lora_files = [parse_lora_option(item) for item in lora]
+        component_sources = parse_component_sources(component_source)
     except InvalidRequest as exc:
         _fail(exc.message)
         return
@@ -159,7 +166,7 @@ def generate(
             host = start_host(deploy)
             # The config's entry for this card (if any) gives the instance options; flags win.
             choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe,
-                                   precision_path=precision_path)
+                                   precision_path=precision_path, component_sources=component_sources)
             card, options = choice.card, choice.options
             request = request.with_updates(model=card.model_id)
             registry = None
@@ -251,6 +258,21 @@ def parse_lora_option(value: str) -> tuple[Path, float]:
     if not path.is_file():
         raise InvalidRequest("lora", f"{str(path)!r}: no such file")
     return path, scale
+
+
+def parse_component_sources(values: list[str]) -> dict[str, Path]:
+    """``COMPONENT=FILE`` options as a mapping; a malformed or repeated component is a typed error
+    (whether the card has the component and the file exists is checked when the card is loaded)."""
+    sources: dict[str, Path] = {}
+    for value in values:
+        component, sep, path = value.partition("=")
+        if not sep or not component or not path:
+            raise InvalidRequest("component_sources", f"{value!r} is not COMPONENT=FILE",
+                                 allowed="e.g. transformer=wan2.1_t2v_1.3B_fp8_scaled.safetensors")
+        if component in sources:
+            raise InvalidRequest(f"component_sources.{component}", f"given twice ({str(sources[component])!r} and {path!r})")
+        sources[component] = Path(path)
+    return sources
 
 
 def _free_name(registry: Any, path: Path) -> str:

@@ -10,6 +10,8 @@ is the one place that turns those into a card, its weight source and its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 from fv_kernel.model.catalog import CardCatalog
@@ -69,12 +71,13 @@ def resolve_model(
     precision: str | None = None,
     override_recipe: bool = False,
     precision_path: str | None = None,
+    component_sources: Mapping[str, str | Path] | None = None,
 ) -> ModelChoice:
     """Resolve ``model`` (a card id, a card file, a checkpoint directory or hub id; None: the default card).
 
     The config's ``cards`` entry for the model (matched by what was given or by the card's
     id) gives the instance options; ``device``, ``precision``, ``precision_path`` and ``override_recipe`` win
-    over it. Every error is typed and names its field; nothing is built or loaded here.
+    over it, and ``component_sources`` adds to (or replaces, per component) the entry's. Every error is typed and names its field; nothing is built or loaded here.
     """
     if precision is not None and precision not in PRECISIONS:
         raise InvalidRequest("precision", f"{precision!r} is not a precision", allowed=PRECISIONS)
@@ -87,8 +90,11 @@ def resolve_model(
     resolved = CardCatalog(host).resolve(named)
     card = resolved.card
     deployment = next((c for c in config.cards if c.model in (named, card.model_id)), None) or CardDeployment(model=named)
-    overrides = {"device": device, "precision": precision, "precision_path": precision_path,
+    overrides: dict[str, Any] = {"device": device, "precision": precision, "precision_path": precision_path,
                  "override_recipe": True if override_recipe else None}
+    if component_sources:
+        overrides["component_sources"] = {**deployment.component_sources,
+                                          **{str(k): Path(v) for k, v in component_sources.items()}}
     deployment = deployment.model_copy(update={k: v for k, v in overrides.items() if v is not None})
     if device is None:
         check_device(deployment.device)  # the config entry's

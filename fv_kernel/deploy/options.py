@@ -30,5 +30,6 @@ def deployment_options(deployment: CardDeployment, registry: DeployRegistry, *, 
     return InstanceOptions(
         device=deployment.device, precision=deployment.precision, precision_path=deployment.precision_path, source=source,
         local_files_only=deployment.local_files_only, attention_backend=deployment.attention_backend,
-        compute=deployment.compute, allow_recipe_mismatch=deployment.override_recipe, registry=registry,
+        compute=deployment.compute, component_sources=dict(deployment.component_sources),
+        allow_recipe_mismatch=deployment.override_recipe, registry=registry,
     )

@@ -27,6 +27,7 @@ from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.loop.contract import Loop
 from fv_kernel.loop.plan import StepOp, TensorDict
 from fv_kernel.model.adapters import combined_stack
+from fv_kernel.model.component_sources import check_component_sources
 from fv_kernel.model.preflight import preflight
 from fv_kernel.card.recipe import check_recipe_attention
 from fv_kernel.model.options import InstanceOptions
@@ -487,6 +488,7 @@ def build_instance(card: ModelCard, options: InstanceOptions | None = None) -> M
             "card %r (recipe %r) assumes %s; deploying it with attention %r because the recipe was overridden",
             card.model_id, card.recipe.method, card.recipe.assumes_attention.describe(), options.attention_backend,
         )
+    check_component_sources(card, options)
     factory = import_object(card.factory)
     instance = factory(card, options)
     if not isinstance(instance, ModelInstance):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from fv_kernel.card.spec import PrecisionPathChoice
@@ -26,6 +28,10 @@ class InstanceOptions(BaseModel):
     precision_path: PrecisionPathChoice | None = None
     #: Overrides the card's checkpoint source: a local directory or a hub repo id.
     source: str | None = None
+    #: Component id -> one ``.safetensors`` file it loads from instead of the checkpoint, with the card's
+    #: config (a component whose ``checkpoint.components`` entry is ``single_file``;
+    #: :mod:`fv_kernel.model.component_sources`).
+    component_sources: dict[str, Path] = Field(default_factory=dict)
     local_files_only: bool = False
     attention_backend: str = "sdpa"
     #: Fused kernels / compile / CUDA-graph tier of the denoiser (None: eager).

@@ -44,6 +44,7 @@ from fv_kernel.card.spec import ComponentSpec, ModelCard
 from fv_kernel.errors import CapacityError, CheckpointNotFound
 from fv_kernel.request.types import TaskType
 from fv_kernel.compute.device import device_available_bytes, device_key
+from fv_kernel.model.component_sources import check_component_sources, component_source
 
 if TYPE_CHECKING:  # pragma: no cover
     from fv_kernel.model.options import InstanceOptions
@@ -220,7 +221,9 @@ def check_checkpoint_source(card: ModelCard, options: "InstanceOptions", compone
     ``local_files_only``, no ``HF_HUB_OFFLINE``); loading then downloads it.
     """
     manifest = card.checkpoint
-    from_files = [c for c in component_ids if manifest.components[c].random_init_seed is None]
+    # A component given a file of its own (component_sources) loads from it, not from the checkpoint.
+    from_files = [c for c in component_ids
+                  if manifest.components[c].random_init_seed is None and c not in options.component_sources]
     if manifest.layout == "embedded" or not from_files:
         return None
     source = options.source or manifest.source
@@ -284,10 +287,10 @@ def check_memory(report: PreflightReport, *, reserved: int = 0) -> None:
 
 
 def stored_elements(folder: Path, *, fp8_only: bool = False) -> int | None:
-    """Weight elements stored in a folder's ``*.safetensors`` files, from their headers alone (no
-    tensor is read); None when the folder holds none. ``fp8_only``: only the fp8 tensors' (an fp8
-    card's e4m3 weights, which load as stored)."""
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    """Weight elements stored in a folder's ``*.safetensors`` files (or in one such file), from their
+    headers alone (no tensor is read); None when there are none. ``fp8_only``: only the fp8 tensors'
+    (an fp8 card's e4m3 weights, or a ComfyUI fp8 file's, which load as stored)."""
+    files = [folder] if folder.is_file() else sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         return None
     total = 0
@@ -304,10 +307,12 @@ def stored_elements(folder: Path, *, fp8_only: bool = False) -> int | None:
 
 
 def _split_stored_fp8(card: ModelCard, weights: ComponentWeights, folder: Path | None) -> list[ComponentWeights]:
-    """A component whose checkpoint stores fp8 targets (``fv quantize``): its e4m3 elements charged at one
-    byte (they load as stored), the rest at its precision."""
+    """A component whose checkpoint stores fp8 targets (``fv quantize``), or whose own file stores fp8
+    tensors (a ComfyUI fp8 file): its e4m3 elements charged at one byte (the least they take: the
+    fp8-linear paths keep them as stored), the rest at its precision."""
     quantized = card.recipe.quantized_from
-    if folder is None or quantized is None or weights.component_id not in quantized.components:
+    own_file = folder is not None and folder.is_file()  # a component source: its fp8 tensors load as stored
+    if folder is None or (not own_file and (quantized is None or weights.component_id not in quantized.components)):
         return [weights]
     fp8 = min(stored_elements(folder, fp8_only=True) or 0, weights.elements)
     if not fp8:
@@ -323,19 +328,26 @@ def _local_root(source: str | None) -> Path | None:
     return path if path.is_dir() else _cached_snapshot(source)
 
 
-def _with_stored_counts(card: ModelCard, counted: list[ComponentWeights], root: Path | None) -> list[ComponentWeights]:
+def _stored_at(card: ModelCard, options: "InstanceOptions", component_id: str, root: Path | None) -> Path | None:
+    """Where a component's weights are stored: its own file (``component_sources``), else its checkpoint folder."""
+    own = component_source(options, component_id)
+    if own is not None:
+        return own
+    subfolder = card.checkpoint.components[component_id].subfolder
+    return root / subfolder if root is not None and subfolder else None
+
+
+def _with_stored_counts(card: ModelCard, options: "InstanceOptions", counted: list[ComponentWeights],
+                        root: Path | None) -> list[ComponentWeights]:
     """Each component charged the smaller of the card's count and the elements its checkpoint folder
-    stores: a loader may keep part of a folder (one half of a VAE), and a checkpoint given by path
-    may hold a smaller model than the release the card describes (a derived card's encoders)."""
-    if root is None:
-        return counted
+    (or its own file) stores: a loader may keep part of a folder (one half of a VAE), and a checkpoint
+    given by path may hold a smaller model than the release the card describes (a derived card's encoders)."""
     charged = []
     for weights in counted:
-        subfolder = card.checkpoint.components[weights.component_id].subfolder
-        stored = stored_elements(root / subfolder) if subfolder else None
+        folder = _stored_at(card, options, weights.component_id, root)
+        stored = stored_elements(folder) if folder is not None else None
         elements = weights.elements if stored is None else min(weights.elements, stored)
-        charged.extend(_split_stored_fp8(card, ComponentWeights(weights.component_id, elements, weights.precision),
-                                         root / subfolder if subfolder else None))
+        charged.extend(_split_stored_fp8(card, ComponentWeights(weights.component_id, elements, weights.precision), folder))
     return charged
 
 
@@ -343,14 +355,15 @@ def _report(card: ModelCard, options: "InstanceOptions", component_ids: Sequence
     precision = _precision(card, options)
     counted, uncounted = weights_needed(card, component_ids, precision)
     root = _local_root(source)
-    counted = _with_stored_counts(card, counted, root)
+    counted = _with_stored_counts(card, options, counted, root)
     for component_id in list(uncounted):
-        subfolder = card.checkpoint.components[component_id].subfolder
-        stored = stored_elements(root / subfolder) if root is not None and subfolder else None
+        folder = _stored_at(card, options, component_id, root)
+        stored = stored_elements(folder) if folder is not None else None
         if stored is not None:
+            assert folder is not None
             spec_dtype = card.components[component_id].precision_policy.dtype
             counted.extend(_split_stored_fp8(
-                card, ComponentWeights(component_id, stored, precision if spec_dtype == "card" else spec_dtype), root / subfolder))
+                card, ComponentWeights(component_id, stored, precision if spec_dtype == "card" else spec_dtype), folder))
             uncounted.remove(component_id)
     try:
         available: int | None = device_available_bytes(options.device)
@@ -388,6 +401,7 @@ def preflight(
     or exactly ``component_ids``; nothing is built. Raises :class:`CheckpointNotFound` or
     :class:`InsufficientMemory` (one line each)."""
     ids = list(component_ids) if component_ids is not None else components_for_tasks(card, tasks)
+    check_component_sources(card, options)
     source = check_checkpoint_source(card, options, ids)
     report = _report(card, options, ids, source)
     check_memory(report, reserved=reserved)

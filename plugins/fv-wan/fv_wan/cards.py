@@ -180,13 +180,16 @@ def _components(
                                       config_schema=TEXT_ENCODER_SCHEMA, precision_policy=PrecisionPolicy(dtype="fp32")),
     }
     checkpoint = {
-        "transformer": ComponentCheckpoint(subfolder="transformer", required_for=tasks, random_init_seed=1 if tiny else None),
+        # single_file: ComfyUI's diffusion_models files (and the original release's) load as this component.
+        "transformer": ComponentCheckpoint(subfolder="transformer", required_for=tasks, random_init_seed=1 if tiny else None,
+                                           single_file=True),
         "vae_decoder": ComponentCheckpoint(subfolder="vae", required_for=tasks, random_init_seed=2 if tiny else None),
         "text_encoder": ComponentCheckpoint(subfolder="text_encoder", required_for=tasks, random_init_seed=3 if tiny else None),
     }
     if second_expert:
         components["transformer_2"] = components["transformer"].model_copy(update={"component_id": "transformer_2"})
-        checkpoint["transformer_2"] = ComponentCheckpoint(subfolder="transformer_2", required_for=tasks, random_init_seed=4 if tiny else None)
+        checkpoint["transformer_2"] = ComponentCheckpoint(subfolder="transformer_2", required_for=tasks,
+                                                          random_init_seed=4 if tiny else None, single_file=True)
     if vae_encoder_tasks:
         components["vae_encoder"] = ComponentSpec(component_id="vae_encoder", kind="vae", builder=f"{_PKG}.instance:load_vae",
                                                   config=vcfg, config_schema=VAE_SCHEMA, precision_policy=PrecisionPolicy(dtype="fp32"))

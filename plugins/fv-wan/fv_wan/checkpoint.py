@@ -74,8 +74,10 @@ def seed_of(card: ModelCard, component_id: str, options: InstanceOptions) -> int
     --model FOLDER`` does): a component with a ``random_init_seed`` stays seeded beside the others'
     files (``fv quantize`` of wan-tiny writes its transformer and keeps its VAE and text encoder
     seeded). Another source named by the deployment (``options.source``) loads every component from
-    that checkpoint.
+    that checkpoint. A component given a file of its own (``options.component_sources``) loads from it.
     """
+    if component_id in options.component_sources:  # a file of its own (fv_kernel.api.component_source)
+        return None
     seed = card.checkpoint.components[component_id].random_init_seed
     own, named = card.checkpoint.source, options.source
     if own is None and named is None:

@@ -66,11 +66,12 @@ _SUPPORTED_FORMATS = ("float8_e4m3fn",)
 
 
 def read_safetensors_metadata(folder: Path) -> dict[str, str]:
-    """The string metadata of every ``*.safetensors`` header in ``folder``, merged."""
+    """The string metadata of every ``*.safetensors`` header in ``folder`` (or of one such file), merged."""
     from safetensors import safe_open
 
     metadata: dict[str, str] = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
+    files = [Path(folder)] if Path(folder).is_file() else sorted(Path(folder).glob("*.safetensors"))
+    for file in files:
         with safe_open(str(file), framework="pt") as handle:
             metadata.update(handle.metadata() or {})
     return metadata

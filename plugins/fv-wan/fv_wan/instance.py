@@ -40,6 +40,8 @@ from fv_kernel.api import (
     ModelInstance,
     RowAdapters,
     StepOp,
+    component_source,
+    component_sources_version,
     parse_component_config,
     read_safetensors,
     resolve_source,
@@ -71,7 +73,11 @@ def _component_dtype(card: ModelCard, component_id: str, options: InstanceOption
 
 
 def _folder(card: ModelCard, component_id: str, options: InstanceOptions) -> Path | None:
-    """The checkpoint folder of a component, or None for seeded random weights (:func:`seed_of`)."""
+    """The checkpoint folder of a component (or the one file the deployment gives it,
+    ``component_sources``), or None for seeded random weights (:func:`seed_of`)."""
+    own = component_source(options, component_id)
+    if own is not None:
+        return own
     if seed_of(card, component_id, options) is not None:  # always so without a source
         return None
     source = options.source or card.checkpoint.source
@@ -163,13 +169,16 @@ def _load_transformer_weights(
         model = _seeded(seed, lambda: WanTransformer(expected))
         model.rope.build_tables(device)
         return cast_for_inference(model.to(device), dtype).eval().requires_grad_(False)
-    config = WanTransformerConfig.from_diffusers_config(transformer_config_from_disk(json.loads((folder / "config.json").read_text())))
-    if not same_architecture(config, expected):
-        raise CheckpointNotFound(
-            f"checkpoint {folder} holds a transformer config that is not card {card.model_id!r}'s "
-            f"(e.g. {config.num_layers} layers x {config.num_attention_heads} heads vs {expected.num_layers} x {expected.num_attention_heads})",
-            param="model",
-        )
+    own_file = folder.is_file()  # a component source: the card's config, its shapes checked below
+    where = f"component_sources.{component_id}" if own_file else "model"
+    if not own_file:
+        config = WanTransformerConfig.from_diffusers_config(transformer_config_from_disk(json.loads((folder / "config.json").read_text())))
+        if not same_architecture(config, expected):
+            raise CheckpointNotFound(
+                f"checkpoint {folder} holds a transformer config that is not card {card.model_id!r}'s "
+                f"(e.g. {config.num_layers} layers x {config.num_attention_heads} heads vs {expected.num_layers} x {expected.num_attention_heads})",
+                param="model",
+            )
     config = expected  # the card's (same architecture; its RoPE table bound)
     state_dict = read_safetensors(folder, device=str(device))
     fp8 = split_fp8_checkpoint(state_dict, read_safetensors_metadata(folder))
@@ -180,7 +189,7 @@ def _load_transformer_weights(
         try:
             renames = original_rename_map(state_dict)
         except WanStateDictError as exc:
-            raise CheckpointNotFound(f"checkpoint {folder} (original Wan layout): {exc}", param="model") from None
+            raise CheckpointNotFound(f"checkpoint {folder} (original Wan layout): {exc}", param=where) from None
         state_dict = {renames[k]: v for k, v in state_dict.items()}
         fp8 = fp8.renamed(renames) if fp8 is not None else None
     with torch.device("meta"):
@@ -191,9 +200,23 @@ def _load_transformer_weights(
     given = {k for k in state_dict if not IGNORED_CHECKPOINT_KEY_PATTERN.search(k)}
     if expected != given:
         raise CheckpointKeyError(component_id, sorted(expected - given), sorted(given - expected))
+    _check_shapes(model, state_dict, card=card, folder=folder, param=where)
     load_wan_state_dict(model, state_dict, assign=True)
     model.rope.build_tables(device)
     return cast_for_inference(model, dtype).eval().requires_grad_(False)
+
+
+def _check_shapes(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], *, card: ModelCard, folder: Path,
+                  param: str) -> None:
+    """A typed error naming the first tensor whose shape is not the card's (a file of another model size
+    has the same keys), before torch's load would fail deep inside."""
+    own = model.state_dict()
+    for key, tensor in state_dict.items():
+        if key in own and tuple(tensor.shape) != tuple(own[key].shape):
+            raise CheckpointNotFound(
+                f"{param}: {folder} does not hold the transformer of card {card.model_id!r}: {key} is "
+                f"{list(tensor.shape)}, the card's is {list(own[key].shape)}", param=param,
+            )
 
 
 def load_vae(card: ModelCard, component_id: str, options: InstanceOptions) -> WanVAE:
@@ -517,6 +540,7 @@ def build_wan_instance(
 
     source = options.source or card.checkpoint.source
     version = f"seeded:{card.model_id}" if source is None else f"checkpoint:{Path(source).name if Path(source).exists() else source}"
+    version += component_sources_version(options)  # another transformer file is other weights
     ops_builder = wan_ops if compute is None else functools.partial(wan_ops, compute=compute, compile_cache=CompileCache())
     return ModelInstance(card=card, options=options, component_loader=load, ops_builder=ops_builder, weights_version=version,
                          compute_selection=selection)
