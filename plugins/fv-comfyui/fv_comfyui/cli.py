@@ -37,6 +37,15 @@ LorasOption = typer.Option(
 )
 
 
+DiffusionModelsOption = typer.Option(
+    None, "--comfy-diffusion-models",
+    help="ComfyUI's models/diffusion_models folder: a UNETLoader's unet_name file loads from it as the diffusion "
+         "model its mapping names (an fp8_scaled file runs its own weights and scales). Default: "
+         "FV_COMFY_DIFFUSION_MODELS, else the deploy config's plugins.settings.fv-comfyui.diffusion_models; unset: "
+         "mapped names run the cards' own weights.",
+)
+
+
 def _fail(message: str) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
@@ -93,6 +102,7 @@ def run(
     workflow: Path = typer.Argument(..., help="A UI workflow or an API prompt (.json); the format is detected."),
     comfy_models: Optional[Path] = ModelsOption,
     comfy_loras: Optional[Path] = LorasOption,
+    comfy_diffusion_models: Optional[Path] = DiffusionModelsOption,
     output_dir: Path = typer.Option(Path("output"), "--output-dir", "-o", help="Where the save nodes write (ComfyUI's output folder)."),
     input_dir: Optional[Path] = typer.Option(
         None, "--input-dir", help="Where LoadImage finds its files (ComfyUI's input folder; default: the workflow's folder).",
@@ -106,7 +116,8 @@ def run(
     from fv_comfyui.models import ComfyModelsError, ModelMap
     from fv_comfyui.run import JobRunner, OutputFileError, save_outputs
     from fv_comfyui.service import service_for
-    from fv_comfyui.settings import DISTRIBUTION, MODELS_ENV, ComfySettingsError, loras_folder, models_file
+    from fv_comfyui.settings import (DISTRIBUTION, MODELS_ENV, ComfySettingsError, diffusion_models_folder, loras_folder,
+                                     models_file)
 
     document = _read_document(workflow)
     try:
@@ -119,8 +130,12 @@ def run(
         host = PluginHost(deploy.plugins)
         host.start()
         loras = comfy_loras if comfy_loras is not None else loras_folder(deploy)
+        unets = comfy_diffusion_models if comfy_diffusion_models is not None else diffusion_models_folder(deploy)
+        if unets is not None and not unets.is_dir():
+            _fail(f"diffusion_models: {str(unets)!r} is not a folder (ComfyUI's models/diffusion_models)")
         service = service_for(host, models, input_dir or workflow.parent, limits=deploy.limits, loras=loras,
-                              adapters=deploy.adapters is None or deploy.adapters.enabled)  # as fv.load: on unless turned off
+                              adapters=deploy.adapters is None or deploy.adapters.enabled,  # as fv.load: on unless turned off
+                              diffusion_models=unets)
         answer = service.check(document)
     except (ComfyModelsError, WorkflowFormatError, ComfySettingsError, PluginError) as exc:
         _fail(" ".join(str(exc).split()))

@@ -42,6 +42,11 @@ and activations: ComfyUI's fast fp8 matmul); ``fp8_e5m2`` is refused (fv's fp8 p
 as is a path the card's precision contract does not list. The job carries the path
 (``ComfyJob.precision_path``); both loaders of a two-stage chain must ask the same one.
 
+With ComfyUI's ``models/diffusion_models`` folder set (:class:`WeightFiles`), a UNETLoader's file is
+read from it as the diffusion model its mapping names (``ComfyJob.component_sources``), so a
+``*_fp8_scaled.safetensors`` runs its own e4m3 weights and scales; ``fv serve`` instead checks the
+name against the file it serves.
+
 What does not map is refused before any compute, as a ``custom_validation_failed`` node
 error whose details start with ``fv:`` and say why (a LoRA file that is missing, or whose keys
 map to nothing of the card, or that has no weights for what the node patches; ``denoise`` < 1; a
@@ -51,6 +56,7 @@ batch > 1; a sampler chain fv cannot express; loaders resolving to several cards
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Collection, Mapping
 
 import torch
@@ -61,7 +67,7 @@ from fv_comfyui.models import ModelMap, ModelTarget
 from fv_comfyui.samplers import comfy_sigmas, fv_sampler_name
 
 __all__ = ["CompileError", "SaveTarget", "ComfyJob", "CompileResult", "compile_prompt", "DEFAULT_SHIFT",
-           "WEIGHT_DTYPE_PATHS", "NATIVE"]
+           "WEIGHT_DTYPE_PATHS", "NATIVE", "WeightFiles"]
 
 #: fv's precision path of a card's own weights (the kernel's ``PrecisionPath`` "native").
 NATIVE = "native"
@@ -128,6 +134,9 @@ class ComfyJob:
     #: The instance's precision path its UNETLoader's ``weight_dtype`` asks for (``fv.load(...,
     #: precision_path=)``); None: ``default`` on a name mapped to a card, the deployment's own path.
     precision_path: str | None = None
+    #: Component -> the ``unet_name`` file it loads from (``fv.load(..., component_sources=)``), when the
+    #: diffusion_models folder is set (:class:`WeightFiles`); empty: the card's own weights.
+    component_sources: dict[str, Path] = field(default_factory=dict)
 
     def request(self, image: torch.Tensor | None = None, adapters: tuple[AdapterRef, ...] = ()) -> Request:
         """The fv request this job runs (``image``: the start image, (3, H, W) in [0, 1]; ``adapters``:
@@ -163,6 +172,8 @@ class ComfyJob:
             args += ["--image", image_path]
         if self.precision_path is not None:
             args += ["--precision-path", self.precision_path]
+        for component, path in self.component_sources.items():
+            args += ["--component-source", f"{component}={path}"]
         return args
 
 
@@ -184,11 +195,27 @@ def _node_error(prompt: Mapping[str, Any], error: CompileError, output: str) -> 
     }
 
 
+@dataclass(frozen=True)
+class WeightFiles:
+    """Where a UNETLoader's ``unet_name`` file is read from (:func:`compile_prompt`).
+
+    ``diffusion_models``: ComfyUI's ``models/diffusion_models`` folder. When set, a UNETLoader's file is
+    read from it as the component its mapping names (``component_sources``): the job loads that file,
+    with the card's config; a name not in the folder is refused. None: a mapped name stands for the
+    card's own weights. ``served``: ``fv serve``'s cards -> the files their served components were loaded
+    from (the deploy config's ``cards[].component_sources``); None: each job loads its own (``fv comfy run``).
+    """
+
+    diffusion_models: Path | None = None
+    served: Mapping[str, Mapping[str, Path]] | None = None
+
+
 class _Compiler:
     def __init__(self, prompt: Mapping[str, Any], models: ModelMap, cards: Mapping[str, ModelCard],
                  loras: LoraLibrary | None = None, adapters_off: Collection[str] = (),
-                 served_paths: Mapping[str, str] | None = None) -> None:
+                 served_paths: Mapping[str, str] | None = None, weight_files: WeightFiles | None = None) -> None:
         self.prompt = prompt
+        self.weight_files = weight_files or WeightFiles()
         #: Card -> the precision path its served instance runs (``fv serve``); None: loaded per job.
         self.served_paths = served_paths
         self.models = models
@@ -554,9 +581,54 @@ def _job(compiler: _Compiler, decode: str, image_size: Callable[[str], tuple[int
         options["switch_step"] = plan["switch_step"]
     loaders = [plan["unet"], *([plan["low_unet"]] if two_stage else [])]
     precision_path = _precision_path(compiler, card, loaders)
+    experts = [(plan["unet"], plan["unet_file"], high_component),
+               *([(plan["low_unet"], plan["low_file"], "transformer_2")] if two_stage else [])]
+    sources = _component_sources(compiler, card, experts)
     nodes = execution_order(compiler.prompt, [decode])
     return ComfyJob(card=card, prompt=plan["positive"], options=options, image_name=image_name,
-                    outputs=[], nodes=nodes, sampler_node=node, loras=tuple(uses), precision_path=precision_path)
+                    outputs=[], nodes=nodes, sampler_node=node, loras=tuple(uses), precision_path=precision_path,
+                    component_sources=sources)
+
+
+def _component_sources(compiler: _Compiler, card: ModelCard, experts: list[tuple[str, str, str]]) -> dict[str, Path]:
+    """The files the UNETLoaders' ``unet_name`` load as the card's diffusion model(s) (:class:`WeightFiles`):
+    component -> path, for ``fv comfy run``; refused where the file is not in the folder, the card cannot
+    load the component from a file, or a server serves other weights than the workflow names."""
+    files = compiler.weight_files
+    sources: dict[str, Path] = {}
+    for loader, file_name, component in experts:
+        if compiler.class_of(loader) != "UNETLoader":  # a checkpoint file stands for the whole card
+            continue
+        folder = files.diffusion_models
+        in_folder = _inside(folder, file_name) if folder is not None else None
+        if files.served is not None:  # fv serve: the weights were loaded at start-up
+            served = files.served.get(card.model_id, {}).get(component)
+            if served is not None and served.name != Path(file_name).name:
+                raise CompileError(loader, f"this server serves card {card.model_id!r}'s {component} from "
+                                           f"{served.name!r} (the deploy config's cards[].component_sources), not "
+                                           f"{file_name!r}; unet_name may be {served.name!r}", "unet_name")
+            if served is None and in_folder is not None and in_folder.is_file():
+                raise CompileError(loader, f"{file_name!r} is in the diffusion_models folder, but this server serves card "
+                                           f"{card.model_id!r}'s {component} from the card's checkpoint; serve the file "
+                                           f"with the deploy config's cards[].component_sources.{component}", "unet_name")
+            continue
+        if folder is None:
+            continue
+        if in_folder is None or not in_folder.is_file():
+            raise CompileError(loader, f"{file_name!r} is not a file in the diffusion_models folder {str(folder)!r}",
+                               "unet_name")
+        if not card.checkpoint.components[component].single_file:
+            raise CompileError(loader, f"card {card.model_id!r} loads its {component} only from its own checkpoint, not "
+                                       f"from a file of its own; unset the diffusion_models folder to run the card's "
+                                       "weights", "unet_name")
+        sources[component] = in_folder
+    return sources
+
+
+def _inside(folder: Path, name: str) -> Path | None:
+    """``name`` (``file`` or ``subfolder/file``) inside ``folder``, never outside it."""
+    path = (folder / name).resolve()
+    return path if folder.resolve() in path.parents else None
 
 
 def _allowed_paths(card: ModelCard) -> tuple[str, ...]:
@@ -631,6 +703,7 @@ def compile_prompt(
     loras: LoraLibrary | None = None,
     adapters_off: Collection[str] = (),
     served_paths: Mapping[str, str] | None = None,
+    weight_files: WeightFiles | None = None,
 ) -> CompileResult:
     """Compile the validated ``outputs`` of ``prompt``; an output that fv cannot run gets a node error instead.
 
@@ -638,12 +711,13 @@ def compile_prompt(
     (width, height) when known; ``loras`` the LoRA folder (none: a LoRA node is refused);
     ``adapters_off`` the cards whose deployment has adapters disabled (a LoRA node on them is refused);
     ``served_paths`` the precision path each served card's instance runs (``fv serve``: a ``weight_dtype``
-    asking another is refused; None: each job loads its card at the path it asks).
+    asking another is refused; None: each job loads its card at the path it asks); ``weight_files`` where
+    UNETLoader files are read from (:class:`WeightFiles`; None: names stand for the cards' own weights).
     """
     jobs: dict[str, ComfyJob] = {}
     node_errors: dict[str, Any] = {}
     for output in sorted(outputs, key=lambda o: (len(o), o)):
-        compiler = _Compiler(prompt, models, cards, loras, adapters_off, served_paths)
+        compiler = _Compiler(prompt, models, cards, loras, adapters_off, served_paths, weight_files)
         try:
             target, decode = _save_target(prompt, compiler, output)
             if decode not in jobs:

@@ -1,7 +1,8 @@
 """Run compiled jobs on fv and write the files their save nodes name, as ComfyUI names them.
 
-A job runs exactly as ``fv generate`` would: ``fv.load(card, precision_path=...)`` (the path its
-``UNETLoader.weight_dtype`` asks for, when it asks one) then ``generate(prompt, **options)`` (the
+A job runs exactly as ``fv generate`` would: ``fv.load(card, precision_path=..., component_sources=...)``
+(the path its ``UNETLoader.weight_dtype`` asks for, when it asks one; the UNETLoader's file, when
+ComfyUI's diffusion_models folder is set) then ``generate(prompt, **options)`` (the
 image by its path, read as ``--image`` reads it). A job's LoRA nodes are registered with the
 generator's adapter registry under fv-comfyui's names (:mod:`fv_comfyui.loras`: one per file and
 expert) and passed by name as ``loras``.
@@ -21,7 +22,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -127,20 +128,26 @@ class JobRunner:
     def __init__(self, *, config: DeployConfig | None = None, loras: LoraLibrary | None = None) -> None:
         self.config = config
         self.loras = loras or LoraLibrary(None)
-        self._generators: dict[tuple[str, str | None], VideoGenerator] = {}
+        self._generators: dict[tuple[str, str | None, tuple[tuple[str, str], ...]], VideoGenerator] = {}
 
-    def generator(self, model_id: str, precision_path: str | None = None) -> VideoGenerator:
-        """The loaded generator of card ``model_id`` (``fv.load``, once per runner and path); ``precision_path``
-        None: the deploy config's (its ``cards`` entry), else that path."""
-        key = (model_id, precision_path)
+    def generator(self, model_id: str, precision_path: str | None = None,
+                  component_sources: Mapping[str, Path] | None = None) -> VideoGenerator:
+        """The loaded generator of card ``model_id`` (``fv.load``, once per runner, path and files);
+        ``precision_path`` None: the deploy config's (its ``cards`` entry), else that path;
+        ``component_sources``: files components load from (a UNETLoader's, from the diffusion_models folder)."""
+        sources = dict(component_sources or {})
+        key = (model_id, precision_path, tuple(sorted((c, str(p)) for c, p in sources.items())))
         if key not in self._generators:
-            extra = {} if precision_path is None else {"precision_path": precision_path}
+            extra: dict[str, Any] = {} if precision_path is None else {"precision_path": precision_path}
+            if sources:
+                extra["component_sources"] = sources
             self._generators[key] = load(model_id, config=self.config, **extra)
         return self._generators[key]
 
     def run(self, job: ComfyJob, image_path: Path | None = None, *, on_event: Callable[[Any], None] | None = None) -> Video:
-        # The card as installed (a chain's switch is a request option), at the path weight_dtype asks.
-        generator = self.generator(job.card.model_id, job.precision_path)
+        # The card as installed (a chain's switch is a request option), at the path weight_dtype asks, with the
+        # UNETLoader files the job names when the diffusion_models folder is set.
+        generator = self.generator(job.card.model_id, job.precision_path, job.component_sources)
         options: dict[str, Any] = dict(job.options)
         if job.loras:  # registered under fv-comfyui's names (one per file and expert), then given by name
             refs = self.loras.register(adapter_registry(generator.instance), job.loras)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from fv_kernel.api import CardCatalog, FvError, ModelCard, RequestLimits, resolve_request
-from fv_comfyui.compile import ComfyJob, compile_prompt
+from fv_comfyui.compile import ComfyJob, WeightFiles, compile_prompt
 from fv_comfyui.convert import is_ui_workflow, ui_to_api
 from fv_comfyui.loras import LoraFolder, LoraLibrary
 from fv_comfyui.models import ModelMap
@@ -60,6 +60,8 @@ class ComfyService:
     #: Card -> the precision path its served instance runs (``fv serve``); None: each job loads its card at the
     #: path its ``weight_dtype`` asks (``fv comfy run``).
     served_paths: Mapping[str, str] | None = None
+    #: Where UNETLoader files are read from (ComfyUI's diffusion_models folder; the files a server serves).
+    weight_files: WeightFiles = field(default_factory=WeightFiles)
 
     def image_path(self, name: str) -> Path | None:
         """``LoadImage``'s file, ``name`` or ``subfolder/name`` inside the input folder (never outside it)."""
@@ -121,6 +123,7 @@ class ComfyService:
         compiled = compile_prompt(
             prompt, result.good_outputs, models=self.models, cards=self.cards, image_size=self.image_size,
             loras=self.loras, adapters_off=self.adapters_off, served_paths=self.served_paths,
+            weight_files=self.weight_files,
         )
         node_errors = dict(result.node_errors)
         for node_id, entry in compiled.node_errors.items():
@@ -159,9 +162,11 @@ def service_for(
     cards: set[str] | None = None,
     loras: Path | None = None,
     adapters: bool = True,
+    diffusion_models: Path | None = None,
 ) -> ComfyService:
     """A service over ``host``'s installed cards (or only ``cards``: what a server serves); ``loras``:
-    ComfyUI's ``models/loras`` folder; ``adapters``: whether the deployment has adapters on."""
+    ComfyUI's ``models/loras`` folder; ``adapters``: whether the deployment has adapters on;
+    ``diffusion_models``: ComfyUI's ``models/diffusion_models`` folder (UNETLoader files load from it)."""
     entries = CardCatalog(host).entries()
     installed = {card_id: entry.card for card_id, entry in entries.items() if cards is None or card_id in cards}
     models.check_cards(set(entries))
@@ -170,4 +175,5 @@ def service_for(
         sampler_names=tuple(host.registry().sampler_names()), limits=limits or RequestLimits(),
         loras=LoraLibrary(LoraFolder(loras) if loras is not None else None),
         adapters_off=frozenset() if adapters else frozenset(installed),
+        weight_files=WeightFiles(diffusion_models=diffusion_models),
     )

@@ -47,14 +47,15 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.datastructures import UploadFile  # what request.form() returns (FastAPI's is a subclass)
 
 from fv_kernel.api import DeployConfig, Engine, FvError
-from fv_comfyui.compile import ComfyJob
+from fv_comfyui.compile import ComfyJob, WeightFiles
 from fv_comfyui.loras import LoraFolder, LoraLibrary, adapter_registry
 from fv_comfyui.models import ModelMap
 from fv_comfyui.nodes import object_info
 from fv_comfyui.previews import LatentPreviewer, preview_frame
 from fv_comfyui.run import save_outputs
 from fv_comfyui.service import ComfyService
-from fv_comfyui.settings import DISTRIBUTION, MODELS_ENV, comfy_settings, loras_folder, models_file
+from fv_comfyui.settings import (DISTRIBUTION, MODELS_ENV, comfy_settings, diffusion_models_folder, loras_folder,
+                                 models_file)
 
 __all__ = ["MODELS_ENV", "ComfyServer", "mount"]
 
@@ -104,7 +105,7 @@ class ComfyServer:
     """The queue, history and websocket clients of the ComfyUI surface over one engine."""
 
     def __init__(self, engine: Engine, config: DeployConfig, models: ModelMap, *, previews: bool = True,
-                 loras: Path | None = None) -> None:
+                 loras: Path | None = None, diffusion_models: Path | None = None) -> None:
         self.engine = engine
         #: Latent previews over /ws at each sampler step (``plugins.settings.fv-comfyui.previews``).
         self.previews = previews
@@ -121,6 +122,8 @@ class ComfyServer:
             limits=config.limits, loras=LoraLibrary(LoraFolder(loras) if loras is not None else None),
             adapters_off=frozenset(m for m, instance in instances.items() if not instance.adapters_enabled),
             served_paths={m: str(instance.precision_path) for m, instance in instances.items()},
+            weight_files=WeightFiles(diffusion_models=diffusion_models,
+                                     served={m: dict(instance.options.component_sources) for m, instance in instances.items()}),
         )
         self.folders = {**models.folders()}
         self.number = 0
@@ -369,7 +372,8 @@ def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:
                           f"config, or {MODELS_ENV}): no model file name maps to a card, so every ComfyUI loader "
                           "answers value_not_in_list", stacklevel=2)
 
-    server = ComfyServer(engine, config, models, previews=comfy_settings(config).previews, loras=loras_folder(config))
+    server = ComfyServer(engine, config, models, previews=comfy_settings(config).previews, loras=loras_folder(config),
+                         diffusion_models=diffusion_models_folder(config))
     app.state.comfyui = server
 
     async def post_prompt(request: Request) -> JSONResponse:

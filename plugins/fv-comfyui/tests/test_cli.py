@@ -151,7 +151,7 @@ def test_without_a_mapping_file_it_says_where_to_give_one(tmp_path: Path, monkey
     bad = _deploy_with_models(tmp_path, "{modles: m.yaml}")
     result = runner.invoke(comfy_app, ["run", str(workflow), "--config", str(bad), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert "plugins.settings.fv-comfyui.modles: Extra inputs are not permitted (allowed keys: models, loras, previews)" in result.stderr
+    assert "plugins.settings.fv-comfyui.modles: Extra inputs are not permitted (allowed keys: models, loras, diffusion_models, previews)" in result.stderr
     assert not (tmp_path / "out").exists()
 
 

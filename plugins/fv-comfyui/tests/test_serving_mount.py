@@ -106,7 +106,7 @@ def test_the_environment_overrides_the_deploy_config(tmp_path: Path, monkeypatch
 
 
 @pytest.mark.parametrize(("settings", "needle"), [
-    ({"model": "m.yaml"}, "plugins.settings.fv-comfyui.model: Extra inputs are not permitted (allowed keys: models, loras, previews)"),
+    ({"model": "m.yaml"}, "plugins.settings.fv-comfyui.model: Extra inputs are not permitted (allowed keys: models, loras, diffusion_models, previews)"),
     ({"models": 3}, "plugins.settings.fv-comfyui.models:"),
 ])
 def test_a_malformed_setting_names_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: dict, needle: str) -> None:
