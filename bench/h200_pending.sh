@@ -10,7 +10,8 @@
 # attention kernel left to PyTorch beside cuDNN's pinned, part 10 the VAE decode with its conv biases fused and in
 # exact halo tiles, then FastWan end to end on its default path, part 11 the fused fp8 quantization (tests, kernels,
 # the 1.3B step's paths), part 12 the aligned halo tiles again and 2D forms of the VAE's 3D convs, part 13 part 11
-# again after its first run's fixes (each test suite on its own, the fused GELU's launch forms) with the conv probe. Every bench runs
+# again after its first run's fixes (each test suite on its own, the fused GELU's launch forms) with the conv probe,
+# part 14 Cosmos 3's captured decode (chains of 8, the Triton decode kernels) on the H200 its targets name. Every bench runs
 # under its own timeout, writes its JSON under $OUT (default out/h200) and its log beside it, so a
 # bench that fails or runs out of time costs only its own slot; the last lines of each log are
 # printed at the end. docs/benchmarks.md says which section records each figure.
@@ -18,8 +19,8 @@
 # The device machine has torch and triton but not every package: wheels carried in $WHEELS (default
 # .whlb/: pydantic, diffusers, stevedore, ...) are installed into /tmp/site first when that folder is present.
 set -u
-part="${1:?usage: bash bench/h200_pending.sh 1|2|...|13}"
-case "$part" in 1|2|3|4|5|6|7|8|9|10|11|12|13) ;; *) echo "part must be 1 to 13, got $part" >&2; exit 2 ;; esac
+part="${1:?usage: bash bench/h200_pending.sh 1|2|...|14}"
+case "$part" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14) ;; *) echo "part must be 1 to 14, got $part" >&2; exit 2 ;; esac
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -141,6 +142,11 @@ case "$part" in
     run fp8_kernels 60 python3 bench/bench_fp8_kernels.py --out "$out/fp8_kernels.json" --sections fused_quantization
     run precision 170 python3 bench/bench_precision.py "$out/precision" --iters 3
     run conv_forms 100 python3 bench/probe_conv_forms.py "$out/conv_forms.json"
+    ;;
+14)
+    # issue 36 section 1 on an H200 (never measured there; the H100 gave 139 and 714 tok/s): batch 1 and 8
+    run cosmos3_decode 420 python3 bench/bench_cosmos3.py "$out/cosmos3_decode.json" --card cosmos3-nano \
+        --sections decode --decode-tiers graphed --decode-tokens-per-step 8 --decode-kernels triton
     ;;
 esac
 for log in "$out"/*.log; do
