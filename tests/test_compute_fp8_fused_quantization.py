@@ -32,7 +32,8 @@ from fv_kernel.testing.triton_checks import run_kernel_checks
 from test_compute_fp8_kernels import _ref_rows_e4m3
 
 #: Relative Frobenius error between the kernel's dequantized rows and the fp64 reference's, per dtype.
-#: fp32: the same e4m3 codes (the scales differ in their last bits). bf16: the kernel rounds the row to
+#: fp32 norms: the same e4m3 codes (the scales differ in their last bits). bf16, and the GELU in any dtype
+#: (its tanh through exp): the kernel rounds the row to
 #: bf16 from fp32 arithmetic (the GELU's tanh through exp), the reference from fp64, so a value a bf16 ulp
 #: apart may land one e4m3 step (6-12%) away: a few such codes give a relative error of 1e-2, as on an H100
 #: (2026-12-06). So in bf16 the rows are judged code by code (BF16_CODES_OFF, at most one step each), and
@@ -206,16 +207,18 @@ def test_the_triton_linear_given_quantized_rows_computes_what_it_computes_from_t
 def test_fused_ops_write_the_references_e4m3_rows(checks: dict[str, Any]) -> None:
     errors = _compared_with_torch(checks, "errors")
     assert len(errors) == (5 if checks["interpreted"] else 10)
-    over = {case: err for case, err in errors.items() if _dtype(case) == "float32" and not err < TOL["float32"]}
-    assert not over, over
+    # fp32 norms: the reference's codes, within 1e-6. The GELU (its tanh through exp) and every bf16 row:
+    # code by code, since one code moved a step in a large row is a relative error of about 1e-4-1e-3
+    # (the fp32 two-pass GELU gave 4.1e-4 on an H100, one such code).
+    exact = [case for case in errors if _dtype(case) == "float32" and not case.startswith("gelu")]
+    over = {case: errors[case] for case in exact if not errors[case] < TOL["float32"]}
+    assert len(exact) == 3 and not over, over
     off = {case: (checks["codes_off"][case], checks["worst_steps_off"][case], checks["scale_error"][case])
-           for case in errors if _dtype(case) == "bfloat16"}
-    assert len(off) == (0 if checks["interpreted"] else 5)
+           for case in errors if case not in exact}
+    assert len(off) == (2 if checks["interpreted"] else 7)
     # A scale from a bf16 absmax one ulp apart differs by 2^-8 at most.
     assert all(fraction <= BF16_CODES_OFF and steps <= 1 and scale <= 2.0**-8 for fraction, steps, scale in off.values()), off
-    # In fp32 the norms' codes are the reference's, every one (the GELU's tanh through exp may flip a tie).
-    norms = [case for case in errors if _dtype(case) == "float32" and not case.startswith("gelu")]
-    assert len(norms) == 3 and all(checks["codes_off"][case] == 0 for case in norms), checks["codes_off"]
+    assert all(checks["codes_off"][case] == 0 for case in exact), checks["codes_off"]
 
 
 def test_fused_norms_are_bitwise_the_norm_then_the_linears_own_quantization(checks: dict[str, Any]) -> None:
