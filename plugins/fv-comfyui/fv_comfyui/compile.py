@@ -64,6 +64,7 @@ import torch
 from fv_kernel.api import AdapterRef, DiffusionParams, ImagePart, ModelCard, Request, TaskType, TextPart
 from fv_comfyui.loras import LoraFileError, LoraLibrary, LoraUse, adapter_name
 from fv_comfyui.models import ModelMap, ModelTarget
+from fv_comfyui.paths import inside
 from fv_comfyui.samplers import comfy_sigmas, fv_sampler_name
 
 __all__ = ["CompileError", "SaveTarget", "ComfyJob", "CompileResult", "compile_prompt", "DEFAULT_SHIFT",
@@ -600,7 +601,7 @@ def _component_sources(compiler: _Compiler, card: ModelCard, experts: list[tuple
         if compiler.class_of(loader) != "UNETLoader":  # a checkpoint file stands for the whole card
             continue
         folder = files.diffusion_models
-        in_folder = _inside(folder, file_name) if folder is not None else None
+        in_folder = inside(folder, file_name) if folder is not None else None
         if files.served is not None:  # fv serve: the weights were loaded at start-up
             served = files.served.get(card.model_id, {}).get(component)
             if served is not None and served.name != Path(file_name).name:
@@ -623,12 +624,6 @@ def _component_sources(compiler: _Compiler, card: ModelCard, experts: list[tuple
                                        "weights", "unet_name")
         sources[component] = in_folder
     return sources
-
-
-def _inside(folder: Path, name: str) -> Path | None:
-    """``name`` (``file`` or ``subfolder/file``) inside ``folder``, never outside it."""
-    path = (folder / name).resolve()
-    return path if folder.resolve() in path.parents else None
 
 
 def _allowed_paths(card: ModelCard) -> tuple[str, ...]:

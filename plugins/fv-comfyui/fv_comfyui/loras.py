@@ -34,6 +34,8 @@ from fv_kernel.api import (
     read_adapter_file,
 )
 
+from fv_comfyui.paths import inside
+
 __all__ = ["LORA_SUFFIX", "LoraFileError", "LoraUse", "LoraFolder", "LoraLibrary", "adapter_name", "adapter_refs",
            "adapter_registry"]
 
@@ -111,11 +113,8 @@ class LoraFolder:
         """The file ``name`` stands for, or None (absent, not ``.safetensors``, or outside the folder)."""
         if not name or not name.endswith(LORA_SUFFIX) or "\\" in name:
             return None
-        root = self.root.resolve()
-        path = (root / name).resolve()
-        if root not in path.parents or not path.is_file():
-            return None
-        return path
+        path = inside(self.root, name)
+        return path if path is not None and path.is_file() else None
 
 
 class LoraLibrary:

@@ -22,6 +22,7 @@ from fv_comfyui.compile import ComfyJob, WeightFiles, compile_prompt
 from fv_comfyui.convert import is_ui_workflow, ui_to_api
 from fv_comfyui.loras import LoraFolder, LoraLibrary
 from fv_comfyui.models import ModelMap
+from fv_comfyui.paths import inside
 from fv_comfyui.validate import ValidationContext, validate_prompt
 
 __all__ = ["PromptAnswer", "ComfyService", "service_for"]
@@ -67,10 +68,8 @@ class ComfyService:
         """``LoadImage``'s file, ``name`` or ``subfolder/name`` inside the input folder (never outside it)."""
         if not name:
             return None
-        path = (self.input_dir / name).resolve()
-        if self.input_dir.resolve() not in path.parents:
-            return None
-        return path if path.is_file() else None
+        path = inside(self.input_dir, name)
+        return path if path is not None and path.is_file() else None
 
     def image_size(self, name: str) -> tuple[int, int] | None:
         path = self.image_path(name)

@@ -50,6 +50,7 @@ from fv_kernel.api import DeployConfig, Engine, FvError
 from fv_comfyui.compile import ComfyJob, WeightFiles
 from fv_comfyui.loras import LoraFolder, LoraLibrary, adapter_registry
 from fv_comfyui.models import ModelMap
+from fv_comfyui.paths import inside
 from fv_comfyui.nodes import object_info
 from fv_comfyui.previews import LatentPreviewer, preview_frame
 from fv_comfyui.run import save_outputs
@@ -352,9 +353,7 @@ class ComfyServer:
 
     @staticmethod
     def inside(root: Path, subfolder: str, filename: str) -> Path | None:
-        path = (root / subfolder / filename).resolve()
-        base = root.resolve()
-        return path if base in path.parents else None
+        return inside(root, str(Path(subfolder) / filename))
 
 
 def mount(app: Any, engine: Engine, config: DeployConfig) -> ComfyServer:

@@ -177,3 +177,17 @@ def test_fv_serve_checks_workflows_against_its_instances_files(service: Any, hos
     assert reply.status_code == 400
     (error,) = reply.json()["node_errors"]["56"]["errors"]
     assert error["details"].startswith(f"unet_name - fv: this server serves card 'wan-tiny-a14b''s transformer_2 from {LOW!r}")
+
+
+def test_a_name_leading_outside_the_folder_is_refused(service: Any, folder: Path, tmp_path: Path) -> None:
+    """A ``unet_name`` with ``..`` never reaches a file beside the folder, even one that exists."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / HIGH).write_bytes((folder / HIGH).read_bytes())  # beside the folder, not in it
+    escape = f"../{HIGH}"
+    models = ModelMap({**service.models.entries, escape: (ModelTarget("wan-tiny-a14b", "transformer"),)})
+    prompt = _prompt()
+    prompt["37"]["inputs"]["unet_name"] = escape
+    answer = dataclasses.replace(service, models=models,
+                                 weight_files=WeightFiles(diffusion_models=tmp_path / "models")).check(prompt)
+    assert _details(answer, "37") == (f"unet_name - fv: {escape!r} is not a file in the diffusion_models folder "
+                                      f"{str(tmp_path / 'models')!r}")
