@@ -215,8 +215,7 @@ def load(
         host = PluginHost(deploy.plugins)
     host.start()
     choice = resolve_model(model, deploy, host, device=device, precision=precision, override_recipe=override_recipe,
-                           precision_path=precision_path,
-                           component_sources={k: Path(v) for k, v in (component_sources or {}).items()})
+                           precision_path=precision_path, component_sources=component_sources)
     if deploy.adapters is None:  # generate(loras=...) works without a config: adapters on, default settings
         deploy = deploy.model_copy(update={"adapters": AdapterSettings()})
     engine = engine_for(deploy, host, adapters=adapter_registry(deploy, [choice.card]))

@@ -283,8 +283,6 @@ def _check_video(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor | None)
         )
 
 
-
-
 def _row_block(width: int) -> int:
     return max(16, 1 << (width - 1).bit_length())
 

@@ -9,6 +9,7 @@ is the one place that turns those into a card, its weight source and its
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -71,13 +72,14 @@ def resolve_model(
     precision: str | None = None,
     override_recipe: bool = False,
     precision_path: str | None = None,
-    component_sources: Mapping[str, str | Path] | None = None,
+    component_sources: Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> ModelChoice:
     """Resolve ``model`` (a card id, a card file, a checkpoint directory or hub id; None: the default card).
 
     The config's ``cards`` entry for the model (matched by what was given or by the card's
     id) gives the instance options; ``device``, ``precision``, ``precision_path`` and ``override_recipe`` win
-    over it, and ``component_sources`` adds to (or replaces, per component) the entry's. Every error is typed and names its field; nothing is built or loaded here.
+    over it, and ``component_sources`` adds to (or replaces, per component) the entry's. Every error is
+    typed and names its field; nothing is built or loaded here.
     """
     if precision is not None and precision not in PRECISIONS:
         raise InvalidRequest("precision", f"{precision!r} is not a precision", allowed=PRECISIONS)
