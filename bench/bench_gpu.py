@@ -607,12 +607,14 @@ def _requests(b: Bench, n: int, *, height: int, width: int, frames: int, tag: st
             for i in range(n)]
 
 
-def _run_engine(b: Bench, instance: ModelInstance, requests: list[Any], *, batched: bool) -> dict[str, Any]:
+def _run_engine(b: Bench, instance: ModelInstance, requests: list[Any], *, batched: bool,
+                config: Any = None) -> dict[str, Any]:
     from fv_kernel.runtime.engine import Engine, run_concurrently
     from fv_kernel.runtime.scheduler import SchedulerConfig
 
-    config = (SchedulerConfig(scheduling="step", batching="throughput", device_thread=False, max_queue=4096)
-              if batched else SchedulerConfig(scheduling="request", device_thread=False, max_queue=4096))
+    if config is None:
+        config = (SchedulerConfig(scheduling="step", batching="throughput", device_thread=False, max_queue=4096)
+                  if batched else SchedulerConfig(scheduling="request", device_thread=False, max_queue=4096))
     times = OpTimes()
     engine = Engine(config, observers=[times])
     engine.add_instance(instance)
@@ -630,6 +632,7 @@ def _run_engine(b: Bench, instance: ModelInstance, requests: list[Any], *, batch
             "scheduler_share_of_execute": round(m.scheduler_seconds / m.execute_seconds, 5) if m.execute_seconds else None,
             "loop_host_share_of_execute": round(m.loop_host_seconds / m.execute_seconds, 5) if m.execute_seconds else None,
             "mean_batch_ms": round(1000 * m.execute_seconds / max(1, sum(m.batches_by_size.values())), 2),
+            "overlapped_batches": m.overlapped_batches,
             "op_device_ms": {op: round(1000 * s, 1) for op, s in sorted(times.seconds.items())}}
 
 
@@ -679,6 +682,72 @@ def section_e2e(b: Bench) -> dict[str, Any]:
         instance = build_engine_instance(b, ComputeOptions(cuda_graphs=True), attention=b.args.e2e_attention)
         _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e-graphs-warm"), batched=False)
         out["graphs"] = _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="e2e-graphs"), batched=False)
+    return out
+
+
+def _run_staggered(b: Bench, instance: ModelInstance, requests: list[Any], interval_s: float,
+                   config: Any) -> dict[str, Any]:
+    """``requests`` arriving ``interval_s`` apart on one engine: wall from the first arrival to the last
+    completion, each request's latency, and how many batches ran beside the other lane's."""
+    import asyncio
+
+    from fv_kernel.runtime.engine import Engine
+
+    engine = Engine(config)
+    engine.add_instance(instance)
+
+    async def arrive_and_wait() -> list[tuple[Any, float]]:
+        async def one(request: Any, delay: float) -> tuple[Any, float]:
+            await asyncio.sleep(delay)
+            start = time.perf_counter()
+            result = await engine.generate_async(request)
+            b.sync()
+            return result, time.perf_counter() - start
+
+        async with engine.running():
+            return list(await asyncio.gather(*(one(r, i * interval_s) for i, r in enumerate(requests))))
+
+    b.sync()
+    t0 = time.perf_counter()
+    done = asyncio.run(arrive_and_wait())
+    wall = time.perf_counter() - t0
+    failed = [f"{r.request_id}: {r.error.message if r.error else r.status}" for r, _ in done if r.status != "completed"]
+    return {"wall_s": round(wall, 3), "latency_s": [round(s, 3) for _, s in done], "failed": failed[:3],
+            "overlapped_batches": engine.metrics.overlapped_batches}
+
+
+def section_overlap(b: Bench) -> dict[str, Any]:
+    """FastWan requests arriving one denoise apart, on one device lane and with the VAE decode on a
+    second lane (``scheduler.overlap_kinds: [vae_tile]``): one request's decode beside the next one's denoise."""
+    from fv_kernel.loop.plan import WorkKind
+    from fv_kernel.runtime.scheduler import SchedulerConfig
+
+    b.cache.pop("engine_instance", None)
+    b.free()
+    instance = build_engine_instance(b, None, attention=b.args.e2e_attention)
+    defaults = engine_card(b).capabilities.defaults
+    h, w, f = (defaults.height, defaults.width, defaults.frames)
+    n = 3 if b.smoke else b.args.overlap_requests
+    configs = {
+        "one_lane": SchedulerConfig(scheduling="step", batching="exact", max_queue=4096),
+        "overlap_lane": SchedulerConfig(scheduling="step", batching="exact", max_queue=4096,
+                                        overlap_kinds=(WorkKind.VAE_TILE,)),
+    }
+    warm = _run_engine(b, instance, _requests(b, 1, height=h, width=w, frames=f, tag="ov-warm"), batched=False,
+                       config=configs["overlap_lane"])
+    # Arrivals one request's text encode and denoise apart: the next request denoises while this one decodes.
+    interval = sum(ms for op, ms in warm["op_device_ms"].items() if not op.startswith("vae")) / 1000.0
+    out: dict[str, Any] = {"card": instance.model_id, "shape": f"{h}x{w}x{f}", "requests": n,
+                           "arrival_interval_s": round(interval, 3), "single_request": warm}
+    for round_ in range(2):  # alternating, so neither row always runs on the warmer device
+        for name, config in configs.items():
+            b.reset_peak()
+            row = _run_staggered(b, instance, _requests(b, n, height=h, width=w, frames=f, tag=f"ov-{name}{round_}"),
+                                 interval, config)
+            row["peak_gib"] = b.peak_gib()
+            out.setdefault(name, []).append(row)
+    walls = {name: min(r["wall_s"] for r in out[name]) for name in configs}
+    out["wall_ratio_overlap_vs_one_lane"] = round(walls["overlap_lane"] / walls["one_lane"], 3)
     return out
 
 
@@ -763,6 +832,13 @@ def table(b: Bench) -> str:
                      + (f"; fused tier {fused['wall_s']} s" if fused else "")
                      + (f"; graphs tier {e2e['graphs']['wall_s']} s" if e2e.get("graphs") else "")
                      + f"; device ms per op {e2e['op_device_ms']} |")
+    overlap = s.get("overlap", {})
+    if "wall_ratio_overlap_vs_one_lane" in overlap:
+        one, two = (min(overlap[k], key=lambda r: r["wall_s"]) for k in ("one_lane", "overlap_lane"))
+        extra.append(f"| {overlap['requests']} {overlap['card']} {overlap['shape']} requests arriving {overlap['arrival_interval_s']} s apart, one lane vs the "
+                     f"VAE decode on a second lane | {one['wall_s']} s vs {two['wall_s']} s = "
+                     f"x{overlap['wall_ratio_overlap_vs_one_lane']} ({two['overlapped_batches']} batches overlapped; "
+                     f"peak {one['peak_gib']} vs {two['peak_gib']} GiB) |")
     runs = [v for v in [*thr.values(), e2e] if isinstance(v, dict) and v.get("scheduler_share_of_execute") is not None]
     for label, chosen in (("mean step >= 30 ms", [r for r in runs if r["mean_batch_ms"] >= 30]),
                           ("mean step < 30 ms", [r for r in runs if r["mean_batch_ms"] < 30])):
@@ -797,6 +873,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vae-dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--diffusers-compile", action="store_true", help="also compile diffusers' model (about 2 minutes)")
     parser.add_argument("--skip", nargs="*", default=[], help="section names to leave out")
+    parser.add_argument("--overlap-requests", type=int, default=4,
+                        help="overlap section: fastwan requests submitted together")
     args = parser.parse_args(argv)
     b = Bench(args)
     log(f"fv GPU bench on {b.device} ({b.results['env'].get('gpu', 'cpu')}), budget {args.budget_s:.0f} s")
@@ -810,6 +888,7 @@ def main(argv: list[str] | None = None) -> int:
         ("step_batching", 60, lambda: section_step_batching(b)),
         ("engine_throughput", 100, lambda: section_engine_throughput(b)),
         ("e2e", 60, lambda: section_e2e(b)),
+        ("overlap", 90, lambda: section_overlap(b)),
         ("compiled", 150, lambda: section_compiled(b)),
     ]
     for name, budget, fn in sections:

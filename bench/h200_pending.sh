@@ -11,7 +11,8 @@
 # exact halo tiles, then FastWan end to end on its default path, part 11 the fused fp8 quantization (tests, kernels,
 # the 1.3B step's paths), part 12 the aligned halo tiles again and 2D forms of the VAE's 3D convs, part 13 part 11
 # again after its first run's fixes (each test suite on its own, the fused GELU's launch forms) with the conv probe,
-# part 14 Cosmos 3's captured decode (chains of 8, the Triton decode kernels) on the H200 its targets name. Every bench runs
+# part 14 Cosmos 3's captured decode (chains of 8, the Triton decode kernels) on the H200 its targets name, part 15 the
+# VAE decode on a second device lane beside the next request's denoise (with the lane tests on CUDA). Every bench runs
 # under its own timeout, writes its JSON under $OUT (default out/h200) and its log beside it, so a
 # bench that fails or runs out of time costs only its own slot; the last lines of each log are
 # printed at the end. docs/benchmarks.md says which section records each figure.
@@ -19,8 +20,8 @@
 # The device machine has torch and triton but not every package: wheels carried in $WHEELS (default
 # .whlb/: pydantic, diffusers, stevedore, ...) are installed into /tmp/site first when that folder is present.
 set -u
-part="${1:?usage: bash bench/h200_pending.sh 1|2|...|14}"
-case "$part" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14) ;; *) echo "part must be 1 to 14, got $part" >&2; exit 2 ;; esac
+part="${1:?usage: bash bench/h200_pending.sh 1|2|...|15}"
+case "$part" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15) ;; *) echo "part must be 1 to 15, got $part" >&2; exit 2 ;; esac
 out="${OUT:-out/h200}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -147,6 +148,14 @@ case "$part" in
     # issue 36 section 1 on an H200 (never measured there; the H100 gave 139 and 714 tok/s): batch 1 and 8
     run cosmos3_decode 420 python3 bench/bench_cosmos3.py "$out/cosmos3_decode.json" --card cosmos3-nano \
         --sections decode --decode-tiers graphed --decode-tokens-per-step 8 --decode-kernels triton
+    ;;
+15)
+    # issue 36 section 2: FastWan requests arriving one denoise apart, one device lane against the VAE decode on
+    # a second lane (scheduler.overlap_kinds); then the lane tests (wan-tiny's run on CUDA too, with the graphs tier)
+    run overlap 300 python3 bench/bench_gpu.py "$out/gpu_overlap" --skip matmul dit diffusers graphs step_parts vae \
+        step_batching engine_throughput e2e compiled
+    run overlap_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_overlap_lanes.py \
+        plugins/fv-wan/tests/test_overlap_decode_wan.py
     ;;
 esac
 for log in "$out"/*.log; do

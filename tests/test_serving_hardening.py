@@ -372,6 +372,7 @@ def test_metrics_use_prometheus_client_with_one_registry_per_app(tmp_path: Path)
         finished = {s.labels["status"]: s.value for s in families["fv_requests_finished"].samples if s.name.endswith("_total")}
         assert finished["completed"] == 1
         assert families["fv_fused_calls"].type == "counter"
+        assert [s.value for s in families["fv_overlapped_batches"].samples if s.name.endswith("_total")] == [0]  # one lane
 
         other = {f.name: f for f in text_string_to_metric_families(b.get("/metrics").text)}
         assert not [s for s in other["fv_http_request_duration_seconds"].samples if s.labels.get("route") == "/v1/videos"]

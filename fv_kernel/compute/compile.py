@@ -261,7 +261,9 @@ class CapturedStep:
                 fn(self._static)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: only this thread's unsafe calls break the capture; another device lane's thread
+        # (``SchedulerConfig.overlap_kinds``) or the event loop's may allocate meanwhile.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self._outputs = fn(self._static)
 
     @property

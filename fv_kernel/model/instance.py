@@ -98,8 +98,8 @@ class ModelInstance:
     adapters: AdapterRegistry | None = None
     #: Per component, the stack merged into its weights now: ((version, scale), ...) and the restore.
     _merged: dict[str, tuple[tuple[tuple[str, float], ...], MergedAdapters]] = field(default_factory=dict)
-    #: Set by the executor around each batch it runs (on the device thread): merge or per row.
-    merge_gate: "MergeGate | None" = None
+    #: The executor's gate per device thread (``merge_gate``): two lanes may run batches at once.
+    _gates: threading.local = field(default_factory=threading.local, repr=False)
     #: The per-row kernel every routed forward of this instance uses (``RowAdapters``' ``kernel``),
     #: one object per instance so a kernel's own caches (Triton's padded stacks) live as long as the instance.
     adapter_row_kernel: Any = field(default_factory=lambda: select_row_kernel("auto"))
@@ -110,6 +110,16 @@ class ModelInstance:
     #: How the family's factory resolved the compute tiers per component (``select_compute_tiers``;
     #: None: the factory does not select tiers).
     compute_selection: TierSelection | None = None
+
+    @property
+    def merge_gate(self) -> "MergeGate | None":
+        """Set by the executor around each batch it runs (on the device thread): merge or per row.
+        Per thread: a batch on another device lane has its own."""
+        return getattr(self._gates, "gate", None)
+
+    @merge_gate.setter
+    def merge_gate(self, gate: "MergeGate | None") -> None:
+        self._gates.gate = gate
 
     @property
     def model_id(self) -> str:

@@ -39,6 +39,10 @@ class SpmdEngine(Engine):
     def __init__(self, *args: Any, leader: SpmdLeader, **kwargs: Any) -> None:
         self.leader = leader  # before the base builds its executor (make_executor)
         super().__init__(*args, **kwargs)
+        if self.config.overlap_kinds:
+            # The workers replay rank 0's op calls in one order; two lanes would interleave their collectives.
+            raise ValueError("scheduler.overlap_kinds is not supported on a parallel pool (its ranks run one batch "
+                             "at a time, in rank 0's order); leave it empty")
 
     def make_executor(self) -> Executor:
         return SpmdExecutor(

@@ -89,11 +89,16 @@ class BatchScheduler:
         klass = 0 if unit.priority == "interactive" or batch_class_waiting_long else 1
         return (klass, unit.enqueued_at, unit.seq)
 
-    def select(self, pending: list[WorkUnit], now: float, *, peak_headroom: int | None = None) -> list[WorkUnit]:
-        """The next batch to execute (non-empty if ``pending`` is), in a deterministic order.
+    def select(
+        self, pending: list[WorkUnit], now: float, *, peak_headroom: int | None = None, head_must_fit: bool = False,
+    ) -> list[WorkUnit]:
+        """The next batch to execute, in a deterministic order (non-empty if ``pending`` is, unless
+        ``head_must_fit``).
 
         ``peak_headroom`` bounds the summed peak activation bytes of the batch; the
-        first unit is always taken (its request was admitted with its peak reserved).
+        first unit is always taken (its request was admitted with its peak reserved), unless
+        ``head_must_fit``: another batch runs beside this one, and a first unit whose peak does
+        not fit the headroom waits (an empty batch).
         """
         if not pending:
             return []
@@ -102,7 +107,9 @@ class BatchScheduler:
         if jumbos and not self._solo(head):
             oldest_jumbo = min(jumbos, key=lambda u: self._rank(u, now))
             if self._since_jumbo >= self.policy.max_interleave_ratio * oldest_jumbo.price_seconds:
-                return [oldest_jumbo]
+                head = oldest_jumbo
+        if head_must_fit and peak_headroom is not None and head.plan.resources.peak_bytes > peak_headroom:
+            return []
         if self._solo(head):
             return [head]
         cap = min(self.policy.max_batch_size, self.policy.kind_max_batch.get(head.plan.kind.value, self.policy.max_batch_size))

@@ -16,7 +16,9 @@ The engine core wires four parts, each its own module and testable alone:
   alone or batched, isolating failures per request.
 
 The engine runs on the caller's asyncio loop; model code runs on one device thread
-so the loop stays responsive (HTTP, SSE) while a step computes.
+so the loop stays responsive (HTTP, SSE) while a step computes. With
+``SchedulerConfig.overlap_kinds`` set, a second device lane runs those kinds' batches
+(a request's VAE decode) while the main lane runs the rest (another request's denoise).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from fv_kernel.runtime.executor import Executor
 from fv_kernel.runtime.metrics import EngineMetrics
 from fv_kernel.runtime.pricing import pool_key
 from fv_kernel.runtime.records import GenerationResult, RecordStore, RequestHandle, RequestRecord
-from fv_kernel.runtime.scheduler import Scheduler, SchedulerConfig
+from fv_kernel.runtime.scheduler import Lane, Scheduler, SchedulerConfig
 from fv_kernel.runtime.sessions import SessionHandle, SessionManager, SessionRecord
 from fv_kernel.request.session import SessionRequest
 
@@ -107,6 +109,8 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._scheduler_task: asyncio.Task[None] | None = None
+        #: With several lanes: the batch running on each busy lane (its task and summed peak bytes).
+        self._lane_runs: dict[Lane, tuple[asyncio.Task[None], int]] = {}
         self._stopping = False
         #: Weight syncs done per model id (names the next weights_version).
         self._syncs: dict[str, int] = {}
@@ -119,7 +123,7 @@ class Engine:
         """The executor batches run on (a subclass may announce each batch, as a parallel pool's rank 0 does)."""
         return Executor(
             self._by_instance_id, self.metrics, batching=self.config.batching, check_finite=self.config.check_finite,
-            device_thread=self.config.device_thread, cost_model=self.cost_model,
+            device_thread=self.config.device_thread, cost_model=self.cost_model, lanes=self.scheduler.lanes,
         )
 
     # -- instances ----------------------------------------------------------------
@@ -548,6 +552,7 @@ class Engine:
 
     async def _schedule_forever(self) -> None:
         assert self._wake is not None
+        lanes = self.scheduler.lanes
         while True:
             self._wake.clear()
             tick = time.perf_counter()
@@ -556,6 +561,14 @@ class Engine:
             await self._settle()
             resumed = time.perf_counter()
             self._admit_queued()
+            if len(lanes) > 1:
+                started = self._start_lanes(lanes)
+                self.metrics.loop_host_seconds += resumed - yielded
+                self.metrics.scheduler_seconds += (yielded - tick) + (time.perf_counter() - resumed)
+                if not started and not self._lane_runs and self._stopping and not self.scheduler.running:
+                    return
+                await self._wake.wait()  # new work, or a lane's batch handed back
+                continue
             batch = self.scheduler.next_batch()
             self.metrics.loop_host_seconds += resumed - yielded
             self.metrics.scheduler_seconds += (yielded - tick) + (time.perf_counter() - resumed)
@@ -566,16 +579,42 @@ class Engine:
                 continue
             await self._execute(batch)
 
+    def _start_lanes(self, lanes: tuple[Lane, ...]) -> bool:
+        """Start a batch on each idle lane that has one ready; whether any started."""
+        started = False
+        for lane in lanes:
+            if lane in self._lane_runs:
+                continue
+            beside = [peak for other, (_, peak) in self._lane_runs.items() if other != lane]
+            batch = self.scheduler.next_batch(lane, beside_peak_bytes=sum(beside) if beside else None)
+            if not batch:
+                continue
+            if beside:
+                self.metrics.overlapped_batches += 1
+            task = asyncio.create_task(self._run_lane(lane, batch), name=f"fv-lane-{lane}")
+            self._lane_runs[lane] = (task, sum(u.plan.resources.peak_bytes for u in batch))
+            started = True
+        return started
+
+    async def _run_lane(self, lane: Lane, batch: list[WorkUnit]) -> None:
+        try:
+            await self._execute(batch, lane)
+        except Exception:  # noqa: BLE001 - _execute fails units, not the lane; never leave the lane marked busy
+            log.exception("lane %s: a batch could not be handed back", lane)
+        finally:
+            del self._lane_runs[lane]
+            self._kick()
+
     # -- internals: executor --------------------------------------------------------
-    async def _execute(self, batch: list[WorkUnit]) -> None:
+    async def _execute(self, batch: list[WorkUnit], lane: Lane = "main") -> None:
         """Run a picked batch on the executor, then hand each unit's outcome back to its driver."""
         live = [u for u in batch if not u.future.done()]
         if not live:
             return
-        ran, wall = await self.executor.execute(live)
+        ran, wall = await self.executor.execute(live, lane)
         handed_back = time.perf_counter()
         failed = self.scheduler.hand_back(live, ran.outcomes, ran.device_seconds, wall, self.services,
-                                          fused_rows=sum(ran.fused))
+                                          fused_rows=sum(ran.fused), lane=lane)
         if self.observers:
             self._observe(live, wall, ran.device_seconds, failed, ran.fused)
         self.metrics.scheduler_seconds += time.perf_counter() - handed_back

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Literal, Mapping, NamedTuple
@@ -23,6 +24,7 @@ from fv_kernel.model.instance import ADAPTER_MERGE_COST, ModelInstance
 from fv_kernel.runtime.batching import WorkUnit
 from fv_kernel.runtime.cost import CostKey, CostModel
 from fv_kernel.runtime.metrics import EngineMetrics
+from fv_kernel.runtime.scheduler import Lane
 
 __all__ = ["Executor", "BatchOutcome", "check_finite", "check_promised_ops", "MergePolicy", "merge_cost_key"]
 
@@ -99,7 +101,14 @@ class _BatchGate:
 
 
 class Executor:
-    """Runs batches on one device thread (or inline on the event loop), alone or fused."""
+    """Runs batches on one device thread per lane (or inline on the event loop), alone or fused.
+
+    With a second lane (``SchedulerConfig.overlap_kinds``) two batches may run at once, each on its
+    own thread and, on CUDA, its own stream. Each such batch first waits for the work already queued
+    on the device's default stream (what the loops' host code, on the event loop, enqueued there),
+    and every batch ends with its stream synchronized (the device timing's wait), so what one lane
+    hands back is complete before the other lane, or a loop, reads it.
+    """
 
     def __init__(
         self,
@@ -110,6 +119,7 @@ class Executor:
         check_finite: bool,
         device_thread: bool,
         cost_model: CostModel | None = None,
+        lanes: tuple[Lane, ...] = ("main",),
     ) -> None:
         #: The engine's instances by instance id (shared: instances added later are seen).
         self._instances = instances
@@ -117,27 +127,58 @@ class Executor:
         self.batching = batching
         self.check_finite = check_finite
         self.device_thread = device_thread
-        self._device: concurrent.futures.ThreadPoolExecutor | None = None
+        if len(lanes) > 1 and not device_thread:
+            raise ValueError("lanes beside 'main' need device_thread=True (a device thread per lane)")
+        self.lanes = lanes
+        #: One device thread per lane (empty: inline on the event loop).
+        self._threads: dict[Lane, concurrent.futures.ThreadPoolExecutor] = {}
+        #: Per (lane, device): the CUDA stream that lane's batches run on, when there are several lanes.
+        self._streams: dict[tuple[Lane, torch.device], torch.cuda.Stream] = {}
         #: Merged or per-row adapters, per batch (docs/adapters.md).
         self.merges = MergePolicy(cost_model or CostModel(), metrics)
 
     def start(self) -> None:
-        if self.device_thread and self._device is None:
-            self._device = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fv-device")
+        if self.device_thread and not self._threads:
+            self._threads = {
+                lane: concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="fv-device" if lane == "main" else f"fv-device-{lane}")
+                for lane in self.lanes
+            }
 
     def shutdown(self) -> None:
-        if self._device is not None:
-            self._device.shutdown(wait=True)
-            self._device = None
+        for pool in self._threads.values():
+            pool.shutdown(wait=True)
+        self._threads = {}
 
-    async def on_device(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the device thread (``SchedulerConfig.device_thread``), else inline on the loop."""
-        if self._device is None:
+    async def on_device(self, fn: Callable[..., Any], *args: Any, lane: Lane = "main") -> Any:
+        """``fn(*args)`` on ``lane``'s device thread (``SchedulerConfig.device_thread``), else inline on the loop."""
+        pool = self._threads.get(lane)
+        if pool is None:
+            if self._threads:
+                raise ValueError(f"no device lane {lane!r}; this executor's lanes: {list(self.lanes)}")
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._device, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    async def execute(self, batch: list[WorkUnit]) -> tuple[BatchOutcome, float]:
-        """Run ``batch`` on the device thread: its :class:`BatchOutcome`, and the wall seconds it took.
+    def _lane_stream(self, lane: Lane, batch: list[WorkUnit]) -> "contextlib.AbstractContextManager[Any]":
+        """With several lanes, on CUDA: ``lane``'s own stream, made to wait for the default stream's queued work."""
+        if len(self.lanes) == 1:
+            return contextlib.nullcontext()
+        device = self._instances[batch[0].plan.instance_id].device
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        key = (lane, device)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.default_stream(device))
+        return torch.cuda.stream(stream)
+
+    def _run_on_lane(self, batch: list[WorkUnit], lane: Lane) -> BatchOutcome:
+        with self._lane_stream(lane, batch):
+            return self.run_batch(batch)
+
+    async def execute(self, batch: list[WorkUnit], lane: Lane = "main") -> tuple[BatchOutcome, float]:
+        """Run ``batch`` on ``lane``'s device thread: its :class:`BatchOutcome`, and the wall seconds it took.
 
         A batch that cannot even start (its op is missing) fails its own requests, never the
         scheduler: an exception escaping here would end the scheduling task, and every request
@@ -145,7 +186,7 @@ class Executor:
         """
         started = time.perf_counter()
         try:
-            outcome: BatchOutcome = await self.on_device(self.run_batch, batch)
+            outcome: BatchOutcome = await self.on_device(self._run_on_lane, batch, lane, lane=lane)
         except Exception as exc:  # noqa: BLE001
             error = exc if isinstance(exc, FvError) else StepFailed(
                 f"step {batch[0].plan.op!r} of loop {batch[0].plan.loop_id!r} could not run: {type(exc).__name__}: {exc}"

@@ -24,6 +24,8 @@ class EngineMetrics:
     #: their next plans: the loops' own host code (advance, next, finalize), not the scheduler's.
     loop_host_seconds: float = 0.0
     execute_seconds: float = 0.0
+    #: Batches started on one device lane while the other lane's batch ran (``scheduler.overlap_kinds``).
+    overlapped_batches: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
     #: Fused (throughput-mode) batches that raised and were re-run per request, by op.
     fused_fallbacks: dict[str, int] = field(default_factory=dict)

@@ -17,11 +17,11 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterable, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fv_kernel.cache.feature import apply_cache_writes
 from fv_kernel.errors import QueueFull
-from fv_kernel.loop.plan import CancelScope, StepResult, WorkPlan
+from fv_kernel.loop.plan import CancelScope, StepResult, WorkKind, WorkPlan
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.program.base import Program
 from fv_kernel.request.request import Request
@@ -33,7 +33,11 @@ from fv_kernel.runtime.metrics import EngineMetrics
 from fv_kernel.runtime.pricing import reservation_for
 from fv_kernel.runtime.records import RequestRecord
 
-__all__ = ["SchedulerConfig", "RequestQueue", "PendingUnits", "Scheduler"]
+__all__ = ["SchedulerConfig", "RequestQueue", "PendingUnits", "Scheduler", "Lane", "LANES"]
+
+#: The device lanes batches run on: "main" always; "overlap" for ``SchedulerConfig.overlap_kinds``.
+Lane = Literal["main", "overlap"]
+LANES: tuple[Lane, ...] = ("main", "overlap")
 
 
 class SchedulerConfig(BaseModel):
@@ -65,6 +69,21 @@ class SchedulerConfig(BaseModel):
     #: the finished records kept; the oldest are forgotten first. A caller that holds a
     #: request's handle keeps its result either way; ``Engine.forget`` drops one at once.
     keep_finished_bytes: int = Field(default=256 * 2**20, ge=0)
+    #: Step kinds that run on a second device lane (its own device thread and, on CUDA, its own
+    #: stream) while the main lane runs the other kinds: ``[vae_tile]`` lets one request's VAE
+    #: decode run beside the next request's denoise steps. Two batches then run at once, so a batch
+    #: starts beside the other lane's only if both peaks fit the memory budget's headroom.
+    #: Empty (the default): one lane, one batch at a time.
+    overlap_kinds: tuple[WorkKind, ...] = ()
+
+    @model_validator(mode="after")
+    def _overlap_needs_device_thread(self) -> "SchedulerConfig":
+        if self.overlap_kinds and not self.device_thread:
+            raise ValueError("scheduler.overlap_kinds needs scheduler.device_thread: true (each lane runs on a "
+                             "device thread of its own)")
+        if len(set(self.overlap_kinds)) != len(self.overlap_kinds):
+            raise ValueError(f"scheduler.overlap_kinds names a kind twice: {[k.value for k in self.overlap_kinds]}")
+        return self
 
 
 class RequestQueue:
@@ -146,12 +165,27 @@ class Scheduler:
         self.metrics = metrics
         self.admission = AdmissionController(config.budgets)
         self.memory = ResidentMemory(config.budgets, self.admission)
-        self.batcher = BatchScheduler(config.batch)
+        #: One batch scheduler per lane: a jumbo step waits on the work of its own lane only.
+        self.batchers: dict[Lane, BatchScheduler] = {lane: BatchScheduler(config.batch) for lane in self.lanes}
         self.queue = RequestQueue(config.max_queue, config.batch.batch_class_max_wait_s)
         self.pending = PendingUnits()
         self.running: dict[str, RequestRecord] = {}
         #: Model ids whose admission is frozen by a weight sync in progress (``Engine.sync_weights``).
         self.frozen: set[str] = set()
+
+    @property
+    def lanes(self) -> tuple[Lane, ...]:
+        """The lanes batches run on: ("main",), or ("main", "overlap") with ``overlap_kinds`` set."""
+        return LANES if self.config.overlap_kinds else LANES[:1]
+
+    @property
+    def batcher(self) -> BatchScheduler:
+        """The main lane's batch scheduler."""
+        return self.batchers["main"]
+
+    def lane_of(self, plan: WorkPlan) -> Lane:
+        """The lane ``plan`` runs on."""
+        return "overlap" if plan.kind in self.config.overlap_kinds else "main"
 
     def count_rejection(self, reason: str) -> None:
         self.metrics.rejections[reason] = self.metrics.rejections.get(reason, 0) + 1
@@ -221,23 +255,35 @@ class Scheduler:
         self.pending.add(unit)
         return unit
 
-    def next_batch(self) -> list[WorkUnit]:
-        """The next group of compatible pending units to run (taken from the pending set), or none."""
+    def next_batch(self, lane: Lane = "main", *, beside_peak_bytes: int | None = None) -> list[WorkUnit]:
+        """The next group of compatible pending units of ``lane`` to run (taken from the pending set), or none.
+
+        ``beside_peak_bytes``: the peak of a batch running on the other lane now. The two run at
+        once, so this batch's peak must fit beside it, its first unit's included: admission
+        reserved one peak per request, not two batches' at the same time.
+        """
         # Admitted requests' peaks may add up only within what their residents leave free.
-        batch = self.batcher.select(self.pending.units, time.monotonic(), peak_headroom=self.admission.peak_headroom())
+        headroom = self.admission.peak_headroom()
+        units = self.pending.units
+        if len(self.lanes) > 1:
+            units = [u for u in units if self.lane_of(u.plan) == lane]
+        if beside_peak_bytes is not None and headroom is not None:
+            headroom = max(headroom - beside_peak_bytes, 0)
+        batch = self.batchers[lane].select(units, time.monotonic(), peak_headroom=headroom,
+                                           head_must_fit=beside_peak_bytes is not None)
         if batch:
             self.pending.take(batch)
         return batch
 
     def hand_back(
         self, batch: list[WorkUnit], outcomes: list[StepResult | BaseException], device_s: float | None, wall: float,
-        services: Mapping[str, Any], *, fused_rows: int = 0,
+        services: Mapping[str, Any], *, fused_rows: int = 0, lane: Lane = "main",
     ) -> tuple[str, ...]:
         """Settle an executed batch: charge each request its share, resolve each driver's future
         (applying the plan's cache writes first), count it (``fused_rows``: the units that ran in
         its one fused call). Returns the requests whose step failed."""
         self.metrics.execute_seconds += wall
-        self.batcher.note_executed(batch, device_s if device_s is not None else wall)
+        self.batchers[lane].note_executed(batch, device_s if device_s is not None else wall)
         plan = batch[0].plan
         self.metrics.units_by_kind[plan.kind.value] = self.metrics.units_by_kind.get(plan.kind.value, 0) + len(batch)
         self.metrics.batches_by_size[len(batch)] = self.metrics.batches_by_size.get(len(batch), 0) + 1

@@ -69,6 +69,10 @@ class EngineCollector(Collector):
         for size, n in sorted(m.fused_calls_by_size.items()):
             fused.add_metric([str(size)], n)
         yield fused
+        yield CounterMetricFamily(
+            "fv_overlapped_batches", "Batches started on one device lane while the other lane's ran (scheduler.overlap_kinds).",
+            value=m.overlapped_batches,
+        )
         fallbacks = CounterMetricFamily(
             "fv_fused_fallbacks", "Fused batches that raised and were re-run request by request, by op.", labels=["op"],
         )

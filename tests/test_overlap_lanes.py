@@ -1,0 +1,181 @@
+"""A second device lane (``scheduler.overlap_kinds``): one request's VAE decode beside another's denoise.
+
+The toy card's decode op waits (up to a bound) for a denoise step of another request to run while
+it decodes: with the lane, that step runs; with one lane it cannot, and the wait runs out. The
+results are the requests' own, bit for bit; memory admits the second batch only beside the first's
+peak; a failing decode fails its request only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from typing import Any, Mapping
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from fv_kernel.api import DiffusionParams, Engine, Request, SchedulerConfig, TaskType, TextPart, build_instance
+from fv_kernel.loop.plan import ResourceRequest, WorkKind, WorkPlan
+from fv_kernel.model.instance import ModelInstance
+from fv_kernel.parallel.engine import SpmdEngine
+from fv_kernel.runtime.batching import BatchScheduler, WorkUnit
+from fv_kernel.runtime.scheduler import Scheduler
+from fv_kernel.runtime.cost import CostModel
+from fv_kernel.runtime.metrics import EngineMetrics
+from fv_kernel.testing.toy import toy_card
+
+OVERLAP = SchedulerConfig(overlap_kinds=(WorkKind.VAE_TILE,), batching="exact")
+ONE_LANE = SchedulerConfig(batching="exact")
+#: How long the decode waits for a denoise step to run beside it: long enough for the main lane's next
+#: step on a loaded CI machine, short enough that the one-lane control fails in seconds, not a hang.
+WAIT_S = 10.0
+
+
+def _request(seed: int, steps: int) -> Request:
+    return Request(model="toy-dit", task=TaskType.TEXT_TO_VIDEO, inputs=(TextPart(text=f"prompt {seed}"),),
+                   diffusion=DiffusionParams(seed=seed, steps=steps))
+
+
+class _Witness:
+    """Wraps the instance's ops: the first decode waits until a denoise step runs while it decodes."""
+
+    def __init__(self, instance: ModelInstance, *, fail_first_decode: bool = False) -> None:
+        self.decoding = threading.Event()
+        self.dit_beside_decode = threading.Event()
+        self.threads: dict[str, set[str]] = {}
+        self.fail_first_decode = fail_first_decode
+        self.waited = False
+        self._op = instance.op
+        instance.op = self.op  # type: ignore[method-assign]
+
+    def op(self, name: str) -> Any:
+        base = self._op(name)
+
+        def run(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> Any:
+            self.threads.setdefault(name, set()).add(threading.current_thread().name)
+            if name == "dit_forward" and self.decoding.is_set():
+                self.dit_beside_decode.set()
+            if name == "decode_frame":
+                if self.fail_first_decode:
+                    self.fail_first_decode = False
+                    raise RuntimeError("decode broke")
+                if not self.waited:
+                    self.waited = True
+                    self.decoding.set()  # while this first decode runs
+                    try:
+                        self.dit_beside_decode.wait(WAIT_S)
+                        return base.fn(inputs, params)
+                    finally:
+                        self.decoding.clear()
+            return base.fn(inputs, params)
+
+        return dataclasses.replace(base, fn=run)
+
+
+def _run(config: SchedulerConfig, requests: list[Request], *, witness: bool = True,
+         fail_first_decode: bool = False) -> tuple[list[Any], Engine, _Witness | None]:
+    engine = Engine(config)
+    instance = build_instance(toy_card("toy-dit"))
+    engine.add_instance(instance)
+    seen = _Witness(instance, fail_first_decode=fail_first_decode) if witness else None
+
+    async def go() -> list[Any]:
+        async with engine.running():
+            return list(await asyncio.wait_for(asyncio.gather(*(engine.generate_async(r) for r in requests)), 120))
+
+    return asyncio.run(go()), engine, seen
+
+
+def test_a_decode_runs_beside_another_requests_denoise_on_its_own_lane() -> None:
+    results, engine, seen = _run(OVERLAP, [_request(1, 2), _request(2, 30)])
+    assert [r.status for r in results] == ["completed", "completed"]
+    assert seen is not None and seen.dit_beside_decode.is_set(), "no denoise step ran while a decode ran"
+    assert engine.metrics.overlapped_batches > 0
+    assert seen.threads["decode_frame"] == {"fv-device-overlap_0"}
+    assert seen.threads["dit_forward"] == {"fv-device_0"}
+
+
+def test_with_one_lane_the_decode_holds_the_device() -> None:
+    # The control: the same requests on one lane; the decode's wait runs out with no step beside it.
+    results, engine, seen = _run(ONE_LANE, [_request(1, 2), _request(2, 30)])
+    assert [r.status for r in results] == ["completed", "completed"]
+    assert seen is not None and not seen.dit_beside_decode.is_set()
+    assert engine.metrics.overlapped_batches == 0
+
+
+def test_overlapped_results_are_each_requests_own_bit_for_bit() -> None:
+    requests = [_request(3, 3), _request(4, 12), _request(5, 7)]
+    together, engine, _ = _run(OVERLAP, requests, witness=False)
+    assert engine.metrics.overlapped_batches > 0
+    for request, result in zip(requests, together):
+        alone, _, _ = _run(ONE_LANE, [request], witness=False)
+        assert torch.equal(result.artifact("video").frames, alone[0].artifact("video").frames), request.diffusion.seed
+
+
+def test_a_failing_decode_on_the_overlap_lane_fails_its_request_only() -> None:
+    # The 2-step request decodes first; its decode raises on the overlap lane.
+    results, _, _ = _run(OVERLAP, [_request(7, 2), _request(8, 20)], fail_first_decode=True)
+    assert [r.status for r in results] == ["failed", "completed"]
+    assert "decode broke" in results[0].error.message
+
+
+def _unit(kind: WorkKind, peak: int, seq: int) -> WorkUnit:
+    plan = WorkPlan(loop_id="l", instance_id="i", kind=kind, op="op",
+                    resources=ResourceRequest(peak_bytes=peak))
+    return WorkUnit(plan=plan, request_id=f"r{seq}", future=None, enqueued_at=float(seq), price_seconds=0.1,  # type: ignore[arg-type]
+                    seq=seq)
+
+
+def test_a_batch_starts_beside_the_other_lanes_only_if_both_peaks_fit() -> None:
+    scheduler = Scheduler(SchedulerConfig(overlap_kinds=(WorkKind.VAE_TILE,), budgets={"memory_bytes": 1000}),
+                          CostModel(), EngineMetrics())
+    decode, step = _unit(WorkKind.VAE_TILE, 600, 1), _unit(WorkKind.DIFFUSION_STEP, 300, 2)
+    scheduler.pending.add(decode)
+    scheduler.pending.add(step)
+    assert scheduler.next_batch("main", beside_peak_bytes=600) == [step]  # 300 beside 600 fits 1000
+    assert scheduler.next_batch("overlap", beside_peak_bytes=500) == []  # 600 beside 500 does not
+    assert scheduler.next_batch("overlap") == [decode]  # alone it runs, as admission promised
+
+
+def test_the_first_unit_must_fit_only_beside_another_batch() -> None:
+    units = [_unit(WorkKind.VAE_TILE, 600, 1)]
+    assert BatchScheduler().select(units, 0.0, peak_headroom=100) == units
+    assert BatchScheduler().select(units, 0.0, peak_headroom=100, head_must_fit=True) == []
+
+
+def test_each_lane_takes_only_its_kinds() -> None:
+    scheduler = Scheduler(OVERLAP, CostModel(), EngineMetrics())
+    decode, step = _unit(WorkKind.VAE_TILE, 0, 1), _unit(WorkKind.DIFFUSION_STEP, 0, 2)
+    scheduler.pending.add(decode)
+    scheduler.pending.add(step)
+    assert scheduler.next_batch("main") == [step]
+    assert scheduler.next_batch("main") == []
+    assert scheduler.next_batch("overlap") == [decode]
+
+
+def test_overlap_kinds_are_checked() -> None:
+    with pytest.raises(ValidationError, match="overlap_kinds.*device_thread"):
+        SchedulerConfig(overlap_kinds=("vae_tile",), device_thread=False)
+    with pytest.raises(ValidationError, match="vae_tile"):  # the allowed kinds are named
+        SchedulerConfig(overlap_kinds=("vae",))
+    with pytest.raises(ValidationError, match="twice"):
+        SchedulerConfig(overlap_kinds=("vae_tile", "vae_tile"))
+    assert SchedulerConfig.model_validate({"overlap_kinds": ["vae_tile"]}).overlap_kinds == (WorkKind.VAE_TILE,)
+
+
+def test_a_parallel_pool_refuses_a_second_lane() -> None:
+    with pytest.raises(ValueError, match="overlap_kinds is not supported on a parallel pool"):
+        SpmdEngine(OVERLAP, leader=object())
+
+
+def test_the_merge_gate_is_per_device_thread() -> None:
+    instance = build_instance(toy_card("toy-dit"))
+    instance.merge_gate = "main lane's gate"  # type: ignore[assignment]
+    seen: list[Any] = []
+    other = threading.Thread(target=lambda: seen.append(instance.merge_gate))
+    other.start()
+    other.join()
+    assert seen == [None] and instance.merge_gate == "main lane's gate"
