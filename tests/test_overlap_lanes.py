@@ -179,3 +179,68 @@ def test_the_merge_gate_is_per_device_thread() -> None:
     other.start()
     other.join()
     assert seen == [None] and instance.merge_gate == "main lane's gate"
+
+
+def _blocking_decode(instance: ModelInstance, release: threading.Event, started: threading.Event) -> None:
+    """The instance's decode op: the first call signals ``started`` and waits for ``release``."""
+    op_of = instance.op
+
+    def op(name: str) -> Any:
+        base = op_of(name)
+        if name != "decode_frame":
+            return base
+
+        def run(inputs: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> Any:
+            if not started.is_set():
+                started.set()
+                assert release.wait(WAIT_S), "the test never released the decode"
+            return base.fn(inputs, params)
+
+        return dataclasses.replace(base, fn=run)
+
+    instance.op = op  # type: ignore[method-assign]
+
+
+def test_a_request_cancelled_while_its_decode_runs_on_the_overlap_lane_ends_cancelled() -> None:
+    engine = Engine(OVERLAP)
+    instance = build_instance(toy_card("toy-dit"))
+    engine.add_instance(instance)
+    release, started = threading.Event(), threading.Event()
+    _blocking_decode(instance, release, started)
+    short, long = _request(11, 2), _request(12, 12)
+
+    async def go() -> list[Any]:
+        async with engine.running():
+            tasks = [asyncio.ensure_future(engine.generate_async(r)) for r in (short, long)]
+            while not started.is_set():  # the short request's first decode is on the overlap lane
+                await asyncio.sleep(0.01)
+            assert engine.cancel(short.request_id)
+            release.set()
+            return list(await asyncio.wait_for(asyncio.gather(*tasks), 60))
+
+    cancelled, completed = asyncio.run(go())
+    assert cancelled.status == "cancelled" and completed.status == "completed"
+
+
+def test_stopping_the_engine_waits_for_a_batch_on_the_overlap_lane() -> None:
+    engine = Engine(OVERLAP)
+    instance = build_instance(toy_card("toy-dit"))
+    engine.add_instance(instance)
+    release, started = threading.Event(), threading.Event()
+    _blocking_decode(instance, release, started)
+
+    async def go() -> Any:
+        await engine.start()
+        task = asyncio.ensure_future(engine.generate_async(_request(13, 2)))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        stopping = asyncio.ensure_future(engine.stop())
+        await asyncio.sleep(0.2)
+        assert not stopping.done(), "the engine stopped with a batch still running on the overlap lane"
+        release.set()
+        await asyncio.wait_for(stopping, 60)
+        return await task
+
+    result = asyncio.run(go())
+    assert result.status == "cancelled"
+    assert engine.executor._threads == {}  # both lanes' threads joined
