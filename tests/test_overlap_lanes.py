@@ -181,8 +181,12 @@ def test_the_merge_gate_is_per_device_thread() -> None:
     assert seen == [None] and instance.merge_gate == "main lane's gate"
 
 
-def _blocking_decode(instance: ModelInstance, release: threading.Event, started: threading.Event) -> None:
-    """The instance's decode op: the first call signals ``started`` and waits for ``release``."""
+def _engine_with_a_blocking_decode() -> tuple[Engine, threading.Event, threading.Event]:
+    """An overlap-lane engine whose first decode call sets ``started`` and waits for ``release``."""
+    engine = Engine(OVERLAP)
+    instance = build_instance(toy_card("toy-dit"))
+    engine.add_instance(instance)
+    release, started = threading.Event(), threading.Event()
     op_of = instance.op
 
     def op(name: str) -> Any:
@@ -199,14 +203,11 @@ def _blocking_decode(instance: ModelInstance, release: threading.Event, started:
         return dataclasses.replace(base, fn=run)
 
     instance.op = op  # type: ignore[method-assign]
+    return engine, release, started
 
 
 def test_a_request_cancelled_while_its_decode_runs_on_the_overlap_lane_ends_cancelled() -> None:
-    engine = Engine(OVERLAP)
-    instance = build_instance(toy_card("toy-dit"))
-    engine.add_instance(instance)
-    release, started = threading.Event(), threading.Event()
-    _blocking_decode(instance, release, started)
+    engine, release, started = _engine_with_a_blocking_decode()
     short, long = _request(11, 2), _request(12, 12)
 
     async def go() -> list[Any]:
@@ -223,11 +224,7 @@ def test_a_request_cancelled_while_its_decode_runs_on_the_overlap_lane_ends_canc
 
 
 def test_stopping_the_engine_waits_for_a_batch_on_the_overlap_lane() -> None:
-    engine = Engine(OVERLAP)
-    instance = build_instance(toy_card("toy-dit"))
-    engine.add_instance(instance)
-    release, started = threading.Event(), threading.Event()
-    _blocking_decode(instance, release, started)
+    engine, release, started = _engine_with_a_blocking_decode()
 
     async def go() -> Any:
         await engine.start()

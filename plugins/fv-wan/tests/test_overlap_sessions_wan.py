@@ -5,7 +5,6 @@ bit for bit the session streamed alone on one lane."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import torch
 
