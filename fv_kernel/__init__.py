@@ -13,7 +13,7 @@ DISTRIBUTION = "fv-kernel"
 
 #: The plugin API version. Plugins declare the range they support in their manifest
 #: (``kernel_api``); a plugin outside the range is refused at load.
-API_VERSION = "2.12"
+API_VERSION = "2.13"
 
 #: The Python façade (``fv_kernel.facade``), imported on first use: ``import fv_kernel`` stays
 #: light (no torch), so ``fv --help`` and plugin discovery do not pay for the runtime.

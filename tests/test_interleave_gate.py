@@ -6,7 +6,8 @@ Each buggy card below is the toy card with one deliberate conditioning or RNG le
 - an encode op that parks the text context on the module for the DiT op (last writer wins);
 - a stochastic denoise loop that keeps its noise generator on the (shared) loop object;
 - a DiT op that runs every row of a fused batch at row 0's timestep (the throughput gate's);
-- a decode op whose fused calls pick other tokens (the throughput gate's, for a promise's ``text``).
+- a decode op whose fused calls pick other tokens (the throughput gate's, for a promise's ``text``);
+- a DiT op and a decode op that share one workspace (the lane gate's: only two device lanes show it).
 
 The gate (varied requests, each checked against a run alone on a fresh instance) fails on
 each. The design it replaced (one prompt for every request, reference run serially on the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
@@ -103,6 +105,32 @@ def build_last_writer_instance(card: ModelCard, options: InstanceOptions) -> Mod
                 return plain_dit({**inputs, "context": lm.parked_context[:rows]}, params)
 
             ops["dit_forward"] = dataclasses.replace(ops["dit_forward"], fn=dit_forward)
+        return ops
+
+    return _wrap_ops(build_toy_instance(card, options), wrap)
+
+
+def build_shared_workspace_instance(card: ModelCard, options: InstanceOptions) -> ModelInstance:
+    """BUG (f): the DiT and decode ops stage their input in one workspace kept on the instance ("saves an
+    allocation per step"). One op at a time, each reads back what it wrote; two at once, on two device
+    lanes, the later writer's rows replace the earlier one's."""
+
+    def wrap(instance: ModelInstance, ops: dict[str, StepOp]) -> dict[str, StepOp]:
+        workspace = instance.__dict__.setdefault("shared_workspace", torch.zeros(1 << 16))
+
+        def staged(op: StepOp, key: str) -> StepOp:
+            def run(inputs: TensorDict, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+                tensor = inputs[key]
+                flat = workspace[: tensor.numel()]
+                flat.copy_(tensor.reshape(-1))
+                time.sleep(0.02)  # the op's other work: long enough for the other lane's op to start
+                return op.fn({**inputs, key: flat.view_as(tensor).clone()}, params)
+
+            return dataclasses.replace(op, fn=run)
+
+        for name, key in (("dit_forward", "x"), ("decode_frame", "z")):
+            if name in ops:
+                ops[name] = staged(ops[name], key)
         return ops
 
     return _wrap_ops(build_toy_instance(card, options), wrap)
@@ -216,6 +244,7 @@ def _fails(gate: InterleaveConformance) -> str:
 FIRST_WRITER = lambda: toy_with_factory(f"{HERE}:build_first_writer_instance")  # noqa: E731
 LAST_WRITER = lambda: toy_with_factory(f"{HERE}:build_last_writer_instance")  # noqa: E731
 RNG_ON_LOOP = lambda: toy_dmd_card(f"{HERE}:RngOnLoopDenoise")  # noqa: E731
+SHARED_WORKSPACE = lambda: toy_with_factory(f"{HERE}:build_shared_workspace_instance")  # noqa: E731
 CONDITIONING_LEAKS = pytest.mark.parametrize("factory", [FIRST_WRITER, LAST_WRITER], ids=["first-writer", "last-writer"])
 SMEAR = "interleaved vs alone on a fresh instance"
 
@@ -661,3 +690,15 @@ def test_the_gate_refuses_a_promise_for_an_op_the_card_does_not_have(monkeypatch
     assert str(info.value) == refused
     # The op's real name passes (the flip-free toy-lm decodes the same tokens fused).
     _gate(lambda: with_batched_vs_alone(toy_card("toy-lm"), _promise(ops=("lm_decode",)))).test_throughput_within_the_card_tolerance()
+
+
+def test_the_lane_gate_fails_ops_that_share_a_workspace_which_one_lane_never_shows() -> None:
+    gate = _gate(SHARED_WORKSPACE)
+    gate.test_interleaved_equals_each_alone()  # one op at a time: each reads back what it wrote
+    with pytest.raises(AssertionError, match="with the overlap lane vs alone"):
+        gate.test_overlap_lane_equals_each_alone()
+
+
+def test_the_lane_gate_passes_the_toy_card_and_saw_an_overlap() -> None:
+    gate = _gate(lambda: toy_card("toy-dit"))
+    gate.test_overlap_lane_equals_each_alone()  # asserts some batch ran beside the other lane's

@@ -74,7 +74,7 @@ def test_autoloaded_broken_plugins_warn_once_and_are_skipped(plugin_site: Path) 
     assert len(messages) == 3 and all("\n" not in m for m in messages)
     assert "fv-badcard 0.1.0" in messages[0] and "precision.default: Input should be 'fp32'" in messages[0]
     assert "fv-broken 0.3.0" in messages[1] and "RuntimeError: fv_broken exploded at import" in messages[1]
-    assert "requires kernel API '>=3.0,<4'" in messages[2] and "provides API version '2.12'" in messages[2]
+    assert "requires kernel API '>=3.0,<4'" in messages[2] and "provides API version '2.13'" in messages[2]
     assert "fv_broken exploded" in host.record("fv-broken").reason
     assert host.record("fv-good").contributions == {
         "attention_backends": ["fv-good/toy"],
@@ -98,7 +98,7 @@ def test_explicitly_enabled_broken_plugin_fails_start(plugin_site: Path) -> None
 
 def test_explicit_kernel_api_mismatch_names_both_versions(plugin_site: Path) -> None:
     host = make_host(plugin_site, PluginsConfig(autoload=False, enable=["fv-oldapi"]))
-    with pytest.raises(PluginLoadError, match=r"requires kernel API '>=3.0,<4', but this kernel provides API version '2\.12'"):
+    with pytest.raises(PluginLoadError, match=r"requires kernel API '>=3.0,<4', but this kernel provides API version '2\.13'"):
         host.start()
 
 

@@ -17,6 +17,7 @@ from fv_kernel.card.spec import AdapterRef, ModelCard
 from fv_kernel.extend.registry import ExtensionSet
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.model.validate import resolve_request
+from fv_kernel.loop.plan import WorkKind
 from fv_kernel.request.artifacts import Artifact
 from fv_kernel.request.request import Request
 from fv_kernel.request.types import TaskType
@@ -128,6 +129,8 @@ class InterleaveConformance(_CardKitBase):
     #: Whether the throughput gate needs some step of a declaring card to have fused (False only where
     #: every step runs per sample regardless, e.g. block interceptors carrying per-request state).
     throughput_must_fuse: ClassVar[bool] = True
+    #: The lane gate's scheduler: the decode on a second device lane (``scheduler.overlap_kinds``).
+    overlap_scheduler: ClassVar[SchedulerConfig] = SchedulerConfig(batching="exact", overlap_kinds=(WorkKind.VAE_TILE,))
 
     def make_engine(self, cards: Sequence[ModelCard], scheduler: SchedulerConfig | None = None) -> Engine:
         engine = Engine(scheduler or self.scheduler)
@@ -198,6 +201,33 @@ class InterleaveConformance(_CardKitBase):
                 ref.artifacts, got.artifacts, what=f"{request.request_id} interleaved vs alone on a fresh instance"
             )
 
+
+    def test_overlap_lane_equals_each_alone(self) -> None:
+        """The gate requests, staggered (each arrives once the one before has run a step), with the
+        ``overlap_scheduler``'s kinds on a second device lane: one request decodes on its own thread
+        while another denoises, and each result is bit-identical to its run alone. Fails a card whose
+        ops share state across components (a workspace its DiT and its VAE both write), which one lane
+        never shows. Where the cards' requests run steps of those kinds, some batch must have run
+        beside the other lane's, or the gate says so."""
+        assert self.card_ids, "set card_ids on the interleave conformance class"
+        cards = [self.load_card(m) for m in self.card_ids]
+        requests = self.gate_requests(cards, "lane-")
+        reference = self.reference_results(cards, requests)
+        engine = self.make_engine(cards, self.overlap_scheduler)
+        recorder = StepRecorder()
+        engine.observers.append(recorder)
+        got = run_staggered(engine, requests, loop_id=_stepping_loops(cards), offset=1)
+        for request, ref, lane in zip(requests, reference, got):
+            assert ref.status == "completed", f"alone {request.request_id}: {ref.status} {ref.error}"
+            assert lane.status == "completed", f"overlap lane {request.request_id}: {lane.status} {lane.error}"
+            assert_artifacts_identical(ref.artifacts, lane.artifacts,
+                                       what=f"{request.request_id} with the overlap lane vs alone on a fresh instance")
+        kinds = {kind.value for kind in self.overlap_scheduler.overlap_kinds}
+        on_lane = {rid for record in recorder.records if record.kind in kinds for rid in record.request_ids}
+        if len(on_lane) > 1:
+            assert engine.metrics.overlapped_batches > 0, (
+                f"no batch ran beside another on the overlap lane (kinds {sorted(kinds)}), so the gate saw no overlap"
+            )
 
     def test_throughput_within_the_card_tolerance(self) -> None:
         assert self.card_ids, "set card_ids on the interleave conformance class"
