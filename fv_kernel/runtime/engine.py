@@ -347,7 +347,9 @@ class Engine:
             await self._drain(instance)
             # A merged adapter stack's restore would otherwise write the old weights back over the new.
             await self.executor.on_device(instance.unmerge_all)
-            await self.executor.on_device(load, instance)  # never concurrently with a batch
+            # On the main lane's thread, never beside a batch of this instance (drained); with scheduler.overlap_kinds
+            # another instance's batch may run on the overlap lane meanwhile.
+            await self.executor.on_device(load, instance)
             count = self._syncs.get(model_id, 0) + 1
             self._syncs[model_id] = count
             instance.weights_version = version or f"{instance.weights_version.split('+sync')[0]}+sync{count}"
