@@ -408,23 +408,117 @@ def test_load_into_keeps_stored_fp8_weights_and_scales() -> None:
     assert module[0].bias.dtype == torch.bfloat16  # everything else is cast as before
 
 
-def test_a_lora_on_an_fp8_component_is_refused_by_name(tmp_path: Path, fv_host: PluginHost) -> None:
+def test_a_lora_on_an_fp8_component_applies_per_row(tmp_path: Path, fv_host: PluginHost) -> None:
     from fv_kernel.testing.adapters import peft_lora_tensors, write_peft_lora
     from fv_kernel.testing.toy import build_component
 
     file = tmp_path / "toy-dit.json"
     file.write_text(toy_card("toy-dit").model_dump_json())
     on_dit = write_peft_lora(tmp_path / "dit.safetensors", peft_lora_tensors(build_component("dit", 1), "dit", ["blocks.0.o"]))
-    on_lm = write_peft_lora(tmp_path / "lm.safetensors", peft_lora_tensors(build_component("lm", 0), "lm", ["out.0"]))
     fp8 = fv.load(str(file), host=fv_host, precision_path="fp8_weights")
-    with pytest.raises(InvalidRequest) as info:
-        fp8.generate("a red fox", loras=[on_dit])
-    assert info.value.param == "adapters" and "fp8_weights" in info.value.message
-    assert "precision_path native" in str(info.value.allowed)
-    fp8.generate("a red fox", loras=[on_lm])  # the text model's linears are not fp8 targets
-    # Negative control: the same LoRA on the native path runs and changes the video.
+    assert "dit" in fp8.instance.fp8_linear_components
+    plain, adapted = fp8.generate("a red fox").frames, fp8.generate("a red fox", loras=[on_dit]).frames
+    assert not torch.equal(plain, adapted)  # the LoRA changes the fp8 component's output
     native = fv.load(str(file), host=fv_host)
-    assert not torch.equal(native.generate("a red fox", loras=[on_dit]).frames, native.generate("a red fox").frames)
+    native_adapted = native.generate("a red fox", loras=[on_dit]).frames
+    # The LoRA moves the fp8 path as it moves the native one: the update is computed from the same activations.
+    moved, native_moved = (adapted - plain).abs().mean(), (native_adapted - native.generate("a red fox").frames).abs().mean()
+    assert abs(moved - native_moved) < 0.25 * native_moved, (moved, native_moved)
+
+
+class _AlwaysMerge:
+    """A merge gate that says every stack pays to merge (what a long run of one stack earns)."""
+
+    allow_merge = True
+
+    def should_merge(self, *args: Any) -> bool:
+        return True
+
+    def note_mixed(self, *args: Any) -> None:
+        pass
+
+    def note_transition(self, *args: Any) -> None:
+        pass
+
+
+def test_an_fp8_component_routes_its_lora_per_row_even_where_a_merge_would_pay(tmp_path: Path, fv_host: PluginHost) -> None:
+    from fv_kernel.testing.adapters import peft_lora_tensors, write_peft_lora
+    from fv_kernel.testing.toy import build_component
+
+    file = tmp_path / "toy-dit.json"
+    file.write_text(toy_card("toy-dit").model_dump_json())
+    lora = write_peft_lora(tmp_path / "dit.safetensors", peft_lora_tensors(build_component("dit", 1), "dit", ["blocks.0.o"]))
+    for path, merges in (("fp8_weights", False), ("native", True)):  # native: the control, where it merges
+        model = fv.load(str(file), host=fv_host, precision_path=path)
+        model.generate("a red fox", loras=[lora])  # registers and stages the adapter
+        instance = model.instance
+        (info,) = instance.adapters.list()
+        instance.adapters.load(info.version, instance.device)
+        inputs = {"adapter_ids": torch.tensor([[instance.adapters.id_of(info.version)]]),
+                  "adapter_scales": torch.tensor([[1.0]])}
+        instance.merge_gate = _AlwaysMerge()  # type: ignore[assignment]
+        try:
+            routing = instance.row_adapters(inputs, "dit")
+        finally:
+            instance.merge_gate = None
+            instance.unmerge_all()
+        assert (routing is None) is merges, path
+    # A full delta on a parameter that is no linear's applies merged only: on the fp8 component, refused by name.
+    from fv_kernel.compute.lora import AdapterError, AdapterWeights
+
+    fp8_instance = fv.load(str(file), host=fv_host, precision_path="fp8_weights")
+    fp8_instance.generate("a red fox", loras=[lora])
+    instance = fp8_instance.instance
+    instance.components["dit"].register_parameter("gain", nn.Parameter(torch.ones(3)))
+    instance.adapters.weights = lambda *args: AdapterWeights("gain-delta", "dit", deltas={"gain": torch.ones(3)})
+    (info,) = instance.adapters.list()
+    inputs = {"adapter_ids": torch.tensor([[instance.adapters.id_of(info.version)]]), "adapter_scales": torch.tensor([[1.0]])}
+    with pytest.raises(AdapterError, match="'gain-delta' has full deltas on gain, which apply merged only, and 'dit'"):
+        instance.row_adapters(inputs, "dit")
+
+
+def _adapter_on(linear: nn.Module, *, rank: int = 4, scale: float = 0.5) -> Any:
+    from fv_kernel.compute.lora import AdapterWeights, LowRankUpdate
+
+    gen = torch.Generator().manual_seed(3)
+    down = torch.randn(rank, linear.in_features, generator=gen) * 0.2
+    up = torch.randn(linear.out_features, rank, generator=gen) * 0.2
+    return AdapterWeights(name="l", component="c", low_rank={"lin": LowRankUpdate(down=down, up=up, alpha=rank * scale)}), down, up
+
+
+@pytest.mark.parametrize("mode", ["fp8_weights", "fp8_dynamic"])
+def test_an_fp8_linears_rows_get_each_their_own_lora_update_from_the_activations(mode: str) -> None:
+    from fv_kernel.compute.fp8 import takes_quantized_rows
+    from fv_kernel.compute.lora import RowAdapters, rows_adapted
+
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.lin = Fp8Linear.from_linear(nn.Linear(32, 48), mode=mode, kernel="torch")
+    adapter, down, up = _adapter_on(root.lin)
+    x = torch.randn(3, 5, 32)
+    base = root.lin(x)
+    routing = RowAdapters.from_stacks([((adapter, 1.0),), (), ((adapter, 2.0),)])
+    with rows_adapted(root, routing):
+        assert not takes_quantized_rows(root.lin)  # a hooked linear reads the activations, not their e4m3 rows
+        got = root.lin(x)
+    assert takes_quantized_rows(root.lin) is (mode == "fp8_dynamic")
+    # The reference, in fp64 and apart from the kernels: the base output plus strength x scale x (x A^T) B^T.
+    delta = (x.double() @ down.double().t()) @ up.double().t() * 0.5
+    for row, strength in enumerate((1.0, 0.0, 2.0)):
+        want = base[row].double() + strength * delta[row]
+        assert torch.allclose(got[row].double(), want, atol=1e-5, rtol=1e-5), row
+
+
+def test_a_lora_never_merges_into_an_fp8_linear() -> None:
+    from fv_kernel.compute.lora import AdapterError, merge_adapters
+
+    root = nn.Module()
+    root.lin = Fp8Linear.from_linear(nn.Linear(32, 48), mode="fp8_weights", kernel="torch")
+    adapter, _, _ = _adapter_on(root.lin)
+    weight = root.lin.weight.clone()
+    with pytest.raises(AdapterError, match="lin is an fp8 linear"):
+        merge_adapters(root, ((adapter, 1.0),))
+    assert torch.equal(root.lin.weight.view(torch.uint8), weight.view(torch.uint8))
 
 
 def test_auto_on_a_card_without_paths_is_native_and_says_why() -> None:

@@ -307,9 +307,13 @@ class Fp8Linear(nn.Module):
 
 
 def takes_quantized_rows(*modules: nn.Module) -> bool:
-    """Whether every module given takes :class:`QuantizedRows` (each an ``fp8_dynamic`` :class:`Fp8Linear`),
-    so that their shared input may be quantized once, in the op that computes it."""
-    return bool(modules) and all(isinstance(m, Fp8Linear) and m.mode == "fp8_dynamic" for m in modules)
+    """Whether every module given takes :class:`QuantizedRows` (each an ``fp8_dynamic`` :class:`Fp8Linear`
+    with no forward hook), so that their shared input may be quantized once, in the op that computes it.
+    A hooked one reads its input as given: a LoRA routed per row (``rows_adapted``) computes its update
+    from the activations themselves, not from their e4m3 rows."""
+    return bool(modules) and all(
+        isinstance(m, Fp8Linear) and m.mode == "fp8_dynamic" and not m._forward_hooks for m in modules
+    )
 
 
 def quantize_linears(

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fv_kernel.compute.fp8 import Fp8Linear
 from fv_kernel.compute.lora_triton import RowKernelUnavailable, lora_sgmv, rank_block
 from fv_kernel.errors import FvError
 
@@ -218,7 +219,7 @@ class AdapterWeights:
         paths = set(self.low_rank)
         for param in self.deltas:
             module_path, _, leaf = param.rpartition(".")
-            if leaf in ("weight", "bias") and isinstance(_submodule(root, module_path), nn.Linear):
+            if leaf in ("weight", "bias") and isinstance(_submodule(root, module_path), LINEAR_TYPES):
                 paths.add(module_path)
         return paths
 
@@ -227,7 +228,7 @@ class AdapterWeights:
         out = []
         for param in self.deltas:
             module_path, _, leaf = param.rpartition(".")
-            if leaf not in ("weight", "bias") or not isinstance(_submodule(root, module_path), nn.Linear):
+            if leaf not in ("weight", "bias") or not isinstance(_submodule(root, module_path), LINEAR_TYPES):
                 out.append(param)
         return sorted(out)
 
@@ -237,8 +238,10 @@ class AdapterWeights:
         Remembered per ``root`` once it passes (a module's shapes do not change under it)."""
         if self._checked.get(root):
             return
-        params = dict(root.named_parameters())
-        linears = {name: m for name, m in root.named_modules() if isinstance(m, nn.Linear)}
+        linears = {name: m for name, m in root.named_modules() if isinstance(m, LINEAR_TYPES)}
+        # An fp8 linear's e4m3 weight is a buffer: a full delta on it applies per row, as on a parameter.
+        params = {**dict(root.named_parameters()),
+                  **{f"{name}.weight": m.weight for name, m in linears.items() if isinstance(m, Fp8Linear)}}
         missing = [p for p in self.low_rank if p not in linears] + [p for p in self.deltas if p not in params]
         if missing:
             raise AdapterKeyError(self.name, self.component, sorted(missing), sorted(set(linears) | set(params)))
@@ -261,6 +264,10 @@ class AdapterWeights:
                     param="adapters",
                 )
         self._checked[root] = True
+
+
+#: The modules a LoRA targets: bf16/fp32 linears, and fp8 ones (per row only: their e4m3 weights never merge).
+LINEAR_TYPES = (nn.Linear, Fp8Linear)
 
 
 def _submodule(root: nn.Module, path: str) -> nn.Module | None:
@@ -302,6 +309,11 @@ def merge_adapters(root: nn.Module, stack: AdapterStack) -> MergedAdapters:
     """
     for adapter, _ in stack:
         adapter.check(root)
+    fp8 = sorted(path for adapter, _ in stack for path in adapter.per_row_paths(root)
+                 if isinstance(_submodule(root, path), Fp8Linear))
+    if fp8:
+        raise AdapterError(f"{fp8[0]} is an fp8 linear: a LoRA applies to it per row, never merged into its e4m3 "
+                           "weight", param="adapters")
     params = dict(root.named_parameters())
     updates: dict[str, torch.Tensor] = {}
 

@@ -339,7 +339,8 @@ class ModelInstance:
         The merged-or-per-row choice is made here, where the component is known: a forward whose
         rows all carry one stack keeps (or, when the executor's :class:`MergeGate` says it pays,
         makes) that stack merged; any other forward first restores the base weights exactly.
-        Without a gate (an op run outside the engine) nothing new is merged.
+        Without a gate (an op run outside the engine) nothing new is merged, and a component whose
+        linears run in fp8 is never merged into.
         """
         ids = inputs.get("adapter_ids")
         if ids is None or self.adapters is None:
@@ -356,7 +357,8 @@ class ModelInstance:
             if stack and stack == merged[0] and allowed:
                 return None
             self._transition(component, (), gate)
-        if stack and gate is not None and gate.allow_merge:
+        # An fp8 component's linears take their updates per row, always (merge_adapters refuses them).
+        if stack and gate is not None and gate.allow_merge and component not in self.fp8_linear_components:
             if gate.should_merge(self, component, stack, *self._stack_profile(component, stack)):
                 self._transition(component, stack, gate)
                 return None
@@ -366,7 +368,17 @@ class ModelInstance:
         def lookup(adapter_id: int) -> Any:
             return registry.weights(registry.version_of(adapter_id), component, self.device)
 
-        return RowAdapters.from_ids(ids, scales, lookup, kernel=self.adapter_row_kernel)
+        routing = RowAdapters.from_ids(ids, scales, lookup, kernel=self.adapter_row_kernel)
+        if routing is not None and component in self.fp8_linear_components:
+            root = self.components[component]
+            for segment in routing.segments:
+                merge_only = segment.adapter.merge_only_params(root)
+                if merge_only:
+                    raise AdapterError(
+                        f"adapter {segment.adapter.name!r} has full deltas on {', '.join(merge_only[:3])}, which apply "
+                        f"merged only, and {component!r}'s linears run in fp8 on precision path "
+                        f"{self.precision_path!r}, where nothing merges into it", param="adapters")
+        return routing
 
     def _stack_profile(self, component: str, stack: tuple[tuple[str, float], ...]) -> tuple[float, int]:
         """What merging ``stack`` into ``component`` trades: the per-row updates' multiply-adds as a

@@ -18,7 +18,7 @@ from typing import Iterable
 from pydantic import BaseModel, ConfigDict, Field
 
 from fv_kernel.cache.adapters import AdapterInfo, AdapterRegistry
-from fv_kernel.card.spec import FP8_LINEAR_PATHS, ModelCard
+from fv_kernel.card.spec import ModelCard
 from fv_kernel.model.adapters import combined_stack
 from fv_kernel.errors import InvalidRequest, RecipeMismatch
 from fv_kernel.card.recipe import (
@@ -363,7 +363,6 @@ def resolve_for_instance(instance: ModelInstance, request: Request, limits: Requ
             "precision", f"this deployment serves {instance.model_id!r} in {instance.precision!r} only",
             allowed=[instance.precision],
         )
-    _check_adapters_on_fp8(instance, resolved)
     _check_loops(instance, resolved)
     return resolved
 
@@ -375,26 +374,6 @@ def _check_loops(instance: ModelInstance, request: Request) -> None:
     """
     for loop_id in instance.request_checking_loops(request.task):
         instance.loop(loop_id).check_request(request, instance)
-
-
-def _check_adapters_on_fp8(instance: ModelInstance, request: Request) -> None:
-    """A LoRA cannot change an ``Fp8Linear`` (its e4m3 weight is neither merged into nor routed
-    around): an adapter changing a component whose linears run in fp8 is refused by name."""
-    fp8 = instance.fp8_linear_components
-    if not fp8 or not instance.adapters_enabled:
-        return
-    for info, _ in instance.adapter_stack(request):
-        hit = sorted(set(info.components) & fp8)
-        if hit:
-            plain = [p for p in instance.card.precision.allowed_paths if p not in FP8_LINEAR_PATHS]
-            # A card whose checkpoint stores fp8 weights has them on every path.
-            elsewhere = "" if instance.card.recipe.quantized_from is not None else (
-                f", or a deployment of {instance.model_id!r} on precision_path {' / '.join(plain)}")
-            raise InvalidRequest(
-                "adapters", f"adapter {info.name!r} changes {', '.join(hit)}, whose linears run in fp8 on "
-                f"precision path {instance.precision_path!r}; LoRA adapters do not apply to fp8 linears",
-                allowed=f"adapters that change none of {', '.join(sorted(fp8))}{elsewhere}",
-            )
 
 
 def _frames_at(card: ModelCard, seconds: float, rate: float) -> int:

@@ -330,3 +330,33 @@ def test_fv_comfy_run_writes_the_templates_video_with_adapters_on(tmp_path: Path
                                             "--comfy-loras", str(lora_dir), "-o", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert f"wrote {tmp_path / 'out' / 'video' / 'ComfyUI_00001_.mp4'} (node 80)" in result.output
+
+
+def test_the_template_runs_its_loras_on_fp8_experts(host: Any, input_dir: Path, lora_dir: Path) -> None:
+    """The template's group with both UNETLoaders at ``fp8_e4m3fn`` (fv's ``fp8_weights``): each expert's
+    LoRA applies per row to its e4m3 linears, and changes the video as it does at ``default``."""
+    from fv_kernel.api import DeployConfig
+    from fv_comfyui.models import ModelMap
+    from fv_comfyui.run import JobRunner
+    from fv_comfyui.service import service_for
+
+    service = service_for(host, ModelMap.from_yaml(MODELS_FILE), input_dir, loras=lora_dir)
+    runner = JobRunner(config=DeployConfig(adapters=PER_ROW), loras=service.loras)
+
+    def video(weight_dtype: str, strength: float) -> Any:
+        prompt = _template()
+        for loader in ("75", "76"):
+            prompt[loader]["inputs"]["weight_dtype"] = weight_dtype
+        for lora in ("83", "85"):
+            prompt[lora]["inputs"]["strength_model"] = strength
+        (job,) = service.check(prompt).jobs
+        return job, runner.run(job).frames
+
+    job, fp8_adapted = video("fp8_e4m3fn", 1.0)
+    assert job.precision_path == "fp8_weights" and job.loras
+    assert runner.generator(CARD, "fp8_weights").instance.fp8_linear_components == {"transformer", "transformer_2"}
+    _, fp8_plain = video("fp8_e4m3fn", 0.0)
+    _, native_adapted = video("default", 1.0)
+    _, native_plain = video("default", 0.0)
+    moved, native_moved = (fp8_adapted - fp8_plain).abs().mean(), (native_adapted - native_plain).abs().mean()
+    assert moved > 1e-3 and abs(moved - native_moved) < 0.25 * native_moved, (moved, native_moved)

@@ -146,3 +146,28 @@ def test_triton_fused_quantization_matches_the_composed_route() -> None:
 if __name__ == "__main__":  # the test's fresh-process run (TRITON_INTERPRET=1 set by the caller)
     torch.set_num_threads(1)
     print(json.dumps(triton_fp8_block_check("cpu")))
+
+
+def test_a_lora_on_a_fused_site_gets_the_activations_and_every_row_its_own_update() -> None:
+    """A LoRA routed per row on attn1's q (``rows_adapted``) reads norm1's output itself: the fused block then
+    keeps that site in the activation dtype (q, k and v quantize their own input), and each row gets its
+    own update, as on the route without the fp8 ops."""
+    from fv_kernel.compute.lora import AdapterWeights, LowRankUpdate, RowAdapters, rows_adapted
+
+    model, inputs = _model(torch.float32), _inputs()
+    q = model.get_submodule("blocks.0.attn1.to_q")
+    g = torch.Generator().manual_seed(5)
+    update = LowRankUpdate(down=torch.randn(4, q.in_features, generator=g), up=torch.randn(q.out_features, 4, generator=g))
+    adapter = AdapterWeights(name="q-lora", component="transformer", low_rank={"blocks.0.attn1.to_q": update})
+    routing = RowAdapters.from_stacks([((adapter, 1.0),), ()])  # row 0 adapted, row 1 not
+    ops = TorchFusedOps()
+    calls = counting(ops)
+    with rows_adapted(model, routing):
+        adapted = _run(model, ops, inputs)
+        each_quantizes = _run(model, _each_linear_quantizes(), inputs)
+    blocks = len(model.blocks)
+    # Block 0's norm1 stays in fp32 for the hooked q; every other site still hands over e4m3 rows.
+    assert calls == {"modulated_layer_norm_fp8": blocks - 1, "residual_layer_norm_fp8": 2 * blocks, "gelu_tanh_fp8": blocks}
+    assert torch.equal(adapted, each_quantizes)
+    plain = _run(model, TorchFusedOps(), inputs)
+    assert not torch.equal(adapted[0], plain[0]) and torch.equal(adapted[1], plain[1])
