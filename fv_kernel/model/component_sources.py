@@ -50,7 +50,8 @@ def check_component_sources(card: ModelCard, options: "InstanceOptions") -> None
                 "a file of its own (checkpoint.components.*.single_file)",
                 allowed=takes_file or "none (no component of this card loads from a file of its own)",
             )
-        resolved = Path(os.path.expanduser(path))
+        resolved = component_source(options, component_id)
+        assert resolved is not None
         if resolved.suffix != SINGLE_FILE_SUFFIX:
             raise InvalidRequest(_field(component_id), f"{str(path)!r} is not a {SINGLE_FILE_SUFFIX} file",
                                  allowed=f"a path to one {SINGLE_FILE_SUFFIX} file")

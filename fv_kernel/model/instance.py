@@ -358,7 +358,8 @@ class ModelInstance:
                 return None
             self._transition(component, (), gate)
         # An fp8 component's linears take their updates per row, always (merge_adapters refuses them).
-        if stack and gate is not None and gate.allow_merge and component not in self.fp8_linear_components:
+        fp8 = component in self.fp8_linear_components
+        if stack and gate is not None and gate.allow_merge and not fp8:
             if gate.should_merge(self, component, stack, *self._stack_profile(component, stack)):
                 self._transition(component, stack, gate)
                 return None
@@ -369,7 +370,7 @@ class ModelInstance:
             return registry.weights(registry.version_of(adapter_id), component, self.device)
 
         routing = RowAdapters.from_ids(ids, scales, lookup, kernel=self.adapter_row_kernel)
-        if routing is not None and component in self.fp8_linear_components:
+        if routing is not None and fp8:
             root = self.components[component]
             for segment in routing.segments:
                 merge_only = segment.adapter.merge_only_params(root)

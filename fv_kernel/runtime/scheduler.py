@@ -178,11 +178,6 @@ class Scheduler:
         """The lanes batches run on: ("main",), or ("main", "overlap") with ``overlap_kinds`` set."""
         return LANES if self.config.overlap_kinds else LANES[:1]
 
-    @property
-    def batcher(self) -> BatchScheduler:
-        """The main lane's batch scheduler."""
-        return self.batchers["main"]
-
     def lane_of(self, plan: WorkPlan) -> Lane:
         """The lane ``plan`` runs on."""
         return "overlap" if plan.kind in self.config.overlap_kinds else "main"
