@@ -18,10 +18,10 @@ import torch
 from pydantic import ValidationError
 
 from fv_kernel.api import DiffusionParams, Engine, Request, SchedulerConfig, TaskType, TextPart, build_instance
-from fv_kernel.loop.plan import ResourceRequest, WorkKind, WorkPlan
+from fv_kernel.loop.plan import ResourceRequest, StepResult, WorkKind, WorkPlan
 from fv_kernel.model.instance import ModelInstance
 from fv_kernel.parallel.engine import SpmdEngine
-from fv_kernel.runtime.batching import BatchScheduler, WorkUnit
+from fv_kernel.runtime.batching import BatchPolicy, BatchScheduler, WorkUnit
 from fv_kernel.runtime.scheduler import Scheduler
 from fv_kernel.runtime.cost import CostModel
 from fv_kernel.runtime.metrics import EngineMetrics
@@ -154,6 +154,24 @@ def test_each_lane_takes_only_its_kinds() -> None:
     assert scheduler.next_batch("main") == [step]
     assert scheduler.next_batch("main") == []
     assert scheduler.next_batch("overlap") == [decode]
+
+
+def test_a_jumbo_step_waits_only_on_its_own_lanes_work() -> None:
+    # 10 s of decode handed back on the overlap lane must not count as work a main-lane jumbo step waited
+    # behind: the main lane's older short step still goes first (with one shared batch scheduler, the jumbo would).
+    scheduler = Scheduler(OVERLAP.model_copy(update={"batch": BatchPolicy(jumbo_seconds=0.5)}), CostModel(), EngineMetrics())
+    loop = asyncio.new_event_loop()
+    try:
+        decode = _unit(WorkKind.VAE_TILE, 0, 1)
+        decode.future = loop.create_future()
+        scheduler.hand_back([decode], [StepResult(outputs={})], 10.0, 10.0, {}, lane="overlap")
+    finally:
+        loop.close()
+    short, jumbo = _unit(WorkKind.DIFFUSION_STEP, 0, 2), _unit(WorkKind.DIFFUSION_STEP, 0, 3)
+    jumbo.price_seconds = 1.0
+    scheduler.pending.add(short)
+    scheduler.pending.add(jumbo)
+    assert scheduler.next_batch("main") == [short]
 
 
 def test_overlap_kinds_are_checked() -> None:
