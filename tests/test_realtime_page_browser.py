@@ -63,3 +63,35 @@ def test_negative_control_fragments_without_retiming_do_not_play_on(browser: Bro
         assert browser.js("return document.getElementById('video').currentTime") <= 2 / 8 + 0.05
     finally:
         server.stop()
+
+
+def test_start_clicked_before_the_script_ran_does_not_reload_the_page(tmp_path: Path) -> None:
+    """Start stays disabled until realtime.js has attached its handlers. Clicked earlier, an enabled submit
+    button would submit the form natively and reload the page, losing the click (a CI flake once did this)."""
+    deploy = DeployConfig(output_dir=tmp_path / "out")
+    engine = Engine(SchedulerConfig(), limits=deploy.limits)
+    engine.add_instance(build_instance(chunk_toy_card("toy-chunk", frames_per_chunk=2)))
+    app = create_app(engine, deploy)
+
+    @app.middleware("http")
+    async def slow_script(request: Any, call_next: Any) -> Any:
+        if request.url.path.endswith("/realtime.js"):
+            import asyncio
+
+            await asyncio.sleep(3.0)
+        return await call_next(request)
+
+    server = ServerThread(app).start()
+    # "none": get() returns before the (slow) script has run, as a user's click can come.
+    with realtime_page_browser(tmp_path / "profile", page_load_strategy="none") as browser:
+        try:
+            browser.get(f"{server.url}/realtime")
+            browser.wait("the Start button in the DOM", lambda: browser.js("return !!document.getElementById('start')"))
+            browser.js("window.marker = 1; document.getElementById('prompt').value = 'x';"
+                       " document.getElementById('start').click();")
+            browser.wait("the page's script", lambda: browser.js("return !!window.fvRealtime"), timeout=30)
+            assert browser.js("return window.marker") == 1, "the early click reloaded the page"
+            assert browser.js("return location.search") == ""
+            assert browser.js("return document.getElementById('start').disabled") is False
+        finally:
+            server.stop()

@@ -53,7 +53,8 @@ def _free_port() -> int:
 class Browser:
     """One ChromeDriver session: load a page, run scripts in it, wait for a condition."""
 
-    def __init__(self, profile: Path) -> None:
+    def __init__(self, profile: Path, *, page_load_strategy: str = "normal") -> None:
+        """``page_load_strategy`` is W3C's: ``normal`` (``get`` waits for the load event) or ``none``."""
         import httpx
 
         self._httpx = httpx
@@ -74,7 +75,7 @@ class Browser:
                 self.close()
                 raise RuntimeError("chromedriver did not start")
             time.sleep(0.1)
-        caps = {"browserName": "chrome", "goog:chromeOptions": {
+        caps = {"browserName": "chrome", "pageLoadStrategy": page_load_strategy, "goog:chromeOptions": {
             "binary": CHROMIUM, "args": [*FLAGS, f"--user-data-dir={profile}"]}}
         reply = self.http.post("/session", json={"capabilities": {"alwaysMatch": caps}}).json()["value"]
         if "sessionId" not in reply:
@@ -121,10 +122,10 @@ class Browser:
 
 
 @contextlib.contextmanager
-def realtime_page_browser(profile: Path) -> Iterator[Browser]:
+def realtime_page_browser(profile: Path, *, page_load_strategy: str = "normal") -> Iterator[Browser]:
     """A :class:`Browser` (after :func:`require_browser`) whose timeouts report the realtime page's state and log."""
     require_browser()
-    browser = Browser(profile)
+    browser = Browser(profile, page_load_strategy=page_load_strategy)
     browser.describe_page = lambda: (browser.js("return window.fvRealtime"),
                                      browser.js("return document.getElementById('log').innerText"))
     try:
@@ -137,6 +138,9 @@ def start_realtime_page(browser: Browser, server_url: str, *, prompt: str, size:
                         fps: int = 8, model: str | None = None, previews: bool = False) -> None:
     """Open ``/realtime`` and start a session from its form (``size`` is width, height; ``previews`` ticks its box)."""
     browser.get(f"{server_url}/realtime")
+    # The page enables Start once its script has attached the form's handlers.
+    browser.wait("the page's Start button to be enabled", lambda: browser.js(
+        "const b = document.getElementById('start'); return !!window.fvRealtime && !!b && !b.disabled"), timeout=60)
     fields = {"prompt": prompt, "width": size[0], "height": size[1], "fps": fps, "num-frames": frames,
               **({"model": model} if model is not None else {})}
     browser.js("""
@@ -144,6 +148,8 @@ def start_realtime_page(browser: Browser, server_url: str, *, prompt: str, size:
         document.getElementById('previews').checked = arguments[1];
         document.getElementById('start').click();
     """, fields, previews)
+    browser.wait("the page to send session.start", lambda: browser.js(
+        "return document.getElementById('log').innerText.includes('session.start sent')"), timeout=60)
 
 
 def drive_realtime_page(browser: Browser, server_url: str, *, prompt: str, update: str, size: tuple[int, int],

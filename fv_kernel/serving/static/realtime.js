@@ -141,4 +141,8 @@
     if (!ws || !prompt) return;
     ws.send(JSON.stringify({ type: "session.interaction", interaction: { event: { prompt } } }));
   });
+
+  // Start is disabled in the HTML until here: a click before this script ran would submit the form
+  // natively and reload the page instead of opening a session.
+  $("start").disabled = false;
 })();
