@@ -76,9 +76,11 @@ class _Witness:
 
 
 def _run(config: SchedulerConfig, requests: list[Request], *, witness: bool = True,
-         fail_first_decode: bool = False) -> tuple[list[Any], Engine, _Witness | None]:
+         fail_first_decode: bool = False, device: str = "cpu") -> tuple[list[Any], Engine, _Witness | None]:
+    from fv_kernel.api import InstanceOptions
+
     engine = Engine(config)
-    instance = build_instance(toy_card("toy-dit"))
+    instance = build_instance(toy_card("toy-dit"), InstanceOptions(device=device))
     engine.add_instance(instance)
     seen = _Witness(instance, fail_first_decode=fail_first_decode) if witness else None
 
@@ -181,6 +183,12 @@ def test_overlap_kinds_are_checked() -> None:
         SchedulerConfig(overlap_kinds=("vae",))
     with pytest.raises(ValidationError, match="twice"):
         SchedulerConfig(overlap_kinds=("vae_tile", "vae_tile"))
+    # Kinds whose ops may share KV pools or captured graphs with the card's other steps stay on the main lane.
+    with pytest.raises(ValidationError, match=r"\['ar_token', 'encoder_chunk'\] cannot run on a lane of their own.*"
+                                              r"allowed: \['vae_tile', 'audio_chunk'\]"):
+        SchedulerConfig(overlap_kinds=("ar_token", "encoder_chunk"))
+    assert SchedulerConfig(overlap_kinds=("audio_chunk", "vae_tile")).overlap_kinds == (WorkKind.AUDIO_CHUNK,
+                                                                                        WorkKind.VAE_TILE)
     assert SchedulerConfig.model_validate({"overlap_kinds": ["vae_tile"]}).overlap_kinds == (WorkKind.VAE_TILE,)
 
 
@@ -259,3 +267,60 @@ def test_stopping_the_engine_waits_for_a_batch_on_the_overlap_lane() -> None:
     result = asyncio.run(go())
     assert result.status == "cancelled"
     assert engine.executor._threads == {}  # both lanes' threads joined
+
+
+def test_sdpa_kernel_flags_are_process_wide() -> None:
+    """Why a pinned driver is refused beside a second lane: inside its ``sdpa_kernel`` call, another
+    thread's SDPA finds the other kernels disabled. (If torch makes these flags per thread, this fails
+    and the refusal below can go.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seen: list[bool] = []
+    with sdpa_kernel(SDPBackend.MATH):
+        other = threading.Thread(target=lambda: seen.append(torch.backends.cuda.flash_sdp_enabled()))
+        other.start()
+        other.join()
+    assert seen == [False] and torch.backends.cuda.flash_sdp_enabled()
+
+
+def test_a_pinned_sdpa_driver_is_refused_beside_a_second_lane() -> None:
+    from fv_kernel.api import InstanceOptions
+    from fv_kernel.errors import InvalidRequest
+
+    pinned = build_instance(toy_card("toy-dit"), InstanceOptions(attention_backend="sdpa_math"))
+    with pytest.raises(InvalidRequest, match=r"attention_backend: 'toy-dit' is deployed with attention driver "
+                                             r"'sdpa_math'.*process-wide.*allowed: a driver that sets no "
+                                             r"process-wide flags \(.*\bsdpa\b.*\), or scheduler.overlap_kinds: \[\]"):
+        Engine(OVERLAP).add_instance(pinned)
+    Engine(ONE_LANE).add_instance(pinned)  # one lane: no other thread's attention runs meanwhile
+    Engine(OVERLAP).add_instance(build_instance(toy_card("toy-dit")))  # the default 'sdpa' sets no flags
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the lanes' own streams")
+def test_lane_streams_are_never_a_capture_side_stream() -> None:
+    results, engine, _ = _run(OVERLAP, [_request(21, 2), _request(22, 6)], witness=False, device="cuda")
+    assert [r.status for r in results] == ["completed", "completed"]
+    streams = engine.executor._streams
+    assert {lane for lane, _ in streams} == {"main", "overlap"}
+    assert all(s.priority < torch.cuda.Stream().priority for s in streams.values())  # the high-priority pool
+    drawn = {torch.cuda.Stream().stream_id for _ in range(64)}  # every stream of the default-priority pool
+    assert drawn.isdisjoint({s.stream_id for s in streams.values()})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the caching allocator's streams")
+def test_an_output_dropped_on_the_default_stream_is_not_reused_by_its_lane_meanwhile() -> None:
+    from fv_kernel.runtime.executor import hand_to_default_stream
+
+    lane = torch.cuda.Stream(priority=-1)
+    with torch.cuda.stream(lane):
+        output = torch.ones(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    hand_to_default_stream([StepResult(outputs={"frames": output})])
+    torch.cuda._sleep(1 << 30)  # the loop's queued work on the default stream, still running ...
+    total = output.sum()  # ... which reads the output,
+    freed = output.data_ptr()
+    del output  # and the loop drops it.
+    with torch.cuda.stream(lane):
+        reused = torch.empty(1 << 20, device="cuda")  # the lane's next batch allocates the same size
+    assert reused.data_ptr() != freed  # without the mark the block comes back at once, under the read
+    assert total.item() == float(1 << 20)

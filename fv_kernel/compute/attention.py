@@ -32,6 +32,10 @@ class AttentionBackend(abc.ABC):
     #: Whether self-attention over a video needs the token grid (``attend_video(q, k, v, grid=, gate=)``,
     #: e.g. tiled sparse attention); model code routes its self-attention there when set.
     needs_video_grid: ClassVar[bool] = False
+    #: Whether a call changes process-wide torch settings while it runs (``sdpa_kernel``'s backend
+    #: flags): another thread's attention reads them meanwhile, so such a driver is refused beside
+    #: a second device lane (``scheduler.overlap_kinds``).
+    sets_process_flags: ClassVar[bool] = False
 
     def for_assumption(self, assumption: Any) -> "AttentionBackend":
         """This driver configured with a recipe's ``AttentionAssumption`` (its sparsity, tile...);

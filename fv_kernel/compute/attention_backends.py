@@ -75,6 +75,8 @@ class _PinnedSDPA(AttentionBackend):
 
     #: ``torch.nn.attention.SDPBackend`` member name.
     sdpa_backend: ClassVar[str]
+    #: ``sdpa_kernel`` disables SDPA's other kernels for the whole process while a call runs.
+    sets_process_flags: ClassVar[bool] = True
     needs_cuda: ClassVar[bool] = True
     half_only: ClassVar[bool] = True
     supports_mask: ClassVar[bool] = True

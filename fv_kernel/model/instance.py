@@ -409,7 +409,9 @@ class ModelInstance:
         started = time.perf_counter()
         elements = self.merge_stack(component, stack)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # This thread's stream only: a device-wide wait would also wait for (and time) a batch on
+            # the other device lane.
+            torch.cuda.current_stream(self.device).synchronize()
         if gate is not None and elements:
             gate.note_transition(self, component, elements, time.perf_counter() - started)
 

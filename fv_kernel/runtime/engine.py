@@ -35,7 +35,7 @@ from fv_kernel.cache.block_pool import BlockPool
 from fv_kernel.cache.slab_kv import SlabKVPool
 from fv_kernel.cache.adapters import AdapterRegistry
 from fv_kernel.cache.feature import FeatureCache
-from fv_kernel.errors import FvError, QueueFull, RequestCancelled, StepFailed, UnknownModel
+from fv_kernel.errors import FvError, InvalidRequest, QueueFull, RequestCancelled, StepFailed, UnknownModel
 from fv_kernel.extend.hooks import RequestHooks
 from fv_kernel.extend.observers import BlockObserver, Observer, StepRecord
 from fv_kernel.extend.registry import ExtensionSet
@@ -119,6 +119,37 @@ class Engine:
         #: Realtime sessions (docs/realtime.md): admitted and scheduled like requests.
         self.sessions = SessionManager(self)
 
+    def _check_attention_beside_lanes(self, instance: ModelInstance) -> None:
+        """Refuse an attention driver that sets process-wide torch flags while a second lane runs.
+
+        ``sdpa_kernel`` (the pinned ``sdpa_*`` drivers) disables SDPA's other kernels for the whole
+        process during a call; the other lane's attention (a VAE's, of head dim 384 on Wan) would
+        find only the pinned kernel enabled meanwhile and fail, or run another kernel than alone.
+        """
+        drivers = instance.registry.attention_backends
+        name = instance.options.attention_backend
+        try:
+            driver = drivers.load(name)
+        except Exception:  # noqa: BLE001 - a driver that cannot load failed the instance's build already
+            return
+        if not getattr(driver, "sets_process_flags", False):
+            return
+        safe = []
+        for other in drivers.names():
+            try:
+                if not getattr(drivers.load(other), "sets_process_flags", False):
+                    safe.append(other)
+            except Exception:  # noqa: BLE001 - an unloadable driver is not offered
+                continue
+        kinds = [kind.value for kind in self.config.overlap_kinds]
+        raise InvalidRequest(
+            "attention_backend",
+            f"{instance.model_id!r} is deployed with attention driver {name!r}, which pins SDPA's kernel through "
+            f"torch's process-wide sdpa_kernel flags; the second device lane (scheduler.overlap_kinds: {kinds}) "
+            "would run its own attention under them",
+            allowed=f"a driver that sets no process-wide flags ({', '.join(sorted(safe))}), or scheduler.overlap_kinds: []",
+        )
+
     def make_executor(self) -> Executor:
         """The executor batches run on (a subclass may announce each batch, as a parallel pool's rank 0 does)."""
         return Executor(
@@ -131,6 +162,8 @@ class Engine:
         if instance.model_id in self._instances:
             raise ValueError(f"an instance of {instance.model_id!r} is already resident")
         self.extensions.check_cards([instance.card])
+        if len(self.scheduler.lanes) > 1:
+            self._check_attention_beside_lanes(instance)
         device = self.scheduler.memory.add_instance(instance)  # fails here, typed, for an unsizable device
         if self.adapters is not None:
             instance.adapters = self.adapters

@@ -30,6 +30,24 @@ __all__ = ["Executor", "BatchOutcome", "check_finite", "check_promised_ops", "Me
 
 log = logging.getLogger("fv.engine")
 
+#: The lanes' CUDA streams' priority: PyTorch's high-priority pool, apart from the default-priority one.
+LANE_STREAM_PRIORITY = -1
+
+
+def hand_to_default_stream(outcomes: "list[StepResult | BaseException]") -> None:
+    """Mark every CUDA output of a lane's batch as used on its device's default stream.
+
+    The loops read and drop outputs on the event loop, whose work goes to the default stream; the
+    caching allocator then waits for that stream's queued work before handing the block to the lane
+    that allocated it (without the mark it would hand it back at once, to a batch running meanwhile).
+    """
+    for outcome in outcomes:
+        if isinstance(outcome, StepResult):
+            for tensor in outcome.outputs.values():
+                if tensor.device.type == "cuda":
+                    tensor.record_stream(torch.cuda.default_stream(tensor.device))
+
+
 class BatchOutcome(NamedTuple):
     """What running one batch gave."""
 
@@ -107,7 +125,12 @@ class Executor:
     own thread and, on CUDA, its own stream. Each such batch first waits for the work already queued
     on the device's default stream (what the loops' host code, on the event loop, enqueued there),
     and every batch ends with its stream synchronized (the device timing's wait), so what one lane
-    hands back is complete before the other lane, or a loop, reads it.
+    hands back is complete before the other lane, or a loop, reads it. Its CUDA outputs are marked
+    as used on the default stream (``record_stream``): a loop that queues work on one there and drops
+    it while that lane runs its next batch must not see the block reused by that batch before the
+    queued work has read it. The lanes' streams come from PyTorch's high-priority pool, which
+    ``torch.cuda.Stream()`` (graph captures' side streams) never draws from: a capture on a stream
+    that a lane also runs on would record the lane's kernels into the graph.
     """
 
     def __init__(
@@ -169,13 +192,16 @@ class Executor:
         key = (lane, device)
         stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams[key] = torch.cuda.Stream(device)
+            stream = self._streams[key] = torch.cuda.Stream(device, priority=LANE_STREAM_PRIORITY)
         stream.wait_stream(torch.cuda.default_stream(device))
         return torch.cuda.stream(stream)
 
     def _run_on_lane(self, batch: list[WorkUnit], lane: Lane) -> BatchOutcome:
         with self._lane_stream(lane, batch):
-            return self.run_batch(batch)
+            outcome = self.run_batch(batch)
+        if len(self.lanes) > 1:
+            hand_to_default_stream(outcome.outcomes)
+        return outcome
 
     async def execute(self, batch: list[WorkUnit], lane: Lane = "main") -> tuple[BatchOutcome, float]:
         """Run ``batch`` on ``lane``'s device thread: its :class:`BatchOutcome`, and the wall seconds it took.

@@ -33,11 +33,16 @@ from fv_kernel.runtime.metrics import EngineMetrics
 from fv_kernel.runtime.pricing import reservation_for
 from fv_kernel.runtime.records import RequestRecord
 
-__all__ = ["SchedulerConfig", "RequestQueue", "PendingUnits", "Scheduler", "Lane", "LANES"]
+__all__ = ["SchedulerConfig", "RequestQueue", "PendingUnits", "Scheduler", "Lane", "LANES", "OVERLAP_KINDS"]
 
 #: The device lanes batches run on: "main" always; "overlap" for ``SchedulerConfig.overlap_kinds``.
 Lane = Literal["main", "overlap"]
 LANES: tuple[Lane, ...] = ("main", "overlap")
+#: The kinds ``SchedulerConfig.overlap_kinds`` may name: decode-side steps, whose ops share no
+#: mutable state with a card's other steps. Others do: an AR card's prefill and token steps share
+#: one KV pool and captured graphs, its ``encoder_chunk`` text step may run the same tower, and two
+#: threads using one graph pool or workspace corrupt each other's memory.
+OVERLAP_KINDS: tuple[WorkKind, ...] = (WorkKind.VAE_TILE, WorkKind.AUDIO_CHUNK)
 
 
 class SchedulerConfig(BaseModel):
@@ -83,6 +88,11 @@ class SchedulerConfig(BaseModel):
                              "device thread of its own)")
         if len(set(self.overlap_kinds)) != len(self.overlap_kinds):
             raise ValueError(f"scheduler.overlap_kinds names a kind twice: {[k.value for k in self.overlap_kinds]}")
+        refused = [k.value for k in self.overlap_kinds if k not in OVERLAP_KINDS]
+        if refused:
+            raise ValueError(f"scheduler.overlap_kinds: {refused} cannot run on a lane of their own (their ops may "
+                             "share KV pools, captured graphs or workspaces with the card's other steps); allowed: "
+                             f"{[k.value for k in OVERLAP_KINDS]}")
         return self
 
 

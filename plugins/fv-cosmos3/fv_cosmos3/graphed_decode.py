@@ -653,7 +653,8 @@ class _DecodeGraph:
                     fn(static)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: a decode on the other device lane (scheduler.overlap_kinds) may allocate meanwhile.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs = fn(static)
             self.graph = graph
 
