@@ -574,3 +574,32 @@ def test_an_adapter_pickles_after_it_was_checked() -> None:
     back = pickle.loads(pickle.dumps(adapter))
     assert back.version == adapter.version and back.name == "a" and back.component == "c"
     assert torch.equal(back.low_rank["0"].down, adapter.low_rank["0"].down) and back.low_rank["0"].alpha == 2.0
+
+
+def test_a_compiled_block_runs_its_adapters_not_the_graph_compiled_without_them() -> None:
+    """A block compiled (``compute.compile: blocks``) on a forward without adapters still runs rows_adapted's
+    hooks on a later forward: the LoRA reaches the compiled blocks, not only the linears outside them.
+    (torch.compile skips guards on module hooks by default; with torch 2.13 a hook added after the
+    compile still runs. This holds it.)"""
+    from fv_kernel.compute.compile import compile_blocks
+
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))])
+    gen = torch.Generator().manual_seed(5)
+    low_rank = {f"blocks.0.{i}": LowRankUpdate(down=torch.randn(4, 16, generator=gen), up=torch.randn(16, 4, generator=gen),
+                                               alpha=4.0) for i in (0, 2)}
+    adapted = AdapterWeights(name="a", component="c", low_rank=low_rank)
+    routing = RowAdapters.from_stacks([((adapted, 1.0),), ()])
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        with rows_adapted(root, routing):
+            want = root.blocks[0](x)  # eager, with the adapters
+        compile_blocks(root.blocks, backend="eager")
+        base = root.blocks[0](x)  # compiled here, without adapters
+        with rows_adapted(root, routing):
+            got = root.blocks[0](x)
+        again = root.blocks[0](x)
+    assert not torch.equal(want[0], base[0])  # the adapter moves row 0
+    assert torch.equal(got, want) and torch.equal(again, base)
+    assert root.blocks[0]._compiled_call_impl is not None  # the block stays compiled for forwards without adapters
