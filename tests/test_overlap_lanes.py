@@ -76,11 +76,9 @@ class _Witness:
 
 
 def _run(config: SchedulerConfig, requests: list[Request], *, witness: bool = True,
-         fail_first_decode: bool = False, device: str = "cpu") -> tuple[list[Any], Engine, _Witness | None]:
-    from fv_kernel.api import InstanceOptions
-
+         fail_first_decode: bool = False) -> tuple[list[Any], Engine, _Witness | None]:
     engine = Engine(config)
-    instance = build_instance(toy_card("toy-dit"), InstanceOptions(device=device))
+    instance = build_instance(toy_card("toy-dit"))
     engine.add_instance(instance)
     seen = _Witness(instance, fail_first_decode=fail_first_decode) if witness else None
 
@@ -298,13 +296,21 @@ def test_a_pinned_sdpa_driver_is_refused_beside_a_second_lane() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the lanes' own streams")
 def test_lane_streams_are_never_a_capture_side_stream() -> None:
-    results, engine, _ = _run(OVERLAP, [_request(21, 2), _request(22, 6)], witness=False, device="cuda")
-    assert [r.status for r in results] == ["completed", "completed"]
-    streams = engine.executor._streams
-    assert {lane for lane, _ in streams} == {"main", "overlap"}
-    assert all(s.priority < torch.cuda.Stream().priority for s in streams.values())  # the high-priority pool
+    from types import SimpleNamespace
+
+    from fv_kernel.runtime.executor import Executor
+
+    executor = Executor({"gpu": SimpleNamespace(device=torch.device("cuda"))}, EngineMetrics(),  # type: ignore[dict-item]
+                        batching="exact", check_finite=False, device_thread=True, lanes=("main", "overlap"))
+    unit = SimpleNamespace(plan=SimpleNamespace(instance_id="gpu"))
+    for lane in ("main", "overlap"):
+        with executor._lane_stream(lane, [unit]):  # type: ignore[list-item]
+            assert torch.cuda.current_stream() == executor._streams[(lane, torch.device("cuda"))]
+    streams = list(executor._streams.values())
+    assert len(streams) == 2 and streams[0] != streams[1]
+    assert all(s.priority < torch.cuda.Stream().priority for s in streams)  # the high-priority pool
     drawn = {torch.cuda.Stream().stream_id for _ in range(64)}  # every stream of the default-priority pool
-    assert drawn.isdisjoint({s.stream_id for s in streams.values()})
+    assert drawn.isdisjoint({s.stream_id for s in streams})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the caching allocator's streams")
