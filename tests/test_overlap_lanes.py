@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 import threading
 from typing import Any, Mapping
 
@@ -203,6 +204,30 @@ def test_the_merge_gate_is_per_device_thread() -> None:
     other.start()
     other.join()
     assert seen == [None] and instance.merge_gate == "main lane's gate"
+
+
+def test_counters_the_device_threads_add_to_lose_no_counts() -> None:
+    # Two lanes' device threads count adapter transitions and fused fallbacks at once; a thread
+    # switch between a counter's read and its write loses the other thread's count.
+    metrics, calls = EngineMetrics(), 100_000
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+
+    def count() -> None:
+        for _ in range(calls):
+            metrics.note_adapter_transition(0.25)
+            metrics.note_fused_fallback("dit")
+
+    try:
+        threads = [threading.Thread(target=count) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert metrics.fused_fallbacks == {"dit": 2 * calls}
+    assert metrics.adapter_transitions == 2 * calls and metrics.adapter_transition_seconds == 0.25 * 2 * calls
 
 
 def _engine_with_a_blocking_decode() -> tuple[Engine, threading.Event, threading.Event]:

@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 from typing import Any, Callable, Literal, Mapping, NamedTuple
 
@@ -82,6 +83,8 @@ class MergePolicy:
         self.metrics = metrics
         #: Per (instance id, component): the stack of the run in progress and its per-row cost so far.
         self._runs: dict[tuple[str, str], tuple[tuple[tuple[str, float], ...], float]] = {}
+        #: The lanes' device threads read and update ``_runs`` at once.
+        self._runs_lock = threading.Lock()
 
     def gate(self, instance: ModelInstance, batch: list[WorkUnit], *, allow: bool) -> "_BatchGate":
         return _BatchGate(self, allow, sum(unit.price_seconds for unit in batch))
@@ -101,21 +104,23 @@ class _BatchGate:
     def should_merge(self, instance: ModelInstance, component: str, stack: tuple[tuple[str, float], ...],
                      flop_fraction: float, elements: int) -> bool:
         key = (instance.instance_id, component)
-        run_stack, paid = self.policy._runs.get(key, (stack, 0.0))
-        paid = (paid if run_stack == stack else 0.0) + self.price_seconds * flop_fraction
-        if paid >= 2 * self.policy.merge_price(instance, elements):
-            self.policy._runs.pop(key, None)
-            return True
-        self.policy._runs[key] = (stack, paid)
-        return False
+        price = 2 * self.policy.merge_price(instance, elements)
+        with self.policy._runs_lock:
+            run_stack, paid = self.policy._runs.get(key, (stack, 0.0))
+            paid = (paid if run_stack == stack else 0.0) + self.price_seconds * flop_fraction
+            if paid >= price:
+                self.policy._runs.pop(key, None)
+                return True
+            self.policy._runs[key] = (stack, paid)
+            return False
 
     def note_mixed(self, instance: ModelInstance, component: str) -> None:
-        self.policy._runs.pop((instance.instance_id, component), None)
+        with self.policy._runs_lock:
+            self.policy._runs.pop((instance.instance_id, component), None)
 
     def note_transition(self, instance: ModelInstance, component: str, elements: int, seconds: float) -> None:
         self.policy.cost_model.observe(merge_cost_key(instance, elements), ADAPTER_MERGE_COST, seconds)
-        self.policy.metrics.adapter_transitions += 1
-        self.policy.metrics.adapter_transition_seconds += seconds
+        self.policy.metrics.note_adapter_transition(seconds)
 
 
 class Executor:
@@ -296,7 +301,7 @@ class Executor:
                     # Visible, not silent: a fused path that always fails would cost every batch twice.
                     log.warning("fused %r step of %d requests failed; re-running them one by one", op.name,
                                 len(together), exc_info=True)
-                    self._metrics.fused_fallbacks[op.name] = self._metrics.fused_fallbacks.get(op.name, 0) + 1
+                    self._metrics.note_fused_fallback(op.name)
                     together, outcomes = [], [None] * len(batch)
             alone = [index for index, outcome in enumerate(outcomes) if outcome is None]
             for index, outcome in zip(alone, run_per_sample(op, [batch[i] for i in alone])):

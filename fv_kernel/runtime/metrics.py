@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 __all__ = ["EngineMetrics"]
@@ -37,6 +38,20 @@ class EngineMetrics:
     completed: int = 0
     failed: int = 0
     cancelled: int = 0
+    #: Guards the counters the device threads add to. With a second lane two threads run batches at
+    #: once, and ``count += 1`` is a read, an add and a write that their threads may interleave.
+    _device_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def note_adapter_transition(self, seconds: float) -> None:
+        """One adapter weight transition of ``seconds`` (called on a device thread)."""
+        with self._device_lock:
+            self.adapter_transitions += 1
+            self.adapter_transition_seconds += seconds
+
+    def note_fused_fallback(self, op: str) -> None:
+        """A fused call of ``op`` raised and its rows were re-run one by one (called on a device thread)."""
+        with self._device_lock:
+            self.fused_fallbacks[op] = self.fused_fallbacks.get(op, 0) + 1
 
     def observe_latency(self, seconds: float) -> None:
         for i, bound in enumerate(self.step_latency_buckets):
