@@ -339,19 +339,27 @@ def test_lane_streams_are_never_a_capture_side_stream() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the caching allocator's streams")
-def test_an_output_dropped_on_the_default_stream_is_not_reused_by_its_lane_meanwhile() -> None:
+def test_an_output_dropped_on_the_default_stream_is_not_overwritten_by_its_lane_meanwhile() -> None:
+    # What must hold, whichever allocator backend runs: the native one keeps the block from the lane
+    # until the default stream's queued work is done; cudaMallocAsync may hand the same block straight
+    # back, but orders the lane's stream after that work. Without the mark, the lane's next write
+    # lands under the queued read.
     from fv_kernel.runtime.executor import hand_to_default_stream
 
     lane = torch.cuda.Stream(priority=-1)
+    for stream in (torch.cuda.default_stream(), lane):  # load the kernels first: a kernel's first
+        with torch.cuda.stream(stream):  # launch loads its module, which waits for the device
+            torch.ones(1 << 20, device="cuda").sum()
+            torch.cuda._sleep(1)
+    torch.cuda.synchronize()
     with torch.cuda.stream(lane):
         output = torch.ones(1 << 20, device="cuda")
     torch.cuda.synchronize()
     hand_to_default_stream([StepResult(outputs={"frames": output})])
-    torch.cuda._sleep(1 << 30)  # the loop's queued work on the default stream, still running ...
+    torch.cuda._sleep(1 << 29)  # the loop's queued work on the default stream, still running ...
     total = output.sum()  # ... which reads the output,
-    freed = output.data_ptr()
     del output  # and the loop drops it.
     with torch.cuda.stream(lane):
-        reused = torch.empty(1 << 20, device="cuda")  # the lane's next batch allocates the same size
-    assert reused.data_ptr() != freed  # without the mark the block comes back at once, under the read
+        torch.empty(1 << 20, device="cuda").fill_(2.0)  # the lane's next batch writes a block of that size
+    torch.cuda.synchronize()
     assert total.item() == float(1 << 20)
