@@ -344,9 +344,9 @@ def test_an_output_dropped_on_the_default_stream_is_not_overwritten_by_its_lane_
     # until the default stream's queued work is done; cudaMallocAsync may hand the same block straight
     # back, but orders the lane's stream after that work. Without the mark, the lane's next write
     # lands under the queued read.
-    from fv_kernel.runtime.executor import hand_to_default_stream
+    from fv_kernel.runtime.executor import LANE_STREAM_PRIORITY, hand_to_default_stream
 
-    lane = torch.cuda.Stream(priority=-1)
+    lane = torch.cuda.Stream(priority=LANE_STREAM_PRIORITY)
     for stream in (torch.cuda.default_stream(), lane):  # load the kernels first: a kernel's first
         with torch.cuda.stream(stream):  # launch loads its module, which waits for the device
             torch.ones(1 << 20, device="cuda").sum()
